@@ -1,0 +1,274 @@
+// Package loadbalancer picks a pod endpoint for every new TCP connection or UDP session: round robin
+// per service port, with ClientIP session affinity. The hot path (Service.Next) takes no global lock.
+package loadbalancer
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"slices"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// ErrNoEndpoints is returned by Next when the service port has no usable endpoint.
+var ErrNoEndpoints = errors.New("missing endpoints")
+
+// ErrMissingService is returned by LoadBalancer.NextEndpoint for a service port it does not know.
+var ErrMissingService = errors.New("missing service entry")
+
+// LoadBalancer holds one Service balancer per service port. Its map lock is taken only to find or
+// change a balancer, never while picking, so services do not serialise behind each other (the
+// legacy LoadBalancerRR took one write lock for every pick of every service).
+type LoadBalancer struct {
+	clock   clock.PassiveClock
+	shuffle func([]netip.AddrPort)
+
+	mu       sync.RWMutex
+	services map[service.ServicePortName]*Service
+}
+
+// New returns an empty load balancer that reads time from c.
+func New(c clock.PassiveClock) *LoadBalancer {
+	return &LoadBalancer{
+		clock:    c,
+		shuffle:  func(eps []netip.AddrPort) { rand.Shuffle(len(eps), func(i, j int) { eps[i], eps[j] = eps[j], eps[i] }) },
+		services: make(map[service.ServicePortName]*Service),
+	}
+}
+
+// Service returns the balancer of a service port, creating an empty one (no endpoints, no
+// affinity) if needed. Proxy sockets keep the handle and call Next on it directly.
+func (lb *LoadBalancer) Service(name service.ServicePortName) *Service {
+	lb.mu.RLock()
+	s := lb.services[name]
+	lb.mu.RUnlock()
+	if s != nil {
+		return s
+	}
+	lb.mu.Lock()
+	defer lb.mu.Unlock()
+	if s = lb.services[name]; s == nil {
+		s = newService(name, lb.clock, lb.shuffle)
+		lb.services[name] = s
+	}
+	return s
+}
+
+func (lb *LoadBalancer) lookup(name service.ServicePortName) *Service {
+	lb.mu.RLock()
+	defer lb.mu.RUnlock()
+	return lb.services[name]
+}
+
+// SetAffinity sets the affinity type and timeout of a service port. Unlike the legacy balancer it
+// applies the timeout also when the balancer already exists (endpoints often arrive first,
+// kubernetes#107398) and when only the timeout changes.
+func (lb *LoadBalancer) SetAffinity(name service.ServicePortName, a service.Affinity) {
+	lb.Service(name).setAffinity(a)
+}
+
+// SetEndpoints replaces the endpoints of a service port. Clients stuck to surviving endpoints keep
+// them; clients of removed endpoints are re-homed on their next pick.
+func (lb *LoadBalancer) SetEndpoints(name service.ServicePortName, eps []netip.AddrPort) {
+	lb.Service(name).setEndpoints(eps)
+}
+
+// DeleteService forgets a service port and its affinity entries.
+func (lb *LoadBalancer) DeleteService(name service.ServicePortName) {
+	lb.mu.Lock()
+	delete(lb.services, name)
+	lb.mu.Unlock()
+}
+
+// NextEndpoint picks an endpoint for client on a service port (see Service.Next).
+func (lb *LoadBalancer) NextEndpoint(name service.ServicePortName, client netip.Addr, reset bool) (netip.AddrPort, error) {
+	s := lb.lookup(name)
+	if s == nil {
+		return netip.AddrPort{}, fmt.Errorf("service %s: %w", name, ErrMissingService)
+	}
+	return s.Next(client, reset)
+}
+
+// CleanupStaleAffinity removes expired affinity entries of every service port, one shard at a time
+// so no pick waits for the whole sweep. It returns how many entries it removed.
+func (lb *LoadBalancer) CleanupStaleAffinity() int {
+	lb.mu.RLock()
+	all := make([]*Service, 0, len(lb.services))
+	for _, s := range lb.services {
+		all = append(all, s)
+	}
+	lb.mu.RUnlock()
+	n := 0
+	for _, s := range all {
+		n += s.cleanupStale()
+	}
+	return n
+}
+
+// Names lists the service ports the balancer knows, sorted.
+func (lb *LoadBalancer) Names() []service.ServicePortName {
+	lb.mu.RLock()
+	names := make([]service.ServicePortName, 0, len(lb.services))
+	for n := range lb.services {
+		names = append(names, n)
+	}
+	lb.mu.RUnlock()
+	sort.Slice(names, func(i, j int) bool { return names[i].String() < names[j].String() })
+	return names
+}
+
+// Lookup returns the balancer of a service port, or nil.
+func (lb *LoadBalancer) Lookup(name service.ServicePortName) *Service { return lb.lookup(name) }
+
+// endpointSet is an immutable endpoint list, replaced whole on every change.
+type endpointSet struct {
+	list []netip.AddrPort
+	has  map[netip.AddrPort]struct{}
+}
+
+func newEndpointSet(eps []netip.AddrPort) *endpointSet {
+	set := &endpointSet{list: make([]netip.AddrPort, 0, len(eps)), has: make(map[netip.AddrPort]struct{}, len(eps))}
+	for _, ep := range eps {
+		if _, dup := set.has[ep]; dup || !ep.IsValid() {
+			continue
+		}
+		set.has[ep] = struct{}{}
+		set.list = append(set.list, ep)
+	}
+	return set
+}
+
+func (s *endpointSet) sameMembers(o *endpointSet) bool {
+	if len(s.has) != len(o.has) {
+		return false
+	}
+	for ep := range s.has {
+		if _, ok := o.has[ep]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// Service balances one service port. Its methods are safe for concurrent use.
+type Service struct {
+	name    service.ServicePortName
+	clock   clock.PassiveClock
+	shuffle func([]netip.AddrPort)
+
+	eps atomic.Pointer[endpointSet]
+	// rr is never reset: a counter that keeps running across endpoint updates keeps round robin
+	// fair when endpoints churn (a reset to 0 would favour whichever endpoint lands first).
+	rr       atomic.Uint64
+	clientIP atomic.Bool
+	ttl      atomic.Int64 // nanoseconds
+
+	// writeMu orders endpoint and affinity updates; picks never take it.
+	writeMu  sync.Mutex
+	affinity affinityTable
+}
+
+func newService(name service.ServicePortName, c clock.PassiveClock, shuffle func([]netip.AddrPort)) *Service {
+	s := &Service{name: name, clock: c, shuffle: shuffle}
+	s.eps.Store(newEndpointSet(nil))
+	s.ttl.Store(int64(service.DefaultAffinityTimeout))
+	s.affinity.init()
+	return s
+}
+
+// Name is the service port this balancer serves.
+func (s *Service) Name() service.ServicePortName { return s.name }
+
+// Endpoints returns the current endpoints in round-robin order.
+func (s *Service) Endpoints() []netip.AddrPort { return slices.Clone(s.eps.Load().list) }
+
+// HasEndpoints reports whether a pick can succeed.
+func (s *Service) HasEndpoints() bool { return len(s.eps.Load().list) > 0 }
+
+// Affinity returns the affinity settings in force.
+func (s *Service) Affinity() service.Affinity {
+	return service.Affinity{ClientIP: s.clientIP.Load(), Timeout: time.Duration(s.ttl.Load())}
+}
+
+// Next picks the endpoint for a new connection or session from client. With ClientIP affinity a
+// client that used an endpoint within the TTL gets it again (and the TTL slides). reset=true is for
+// a retry after a failed dial: the sticky endpoint is skipped and the entry rewritten.
+func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
+	set := s.eps.Load()
+	n := uint64(len(set.list))
+	if n == 0 {
+		return netip.AddrPort{}, fmt.Errorf("service %s: %w", s.name, ErrNoEndpoints)
+	}
+	if !s.clientIP.Load() {
+		return set.list[(s.rr.Add(1)-1)%n], nil
+	}
+	now := s.clock.Now().UnixNano()
+	sh := s.affinity.shard(client)
+	sticky := sh.get(client)
+	if sticky != nil {
+		_, alive := set.has[sticky.endpoint]
+		if !reset && alive && now-sticky.lastUsed.Load() < s.ttl.Load() {
+			sticky.lastUsed.Store(now)
+			return sticky.endpoint, nil
+		}
+	}
+	ep := set.list[(s.rr.Add(1)-1)%n]
+	if reset && sticky != nil && ep == sticky.endpoint && n > 1 {
+		ep = set.list[(s.rr.Add(1)-1)%n]
+	}
+	sh.put(client, ep, now)
+	return ep, nil
+}
+
+func (s *Service) setAffinity(a service.Affinity) {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	s.ttl.Store(int64(a.TTL()))
+	if s.clientIP.Swap(a.ClientIP) && !a.ClientIP {
+		s.affinity.clear()
+	}
+}
+
+func (s *Service) setEndpoints(eps []netip.AddrPort) {
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	next := newEndpointSet(eps)
+	old := s.eps.Load()
+	if old.sameMembers(next) {
+		return
+	}
+	s.shuffle(next.list)
+	s.eps.Store(next)
+	s.affinity.removeIf(func(e *affinityEntry) bool {
+		_, ok := next.has[e.endpoint]
+		return !ok
+	})
+}
+
+func (s *Service) cleanupStale() int {
+	now := s.clock.Now().UnixNano()
+	ttl := s.ttl.Load()
+	return s.affinity.removeIf(func(e *affinityEntry) bool { return now-e.lastUsed.Load() >= ttl })
+}
+
+// AffinityEntry is one client's sticky endpoint, for the debug view.
+type AffinityEntry struct {
+	Client   netip.Addr
+	Endpoint netip.AddrPort
+	LastUsed time.Time
+}
+
+// AffinityEntries lists the current sticky clients, sorted by client address.
+func (s *Service) AffinityEntries() []AffinityEntry {
+	out := s.affinity.entries()
+	sort.Slice(out, func(i, j int) bool { return out[i].Client.Less(out[j].Client) })
+	return out
+}
