@@ -1,0 +1,83 @@
+package udp
+
+import (
+	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// bufSize holds any UDP datagram: the largest IPv4 payload is 65,507 bytes and IPv6 (without
+// jumbograms) 65,527. The legacy proxy's 4 KiB buffer silently truncated larger datagrams.
+const bufSize = 64 << 10
+
+// maxBatch bounds how many datagrams one recvmmsg/sendmmsg call moves. Each slot owns a 64 KiB
+// buffer, so a batch costs maxBatch*2*64 KiB of address space, but only the pages datagrams
+// touch become resident.
+const maxBatch = 32
+
+// DefaultBatchSize is the recvmmsg/sendmmsg vector length. See Config.BatchSize for how it was
+// chosen.
+const DefaultBatchSize = 16
+
+// msgs is a vector of datagram slots for recvmmsg or sendmmsg.
+type msgs struct {
+	hdrs  [maxBatch]unix.Mmsghdr
+	iovs  [maxBatch]unix.Iovec
+	names [maxBatch]sockaddr
+	bufs  [maxBatch]*[bufSize]byte
+}
+
+// prepareRecv readies slots [from, to) to receive datagrams, with their source address when
+// named is set.
+func (m *msgs) prepareRecv(from, to int, named bool) {
+	for i := from; i < to; i++ {
+		if m.bufs[i] == nil {
+			m.bufs[i] = new([bufSize]byte)
+		}
+		m.iovs[i].Base = &m.bufs[i][0]
+		m.iovs[i].SetLen(bufSize)
+		h := &m.hdrs[i]
+		*h = unix.Mmsghdr{}
+		h.Hdr.Iov = &m.iovs[i]
+		h.Hdr.SetIovlen(1)
+		if named {
+			h.Hdr.Name = (*byte)(unsafe.Pointer(&m.names[i]))
+			h.Hdr.Namelen = sockaddrLen
+		}
+	}
+}
+
+// data is the datagram a recvmmsg left in slot i.
+func (m *msgs) data(i int) []byte { return m.bufs[i][:m.hdrs[i].Len] }
+
+// truncated reports whether the kernel cut the datagram in slot i (it cannot with 64 KiB buffers,
+// but a drop is better than forwarding a corrupt datagram).
+func (m *msgs) truncated(i int) bool { return m.hdrs[i].Hdr.Flags&unix.MSG_TRUNC != 0 }
+
+// addressReply turns received slot i into a datagram to send to the address at name.
+func (m *msgs) addressReply(i int, name *sockaddr, namelen uint32) {
+	m.iovs[i].SetLen(int(m.hdrs[i].Len))
+	m.hdrs[i].Hdr.Name = (*byte)(unsafe.Pointer(name))
+	m.hdrs[i].Hdr.Namelen = namelen
+}
+
+// batch is the scratch space of one pass of the proxy loop: client datagrams in, replies out.
+// Batches are pooled across all proxies, so an idle service port holds no buffers.
+type batch struct {
+	in   msgs
+	out  msgs
+	outN int // replies queued in out
+}
+
+var batchPool = sync.Pool{New: func() any { return new(batch) }}
+
+// move makes slot w hold the datagram received in slot i (w <= i), swapping buffers, not bytes.
+func (m *msgs) move(i, w int) {
+	if i == w {
+		return
+	}
+	m.bufs[w], m.bufs[i] = m.bufs[i], m.bufs[w]
+	m.hdrs[w].Len = m.hdrs[i].Len
+	m.iovs[w].Base = &m.bufs[w][0]
+}

@@ -1,0 +1,288 @@
+package udp
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
+)
+
+// serve is the proxy loop: wait for ready sockets, then under mu read a batch of client datagrams
+// and demultiplex them to sessions, read each ready session's replies into the outgoing batch, and
+// send all replies from the listening socket with one sendmmsg.
+func (p *Proxy) serve() error {
+	for {
+		events, err := p.poll.wait()
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil
+		}
+		if err != nil {
+			p.mu.Unlock()
+			return fmt.Errorf("udp %s: %w", p.name, err)
+		}
+		b := batchPool.Get().(*batch)
+		now := p.cfg.Clock.Now()
+		for _, ev := range events {
+			if int(ev.Fd) == p.lfd {
+				p.readClients(b, now)
+			} else if s := p.byFD[ev.Fd]; s != nil {
+				// A descriptor closed earlier in this pass is no longer in byFD; a reused one
+				// belongs to its new session and at worst reads EAGAIN.
+				p.readBackend(b, s, now)
+			}
+		}
+		p.flush(b)
+		ended := p.takeEnded()
+		p.mu.Unlock()
+		batchPool.Put(b)
+		p.report(ended)
+	}
+}
+
+// readClients reads one batch from the listening socket. Level-triggered epoll reports the
+// socket again if more is queued, so one busy client socket cannot starve the replies.
+func (p *Proxy) readClients(b *batch, now time.Time) {
+	n := p.cfg.BatchSize
+	b.in.prepareRecv(0, n, true)
+	got, err := recvmmsg(p.lfd, b.in.hdrs[:n])
+	if err != nil {
+		if !temporary(err) {
+			p.warn(now, "read from clients", err, nil)
+		}
+		return
+	}
+	for i := range got {
+		if b.in.truncated(i) {
+			p.stats.trunc.Add(1)
+			continue
+		}
+		client, ok := parseRaw(&b.in.names[i])
+		if !ok {
+			continue
+		}
+		p.forward(client, &b.in.names[i], b.in.hdrs[i].Hdr.Namelen, b.in.data(i), now)
+	}
+}
+
+// forward sends one client datagram to the client's session, opening it if needed.
+func (p *Proxy) forward(client netip.AddrPort, name *sockaddr, namelen uint32, data []byte, now time.Time) {
+	s := p.sessions[client]
+	if s == nil || s.refused {
+		if s = p.open(client, name, namelen, s != nil, now); s == nil {
+			return
+		}
+	}
+	err := send(s.fd, data)
+	if errors.Is(err, unix.ECONNREFUSED) {
+		// A pending ICMP port unreachable for an earlier datagram; this one was not sent. Re-pick
+		// with affinity reset and try once more, so the client loses one datagram, not two.
+		p.end(s, EndBackendRefused)
+		if s = p.open(client, name, namelen, true, now); s == nil {
+			return
+		}
+		err = send(s.fd, data)
+	}
+	if err != nil {
+		p.stats.toEndpoint.Add(1)
+		if !temporary(err) && !errors.Is(err, unix.ECONNREFUSED) {
+			p.warn(now, "send to endpoint", err, logrus.Fields{"client": client, "endpoint": s.endpoint})
+		}
+		return
+	}
+	s.pktsTo++
+	s.bytesTo += uint64(len(data))
+	p.stats.pktsTo.Add(1)
+	p.stats.bytesTo.Add(uint64(len(data)))
+	p.touch(s, now)
+}
+
+// open picks an endpoint for client and opens a session to it, evicting the least recently used
+// session when the table is full. It returns nil, having counted the drop, on failure.
+func (p *Proxy) open(client netip.AddrPort, name *sockaddr, namelen uint32, reset bool, now time.Time) *session {
+	ep, err := p.picker.Next(client.Addr(), reset)
+	if err != nil {
+		p.stats.noEndpoint.Add(1)
+		if p.debug() {
+			p.log.WithFields(logrus.Fields{"client": client}).WithError(err).Debug("no endpoint, datagram dropped")
+		}
+		return nil
+	}
+	if old := p.sessions[client]; old != nil {
+		p.end(old, EndClosed) // a refused session's tombstone; its end was already reported
+	}
+	for len(p.sessions) >= p.cfg.MaxSessions && p.lru.back != nil {
+		p.end(p.lru.back, EndEvicted)
+	}
+	fd, err := dialUDP(ep)
+	if err == nil {
+		if err = p.poll.add(fd); err != nil {
+			closeFD(fd)
+		}
+	}
+	if err != nil {
+		p.stats.sessionSetup.Add(1)
+		p.warn(now, "open session", err, logrus.Fields{"client": client, "endpoint": ep})
+		return nil
+	}
+	s := &session{
+		client: client, endpoint: ep, fd: fd,
+		clientAddr: *name, clientAddrLen: namelen,
+		started: now, lastActive: now,
+	}
+	p.sessions[client] = s
+	p.byFD[int32(fd)] = s
+	p.lru.pushFront(s)
+	p.stats.created.Add(1)
+	p.stats.active.Add(1)
+	if p.debug() {
+		p.log.WithFields(logrus.Fields{"client": client, "endpoint": ep, "reset": reset}).Debug("session opened")
+	}
+	return s
+}
+
+// readBackend reads a session's replies into the outgoing batch.
+func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
+	if b.outN == p.cfg.BatchSize {
+		p.flush(b)
+	}
+	from, to := b.outN, p.cfg.BatchSize
+	b.out.prepareRecv(from, to, false)
+	got, err := recvmmsg(s.fd, b.out.hdrs[from:to])
+	switch {
+	case err == nil:
+	case temporary(err):
+		return
+	case errors.Is(err, unix.ECONNREFUSED):
+		// ICMP port unreachable: nothing listens at the endpoint (any more).
+		p.end(s, EndBackendRefused)
+		return
+	default:
+		p.warn(now, "read from endpoint", err, logrus.Fields{"client": s.client, "endpoint": s.endpoint})
+		p.end(s, EndBackendError)
+		return
+	}
+	w := from
+	for i := from; i < from+got; i++ {
+		if b.out.truncated(i) {
+			p.stats.trunc.Add(1)
+			continue
+		}
+		b.out.move(i, w)
+		b.out.addressReply(w, &s.clientAddr, s.clientAddrLen)
+		s.pktsFrom++
+		s.bytesFrom += uint64(b.out.hdrs[w].Len)
+		w++
+	}
+	b.outN = w
+	p.touch(s, now)
+}
+
+// flush sends the queued replies from the listening socket, so that conntrack maps their source
+// back to the service address the client sent to.
+func (p *Proxy) flush(b *batch) {
+	hs := b.out.hdrs[:b.outN]
+	for len(hs) > 0 {
+		n, err := sendmmsg(p.lfd, hs)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			// sendmmsg fails only for the first datagram (socket buffer full, unreachable
+			// client): drop that one and send the rest.
+			p.stats.toClient.Add(1)
+			hs = hs[1:]
+			continue
+		}
+		for _, h := range hs[:n] {
+			p.stats.pktsFrom.Add(1)
+			p.stats.bytesFrom.Add(uint64(h.Len))
+		}
+		hs = hs[n:]
+	}
+	b.outN = 0
+}
+
+// expire ends the sessions idle for IdleTimeout, oldest first.
+func (p *Proxy) expire() {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return
+	}
+	deadline := p.cfg.Clock.Now().Add(-p.cfg.IdleTimeout)
+	for s := p.lru.back; s != nil && !s.lastActive.After(deadline); s = p.lru.back {
+		p.end(s, EndIdle)
+	}
+	ended := p.takeEnded()
+	p.mu.Unlock()
+	p.report(ended)
+}
+
+// touch records traffic on s: its idle deadline slides and it becomes the last to be evicted.
+func (p *Proxy) touch(s *session, now time.Time) {
+	s.lastActive = now
+	p.lru.moveToFront(s)
+}
+
+// end closes a session's backend socket and reports it once. A refused session stays in the table
+// as a tombstone, so the client's next datagram re-picks with reset; any other end removes it.
+func (p *Proxy) end(s *session, reason EndReason) {
+	if s.fd >= 0 {
+		closeFD(s.fd)
+		delete(p.byFD, int32(s.fd))
+		s.fd = -1
+		p.stats.ended(reason)
+		now := p.cfg.Clock.Now()
+		if p.cfg.OnSessionEnd != nil {
+			p.ended = append(p.ended, s.info(p.name, now, reason))
+		}
+		if p.debug() {
+			p.log.WithFields(logrus.Fields{"client": s.client, "endpoint": s.endpoint, "reason": reason}).
+				Debug("session ended")
+		}
+	}
+	if reason == EndBackendRefused {
+		s.refused = true
+		return
+	}
+	delete(p.sessions, s.client)
+	p.lru.remove(s)
+}
+
+func send(fd int, data []byte) error {
+	for {
+		_, err := unix.Write(fd, data)
+		if err != unix.EINTR {
+			return err
+		}
+	}
+}
+
+func temporary(err error) bool {
+	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR)
+}
+
+func (p *Proxy) debug() bool {
+	switch l := p.log.(type) {
+	case *logrus.Entry:
+		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
+	case *logrus.Logger:
+		return l.IsLevelEnabled(logrus.DebugLevel)
+	}
+	return true
+}
+
+// warn logs at most once a second: a flood of bad datagrams must not become a flood of log lines.
+// The counters in Stats are exact.
+func (p *Proxy) warn(now time.Time, msg string, err error, fields logrus.Fields) {
+	if !p.lastWarn.IsZero() && now.Sub(p.lastWarn) < time.Second {
+		return
+	}
+	p.lastWarn = now
+	p.log.WithFields(fields).WithError(err).Warn(msg)
+}

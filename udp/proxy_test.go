@@ -1,0 +1,426 @@
+package udp
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"net/netip"
+	"os"
+	"reflect"
+	"runtime"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
+)
+
+func TestProxy_echoRoundTrip(t *testing.T) {
+	backend := echoServer(t, "127.0.0.2", "b1:")
+	p := startProxy(t, newFakePicker(backend), Config{})
+	c := newClient(t, "127.0.0.1", p.Addr())
+
+	for i := range 3 {
+		msg := fmt.Sprintf("query-%d", i)
+		if got, want := c.roundTrip(msg), "b1:"+msg; got != want {
+			t.Errorf("round trip %d: got %q, want %q", i, got, want)
+		}
+	}
+	// The counters of a reply are updated once its sendmmsg returns, which may be after the client
+	// has it.
+	waitFor(t, "reply counters", func() bool { return p.Stats().PacketsFromEndpoint == 3 })
+	st := p.Stats()
+	want := Stats{SessionsActive: 1, SessionsCreated: 1, PacketsToEndpoint: 3, BytesToEndpoint: 21,
+		PacketsFromEndpoint: 3, BytesFromEndpoint: 30}
+	if st != want {
+		t.Errorf("Stats() (-want +got):\n-%+v\n+%+v", want, st)
+	}
+}
+
+func TestProxy_parallelClientsGetTheirOwnReplies(t *testing.T) {
+	const clients, rounds = 32, 50
+	backend := echoServer(t, "127.0.0.2", "")
+	p := startProxy(t, newFakePicker(backend), Config{})
+
+	var wg sync.WaitGroup
+	errs := make(chan error, clients)
+	for i := range clients {
+		c := newClient(t, "127.0.0.1", p.Addr())
+		wg.Go(func() {
+			for r := range rounds {
+				msg := fmt.Sprintf("client-%d-round-%d", i, r)
+				c.send([]byte(msg))
+				got, err := c.recv()
+				if err != nil {
+					errs <- err
+					return
+				}
+				if string(got) != msg {
+					errs <- fmt.Errorf("client %d got %q, want %q", i, got, msg)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if got := p.Stats().SessionsCreated; got != clients {
+		t.Errorf("SessionsCreated = %d, want one per client (%d)", got, clients)
+	}
+}
+
+func TestProxy_largestDatagramIntact(t *testing.T) {
+	backend := echoServer(t, "127.0.0.2", "")
+	p := startProxy(t, newFakePicker(backend), Config{})
+	c := newClient(t, "127.0.0.1", p.Addr())
+
+	for _, size := range []int{0, 1, 4096, 4097, 65507} {
+		msg := make([]byte, size)
+		rand.Read(msg)
+		c.send(msg)
+		got, err := c.recv()
+		if err != nil {
+			t.Fatalf("size %d: %v", size, err)
+		}
+		if !bytes.Equal(got, msg) {
+			t.Errorf("size %d: reply of %d bytes differs from the datagram sent", size, len(got))
+		}
+	}
+	if st := p.Stats(); st.DropsTruncated != 0 {
+		t.Errorf("DropsTruncated = %d, want 0", st.DropsTruncated)
+	}
+}
+
+// stepAndSweep advances the fake clock by d and waits until the expiry timer has fired and been
+// re-armed, i.e. the sweep for the new time is done.
+func stepAndSweep(t *testing.T, fc *clocktesting.FakeClock, d time.Duration) {
+	t.Helper()
+	waitFor(t, "expiry timer armed", fc.HasWaiters)
+	fc.Step(d)
+	waitFor(t, "expiry sweep", fc.HasWaiters)
+}
+
+func TestProxy_idleExpirySlidesOnTrafficBothWays(t *testing.T) {
+	const timeout = 10 * time.Second
+	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	backend := echoServer(t, "127.0.0.2", "")
+	var mu sync.Mutex
+	var ended []SessionInfo
+	p := startProxy(t, newFakePicker(backend), Config{IdleTimeout: timeout, Clock: fc,
+		OnSessionEnd: func(s SessionInfo) { mu.Lock(); ended = append(ended, s); mu.Unlock() }})
+	c := newClient(t, "127.0.0.1", p.Addr())
+
+	c.roundTrip("q1") // t=0
+	stepAndSweep(t, fc, 6*time.Second)
+	if n := len(p.Sessions()); n != 1 {
+		t.Fatalf("at 6s: %d sessions, want 1", n)
+	}
+	c.roundTrip("q2") // t=6s: the deadline moves to 16s
+	stepAndSweep(t, fc, 6*time.Second)
+	if n := len(p.Sessions()); n != 1 {
+		t.Fatalf("at 12s, 6s after the last traffic: %d sessions, want 1", n)
+	}
+	stepAndSweep(t, fc, 5*time.Second)
+	if n := len(p.Sessions()); n != 0 {
+		t.Fatalf("at 17s, 11s after the last traffic: %d sessions, want 0", n)
+	}
+	if got := p.Stats(); got.SessionsExpired != 1 || got.SessionsActive != 0 {
+		t.Errorf("Stats() = %+v, want SessionsExpired 1, SessionsActive 0", got)
+	}
+	mu.Lock()
+	got := ended
+	mu.Unlock()
+	want := []SessionInfo{{
+		Service: testService, Client: c.addr(), Endpoint: backend,
+		Started: fc.Now().Add(-17 * time.Second), LastActive: fc.Now().Add(-11 * time.Second),
+		Duration:          17 * time.Second,
+		PacketsToEndpoint: 2, BytesToEndpoint: 4, PacketsFromEndpoint: 2, BytesFromEndpoint: 4,
+		Reason: EndIdle,
+	}}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("OnSessionEnd (-want +got):\n-%+v\n+%+v", want, got)
+	}
+	if got, want := c.roundTrip("q3"), "q3"; got != want {
+		t.Errorf("after expiry: got %q, want %q", got, want)
+	}
+	if got := p.Stats().SessionsCreated; got != 2 {
+		t.Errorf("SessionsCreated = %d, want 2 (a new session after expiry)", got)
+	}
+}
+
+// A reply alone (a late DNS answer, say) keeps the session alive.
+func TestProxy_idleExpirySlidesOnReplies(t *testing.T) {
+	const timeout = 10 * time.Second
+	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	backend := newClient(t, "127.0.0.2", netip.AddrPort{}) // a hand-driven endpoint
+	p := startProxy(t, newFakePicker(backend.addr()), Config{IdleTimeout: timeout, Clock: fc})
+	c := newClient(t, "127.0.0.1", p.Addr())
+
+	c.send([]byte("q")) // t=0
+	buf := make([]byte, 64)
+	backend.conn.SetReadDeadline(time.Now().Add(waitTimeout))
+	_, session, err := backend.conn.ReadFromUDPAddrPort(buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stepAndSweep(t, fc, 8*time.Second)
+	if _, err := backend.conn.WriteToUDPAddrPort([]byte("late answer"), session); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := c.recv(); err != nil || string(got) != "late answer" {
+		t.Fatalf("late answer at 8s: got %q, %v", got, err)
+	}
+	stepAndSweep(t, fc, 8*time.Second) // 16s: 8s after the reply
+	if n := len(p.Sessions()); n != 1 {
+		t.Errorf("8s after the last reply: %d sessions, want 1", n)
+	}
+}
+
+func TestProxy_affinityAndRoundRobin(t *testing.T) {
+	b1 := echoServer(t, "127.0.0.2", "b1:")
+	b2 := echoServer(t, "127.0.0.3", "b2:")
+	picker := newFakePicker(b1, b2)
+	p := startProxy(t, picker, Config{})
+
+	tests := []struct {
+		clientIP string
+		want     string
+	}{
+		{"127.0.0.10", "b1:x"}, // first client IP: first endpoint
+		{"127.0.0.10", "b1:x"}, // same IP, another source port: same endpoint
+		{"127.0.0.11", "b2:x"}, // next client IP: next endpoint
+		{"127.0.0.12", "b1:x"},
+		{"127.0.0.11", "b2:x"},
+	}
+	var want []pick
+	for i, tt := range tests {
+		c := newClient(t, tt.clientIP, p.Addr())
+		if got := c.roundTrip("x"); got != tt.want {
+			t.Errorf("client %d from %s: got %q, want %q", i, tt.clientIP, got, tt.want)
+		}
+		// A session per client address, each picked with the client's IP.
+		want = append(want, pick{Client: netip.MustParseAddr(tt.clientIP)})
+	}
+	if got := picker.Calls(); !slices.Equal(got, want) {
+		t.Errorf("picker calls (-want +got):\n-%v\n+%v", want, got)
+	}
+}
+
+func TestProxy_sessionCapEvictsLeastRecentlyUsed(t *testing.T) {
+	backend := echoServer(t, "127.0.0.2", "")
+	var mu sync.Mutex
+	var evicted []netip.AddrPort
+	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: 2, OnSessionEnd: func(s SessionInfo) {
+		mu.Lock()
+		defer mu.Unlock()
+		if s.Reason == EndEvicted {
+			evicted = append(evicted, s.Client)
+		}
+	}})
+	c1 := newClient(t, "127.0.0.1", p.Addr())
+	c2 := newClient(t, "127.0.0.1", p.Addr())
+	c3 := newClient(t, "127.0.0.1", p.Addr())
+
+	c1.roundTrip("1")
+	c2.roundTrip("2")
+	c1.roundTrip("1 again") // c2 is now the least recently used
+	c3.roundTrip("3")       // evicts c2
+
+	clientsOf := func() []netip.AddrPort {
+		var out []netip.AddrPort
+		for _, s := range p.Sessions() {
+			out = append(out, s.Client)
+		}
+		slices.SortFunc(out, netip.AddrPort.Compare)
+		return out
+	}
+	want := []netip.AddrPort{c1.addr(), c3.addr()}
+	slices.SortFunc(want, netip.AddrPort.Compare)
+	if got := clientsOf(); !slices.Equal(got, want) {
+		t.Errorf("sessions (-want +got):\n-%v\n+%v", want, got)
+	}
+	if got := p.Stats(); got.SessionsEvicted != 1 || got.SessionsActive != 2 {
+		t.Errorf("Stats() = %+v, want SessionsEvicted 1, SessionsActive 2", got)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []netip.AddrPort{c2.addr()}; !slices.Equal(evicted, want) {
+		t.Errorf("evicted (-want +got):\n-%v\n+%v", want, evicted)
+	}
+}
+
+func TestProxy_sessionCapBoundsSpoofedFlood(t *testing.T) {
+	const maxSessions, sources = 8, 200
+	backend := echoServer(t, "127.0.0.2", "")
+	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: maxSessions})
+	baseFDs := countFDs(t)
+
+	// Each source address is a fresh socket; only the newest maxSessions keep a session.
+	// One at a time, so that no datagram is lost in a socket buffer and the counts are exact.
+	for i := range sources {
+		c := newClient(t, "127.0.0.1", p.Addr())
+		c.send([]byte("flood"))
+		c.conn.Close()
+		waitFor(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().SessionsCreated == uint64(i+1) })
+	}
+	st := p.Stats()
+	if st.SessionsActive != maxSessions || st.SessionsEvicted != sources-maxSessions {
+		t.Errorf("Stats() = %+v, want SessionsActive %d, SessionsEvicted %d", st, maxSessions, sources-maxSessions)
+	}
+	if got := countFDs(t); got > baseFDs+maxSessions {
+		t.Errorf("open descriptors grew from %d to %d, want at most %d more", baseFDs, got, maxSessions)
+	}
+}
+
+func TestProxy_endpointChangeMidSession(t *testing.T) {
+	b1 := echoServer(t, "127.0.0.2", "b1:")
+	b2 := echoServer(t, "127.0.0.3", "b2:")
+	picker := newFakePicker(b1)
+	p := startProxy(t, picker, Config{})
+	c := newClient(t, "127.0.0.1", p.Addr())
+
+	if got, want := c.roundTrip("x"), "b1:x"; got != want {
+		t.Fatalf("before the change: got %q, want %q", got, want)
+	}
+	picker.setEndpoints(b2) // b1 went away
+	if got, want := p.CloseSessionsTo(b1), 1; got != want {
+		t.Errorf("CloseSessionsTo(b1) = %d, want %d", got, want)
+	}
+	if got, want := c.roundTrip("y"), "b2:y"; got != want {
+		t.Errorf("after the change: got %q, want %q", got, want)
+	}
+	if got, want := p.CloseSessionsTo(b1), 0; got != want {
+		t.Errorf("CloseSessionsTo(b1) again = %d, want %d", got, want)
+	}
+	if got := p.Stats(); got.SessionsClosed != 1 || got.SessionsCreated != 2 {
+		t.Errorf("Stats() = %+v, want SessionsClosed 1, SessionsCreated 2", got)
+	}
+}
+
+func TestProxy_refusedEndpointFailsOver(t *testing.T) {
+	dead := closedPort(t, "127.0.0.9")
+	live := echoServer(t, "127.0.0.2", "live:")
+	picker := newFakePicker(dead, live)
+	var mu sync.Mutex
+	var reasons []EndReason
+	p := startProxy(t, picker, Config{OnSessionEnd: func(s SessionInfo) {
+		mu.Lock()
+		defer mu.Unlock()
+		reasons = append(reasons, s.Reason)
+	}})
+	c := newClient(t, "127.0.0.1", p.Addr())
+
+	c.send([]byte("lost")) // to the dead endpoint: ICMP port unreachable
+	waitFor(t, "the refusal", func() bool { return p.Stats().SessionsRefused == 1 })
+	if got, want := c.roundTrip("retry"), "live:retry"; got != want {
+		t.Errorf("after the refusal: got %q, want %q", got, want)
+	}
+	client := netip.MustParseAddr("127.0.0.1")
+	if got, want := picker.Calls(), []pick{{client, false}, {client, true}}; !slices.Equal(got, want) {
+		t.Errorf("picker calls (-want +got):\n-%v\n+%v", want, got)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []EndReason{EndBackendRefused}; !slices.Equal(reasons, want) {
+		t.Errorf("ended sessions (-want +got):\n-%v\n+%v", want, reasons)
+	}
+}
+
+func TestProxy_noEndpointDropsDatagram(t *testing.T) {
+	p := startProxy(t, newFakePicker(), Config{})
+	c := newClient(t, "127.0.0.1", p.Addr())
+	c.send([]byte("nobody home"))
+	waitFor(t, "the drop", func() bool { return p.Stats().DropsNoEndpoint == 1 })
+	if n := len(p.Sessions()); n != 0 {
+		t.Errorf("%d sessions, want 0", n)
+	}
+}
+
+func countFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+func TestProxy_closeLeaksNothing(t *testing.T) {
+	backend := echoServer(t, "127.0.0.2", "")
+	tests := []struct {
+		name string
+		stop func(p *Proxy, cancel context.CancelFunc)
+	}{
+		{"Close", func(p *Proxy, _ context.CancelFunc) { p.Close() }},
+		{"context cancelled", func(_ *Proxy, cancel context.CancelFunc) { cancel() }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			fds, goroutines := countFDs(t), runtime.NumGoroutine()
+			p := New(testService, newFakePicker(backend), Config{})
+			if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- p.Run(ctx) }()
+			var clients []*client
+			for range 20 {
+				c := newClient(t, "127.0.0.1", p.Addr())
+				c.roundTrip("x")
+				clients = append(clients, c)
+			}
+			for _, c := range clients {
+				c.conn.Close()
+			}
+			if got := p.Stats().SessionsActive; got != 20 {
+				t.Fatalf("SessionsActive = %d, want 20", got)
+			}
+			tt.stop(p, cancel)
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("Run: %v", err)
+				}
+			case <-time.After(waitTimeout):
+				t.Fatal("Run did not return")
+			}
+			if got := p.Stats(); got.SessionsActive != 0 || got.SessionsClosed != 20 {
+				t.Errorf("Stats() = %+v, want SessionsActive 0, SessionsClosed 20", got)
+			}
+			waitFor(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
+			waitFor(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
+				return runtime.NumGoroutine() <= goroutines
+			})
+			if err := p.Close(); err != nil {
+				t.Errorf("second Close: %v", err)
+			}
+		})
+	}
+}
+
+func TestProxy_closeWithoutRun(t *testing.T) {
+	fds := countFDs(t)
+	p := New(testService, newFakePicker(), Config{})
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := countFDs(t); got != fds {
+		t.Errorf("descriptors: %d after Close, want %d", got, fds)
+	}
+	if err := p.Run(context.Background()); err != nil {
+		t.Errorf("Run after Close = %v, want nil", err)
+	}
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err == nil {
+		t.Errorf("Listen after Close succeeded, want an error")
+	}
+}

@@ -1,0 +1,113 @@
+package udp
+
+import (
+	"net/netip"
+	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// EndReason says why a session ended.
+type EndReason string
+
+// The reasons a session ends. The zero value marks a live session.
+const (
+	EndIdle            EndReason = "idle-timeout"     // no traffic either way for Config.IdleTimeout
+	EndEvicted         EndReason = "evicted"          // least recently used when MaxSessions was reached
+	EndBackendRefused  EndReason = "backend-refused"  // ICMP port unreachable from the endpoint
+	EndBackendError    EndReason = "backend-error"    // any other error on the backend socket
+	EndEndpointRemoved EndReason = "endpoint-removed" // CloseSessionsTo
+	EndClosed          EndReason = "closed"           // the proxy was closed
+)
+
+// SessionInfo describes one client session, live (Reason empty) or ended.
+type SessionInfo struct {
+	Service    service.ServicePortName
+	Client     netip.AddrPort
+	Endpoint   netip.AddrPort
+	Started    time.Time
+	LastActive time.Time
+	// Duration is from Started to the end of the session (to LastActive while it is live).
+	Duration time.Duration
+	// To the endpoint (client to backend) and back (backend to client).
+	PacketsToEndpoint, BytesToEndpoint     uint64
+	PacketsFromEndpoint, BytesFromEndpoint uint64
+	Reason                                 EndReason
+}
+
+// session is one client address with its own socket connected to the endpoint picked for it.
+// Sessions are owned by the proxy and touched only under Proxy.mu.
+type session struct {
+	client   netip.AddrPort
+	endpoint netip.AddrPort
+	fd       int // connected backend socket; -1 once closed
+	// refused marks a session whose endpoint answered with ICMP port unreachable. It stays in the
+	// table, without a socket, so the client's next datagram re-picks with affinity reset.
+	refused bool
+
+	// clientAddr is the client in kernel form, the destination of every reply.
+	clientAddr    sockaddr
+	clientAddrLen uint32
+
+	started, lastActive time.Time
+	pktsTo, bytesTo     uint64
+	pktsFrom, bytesFrom uint64
+	lruPrev, lruNext    *session
+}
+
+func (s *session) info(name service.ServicePortName, end time.Time, reason EndReason) SessionInfo {
+	return SessionInfo{
+		Service:             name,
+		Client:              s.client,
+		Endpoint:            s.endpoint,
+		Started:             s.started,
+		LastActive:          s.lastActive,
+		Duration:            end.Sub(s.started),
+		PacketsToEndpoint:   s.pktsTo,
+		BytesToEndpoint:     s.bytesTo,
+		PacketsFromEndpoint: s.pktsFrom,
+		BytesFromEndpoint:   s.bytesFrom,
+		Reason:              reason,
+	}
+}
+
+// lru is an intrusive list of sessions, most recently active at the front. Moving a session on
+// every datagram is three pointer writes, and expiry only ever looks at the back.
+type lru struct {
+	front, back *session
+	len         int
+}
+
+func (l *lru) pushFront(s *session) {
+	s.lruPrev, s.lruNext = nil, l.front
+	if l.front != nil {
+		l.front.lruPrev = s
+	} else {
+		l.back = s
+	}
+	l.front = s
+	l.len++
+}
+
+func (l *lru) remove(s *session) {
+	if s.lruPrev != nil {
+		s.lruPrev.lruNext = s.lruNext
+	} else {
+		l.front = s.lruNext
+	}
+	if s.lruNext != nil {
+		s.lruNext.lruPrev = s.lruPrev
+	} else {
+		l.back = s.lruPrev
+	}
+	s.lruPrev, s.lruNext = nil, nil
+	l.len--
+}
+
+func (l *lru) moveToFront(s *session) {
+	if l.front == s {
+		return
+	}
+	l.remove(s)
+	l.pushFront(s)
+}
