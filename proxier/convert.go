@@ -1,0 +1,250 @@
+package proxier
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// Labels and annotations the proxy reads.
+const (
+	// LabelServiceProxyName marks a Service handled by another proxy; kube-proxy skips it too.
+	LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
+	// AnnotationAccessLog turns the access log on ("true") or off ("false") for one Service.
+	AnnotationAccessLog = "portal-proxy.kubernetes.io/access-log"
+)
+
+// ErrUnsupportedProtocol marks a service port this proxy cannot serve (SCTP).
+var ErrUnsupportedProtocol = errors.New("protocol not supported by a userspace proxy")
+
+// convertService turns a Service into the service ports the proxy serves. Services the proxy does
+// not handle (headless, ExternalName, another proxy's) yield none. A port that cannot be served
+// (SCTP) is left out and reported in errs; the others are still returned.
+func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
+	if svc == nil || !shouldProxy(svc) {
+		return nil, nil
+	}
+	clusterIPs := parseIPs(svc.Spec.ClusterIPs)
+	if len(clusterIPs) == 0 {
+		clusterIPs = parseIPs([]string{svc.Spec.ClusterIP})
+	}
+	if len(clusterIPs) == 0 {
+		return nil, []error{fmt.Errorf("service %s/%s: no valid cluster IP in %q", svc.Namespace, svc.Name, svc.Spec.ClusterIP)}
+	}
+	common := service.Port{
+		ClusterIPs:      clusterIPs,
+		ExternalIPs:     parseIPs(svc.Spec.ExternalIPs),
+		LoadBalancerIPs: loadBalancerIPs(svc),
+		Affinity:        affinity(svc),
+		ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
+		InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
+		AccessLog:       svc.Annotations[AnnotationAccessLog] == "true",
+	}
+	for i := range svc.Spec.Ports {
+		sp := &svc.Spec.Ports[i]
+		name := service.ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
+		proto := service.Protocol(sp.Protocol)
+		if proto == "" {
+			proto = service.TCP
+		}
+		if proto != service.TCP && proto != service.UDP {
+			errs = append(errs, fmt.Errorf("service port %s: %s: %w", name, proto, ErrUnsupportedProtocol))
+			continue
+		}
+		if sp.Port <= 0 || sp.Port > 65535 || sp.NodePort < 0 || sp.NodePort > 65535 {
+			errs = append(errs, fmt.Errorf("service port %s: port %d / nodePort %d out of range", name, sp.Port, sp.NodePort))
+			continue
+		}
+		p := common
+		p.Name = name
+		p.Protocol = proto
+		p.Port = uint16(sp.Port)
+		p.NodePort = uint16(sp.NodePort)
+		ports = append(ports, &p)
+	}
+	return ports, errs
+}
+
+// shouldProxy mirrors kube-proxy's ShouldSkipService plus its informer label selector.
+func shouldProxy(svc *v1.Service) bool {
+	if _, other := svc.Labels[LabelServiceProxyName]; other {
+		return false
+	}
+	if svc.Spec.Type == v1.ServiceTypeExternalName {
+		return false
+	}
+	ip := svc.Spec.ClusterIP
+	return ip != "" && ip != v1.ClusterIPNone
+}
+
+func affinity(svc *v1.Service) service.Affinity {
+	if svc.Spec.SessionAffinity != v1.ServiceAffinityClientIP {
+		return service.Affinity{}
+	}
+	a := service.Affinity{ClientIP: true}
+	if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
+		a.Timeout = time.Duration(*c.ClientIP.TimeoutSeconds) * time.Second
+	}
+	if a.Timeout <= 0 {
+		a.Timeout = service.DefaultAffinityTimeout
+	}
+	return a
+}
+
+func loadBalancerIPs(svc *v1.Service) []netip.Addr {
+	var raw []string
+	for _, ing := range svc.Status.LoadBalancer.Ingress {
+		raw = append(raw, ing.IP) // hostname-only ingress has no IP to portal
+	}
+	return parseIPs(raw)
+}
+
+// parseIPs keeps the valid, unique addresses in their given order.
+func parseIPs(raw []string) []netip.Addr {
+	var out []netip.Addr
+	seen := map[netip.Addr]bool{}
+	for _, s := range raw {
+		ip, err := netip.ParseAddr(s)
+		if err != nil || ip.Zone() != "" {
+			continue
+		}
+		ip = ip.Unmap()
+		if !seen[ip] {
+			seen[ip] = true
+			out = append(out, ip)
+		}
+	}
+	return out
+}
+
+// slimSlice is the part of an EndpointSlice the proxy uses, converted once when the event arrives.
+type slimSlice struct {
+	family    discovery.AddressType
+	ports     []slicePort
+	endpoints []service.Endpoint // Addr carries port 0; the port comes from ports
+}
+
+type slicePort struct {
+	name     string
+	protocol service.Protocol
+	port     uint16
+}
+
+// convertSlice extracts addresses, conditions and ports. FQDN slices are not usable by a proxy.
+func convertSlice(s *discovery.EndpointSlice) *slimSlice {
+	if s.AddressType != discovery.AddressTypeIPv4 && s.AddressType != discovery.AddressTypeIPv6 {
+		return &slimSlice{family: s.AddressType}
+	}
+	out := &slimSlice{family: s.AddressType}
+	for _, p := range s.Ports {
+		if p.Port == nil || *p.Port <= 0 || *p.Port > 65535 {
+			continue
+		}
+		sp := slicePort{protocol: service.TCP, port: uint16(*p.Port)}
+		if p.Name != nil {
+			sp.name = *p.Name
+		}
+		if p.Protocol != nil {
+			sp.protocol = service.Protocol(*p.Protocol)
+		}
+		out.ports = append(out.ports, sp)
+	}
+	for _, e := range s.Endpoints {
+		c := e.Conditions
+		ready := c.Ready == nil || *c.Ready // nil means unknown, which the API says to treat as ready
+		serving := ready
+		if c.Serving != nil {
+			serving = *c.Serving
+		}
+		terminating := c.Terminating != nil && *c.Terminating
+		node := ""
+		if e.NodeName != nil {
+			node = *e.NodeName
+		}
+		for _, a := range e.Addresses {
+			ip, err := netip.ParseAddr(a)
+			if err != nil {
+				continue
+			}
+			out.endpoints = append(out.endpoints, service.Endpoint{
+				Addr: netip.AddrPortFrom(ip.Unmap(), 0), Ready: ready, Serving: serving, Terminating: terminating, NodeName: node,
+			})
+		}
+	}
+	return out
+}
+
+// endpointsFor merges the slices of one service into the endpoints of one of its ports: ports are
+// matched by name and protocol, only the service's IP families are used, duplicates are dropped,
+// and serving-terminating endpoints are used only when no endpoint is ready (as kube-proxy does).
+// The result is sorted, so equal inputs give equal outputs.
+func endpointsFor(p *service.Port, slices []*slimSlice) []service.Endpoint {
+	families := map[discovery.AddressType]bool{}
+	for _, ip := range p.ClusterIPs {
+		if ip.Is4() {
+			families[discovery.AddressTypeIPv4] = true
+		} else {
+			families[discovery.AddressTypeIPv6] = true
+		}
+	}
+	seen := map[netip.AddrPort]int{}
+	var all []service.Endpoint
+	for _, s := range slices {
+		if !families[s.family] {
+			continue
+		}
+		for _, sp := range s.ports {
+			if sp.name != p.Name.Port || sp.protocol != p.Protocol {
+				continue
+			}
+			for _, e := range s.endpoints {
+				e.Addr = netip.AddrPortFrom(e.Addr.Addr(), sp.port)
+				if i, dup := seen[e.Addr]; dup {
+					// The same address in two slices (a move in progress): keep the readier view.
+					if e.Ready && !all[i].Ready {
+						all[i] = e
+					}
+					continue
+				}
+				seen[e.Addr] = len(all)
+				all = append(all, e)
+			}
+		}
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].Addr.Compare(all[j].Addr) < 0 })
+	return all
+}
+
+// usableEndpoints picks the addresses the balancer may use: the ready ones, or, when none is
+// ready, the ones still serving while terminating.
+func usableEndpoints(eps []service.Endpoint) []netip.AddrPort {
+	var ready, terminating []netip.AddrPort
+	for _, e := range eps {
+		switch {
+		case e.Ready:
+			ready = append(ready, e.Addr)
+		case e.Serving && e.Terminating:
+			terminating = append(terminating, e.Addr)
+		}
+	}
+	if len(ready) > 0 {
+		return ready
+	}
+	return terminating
+}
+
+// sliceOwner names the Service an EndpointSlice belongs to, from its kubernetes.io/service-name label.
+func sliceOwner(s *discovery.EndpointSlice) (service.NamespacedName, error) {
+	name := s.Labels[discovery.LabelServiceName]
+	if name == "" {
+		return service.NamespacedName{}, fmt.Errorf("endpointslice %s/%s: no %s label", s.Namespace, s.Name, discovery.LabelServiceName)
+	}
+	return service.NamespacedName{Namespace: s.Namespace, Name: name}, nil
+}

@@ -1,0 +1,123 @@
+package proxier
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// PortRange is the --proxy-port-range: the local ports proxy sockets may use. The zero value means
+// "let the kernel choose" (the default).
+type PortRange struct {
+	Base int
+	Size int
+}
+
+// IsKernelChosen reports whether ports come from the kernel's ephemeral range.
+func (r PortRange) IsKernelChosen() bool { return r.Size == 0 }
+
+func (r PortRange) String() string {
+	if r.Size == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d-%d", r.Base, r.Base+r.Size-1)
+}
+
+// ParsePortRange accepts kube-proxy's forms: "" (or "0", "0-0") for kernel-chosen ports,
+// "begin-end", "begin+offset" (begin to begin+offset inclusive) and a single port.
+func ParsePortRange(s string) (PortRange, error) {
+	s = strings.TrimSpace(s)
+	if s == "" || s == "0" || s == "0-0" {
+		return PortRange{}, nil
+	}
+	var lo, hi int
+	var err error
+	switch {
+	case strings.Contains(s, "-"):
+		a, b, _ := strings.Cut(s, "-")
+		if lo, err = strconv.Atoi(a); err == nil {
+			hi, err = strconv.Atoi(b)
+		}
+	case strings.Contains(s, "+"):
+		a, b, _ := strings.Cut(s, "+")
+		var off int
+		if lo, err = strconv.Atoi(a); err == nil {
+			off, err = strconv.Atoi(b)
+			hi = lo + off
+			if err == nil && off < 0 {
+				err = errors.New("negative offset")
+			}
+		}
+	default:
+		lo, err = strconv.Atoi(s)
+		hi = lo
+	}
+	if err != nil {
+		return PortRange{}, fmt.Errorf("port range %q: %w", s, err)
+	}
+	if lo < 1 || hi > 65535 || hi < lo {
+		return PortRange{}, fmt.Errorf("port range %q: want 1 <= begin <= end <= 65535", s)
+	}
+	return PortRange{Base: lo, Size: hi - lo + 1}, nil
+}
+
+// ErrPortsExhausted is returned when every port of the range is in use.
+var ErrPortsExhausted = errors.New("no free port left in the proxy port range")
+
+// portAllocator hands out ports of a PortRange. Unlike the legacy allocator (a background filler
+// goroutine and a one-second wait on an empty channel) it answers at once: a scan from a moving
+// cursor over a bitmap.
+type portAllocator struct {
+	r      PortRange
+	mu     sync.Mutex
+	used   []bool
+	inUse  int
+	cursor int
+}
+
+func newPortAllocator(r PortRange) *portAllocator {
+	a := &portAllocator{r: r, used: make([]bool, r.Size)}
+	if r.Size > 0 {
+		a.cursor = rand.IntN(r.Size) // nodes that restart together do not all start at Base
+	}
+	return a
+}
+
+// allocate returns a free port, or 0 when the kernel should choose.
+func (a *portAllocator) allocate() (uint16, error) {
+	if a.r.IsKernelChosen() {
+		return 0, nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.inUse == a.r.Size {
+		return 0, fmt.Errorf("%w (%s, %d ports)", ErrPortsExhausted, a.r, a.r.Size)
+	}
+	for i := 0; i < a.r.Size; i++ {
+		idx := (a.cursor + i) % a.r.Size
+		if !a.used[idx] {
+			a.used[idx] = true
+			a.inUse++
+			a.cursor = (idx + 1) % a.r.Size
+			return uint16(a.r.Base + idx), nil
+		}
+	}
+	return 0, fmt.Errorf("%w (%s)", ErrPortsExhausted, a.r)
+}
+
+// release returns a port to the range; ports outside it (kernel-chosen) are ignored.
+func (a *portAllocator) release(port uint16) {
+	idx := int(port) - a.r.Base
+	if a.r.IsKernelChosen() || idx < 0 || idx >= a.r.Size {
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.used[idx] {
+		a.used[idx] = false
+		a.inUse--
+	}
+}

@@ -1,0 +1,62 @@
+package tcp
+
+import (
+	"errors"
+	"net"
+	"syscall"
+	"time"
+)
+
+// Accept back-off bounds: out of descriptors, the listener stays readable (the connection waits in
+// the backlog), so retrying at once would spin a core. Back off exponentially instead; a closing
+// connection frees descriptors and the next try succeeds.
+const (
+	minAcceptBackoff = 5 * time.Millisecond
+	maxAcceptBackoff = time.Second
+)
+
+// acceptLoop accepts until the listener is closed. It never dials: each connection gets its own
+// goroutine, so a slow endpoint never delays the next client.
+func (p *Proxy) acceptLoop() error {
+	backoff := time.Duration(0)
+	for {
+		cc, err := p.ln.AcceptTCP()
+		if err == nil {
+			backoff = 0
+			p.handle(cc)
+			continue
+		}
+		if errors.Is(err, net.ErrClosed) {
+			return nil
+		}
+		p.stats.acceptErrors.Add(1)
+		if !temporaryAcceptError(err) {
+			// ECONNABORTED and friends concern one connection; the listener is fine.
+			p.log.WithError(err).Debug("accept failed")
+			continue
+		}
+		backoff = min(max(2*backoff, minAcceptBackoff), maxAcceptBackoff)
+		p.log.WithError(err).WithField("backoff", backoff).Warn("accept: out of resources, backing off")
+		if !p.sleep(backoff) {
+			return nil
+		}
+	}
+}
+
+// temporaryAcceptError is true for errors that will repeat until resources are freed.
+func temporaryAcceptError(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
+}
+
+// sleep waits d on the proxy clock; false means the proxy was closed meanwhile.
+func (p *Proxy) sleep(d time.Duration) bool {
+	t := p.cfg.Clock.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C():
+		return true
+	case <-p.closed:
+		return false
+	}
+}

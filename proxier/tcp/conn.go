@@ -1,0 +1,288 @@
+package tcp
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/sirupsen/logrus"
+)
+
+// EndReason says why a proxied connection ended: the first thing that ended it.
+type EndReason uint8
+
+// The reasons a connection ends.
+const (
+	EndUnknown        EndReason = iota
+	EndClientClosed             // client sent FIN first, then both directions finished
+	EndEndpointClosed           // endpoint sent FIN first, then both directions finished
+	EndClientReset              // client reset (or vanished); the endpoint leg was reset too
+	EndEndpointReset            // endpoint reset (or vanished); the client leg was reset too
+	EndIdleTimeout              // no byte either way for Config.IdleTimeout
+	EndDialFailed               // every dial attempt failed; the client was reset
+	EndNoEndpoints              // the picker had no endpoint; the client was reset
+	EndDrained                  // CloseConnsTo: the endpoint is gone
+	EndShutdown                 // Proxy.Shutdown
+)
+
+var endReasonNames = [...]string{"unknown", "client closed", "endpoint closed", "client reset", "endpoint reset",
+	"idle timeout", "dial failed", "no endpoints", "drained", "shutdown"}
+
+func (r EndReason) String() string {
+	if int(r) < len(endReasonNames) {
+		return endReasonNames[r]
+	}
+	return fmt.Sprintf("EndReason(%d)", r)
+}
+
+// ConnInfo describes one proxied connection, live (Proxy.Conns) or ended (Config.OnClose).
+type ConnInfo struct {
+	Client   netip.AddrPort
+	Endpoint netip.AddrPort // the last endpoint tried; invalid if none was picked
+	// BytesIn is client->endpoint, BytesOut endpoint->client.
+	BytesIn, BytesOut int64
+	Start             time.Time
+	// Duration is the age of a live connection or the lifetime of an ended one.
+	Duration     time.Duration
+	DialAttempts int
+	End          EndReason // EndUnknown while live
+	Err          error     // the error that ended it, naming the direction; nil for a clean end
+}
+
+// conn is one accepted client connection and, once dialed, its endpoint connection.
+type conn struct {
+	p          *Proxy
+	id         uint64
+	client     *net.TCPConn
+	clientAddr netip.AddrPort
+	start      int64        // unix nanoseconds on the proxy clock
+	last       atomic.Int64 // last byte moved, unix nanoseconds on the proxy clock
+	up, down   direction    // client->endpoint, endpoint->client
+
+	mu       sync.Mutex
+	backend  *net.TCPConn
+	endpoint netip.AddrPort
+	attempts int
+	end      EndReason
+	err      error
+	closed   bool // sockets closed (or closing); no direction may park or restart
+	live     int  // owners not yet released: the dialing goroutine, then one per direction
+	eofs     int  // directions that saw FIN
+}
+
+// handle starts serving an accepted connection on its own goroutine.
+func (p *Proxy) handle(cc *net.TCPConn) {
+	now := p.cfg.Clock.Now().UnixNano()
+	c := &conn{p: p, client: cc, start: now, live: 1}
+	if ra, ok := cc.RemoteAddr().(*net.TCPAddr); ok {
+		ap := ra.AddrPort()
+		c.clientAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	}
+	c.last.Store(now)
+	p.stats.total.Add(1)
+	p.stats.active.Add(1)
+	p.track(c)
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		c.serve()
+	}()
+}
+
+// serve dials an endpoint, then runs client->endpoint on this goroutine and endpoint->client on a
+// second one.
+func (c *conn) serve() {
+	be, reason, err := c.dial()
+	if err != nil {
+		c.fail(reason, err)
+		c.release()
+		return
+	}
+	c.mu.Lock()
+	if c.closed { // terminated (Shutdown, idle timeout) while dialing
+		c.mu.Unlock()
+		be.SetLinger(0)
+		be.Close()
+		c.release()
+		return
+	}
+	c.backend = be
+	c.up.init(c, true, c.client, be)
+	c.down.init(c, false, be, c.client)
+	c.live++ // endpoint->client; client->endpoint inherits the dialer's share
+	c.mu.Unlock()
+	c.p.goRun(&c.down)
+	c.up.run()
+}
+
+// dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
+func (c *conn) dial() (*net.TCPConn, EndReason, error) {
+	p := c.p
+	reset := false
+	var lastErr error
+	for i, timeout := range p.cfg.DialTimeouts {
+		ep, err := p.picker.Next(c.clientAddr.Addr(), reset)
+		if err != nil {
+			if i == 0 {
+				p.stats.noEndpoints.Add(1)
+				return nil, EndNoEndpoints, fmt.Errorf("pick endpoint: %w", err)
+			}
+			break
+		}
+		c.mu.Lock()
+		c.endpoint = ep
+		c.attempts++
+		c.mu.Unlock()
+		p.stats.dialAttempts.Add(1)
+		if i > 0 {
+			p.stats.dialRetries.Add(1)
+		}
+		d := net.Dialer{Timeout: timeout, KeepAlive: p.cfg.KeepAlive}
+		be, err := d.DialTCP(p.ctx, "tcp", netip.AddrPort{}, ep)
+		if err == nil {
+			return be, EndUnknown, nil
+		}
+		p.stats.dialFailures.Add(1)
+		lastErr = fmt.Errorf("dial endpoint %s (attempt %d, timeout %s): %w", ep, i+1, timeout, err)
+		if p.ctx.Err() != nil {
+			return nil, EndShutdown, lastErr
+		}
+		c.logger().WithError(lastErr).Debug("dial failed, trying the next endpoint")
+		reset = true
+	}
+	if lastErr == nil {
+		lastErr = errors.New("no endpoint to retry")
+	}
+	return nil, EndDialFailed, fmt.Errorf("connect to an endpoint: %w", lastErr)
+}
+
+func (c *conn) logger() logrus.FieldLogger {
+	c.mu.Lock()
+	ep := c.endpoint
+	c.mu.Unlock()
+	l := c.p.log.WithField("client", c.clientAddr.String())
+	if ep.IsValid() {
+		l = l.WithField("endpoint", ep.String())
+	}
+	return l
+}
+
+func (c *conn) endpointAddr() netip.AddrPort {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.backend == nil {
+		return netip.AddrPort{}
+	}
+	return c.endpoint
+}
+
+// fail records err and resets both legs.
+func (c *conn) fail(reason EndReason, err error) {
+	c.mu.Lock()
+	if c.err == nil && !c.closed {
+		c.err = err
+	}
+	c.mu.Unlock()
+	if !c.terminate(reason, true) {
+		return
+	}
+	l := c.logger().WithError(err).WithField("reason", reason.String())
+	switch reason {
+	case EndDialFailed:
+		l.Warn("no endpoint reachable, reset client")
+	case EndNoEndpoints:
+		l.Debug("no endpoints, reset client")
+	default:
+		l.Debug("connection reset")
+	}
+}
+
+// terminate closes both sockets, with a reset when rst is set (SO_LINGER 0: the kernel sends RST and
+// drops unsent data). It reports false if the connection was already closing. Parked directions have
+// no goroutine to notice, so they are released here.
+func (c *conn) terminate(reason EndReason, rst bool) bool {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return false
+	}
+	c.closed = true
+	if c.end == EndUnknown || (reason != EndClientClosed && reason != EndEndpointClosed) {
+		c.end = reason
+	}
+	for _, d := range []*direction{&c.up, &c.down} {
+		if d.parked {
+			d.parked = false
+			c.live--
+		}
+	}
+	be, done := c.backend, c.live == 0
+	c.mu.Unlock()
+	if rst {
+		c.client.SetLinger(0)
+		if be != nil {
+			be.SetLinger(0)
+		}
+	}
+	c.client.Close()
+	if be != nil {
+		be.Close()
+	}
+	if done {
+		c.finish()
+	}
+	return true
+}
+
+// release drops one owner; the last one out closes the sockets (if nobody did) and finishes.
+func (c *conn) release() {
+	c.mu.Lock()
+	c.live--
+	done, closed := c.live == 0, c.closed
+	c.mu.Unlock()
+	if !done {
+		return
+	}
+	if !closed {
+		c.terminate(EndUnknown, false) // finishes, since live is 0
+		return
+	}
+	c.finish()
+}
+
+// finish runs once, after the last owner is gone and the sockets are closed.
+func (c *conn) finish() {
+	c.up.releasePipe()
+	c.down.releasePipe()
+	c.p.parker.forget(&c.up)
+	c.p.parker.forget(&c.down)
+	c.p.untrack(c)
+	c.p.stats.active.Add(-1)
+	if c.p.cfg.OnClose != nil {
+		c.p.cfg.OnClose(c.info())
+	}
+}
+
+func (c *conn) info() ConnInfo {
+	now := c.p.cfg.Clock.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	start := time.Unix(0, c.start)
+	return ConnInfo{
+		Client: c.clientAddr, Endpoint: c.endpoint,
+		BytesIn: c.up.bytes.Load(), BytesOut: c.down.bytes.Load(),
+		Start: start, Duration: now.Sub(start),
+		DialAttempts: c.attempts, End: c.endIfClosed(), Err: c.err,
+	}
+}
+
+func (c *conn) endIfClosed() EndReason {
+	if !c.closed {
+		return EndUnknown
+	}
+	return c.end
+}

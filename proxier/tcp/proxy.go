@@ -1,0 +1,324 @@
+// Package tcp is the proxy socket of one TCP service port: it accepts client connections on the proxy
+// port, picks an endpoint, dials it with retries and splices bytes both ways with half-close, using
+// two file descriptors and about 1 KiB of memory per idle connection (see splice.go and park.go).
+package tcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// Picker chooses the endpoint for a client. reset is true after a failed dial: the client's sticky
+// endpoint must be skipped. An error means there is no endpoint to try.
+type Picker interface {
+	Next(client netip.Addr, reset bool) (netip.AddrPort, error)
+}
+
+// DefaultDialTimeouts is the legacy userspace ladder: at most four attempts, 3.75 s in all.
+var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
+
+// Defaults for the zero values of Config.
+const (
+	DefaultKeepAlive = 15 * time.Second
+	DefaultParkAfter = time.Second
+)
+
+// Config tunes a Proxy. The zero value is the legacy behaviour plus keepalive.
+type Config struct {
+	// DialTimeouts is one timeout per dial attempt; nil means DefaultDialTimeouts.
+	DialTimeouts []time.Duration
+	// KeepAlive is the TCP keepalive idle time on both legs; 0 means DefaultKeepAlive, <0 disables.
+	KeepAlive time.Duration
+	// IdleTimeout closes a connection that moved no byte either way for this long; 0 means never.
+	IdleTimeout time.Duration
+	// ParkAfter is how long a direction waits for data in its own goroutine before it hands its
+	// socket to the shared idle watcher and the goroutine exits; 0 means DefaultParkAfter.
+	ParkAfter time.Duration
+	// Logger gets one line per failure (dial, reset, error), with service/client/endpoint fields.
+	Logger logrus.FieldLogger
+	// OnClose, if set, is called once per accepted connection after both sockets are closed (access
+	// log). It runs on the connection's goroutine and must not block.
+	OnClose func(ConnInfo)
+	// Clock drives the idle timeout and timestamps; nil means the real clock.
+	Clock clock.WithTicker
+}
+
+func (c Config) withDefaults() Config {
+	if c.DialTimeouts == nil {
+		c.DialTimeouts = DefaultDialTimeouts
+	}
+	if c.KeepAlive == 0 {
+		c.KeepAlive = DefaultKeepAlive
+	}
+	if c.ParkAfter <= 0 {
+		c.ParkAfter = DefaultParkAfter
+	}
+	if c.Logger == nil {
+		l := logrus.New()
+		l.SetLevel(logrus.WarnLevel)
+		c.Logger = l
+	}
+	if c.Clock == nil {
+		c.Clock = clock.RealClock{}
+	}
+	return c
+}
+
+// Proxy is the proxy socket of one TCP service port.
+type Proxy struct {
+	name   service.ServicePortName
+	picker Picker
+	cfg    Config
+	log    logrus.FieldLogger
+
+	ln     *net.TCPListener
+	addr   netip.AddrPort
+	parker *parker
+
+	// ctx is cancelled by Shutdown; it aborts dials in flight.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	closeOnce sync.Once
+	closed    chan struct{} // closed by Close: no more accepts
+	bgOnce    sync.Once     // starts the background goroutines (watcher, idle sweeper)
+	bgStop    sync.Once
+	bgDone    chan struct{} // closed to stop the idle sweeper
+	wg        sync.WaitGroup
+
+	mu     sync.Mutex
+	conns  map[uint64]*conn
+	nextID uint64
+
+	stats counters
+}
+
+// New returns a proxy for one service port. It opens nothing; see Listen and Run.
+func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
+	cfg = cfg.withDefaults()
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Proxy{
+		name:   name,
+		picker: picker,
+		cfg:    cfg,
+		log:    cfg.Logger.WithField("service", name.String()),
+		ctx:    ctx,
+		cancel: cancel,
+		closed: make(chan struct{}),
+		bgDone: make(chan struct{}),
+		conns:  make(map[uint64]*conn),
+	}
+}
+
+// Listen opens the listening socket (port 0 means a kernel-chosen port) and the idle watcher.
+func (p *Proxy) Listen(addr netip.AddrPort) error {
+	network := "tcp4"
+	if addr.Addr().Is6() && !addr.Addr().Is4In6() {
+		network = "tcp6"
+	}
+	lc := net.ListenConfig{KeepAlive: p.cfg.KeepAlive}
+	ln, err := lc.Listen(p.ctx, network, addr.String())
+	if err != nil {
+		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
+	}
+	pk, err := newParker()
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("tcp proxy %s: %w", p.name, err)
+	}
+	p.ln = ln.(*net.TCPListener)
+	p.addr = p.ln.Addr().(*net.TCPAddr).AddrPort()
+	p.parker = pk
+	return nil
+}
+
+// Addr is the bound address (with the kernel-chosen port), valid after Listen.
+func (p *Proxy) Addr() netip.AddrPort { return p.addr }
+
+// Run accepts connections until ctx is done or Close is called. Established connections outlive
+// Run; they end by themselves, by CloseConnsTo, or by Shutdown.
+func (p *Proxy) Run(ctx context.Context) error {
+	if p.ln == nil {
+		return fmt.Errorf("tcp proxy %s: Run before Listen", p.name)
+	}
+	p.startBackground()
+	stop := context.AfterFunc(ctx, func() { p.Close() })
+	defer stop()
+	return p.acceptLoop()
+}
+
+// Close stops accepting at once and keeps established connections (the legacy behaviour).
+func (p *Proxy) Close() error {
+	var err error
+	p.closeOnce.Do(func() {
+		close(p.closed)
+		if p.ln != nil {
+			err = p.ln.Close()
+		}
+		p.mu.Lock()
+		idle := len(p.conns) == 0
+		p.mu.Unlock()
+		if idle {
+			p.stopBackground()
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("tcp proxy %s: close listener: %w", p.name, err)
+	}
+	return nil
+}
+
+// Shutdown closes the listener and resets every connection, then waits for all goroutines.
+func (p *Proxy) Shutdown() {
+	p.Close()
+	p.cancel()
+	p.stopBackground()
+	for _, c := range p.snapshot() {
+		c.terminate(EndShutdown, true)
+	}
+	p.wg.Wait()
+}
+
+// CloseConnsTo resets the connections that use ep (the endpoint is gone for good) and returns how
+// many it closed. Clients see a reset, so they reconnect instead of waiting on a dead peer.
+func (p *Proxy) CloseConnsTo(ep netip.AddrPort) int {
+	n := 0
+	for _, c := range p.snapshot() {
+		if c.endpointAddr() == ep && c.terminate(EndDrained, true) {
+			n++
+		}
+	}
+	return n
+}
+
+// Conns is a snapshot of the live connections, for a debug view.
+func (p *Proxy) Conns() []ConnInfo {
+	conns := p.snapshot()
+	out := make([]ConnInfo, 0, len(conns))
+	for _, c := range conns {
+		out = append(out, c.info())
+	}
+	return out
+}
+
+func (p *Proxy) snapshot() []*conn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]*conn, 0, len(p.conns))
+	for _, c := range p.conns {
+		out = append(out, c)
+	}
+	return out
+}
+
+func (p *Proxy) track(c *conn) {
+	p.mu.Lock()
+	p.nextID++
+	c.id = p.nextID
+	p.conns[c.id] = c
+	p.mu.Unlock()
+}
+
+func (p *Proxy) untrack(c *conn) {
+	p.mu.Lock()
+	delete(p.conns, c.id)
+	idle := len(p.conns) == 0
+	p.mu.Unlock()
+	if !idle {
+		return
+	}
+	select {
+	case <-p.closed:
+		p.stopBackground()
+	default:
+	}
+}
+
+// startBackground starts the idle watcher and, with an idle timeout, the sweeper. They stop when the
+// proxy is closed and its last connection has ended, or at Shutdown.
+func (p *Proxy) startBackground() {
+	p.bgOnce.Do(func() {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			p.parker.run(p.log)
+		}()
+		if p.cfg.IdleTimeout > 0 {
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				p.sweepIdle()
+			}()
+		}
+	})
+}
+
+func (p *Proxy) stopBackground() {
+	p.bgStop.Do(func() {
+		close(p.bgDone)
+		if p.parker != nil {
+			p.parker.close()
+		}
+	})
+}
+
+// sweepIdle closes connections idle for IdleTimeout. One ticker per proxy instead of a timer per
+// connection keeps idle connections cheap; a connection lives at most 1.25 x IdleTimeout idle.
+func (p *Proxy) sweepIdle() {
+	every := max(p.cfg.IdleTimeout/4, 10*time.Millisecond)
+	t := p.cfg.Clock.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.bgDone:
+			return
+		case <-t.C():
+			now := p.cfg.Clock.Now().UnixNano()
+			for _, c := range p.snapshot() {
+				if now-c.last.Load() >= int64(p.cfg.IdleTimeout) {
+					c.terminate(EndIdleTimeout, false)
+				}
+			}
+		}
+	}
+}
+
+var errClosed = errors.New("proxy closed")
+
+// Stats returns the counters.
+func (p *Proxy) Stats() Stats { return p.stats.snapshot() }
+
+type counters struct {
+	active, total, bytesIn, bytesOut                     atomic.Int64
+	dialAttempts, dialFailures, dialRetries, noEndpoints atomic.Int64
+	acceptErrors                                         atomic.Int64
+}
+
+// Stats are the counters of one proxy socket since Listen. BytesIn is client->endpoint.
+type Stats struct {
+	ActiveConns, TotalConns                           int64
+	BytesIn, BytesOut                                 int64
+	DialAttempts, DialFailures, DialRetries, NoEndpoints int64
+	AcceptErrors                                      int64
+}
+
+func (c *counters) snapshot() Stats {
+	return Stats{
+		ActiveConns: c.active.Load(), TotalConns: c.total.Load(),
+		BytesIn: c.bytesIn.Load(), BytesOut: c.bytesOut.Load(),
+		DialAttempts: c.dialAttempts.Load(), DialFailures: c.dialFailures.Load(),
+		DialRetries: c.dialRetries.Load(), NoEndpoints: c.noEndpoints.Load(),
+		AcceptErrors: c.acceptErrors.Load(),
+	}
+}

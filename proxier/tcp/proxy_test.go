@@ -1,0 +1,378 @@
+package tcp
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
+)
+
+func TestRoundTrip(t *testing.T) {
+	bulk := strings.Repeat("0123456789abcdef", 1<<19) // 8 MiB
+	for _, m := range modes {
+		for _, tt := range []struct {
+			name, payload string
+		}{
+			{"small", "hello"},
+			{"bulk_8MiB", bulk},
+		} {
+			t.Run(m.name+"/"+tt.name, func(t *testing.T) {
+				ep := serve(t, "127.0.0.3", echo)
+				closed := make(closedCh, 1)
+				p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+				c := dial(t, p)
+				var got []byte
+				done := make(chan error, 1)
+				go func() {
+					var err error
+					got, err = io.ReadAll(c)
+					done <- err
+				}()
+				if _, err := c.Write([]byte(tt.payload)); err != nil {
+					t.Fatalf("write: %v", err)
+				}
+				c.CloseWrite()
+				if err := <-done; err != nil {
+					t.Fatalf("read: %v", err)
+				}
+				if !bytes.Equal(got, []byte(tt.payload)) {
+					t.Fatalf("echoed %d bytes, want %d identical bytes", len(got), len(tt.payload))
+				}
+				ci := closed.next(t)
+				want := ConnInfo{Client: ci.Client, Endpoint: ep, BytesIn: int64(len(tt.payload)), BytesOut: int64(len(tt.payload)), DialAttempts: 1, End: EndClientClosed}
+				if got := (ConnInfo{Client: ci.Client, Endpoint: ci.Endpoint, BytesIn: ci.BytesIn, BytesOut: ci.BytesOut, DialAttempts: ci.DialAttempts, End: ci.End, Err: ci.Err}); got != want {
+					t.Errorf("OnClose (-want +got):\n-%+v\n+%+v", want, got)
+				}
+				if ci.Client.Addr() != netip.MustParseAddr("127.0.0.1") {
+					t.Errorf("client address %s, want 127.0.0.1:*", ci.Client)
+				}
+				st := p.Stats()
+				wantSt := Stats{ActiveConns: 0, TotalConns: 1, BytesIn: int64(len(tt.payload)), BytesOut: int64(len(tt.payload)), DialAttempts: 1}
+				if st != wantSt {
+					t.Errorf("Stats (-want +got):\n-%+v\n+%+v", wantSt, st)
+				}
+			})
+		}
+	}
+}
+
+func TestManyConcurrentClients(t *testing.T) {
+	const clients = 200
+	ep1, ep2 := serve(t, "127.0.0.3", echo), serve(t, "127.0.0.4", echo)
+	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep1, ep2}}, Config{ParkAfter: time.Millisecond})
+	var wg sync.WaitGroup
+	errs := make(chan error, clients)
+	for i := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := net.Dial("tcp4", p.Addr().String())
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			for j := range 3 {
+				msg := fmt.Sprintf("client %d message %d", i, j)
+				c.Write([]byte(msg))
+				buf := make([]byte, len(msg))
+				if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+					errs <- fmt.Errorf("client %d: got %q, %v; want %q", i, buf, err, msg)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	waitFor(t, "all connections to end", func() bool { return p.Stats().ActiveConns == 0 })
+	if got := p.Stats().TotalConns; got != clients {
+		t.Errorf("TotalConns = %d, want %d", got, clients)
+	}
+}
+
+func TestHalfClose(t *testing.T) {
+	for _, m := range modes {
+		t.Run(m.name+"/client_shutdown_write_still_gets_whole_response", func(t *testing.T) {
+			const response = 3 << 20
+			// The endpoint reads the request to EOF, then answers with 3 MiB and closes.
+			ep := serve(t, "127.0.0.3", func(c *net.TCPConn) {
+				req, _ := io.ReadAll(c)
+				c.Write(bytes.Repeat(req[:1], response))
+			})
+			closed := make(closedCh, 1)
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			c := dial(t, p)
+			c.Write([]byte("x-request"))
+			if err := c.CloseWrite(); err != nil {
+				t.Fatalf("shutdown(SHUT_WR): %v", err)
+			}
+			got, err := io.ReadAll(c)
+			if err != nil || len(got) != response {
+				t.Fatalf("response after half-close: %d bytes, %v; want %d bytes and EOF", len(got), err, response)
+			}
+			if ci := closed.next(t); ci.End != EndClientClosed || ci.Err != nil {
+				t.Errorf("end = %v, %v; want %v, nil", ci.End, ci.Err, EndClientClosed)
+			}
+		})
+		t.Run(m.name+"/endpoint_fin_first_client_keeps_sending", func(t *testing.T) {
+			received := make(chan string, 1)
+			ep := serve(t, "127.0.0.3", func(c *net.TCPConn) {
+				c.Write([]byte("banner"))
+				c.CloseWrite()
+				rest, _ := io.ReadAll(c)
+				received <- string(rest)
+			})
+			closed := make(closedCh, 1)
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			c := dial(t, p)
+			got, err := io.ReadAll(c)
+			if err != nil || string(got) != "banner" {
+				t.Fatalf("read until endpoint FIN: %q, %v; want %q, EOF", got, err, "banner")
+			}
+			if _, err := c.Write([]byte("after-fin")); err != nil {
+				t.Fatalf("write after endpoint FIN: %v", err)
+			}
+			c.CloseWrite()
+			if got := <-received; got != "after-fin" {
+				t.Errorf("endpoint received (-want +got):\n-%q\n+%q", "after-fin", got)
+			}
+			if ci := closed.next(t); ci.End != EndEndpointClosed {
+				t.Errorf("end = %v, want %v", ci.End, EndEndpointClosed)
+			}
+		})
+	}
+}
+
+func isReset(err error) bool { return errors.Is(err, syscall.ECONNRESET) }
+
+func TestResetPropagation(t *testing.T) {
+	for _, m := range modes {
+		t.Run(m.name+"/endpoint_reset_resets_client", func(t *testing.T) {
+			ep := serve(t, "127.0.0.3", func(c *net.TCPConn) {
+				io.ReadFull(c, make([]byte, 4))
+				c.SetLinger(0)
+			}) // handler returns: Close with linger 0 sends RST
+			closed := make(closedCh, 1)
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			c := dial(t, p)
+			c.Write([]byte("ping"))
+			_, err := io.ReadAll(c)
+			if !isReset(err) {
+				t.Fatalf("client read after endpoint RST: %v, want ECONNRESET", err)
+			}
+			ci := closed.next(t)
+			if ci.End != EndEndpointReset || ci.Err == nil || !strings.Contains(ci.Err.Error(), "endpoint->client: read") {
+				t.Errorf("end = %v, err = %v; want %v and an error naming endpoint->client: read", ci.End, ci.Err, EndEndpointReset)
+			}
+		})
+		t.Run(m.name+"/client_reset_resets_endpoint", func(t *testing.T) {
+			got := make(chan error, 1)
+			ep := serve(t, "127.0.0.3", func(c *net.TCPConn) {
+				c.SetDeadline(time.Now().Add(20 * time.Second))
+				c.Write([]byte("hi"))
+				_, err := io.ReadAll(c)
+				got <- err
+			})
+			closed := make(closedCh, 1)
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			c := dial(t, p)
+			io.ReadFull(c, make([]byte, 2))
+			c.SetLinger(0)
+			c.Close()
+			if err := <-got; !isReset(err) {
+				t.Fatalf("endpoint read after client RST: %v, want ECONNRESET", err)
+			}
+			if ci := closed.next(t); ci.End != EndClientReset {
+				t.Errorf("end = %v, want %v", ci.End, EndClientReset)
+			}
+		})
+	}
+}
+
+func TestDialFailover(t *testing.T) {
+	t.Run("refused_endpoint_falls_over_to_next_with_affinity_reset", func(t *testing.T) {
+		good := serve(t, "127.0.0.3", echo)
+		picker := &fakePicker{eps: []netip.AddrPort{refusedPort(t), good}}
+		closed := make(closedCh, 1)
+		p := startProxy(t, picker, Config{OnClose: closed.onClose})
+		c := dial(t, p)
+		roundTrip(t, c, "after failover")
+		c.Close()
+		client := netip.MustParseAddr("127.0.0.1")
+		want := []pick{{client, false}, {client, true}}
+		if got := picker.picks(); fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("picker calls (-want +got):\n-%v\n+%v", want, got)
+		}
+		if ci := closed.next(t); ci.DialAttempts != 2 || ci.Endpoint != good {
+			t.Errorf("dial attempts %d to %s, want 2 ending at %s", ci.DialAttempts, ci.Endpoint, good)
+		}
+		st := p.Stats()
+		if st.DialAttempts != 2 || st.DialFailures != 1 || st.DialRetries != 1 {
+			t.Errorf("dial stats %+v, want 2 attempts, 1 failure, 1 retry", st)
+		}
+	})
+	t.Run("every_attempt_refused_resets_client_after_ladder", func(t *testing.T) {
+		picker := &fakePicker{eps: []netip.AddrPort{refusedPort(t)}}
+		closed := make(closedCh, 1)
+		ladder := []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 100 * time.Millisecond}
+		p := startProxy(t, picker, Config{DialTimeouts: ladder, OnClose: closed.onClose})
+		c := dial(t, p)
+		if _, err := io.ReadAll(c); !isReset(err) {
+			t.Fatalf("client read: %v, want ECONNRESET", err)
+		}
+		if ci := closed.next(t); ci.End != EndDialFailed || ci.DialAttempts != len(ladder) {
+			t.Errorf("end %v after %d attempts, want %v after %d", ci.End, ci.DialAttempts, EndDialFailed, len(ladder))
+		}
+	})
+}
+
+func TestNoEndpointsResetsClient(t *testing.T) {
+	closed := make(closedCh, 1)
+	p := startProxy(t, &fakePicker{}, Config{OnClose: closed.onClose})
+	c := dial(t, p)
+	if _, err := c.Read(make([]byte, 1)); !isReset(err) {
+		t.Fatalf("client read: %v, want ECONNRESET", err)
+	}
+	if ci := closed.next(t); ci.End != EndNoEndpoints {
+		t.Errorf("end = %v, want %v", ci.End, EndNoEndpoints)
+	}
+	if st := p.Stats(); st.NoEndpoints != 1 || st.DialAttempts != 0 {
+		t.Errorf("stats %+v, want NoEndpoints 1 and no dial", st)
+	}
+}
+
+func TestCloseKeepsEstablishedConnections(t *testing.T) {
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			ep := serve(t, "127.0.0.3", echo)
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter})
+			c := dial(t, p)
+			roundTrip(t, c, "before close")
+			if err := p.Close(); err != nil {
+				t.Fatalf("Close: %v", err)
+			}
+			if nc, err := net.Dial("tcp4", p.Addr().String()); err == nil {
+				nc.Close()
+				t.Errorf("new connection accepted after Close")
+			}
+			roundTrip(t, c, "after close")
+			if n := len(p.Conns()); n != 1 {
+				t.Errorf("live connections after Close = %d, want 1", n)
+			}
+		})
+	}
+}
+
+func TestCloseConnsTo(t *testing.T) {
+	ep1, ep2 := serve(t, "127.0.0.3", echo), serve(t, "127.0.0.4", echo)
+	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep1, ep2}}, Config{})
+	c1, c2 := dial(t, p), dial(t, p)
+	roundTrip(t, c1, "one")
+	roundTrip(t, c2, "two")
+	if n := p.CloseConnsTo(ep1); n != 1 {
+		t.Fatalf("CloseConnsTo(%s) = %d, want 1", ep1, n)
+	}
+	if _, err := c1.Read(make([]byte, 1)); !isReset(err) {
+		t.Errorf("drained client read: %v, want ECONNRESET", err)
+	}
+	roundTrip(t, c2, "still here")
+	conns := p.Conns()
+	if len(conns) != 1 || conns[0].Endpoint != ep2 || conns[0].BytesIn != int64(len("twostill here")) {
+		t.Errorf("Conns() = %+v, want one connection to %s with %d bytes in", conns, ep2, len("twostill here"))
+	}
+}
+
+func TestIdleTimeout(t *testing.T) {
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			clk := clocktesting.NewFakeClock(time.Unix(1000, 0))
+			ep := serve(t, "127.0.0.3", echo)
+			closed := make(closedCh, 1)
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}},
+				Config{IdleTimeout: 10 * time.Second, Clock: clk, ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			c := dial(t, p)
+			roundTrip(t, c, "active")
+			waitFor(t, "the idle sweeper to start", clk.HasWaiters)
+			clk.Step(5 * time.Second)
+			roundTrip(t, c, "still active") // moves the last-activity mark to t+5s
+			clk.Step(5 * time.Second)       // 5s idle: kept
+			roundTrip(t, c, "")
+			if n := len(p.Conns()); n != 1 {
+				t.Fatalf("connections after 5s idle = %d, want 1", n)
+			}
+			clk.Step(11 * time.Second)
+			if n, err := c.Read(make([]byte, 1)); err != io.EOF {
+				t.Fatalf("client read after idle timeout: %d, %v; want EOF", n, err)
+			}
+			if ci := closed.next(t); ci.End != EndIdleTimeout {
+				t.Errorf("end = %v, want %v", ci.End, EndIdleTimeout)
+			}
+		})
+	}
+}
+
+// TestIdleConnectionsNeedNoGoroutine checks the memory design: idle connections park and keep
+// working when traffic resumes.
+func TestIdleConnectionsNeedNoGoroutine(t *testing.T) {
+	const conns = 50
+	ep := serve(t, "127.0.0.3", echo)
+	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: time.Millisecond})
+	waitFor(t, "the idle watcher to start", func() bool { return p.parker != nil })
+	base := runtime.NumGoroutine()
+	cs := make([]*net.TCPConn, conns)
+	for i := range cs {
+		cs[i] = dial(t, p)
+		roundTrip(t, cs[i], "warm")
+	}
+	// Each connection leaves only the endpoint's echo goroutine (one per connection).
+	waitFor(t, "proxy goroutines to park", func() bool { return runtime.NumGoroutine() <= base+conns })
+	for i, c := range cs {
+		roundTrip(t, c, fmt.Sprint("wake ", i))
+	}
+}
+
+func TestNoGoroutineLeakAfterShutdown(t *testing.T) {
+	before := runtime.NumGoroutine()
+	ep := serve(t, "127.0.0.3", echo)
+	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: time.Millisecond, IdleTimeout: time.Hour, Logger: testLogger(t)})
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.Run(t.Context()) }()
+	var cs []*net.TCPConn
+	for i := range 20 {
+		c := dial(t, p)
+		roundTrip(t, c, fmt.Sprint(i))
+		cs = append(cs, c)
+	}
+	cs[0].CloseWrite() // one half-closed
+	p.Shutdown()
+	if err := <-done; err != nil {
+		t.Errorf("Run: %v", err)
+	}
+	for _, c := range cs {
+		c.Close()
+	}
+	waitFor(t, "goroutines to return to the baseline (+1 for the endpoint's listener)", func() bool {
+		return runtime.NumGoroutine() <= before+1
+	})
+	if st := p.Stats(); st.ActiveConns != 0 {
+		t.Errorf("ActiveConns after Shutdown = %d, want 0", st.ActiveConns)
+	}
+}
