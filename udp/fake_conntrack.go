@@ -1,0 +1,55 @@
+package udp
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+)
+
+// FakeConntrack records what it is asked to clear. It lives outside the test files so that other
+// packages' tests can check what a service change clears.
+type FakeConntrack struct {
+	mu      sync.Mutex
+	cleared []Flows
+	// Err, if set, is returned by every ClearUDP (after recording the call).
+	Err error
+}
+
+var _ Conntrack = (*FakeConntrack)(nil)
+
+// ClearUDP implements Conntrack.
+func (f *FakeConntrack) ClearUDP(_ context.Context, flows Flows) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	flows.Addrs = slices.Clone(flows.Addrs)
+	f.cleared = append(f.cleared, flows)
+	return f.Err
+}
+
+// Dump lists the cleared entries one per line, sorted: "udp <ip>:<port>" for an address and
+// "udp nodeport <port>" for a node port.
+func (f *FakeConntrack) Dump() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var lines []string
+	for _, fl := range f.cleared {
+		for _, a := range fl.Addrs {
+			lines = append(lines, "udp "+netip.AddrPortFrom(a, fl.Port).String())
+		}
+		if fl.NodePort != 0 {
+			lines = append(lines, fmt.Sprintf("udp nodeport %d", fl.NodePort))
+		}
+	}
+	slices.Sort(lines)
+	return strings.Join(lines, "\n")
+}
+
+// Reset forgets the recorded calls.
+func (f *FakeConntrack) Reset() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.cleared = nil
+}
