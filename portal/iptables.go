@@ -1,0 +1,298 @@
+package portal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+)
+
+// ErrNATUnavailable means this node's iptables cannot REDIRECT/DNAT (no nat table, or its targets
+// are missing). Portals cannot work here; the bind mode does not need NAT.
+var ErrNATUnavailable = errors.New("the iptables nat table cannot REDIRECT/DNAT on this node; run with --portal-mode=bind")
+
+// Stats counts what the iptables portals did.
+type Stats struct {
+	// Restores is the number of iptables-restore runs, RestoreFailures how many of them failed.
+	Restores        uint64
+	RestoreFailures uint64
+	// ReadBacks counts iptables-save runs; Repairs how many read-backs found the live rules
+	// different from what was last applied (someone else changed or flushed them).
+	ReadBacks uint64
+	Repairs   uint64
+	// Rules is the number of rules in our chains, all families, as last applied.
+	Rules int
+}
+
+// IPTables programs the portal chains with iptables-restore. Each Sync computes the wanted rules
+// of every family and table, diffs them against what it believes is live, and sends the
+// difference in one `iptables-restore --noflush` per table (nothing when nothing changed). Every
+// VerifyPeriod it first reads the live chains back, so changes made by others are repaired.
+type IPTables struct {
+	cfg    Config
+	runner Runner
+
+	mu         sync.Mutex // serialises Sync and Cleanup
+	live       map[Family]map[string]*tableState
+	skipped    map[Family]string // families skipped, with the reason already logged
+	lastVerify time.Time
+	invalid    map[string]bool
+
+	viewMu sync.Mutex // guards stats and view; never held while running a command
+	stats  Stats
+	view   map[Family]map[string]*tableState
+}
+
+// NewIPTables returns the iptables portals. It runs nothing: the first Sync reads the live tables
+// and programs them.
+func NewIPTables(cfg Config, runner Runner) *IPTables {
+	return &IPTables{
+		cfg:     cfg.withDefaults(),
+		runner:  runner,
+		live:    map[Family]map[string]*tableState{},
+		skipped: map[Family]string{},
+		invalid: map[string]bool{},
+		view:    map[Family]map[string]*tableState{},
+	}
+}
+
+// Sync makes the portal chains of every family match specs. A failed restore leaves the other
+// tables and families applied; it is counted, returned, and retried by the next Sync (the failed
+// table is read back first, since its state is then unknown).
+func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.cfg.Clock.Now()
+	verify := p.lastVerify.IsZero() || now.Sub(p.lastVerify) >= p.cfg.VerifyPeriod
+	verified := true
+	var errs []error
+	invalid := map[string]bool{}
+	for _, fam := range Families {
+		if !p.familyEnabled(fam) {
+			continue
+		}
+		want, bad := buildRules(p.cfg, fam, specs)
+		for _, err := range bad {
+			if !p.invalid[err.Error()] && !invalid[err.Error()] {
+				p.cfg.Logger.WithError(err).Warn("Skipping service port without portal")
+			}
+			invalid[err.Error()] = true
+		}
+		ok, err := p.syncFamily(ctx, fam, want, verify)
+		verified = verified && ok
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	p.invalid = invalid
+	if verify && verified {
+		p.lastVerify = now
+	}
+	return errors.Join(errs...)
+}
+
+// familyEnabled reports whether fam is programmed, logging once why it is not.
+func (p *IPTables) familyEnabled(fam Family) bool {
+	reason := p.skipped[fam]
+	if reason == "" {
+		bind := p.cfg.BindAddress
+		switch {
+		case !bind.IsUnspecified() && FamilyOf(bind) != fam:
+			reason = "bind address " + bind.String() + " is not of this family"
+		case bind.IsUnspecified() && !p.cfg.HostIPs[fam].IsValid():
+			reason = "the node has no IP address of this family"
+		}
+		if reason != "" {
+			p.skip(fam, reason)
+		}
+	}
+	return reason == ""
+}
+
+func (p *IPTables) skip(fam Family, reason string) {
+	if p.skipped[fam] != "" {
+		return
+	}
+	p.skipped[fam] = reason
+	p.cfg.Logger.WithField("family", fam.String()).Info("Skipping IP family for portals: " + reason)
+}
+
+// syncFamily reads back what needs reading and restores each table that differs. ok reports
+// whether every read-back worked (so the verify clock may restart).
+func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules, verify bool) (ok bool, err error) {
+	live := p.live[fam]
+	if live == nil {
+		live = map[string]*tableState{}
+		p.live[fam] = live
+	}
+	var errs []error
+	ok = true
+	for _, table := range tables {
+		if verify || live[table] == nil {
+			st, err := p.readBack(ctx, fam, table)
+			if errors.Is(err, ErrUnavailable) {
+				p.skip(fam, err.Error())
+				return true, nil
+			}
+			if err != nil {
+				ok = false
+				errs = append(errs, err)
+				continue
+			}
+			if live[table] != nil && !live[table].equal(st) {
+				p.count(func(s *Stats) { s.Repairs++ })
+				p.cfg.Logger.WithFields(map[string]any{"family": fam.String(), "table": table}).
+					Warn("Portal rules changed behind our back; repairing")
+			}
+			live[table] = st
+		}
+		data, result := restorePlan(table, live[table], want[table])
+		if data == nil {
+			continue
+		}
+		if err := p.restore(ctx, fam, table, data); err != nil {
+			live[table] = nil // unknown now: read back before the next attempt
+			errs = append(errs, err)
+			continue
+		}
+		live[table] = result
+	}
+	p.publish(fam, live)
+	return ok, errors.Join(errs...)
+}
+
+func (p *IPTables) readBack(ctx context.Context, fam Family, table string) (*tableState, error) {
+	p.count(func(s *Stats) { s.ReadBacks++ })
+	data, err := p.runner.Save(ctx, fam, table)
+	if err != nil {
+		return nil, fmt.Errorf("portal %s %s: read back: %w", fam, table, err)
+	}
+	st, err := parseSave(table, data)
+	if err != nil {
+		return nil, fmt.Errorf("portal %s %s: %w", fam, table, err)
+	}
+	return st, nil
+}
+
+func (p *IPTables) restore(ctx context.Context, fam Family, table string, data []byte) error {
+	p.count(func(s *Stats) { s.Restores++ })
+	err := p.runner.Restore(ctx, fam, data)
+	if err == nil {
+		return nil
+	}
+	p.count(func(s *Stats) { s.RestoreFailures++ })
+	if table == tableNAT && !p.natWorks(ctx, fam) {
+		err = fmt.Errorf("%w: %w", ErrNATUnavailable, err)
+	}
+	return fmt.Errorf("portal %s %s: restore: %w", fam, table, err)
+}
+
+// natProbe adds a REDIRECT and a DNAT rule to a scratch chain and removes it again, in one
+// transaction: if that fails too, the failure is NAT itself, not our rules.
+const natProbe = `*nat
+:KUBE-PORTALS-PROBE - [0:0]
+-A KUBE-PORTALS-PROBE -p tcp -j REDIRECT --to-ports 1
+-A KUBE-PORTALS-PROBE -p tcp -j DNAT --to-destination %s
+-F KUBE-PORTALS-PROBE
+-X KUBE-PORTALS-PROBE
+COMMIT
+`
+
+func (p *IPTables) natWorks(ctx context.Context, fam Family) bool {
+	dst := "127.0.0.1:1"
+	if fam == IPv6 {
+		dst = "[::1]:1"
+	}
+	return p.runner.Restore(ctx, fam, fmt.Appendf(nil, natProbe, dst)) == nil
+}
+
+// Cleanup removes every chain and jump rule we own, in both families, whatever the configuration.
+// Nothing to remove is not an error; a family without iptables binaries is skipped.
+func (p *IPTables) Cleanup(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var errs []error
+	for _, fam := range Families {
+		for _, table := range tables {
+			live, err := p.readBack(ctx, fam, table)
+			if errors.Is(err, ErrUnavailable) {
+				p.cfg.Logger.WithField("family", fam.String()).Info("Skipping IP family for cleanup: " + err.Error())
+				break
+			}
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			data, _ := restorePlan(table, live, newTableState())
+			if data == nil {
+				continue
+			}
+			if err := p.restore(ctx, fam, table, data); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		delete(p.live, fam)
+		p.publish(fam, nil)
+	}
+	p.lastVerify = time.Time{}
+	return errors.Join(errs...)
+}
+
+func (p *IPTables) count(f func(*Stats)) {
+	p.viewMu.Lock()
+	f(&p.stats)
+	p.viewMu.Unlock()
+}
+
+// publish records the believed-live state for Rules and Stats. Table states are never modified
+// once built, so sharing them is safe.
+func (p *IPTables) publish(fam Family, live map[string]*tableState) {
+	snap := map[string]*tableState{}
+	for t, st := range live {
+		snap[t] = st
+	}
+	p.viewMu.Lock()
+	defer p.viewMu.Unlock()
+	p.view[fam] = snap
+	n := 0
+	for _, ts := range p.view {
+		for _, st := range ts {
+			if st != nil {
+				n += st.rules()
+			}
+		}
+	}
+	p.stats.Rules = n
+}
+
+// Stats returns the counters.
+func (p *IPTables) Stats() Stats {
+	p.viewMu.Lock()
+	defer p.viewMu.Unlock()
+	return p.stats
+}
+
+// Rules returns our chains and jump rules as last applied, per family, in iptables-save format,
+// for a debug view.
+func (p *IPTables) Rules() string {
+	p.viewMu.Lock()
+	defer p.viewMu.Unlock()
+	var sb strings.Builder
+	for _, fam := range Families {
+		ts := p.view[fam]
+		if len(ts) == 0 {
+			continue
+		}
+		sb.WriteString("# " + fam.String() + "\n")
+		for _, table := range tables {
+			if st := ts[table]; st != nil {
+				sb.WriteString(render(table, st))
+			} else {
+				sb.WriteString("# " + table + ": unknown until the next read-back\n")
+			}
+		}
+	}
+	return sb.String()
+}

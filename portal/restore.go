@@ -1,0 +1,231 @@
+package portal
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// maxIncrementalDeletes bounds the "-D CHAIN <rule>" lines one restore may use on a chain before
+// the chain is rewritten whole instead. With iptables-nft a delete costs one read of the chain
+// (shared by all deletes of a restore) plus a linear search per delete, while a rewrite costs a
+// kernel add per rule: a handful of changes among thousands of rules is far cheaper as deletes
+// and appends, a mass change is cheaper (and leaves the chain sorted) as a rewrite.
+const maxIncrementalDeletes = 100
+
+// jumpHead records which jump bodies are inserted at the head of their chain.
+var jumpHead = func() map[string]bool {
+	m := map[string]bool{}
+	for _, j := range wantedJumps(true) {
+		m[j.body] = j.head
+	}
+	return m
+}()
+
+// restorePlan turns the believed-live state of one table into the wanted one. It returns the
+// iptables-restore --noflush input (nil when nothing differs) and the state that input produces.
+//
+// Everything happens in one transaction, so there is never a moment with flushed chains: new or
+// rewritten chains are declared (which creates or flushes them) and refilled in the same input,
+// changed jumps are deleted and re-added, and chains no longer wanted are emptied and deleted last.
+func restorePlan(table string, have, want *tableState) ([]byte, *tableState) {
+	if have.equal(want) {
+		return nil, have
+	}
+	result := newTableState()
+	var decl, jumpDel, body, jumpAdd, drop []string
+	for _, c := range ownedChains[table] {
+		w, wanted := want.chains[c]
+		h, exists := have.chains[c]
+		switch {
+		case !wanted && exists:
+			decl = append(decl, ":"+c+" - [0:0]")
+			drop = append(drop, "-X "+c)
+		case !wanted:
+		case !exists:
+			decl = append(decl, ":"+c+" - [0:0]")
+			body = appendRules(body, "-A", c, w)
+			result.chains[c] = w
+		default:
+			removed, added := multisetDiff(h, w)
+			switch {
+			case len(removed) == 0 && len(added) == 0:
+				result.chains[c] = h
+			case len(removed) <= maxIncrementalDeletes:
+				body = appendRules(body, "-D", c, removed)
+				body = appendRules(body, "-A", c, added)
+				result.chains[c] = append(removeFirst(h, removed), added...)
+			default:
+				decl = append(decl, ":"+c+" - [0:0]")
+				body = appendRules(body, "-A", c, w)
+				result.chains[c] = w
+			}
+		}
+	}
+	for _, chain := range sortedKeys(have.jumps, want.jumps) {
+		h, w := have.jumps[chain], want.jumps[chain]
+		if len(w) > 0 {
+			result.jumps[chain] = w
+		}
+		if slices.Equal(h, w) {
+			continue
+		}
+		jumpDel = appendRules(jumpDel, "-D", chain, h)
+		for i := len(w) - 1; i >= 0; i-- {
+			if jumpHead[w[i]] {
+				jumpAdd = append(jumpAdd, "-I "+chain+" 1 "+w[i])
+			}
+		}
+		for _, j := range w {
+			if !jumpHead[j] {
+				jumpAdd = append(jumpAdd, "-A "+chain+" "+j)
+			}
+		}
+	}
+	var buf bytes.Buffer
+	buf.WriteString("*" + table + "\n")
+	for _, part := range [][]string{decl, jumpDel, body, jumpAdd, drop} {
+		for _, l := range part {
+			buf.WriteString(l)
+			buf.WriteByte('\n')
+		}
+	}
+	buf.WriteString("COMMIT\n")
+	return buf.Bytes(), result
+}
+
+func appendRules(lines []string, op, chain string, rules []string) []string {
+	for _, r := range rules {
+		lines = append(lines, op+" "+chain+" "+r)
+	}
+	return lines
+}
+
+// multisetDiff returns the rules of have that want lacks and the rules of want that have lacks,
+// each in its own order, counting duplicates.
+func multisetDiff(have, want []string) (removed, added []string) {
+	count := make(map[string]int, len(want))
+	for _, r := range want {
+		count[r]++
+	}
+	for _, r := range have {
+		if count[r] > 0 {
+			count[r]--
+			continue
+		}
+		removed = append(removed, r)
+	}
+	count = make(map[string]int, len(have))
+	for _, r := range have {
+		count[r]++
+	}
+	for _, r := range want {
+		if count[r] > 0 {
+			count[r]--
+			continue
+		}
+		added = append(added, r)
+	}
+	return removed, added
+}
+
+// removeFirst drops, for each rule of removed, its first occurrence in rules (what "-D" does).
+func removeFirst(rules, removed []string) []string {
+	drop := make(map[string]int, len(removed))
+	for _, r := range removed {
+		drop[r]++
+	}
+	out := make([]string, 0, len(rules))
+	for _, r := range rules {
+		if drop[r] > 0 {
+			drop[r]--
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+func sortedKeys(ms ...map[string][]string) []string {
+	var keys []string
+	for _, m := range ms {
+		for k := range m {
+			if !slices.Contains(keys, k) {
+				keys = append(keys, k)
+			}
+		}
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// parseSave reads our part of one table from iptables-save output: which of our chains exist and
+// their rules, and the rules elsewhere that jump into them.
+func parseSave(table string, data []byte) (*tableState, error) {
+	st := newTableState()
+	in := false
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "*"):
+			in = line[1:] == table
+		case !in || line == "COMMIT" || strings.HasPrefix(line, "#"):
+		case strings.HasPrefix(line, ":"):
+			name, _, _ := strings.Cut(line[1:], " ")
+			if isOwned(table, name) {
+				st.chains[name] = []string{}
+			}
+		case strings.HasPrefix(line, "-A "):
+			chain, body, _ := strings.Cut(line[3:], " ")
+			if isOwned(table, chain) {
+				st.chains[chain] = append(st.chains[chain], body)
+			} else if isOwned(table, jumpTarget(body)) {
+				st.jumps[chain] = append(st.jumps[chain], body)
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("parse iptables-save -t %s: %w", table, err)
+	}
+	return st, nil
+}
+
+// jumpTarget is the chain a rule body jumps to ("-j X" at the end), or "".
+func jumpTarget(body string) string {
+	i := strings.LastIndex(body, "-j ")
+	if i < 0 || (i > 0 && body[i-1] != ' ') {
+		return ""
+	}
+	target := body[i+3:]
+	if strings.Contains(target, " ") {
+		return ""
+	}
+	return target
+}
+
+// render prints a table state the way iptables-save prints it, limited to our chains and jumps.
+func render(table string, st *tableState) string {
+	var sb strings.Builder
+	sb.WriteString("*" + table + "\n")
+	for _, c := range ownedChains[table] {
+		if _, ok := st.chains[c]; ok {
+			sb.WriteString(":" + c + " - [0:0]\n")
+		}
+	}
+	for _, chain := range sortedKeys(st.jumps) {
+		for _, j := range st.jumps[chain] {
+			sb.WriteString("-A " + chain + " " + j + "\n")
+		}
+	}
+	for _, c := range ownedChains[table] {
+		for _, r := range st.chains[c] {
+			sb.WriteString("-A " + c + " " + r + "\n")
+		}
+	}
+	sb.WriteString("COMMIT\n")
+	return sb.String()
+}

@@ -1,0 +1,275 @@
+package portal
+
+import (
+	"cmp"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// The tables we write to.
+const (
+	tableNAT    = "nat"
+	tableFilter = "filter"
+)
+
+// The legacy chain names (kube-proxy userspace), plus the guard chain that is new here.
+const (
+	ChainPortalsContainer  = "KUBE-PORTALS-CONTAINER"
+	ChainPortalsHost       = "KUBE-PORTALS-HOST"
+	ChainNodePortContainer = "KUBE-NODEPORT-CONTAINER"
+	ChainNodePortHost      = "KUBE-NODEPORT-HOST"
+	ChainNodePortNonLocal  = "KUBE-NODEPORT-NON-LOCAL"
+	ChainGuard             = "KUBE-PORTALS-GUARD"
+)
+
+// tables lists the tables in the order they are programmed.
+var tables = []string{tableNAT, tableFilter}
+
+// ownedChains are the chains we create, per table, in the order they are declared. Cleanup and
+// read-back recognise all of them, also the guard chain when protection is switched off, so
+// switching it off removes it.
+var ownedChains = map[string][]string{
+	tableNAT:    {ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost},
+	tableFilter: {ChainNodePortNonLocal, ChainGuard},
+}
+
+func isOwned(table, chain string) bool { return slices.Contains(ownedChains[table], chain) }
+
+// jump is one rule in a built-in chain that sends packets into one of our chains.
+type jump struct {
+	table, chain string
+	// head jumps are inserted at position 1, the others appended (legacy -I / -A).
+	head bool
+	body string
+}
+
+// Jump rules, exactly as legacy iptablesInit wrote them (iptables-save spelling).
+var (
+	jumpPortalsContainer = jump{tableNAT, "PREROUTING", true,
+		`-m comment --comment "handle ClusterIPs; NOTE: this must be before the NodePort rules" -j ` + ChainPortalsContainer}
+	jumpPortalsHost = jump{tableNAT, "OUTPUT", true,
+		`-m comment --comment "handle ClusterIPs; NOTE: this must be before the NodePort rules" -j ` + ChainPortalsHost}
+	jumpNodePortContainer = jump{tableNAT, "PREROUTING", false,
+		`-m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain" -j ` + ChainNodePortContainer}
+	jumpNodePortHost = jump{tableNAT, "OUTPUT", false,
+		`-m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain" -j ` + ChainNodePortHost}
+	jumpNodePortNonLocal = jump{tableFilter, "INPUT", true,
+		`-m comment --comment "Ensure that non-local NodePort traffic can flow" -j ` + ChainNodePortNonLocal}
+	// The guard must see packets before KUBE-NODEPORT-NON-LOCAL accepts them, so it comes first.
+	jumpGuard = jump{tableFilter, "INPUT", true,
+		`-m comment --comment "new connections reach proxy ports only through a portal" -j ` + ChainGuard}
+)
+
+// wantedJumps are the jump rules in the order they must appear in their built-in chains.
+func wantedJumps(protect bool) []jump {
+	js := []jump{jumpPortalsContainer, jumpNodePortContainer, jumpPortalsHost, jumpNodePortHost}
+	if protect {
+		js = append(js, jumpGuard)
+	}
+	return append(js, jumpNodePortNonLocal)
+}
+
+// tableState is the content of our part of one table: our chains with their rule bodies (the text
+// after "-A CHAIN ") in order, and the jump rules into them found in other chains, in order. It
+// describes both the wanted state and what is believed to be live.
+type tableState struct {
+	chains map[string][]string
+	jumps  map[string][]string
+}
+
+func newTableState() *tableState {
+	return &tableState{chains: map[string][]string{}, jumps: map[string][]string{}}
+}
+
+func (t *tableState) equal(o *tableState) bool {
+	eq := func(a, b []string) bool { return slices.Equal(a, b) }
+	return maps2Equal(t.chains, o.chains, eq) && maps2Equal(t.jumps, o.jumps, eq)
+}
+
+func maps2Equal(a, b map[string][]string, eq func(a, b []string) bool) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		w, ok := b[k]
+		if !ok || !eq(v, w) {
+			return false
+		}
+	}
+	return true
+}
+
+func (t *tableState) rules() int {
+	n := 0
+	for _, r := range t.chains {
+		n += len(r)
+	}
+	return n
+}
+
+// familyRules is the wanted state of one family, per table.
+type familyRules map[string]*tableState
+
+// ruleBuilder turns specs into rules for one family.
+type ruleBuilder struct {
+	fam     Family
+	bind    netip.Addr // unspecified or a specific address of fam
+	hostIP  netip.Addr
+	npDsts  []string // "-d" values for node port rules; "" means no -d (all local addresses)
+	protect bool
+	out     familyRules
+}
+
+// buildRules is the pure function from specs to the wanted rules of one family. Specs are taken in
+// name order, and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
+// IPs, node port), so the text is stable. Invalid specs are returned for the caller to report.
+func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
+	b := ruleBuilder{fam: fam, bind: cfg.BindAddress, hostIP: cfg.HostIPs[fam], protect: cfg.ProtectProxyPorts,
+		out: familyRules{}}
+	for _, table := range tables {
+		b.out[table] = newTableState()
+		for _, c := range ownedChains[table] {
+			if c == ChainGuard && !b.protect {
+				continue
+			}
+			b.out[table].chains[c] = nil
+		}
+	}
+	for _, j := range wantedJumps(b.protect) {
+		t := b.out[j.table]
+		t.jumps[j.chain] = append(t.jumps[j.chain], j.body)
+	}
+	if len(cfg.NodePortAddresses) == 0 {
+		b.npDsts = []string{""}
+	}
+	for _, p := range cfg.NodePortAddresses {
+		if FamilyOf(p.Addr()) == fam {
+			b.npDsts = append(b.npDsts, p.Masked().String())
+		}
+	}
+
+	sorted := slices.Clone(specs)
+	slices.SortFunc(sorted, compareSpecs)
+	var errs []error
+	for i := range sorted {
+		if err := validate(&sorted[i]); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		b.add(&sorted[i])
+	}
+	return b.out, errs
+}
+
+func compareSpecs(a, b Spec) int {
+	return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
+		cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
+}
+
+func validate(s *Spec) error {
+	switch {
+	case s.Protocol != service.TCP && s.Protocol != service.UDP:
+		return fmt.Errorf("portal %s: protocol %q is not supported", s.Name, s.Protocol)
+	case s.Port == 0:
+		return fmt.Errorf("portal %s: service port is 0", s.Name)
+	case s.ProxyPort == 0:
+		return fmt.Errorf("portal %s: proxy port is 0", s.Name)
+	}
+	return nil
+}
+
+func (b *ruleBuilder) add(s *Spec) {
+	for _, ip := range b.ofFamily(s.ClusterIPs) {
+		b.internalPortal(s, ip)
+	}
+	for _, ip := range b.ofFamily(s.ExternalIPs) {
+		b.externalPortal(s, ip)
+	}
+	for _, ip := range b.ofFamily(s.LoadBalancerIPs) {
+		b.internalPortal(s, ip)
+	}
+	if s.NodePort != 0 && len(b.npDsts) > 0 {
+		for _, d := range b.npDsts {
+			b.rule(tableNAT, ChainNodePortContainer, common(s, d, s.NodePort), b.containerTarget(s))
+			b.rule(tableNAT, ChainNodePortHost, common(s, d, s.NodePort), b.hostTarget(s))
+		}
+		// Legacy: accept new connections to the proxy port (the node port after translation).
+		b.rule(tableFilter, ChainNodePortNonLocal, common(s, "", s.ProxyPort), "-m state --state NEW -j ACCEPT")
+	}
+	if b.protect {
+		b.rule(tableFilter, ChainGuard, "! -i lo "+common(s, "", s.ProxyPort),
+			"-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -j DROP")
+	}
+}
+
+// internalPortal is the portal of a cluster IP or load-balancer IP: any packet to it is steered.
+func (b *ruleBuilder) internalPortal(s *Spec, ip netip.Addr) {
+	d := hostPrefix(ip)
+	b.rule(tableNAT, ChainPortalsContainer, common(s, d, s.Port), b.containerTarget(s))
+	b.rule(tableNAT, ChainPortalsHost, common(s, d, s.Port), b.hostTarget(s))
+}
+
+// externalPortal is the portal of an external IP: pods reach it through the proxy only when the
+// packet did not come in on a bridge port or the IP is local; the host only when the IP is local.
+func (b *ruleBuilder) externalPortal(s *Spec, ip netip.Addr) {
+	d := hostPrefix(ip)
+	b.rule(tableNAT, ChainPortalsContainer, common(s, d, s.Port)+" -m physdev ! --physdev-is-in", b.containerTarget(s))
+	b.rule(tableNAT, ChainPortalsContainer, common(s, d, s.Port)+" -m addrtype --dst-type LOCAL", b.containerTarget(s))
+	b.rule(tableNAT, ChainPortalsHost, common(s, d, s.Port)+" -m addrtype --dst-type LOCAL", b.hostTarget(s))
+}
+
+func (b *ruleBuilder) rule(table, chain, match, target string) {
+	t := b.out[table]
+	t.chains[chain] = append(t.chains[chain], match+" "+target)
+}
+
+// containerTarget: REDIRECT goes to the primary address of the incoming interface, so replies
+// leave the way the request came and un-NAT correctly (DNAT to the node IP from a bridge would
+// answer from the wrong address). A specific bind address is the only place the socket listens.
+func (b *ruleBuilder) containerTarget(s *Spec) string {
+	if b.bind.IsUnspecified() {
+		return "-j REDIRECT --to-ports " + strconv.Itoa(int(s.ProxyPort))
+	}
+	return "-j DNAT --to-destination " + netip.AddrPortFrom(b.bind, s.ProxyPort).String()
+}
+
+// hostTarget: REDIRECT of locally generated packets goes to 127.0.0.1 while replies come from the
+// node IP, so host traffic is DNATed to a non-loopback node address instead.
+func (b *ruleBuilder) hostTarget(s *Spec) string {
+	ip := b.hostIP
+	if !b.bind.IsUnspecified() {
+		ip = b.bind
+	}
+	return "-j DNAT --to-destination " + netip.AddrPortFrom(ip, s.ProxyPort).String()
+}
+
+func (b *ruleBuilder) ofFamily(ips []netip.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range ips {
+		if ip.IsValid() && FamilyOf(ip) == b.fam {
+			out = append(out, ip.Unmap())
+		}
+	}
+	return out
+}
+
+func hostPrefix(ip netip.Addr) string {
+	return netip.PrefixFrom(ip, ip.BitLen()).String()
+}
+
+// common is legacy iptablesCommonPortalArgs in the order iptables-save prints it: the address and
+// protocol first, then the comment and port match modules in the order they were given.
+func common(s *Spec, dst string, dport uint16) string {
+	proto := strings.ToLower(string(s.Protocol))
+	var sb strings.Builder
+	if dst != "" {
+		sb.WriteString("-d " + dst + " ")
+	}
+	fmt.Fprintf(&sb, "-p %s -m comment --comment %q -m %s --dport %d", proto, s.Name.String(), proto, dport)
+	return sb.String()
+}
