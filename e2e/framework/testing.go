@@ -1,0 +1,49 @@
+package framework
+
+import (
+	"context"
+	"errors"
+	"os"
+	"testing"
+)
+
+// Required reports whether the environment demands the end-to-end tests run (KPP_E2E_REQUIRE set
+// to anything but "" or "0"): then missing binaries fail tests instead of skipping them.
+func Required() bool {
+	v := os.Getenv(EnvRequire)
+	return v != "" && v != "0"
+}
+
+// StartControlPlane starts a control plane for t and stops it in t.Cleanup. Without binaries it
+// skips t, or fails it when Required(). On failure the cleanup logs the daemons' last log lines.
+func StartControlPlane(t testing.TB) *ControlPlane {
+	t.Helper()
+	bins, err := FindBinaries()
+	if err != nil {
+		skipOrFail(t, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultStartTimeout)
+	defer cancel()
+	// t.TempDir is removed after the cleanup below has stopped the daemons.
+	cp, err := Start(ctx, Options{Binaries: bins, Dir: t.TempDir()})
+	if err != nil {
+		t.Fatalf("start control plane: %v", err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("control plane logs:\n%s", cp.LogTail(40))
+		}
+		if err := cp.Stop(); err != nil {
+			t.Errorf("stop control plane: %v", err)
+		}
+	})
+	return cp
+}
+
+func skipOrFail(t testing.TB, err error) {
+	t.Helper()
+	if !errors.Is(err, ErrBinariesMissing) || Required() {
+		t.Fatalf("e2e: %v", err)
+	}
+	t.Skipf("e2e skipped: %v (set %s=1 to fail instead)", err, EnvRequire)
+}
