@@ -130,6 +130,7 @@ func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules,
 	var errs []error
 	ok = true
 	for _, table := range tables {
+		repair := false
 		if verify || live[table] == nil {
 			st, err := p.readBack(ctx, fam, table)
 			if errors.Is(err, ErrUnavailable) {
@@ -142,13 +143,14 @@ func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules,
 				continue
 			}
 			if live[table] != nil && !live[table].equal(st) {
+				repair = true
 				p.count(func(s *Stats) { s.Repairs++ })
 				p.cfg.Logger.WithFields(map[string]any{"family": fam.String(), "table": table}).
 					Warn("Portal rules changed behind our back; repairing")
 			}
 			live[table] = st
 		}
-		data, result := restorePlan(table, live[table], want[table])
+		data, result := restorePlan(table, live[table], want[table], repair)
 		if data == nil {
 			continue
 		}
@@ -225,7 +227,7 @@ func (p *IPTables) Cleanup(ctx context.Context) error {
 				errs = append(errs, err)
 				continue
 			}
-			data, _ := restorePlan(table, live, newTableState())
+			data, _ := restorePlan(table, live, newTableState(), false)
 			if data == nil {
 				continue
 			}

@@ -26,11 +26,13 @@ var jumpHead = func() map[string]bool {
 
 // restorePlan turns the believed-live state of one table into the wanted one. It returns the
 // iptables-restore --noflush input (nil when nothing differs) and the state that input produces.
+// With rewrite, every chain that differs is rewritten whole (used to repair, so a repaired chain
+// is back in its canonical order); otherwise small differences become deletes and appends.
 //
 // Everything happens in one transaction, so there is never a moment with flushed chains: new or
 // rewritten chains are declared (which creates or flushes them) and refilled in the same input,
 // changed jumps are deleted and re-added, and chains no longer wanted are emptied and deleted last.
-func restorePlan(table string, have, want *tableState) ([]byte, *tableState) {
+func restorePlan(table string, have, want *tableState, rewrite bool) ([]byte, *tableState) {
 	if have.equal(want) {
 		return nil, have
 	}
@@ -53,7 +55,7 @@ func restorePlan(table string, have, want *tableState) ([]byte, *tableState) {
 			switch {
 			case len(removed) == 0 && len(added) == 0:
 				result.chains[c] = h
-			case len(removed) <= maxIncrementalDeletes:
+			case !rewrite && len(removed) <= maxIncrementalDeletes:
 				body = appendRules(body, "-D", c, removed)
 				body = appendRules(body, "-A", c, added)
 				result.chains[c] = append(removeFirst(h, removed), added...)
