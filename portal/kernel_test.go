@@ -1,0 +1,261 @@
+package portal
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// Address plan for the kernel tests (all inside namespaces the test creates):
+//   client 10.100.0.2/24 (veth c0)  <->  node 10.100.0.1/24 (veth n0), fd00:100::1/64 on n0
+//   cluster IPs 10.96.0.0/16 and fd00:96::/112, routed from the client via the node; the node
+//   routes them out of n0 so its own connections reach the OUTPUT chain.
+
+var (
+	labNodeV4 = netip.MustParseAddr("10.100.0.1")
+	labNodeV6 = netip.MustParseAddr("fd00:100::1")
+)
+
+// kubeLines keeps what iptables-save shows of our chains: their declarations and every rule in or
+// into them, without counters.
+func kubeLines(save string) []string {
+	var out []string
+	for _, l := range strings.Split(save, "\n") {
+		switch {
+		case strings.HasPrefix(l, ":KUBE-"):
+			name, _, _ := strings.Cut(l, " ")
+			out = append(out, name)
+		case strings.HasPrefix(l, "-A ") && strings.Contains(l, "KUBE-"), strings.HasPrefix(l, "*"):
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func kernelSave(t *testing.T, node *netns.NS, fam Family) string {
+	t.Helper()
+	bin := "iptables-save"
+	if fam == IPv6 {
+		bin = "ip6tables-save"
+	}
+	return node.MustExec(t, bin, "-t", "filter") + node.MustExec(t, bin, "-t", "nat")
+}
+
+// TestKernelRules runs the portals against real iptables in a throwaway namespace.
+func TestKernelRules(t *testing.T) {
+	lab := netns.NewTestLab(t)
+	node := lab.MustAdd(t, "node")
+	clk := clocktesting.NewFakePassiveClock(time.Unix(1000, 0))
+	cfg := Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4, IPv6: labNodeV6}, ProtectProxyPorts: true,
+		NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.100.0.0/24")},
+		Clock:             clk, VerifyPeriod: time.Minute}
+	specs := []Spec{
+		{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+			ClusterIPs: addrs("10.96.0.10", "fd00:96::10"), ExternalIPs: addrs("203.0.113.7", "2001:db8::7"),
+			LoadBalancerIPs: addrs("198.51.100.20"), ProxyPort: 34001},
+		{Name: spn("kube-system", "dns", ""), Protocol: service.UDP, Port: 53, ClusterIPs: addrs("10.96.0.53"), ProxyPort: 34002},
+	}
+	p := NewIPTables(cfg, &ExecRunner{Prefix: node.CommandPrefix()})
+	mustSync(t, p, specs)
+
+	t.Run("iptables-save_shows_exactly_the_generated_rules", func(t *testing.T) {
+		fake := NewFake()
+		mustSync(t, NewIPTables(cfg, fake), specs)
+		for _, fam := range Families {
+			want := ""
+			for _, table := range []string{tableFilter, tableNAT} {
+				b, _ := fake.Save(t.Context(), fam, table)
+				want += string(b)
+			}
+			got := kubeLines(kernelSave(t, node, fam))
+			if d := lineDiff(strings.Join(kubeLines(want), "\n"), strings.Join(got, "\n")); d != "" {
+				t.Errorf("%s rules in the kernel (-want +got):\n%s", fam, d)
+			}
+		}
+	})
+
+	t.Run("unchanged_sync_runs_no_restore", func(t *testing.T) {
+		before := p.Stats()
+		mustSync(t, p, specs)
+		if got := p.Stats(); got != before {
+			t.Errorf("Stats() changed on a no-op sync: before %+v, after %+v", before, got)
+		}
+	})
+
+	t.Run("read-back_finds_nothing_to_repair", func(t *testing.T) {
+		before := p.Stats()
+		clk.SetTime(clk.Now().Add(time.Minute))
+		mustSync(t, p, specs)
+		got := p.Stats()
+		if got.ReadBacks != before.ReadBacks+4 || got.Restores != before.Restores || got.Repairs != 0 {
+			t.Errorf("verify sync: before %+v, after %+v; want 4 read-backs, no restore, no repair", before, got)
+		}
+	})
+
+	t.Run("repairs_a_flushed_chain", func(t *testing.T) {
+		want := kernelSave(t, node, IPv4)
+		node.MustExec(t, "iptables", "-t", "nat", "-F", ChainPortalsContainer)
+		node.MustExec(t, "iptables", "-t", "filter", "-D", "INPUT", "1")
+		clk.SetTime(clk.Now().Add(time.Minute))
+		mustSync(t, p, specs)
+		if d := lineDiff(strings.Join(kubeLines(want), "\n"), strings.Join(kubeLines(kernelSave(t, node, IPv4)), "\n")); d != "" {
+			t.Errorf("rules after repair (-want +got):\n%s", d)
+		}
+		if got := p.Stats().Repairs; got != 2 {
+			t.Errorf("Stats().Repairs = %d, want 2 (nat and filter)", got)
+		}
+	})
+
+	t.Run("small_change_is_applied", func(t *testing.T) {
+		changed := slices.Clone(specs)
+		changed[1].ProxyPort = 34099
+		mustSync(t, p, changed)
+		if got := kernelSave(t, node, IPv4); !strings.Contains(got, "--dport 53 -j REDIRECT --to-ports 34099") || strings.Contains(got, "34002") {
+			t.Errorf("after changing the dns proxy port to 34099 the kernel has:\n%s", got)
+		}
+	})
+
+	t.Run("removal_leaves_no_trace", func(t *testing.T) {
+		mustSync(t, p, nil)
+		for _, fam := range Families {
+			for _, l := range kubeLines(kernelSave(t, node, fam)) {
+				if strings.Contains(l, "--comment \"default/") || strings.Contains(l, "--comment \"kube-system/") {
+					t.Errorf("%s: rule left after removing every service: %s", fam, l)
+				}
+			}
+		}
+	})
+
+	t.Run("cleanup_removes_every_chain", func(t *testing.T) {
+		mustSync(t, p, specs)
+		if err := NewIPTables(Config{}, &ExecRunner{Prefix: node.CommandPrefix()}).Cleanup(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		for _, fam := range Families {
+			if got := kernelSave(t, node, fam); strings.Contains(got, "KUBE-PORTALS") || strings.Contains(got, "KUBE-NODEPORT") {
+				t.Errorf("%s after Cleanup:\n%s", fam, got)
+			}
+		}
+		if err := NewIPTables(Config{}, &ExecRunner{Prefix: node.CommandPrefix()}).Cleanup(t.Context()); err != nil {
+			t.Errorf("second Cleanup with nothing left: %v", err)
+		}
+	})
+}
+
+// trafficLab is a client namespace linked to a node namespace that runs a TCP listener standing in
+// for a proxy socket.
+type trafficLab struct {
+	client, node *netns.NS
+	proxyPort    uint16
+}
+
+func newTrafficLab(t *testing.T) *trafficLab {
+	lab := netns.NewTestLab(t)
+	l := &trafficLab{client: lab.MustAdd(t, "client"), node: lab.MustAdd(t, "node")}
+	ctx := t.Context()
+	if err := netns.Link(ctx,
+		netns.End{NS: l.client, Dev: "c0", Addr: netip.MustParsePrefix("10.100.0.2/24")},
+		netns.End{NS: l.node, Dev: "n0", Addr: netip.MustParsePrefix("10.100.0.1/24")}); err != nil {
+		t.Fatal(err)
+	}
+	clusterRange := netip.MustParsePrefix("10.96.0.0/16")
+	if err := l.client.AddRoute(ctx, clusterRange, labNodeV4, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.node.AddRoute(ctx, clusterRange, netip.Addr{}, "n0"); err != nil {
+		t.Fatal(err)
+	}
+	var ln net.Listener
+	if err := l.node.Do(func() (err error) {
+		ln, err = net.Listen("tcp4", "0.0.0.0:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	l.proxyPort = uint16(ln.Addr().(*net.TCPAddr).Port)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			fmt.Fprintf(c, "proxy socket, local %s", c.LocalAddr())
+			c.Close()
+		}
+	}()
+	return l
+}
+
+// dial connects from ns and returns what the proxy socket said.
+func dial(ns *netns.NS, addr string, timeout time.Duration) (string, error) {
+	var got []byte
+	err := ns.Do(func() error {
+		c, err := net.DialTimeout("tcp", addr, timeout)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		got, err = io.ReadAll(c)
+		return err
+	})
+	return string(got), err
+}
+
+// TestKernelTraffic sends connections through the portals: from a client namespace (PREROUTING,
+// the CONTAINER chains) and from the node itself (OUTPUT, the HOST chains).
+func TestKernelTraffic(t *testing.T) {
+	l := newTrafficLab(t)
+	spec := Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+		ClusterIPs: addrs("10.96.0.10"), ProxyPort: l.proxyPort}
+	direct := netip.AddrPortFrom(labNodeV4, l.proxyPort).String()
+	tests := []struct {
+		name    string
+		cfg     Config
+		protect bool
+	}{
+		{name: "bind_any_REDIRECT_and_HOST_DNAT", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4}}},
+		{name: "bind_specific_DNAT", cfg: Config{BindAddress: labNodeV4}},
+		{name: "guarded_proxy_port", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4}, ProtectProxyPorts: true}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := NewIPTables(tt.cfg, &ExecRunner{Prefix: l.node.CommandPrefix()})
+			mustSync(t, p, []Spec{spec})
+			t.Cleanup(func() { p.Cleanup(t.Context()) })
+			for _, c := range []struct {
+				what string
+				from *netns.NS
+				addr string
+			}{
+				{"client_to_cluster_IP", l.client, "10.96.0.10:80"},
+				{"client_to_node_port", l.client, "10.100.0.1:30080"},
+				{"node_to_cluster_IP", l.node, "10.96.0.10:80"},
+				{"node_to_node_port", l.node, "10.100.0.1:30080"},
+			} {
+				got, err := dial(c.from, c.addr, 5*time.Second)
+				if err != nil || !strings.HasPrefix(got, "proxy socket") {
+					t.Errorf("%s %s: got %q, %v; want the proxy socket's greeting", c.what, c.addr, got, err)
+				}
+			}
+			got, err := dial(l.client, direct, 500*time.Millisecond)
+			if tt.cfg.ProtectProxyPorts && err == nil {
+				t.Errorf("client straight to the proxy port %s: got %q, want the guard to drop it", direct, got)
+			}
+			if !tt.cfg.ProtectProxyPorts && err != nil {
+				t.Errorf("client straight to the proxy port %s without the guard: %v", direct, err)
+			}
+		})
+	}
+}
