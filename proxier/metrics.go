@@ -1,0 +1,101 @@
+package proxier
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the proxier's Prometheus series. Sync series keep kube-proxy's names so existing
+// dashboards and alerts work unchanged; the proxier's own carry the kube_portal_proxy_ prefix.
+type Metrics struct {
+	syncDuration          prometheus.Histogram
+	lastSync              prometheus.Gauge
+	programming           prometheus.Histogram
+	serviceChanges        prometheus.Counter
+	endpointChanges       prometheus.Counter
+	pendingServiceChanges prometheus.Gauge
+	syncFailures          prometheus.Counter
+	activePorts           prometheus.Gauge
+	failedPorts           prometheus.Gauge
+	socketFailures        prometheus.Counter
+	unsupportedPorts      prometheus.Counter
+}
+
+// NewMetrics creates the series; Register adds them to a registry.
+func NewMetrics() *Metrics {
+	return &Metrics{
+		syncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Subsystem: "kubeproxy", Name: "sync_proxy_rules_duration_seconds",
+			Help:    "SyncProxyRules latency in seconds",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
+		}),
+		lastSync: prometheus.NewGauge(prometheus.GaugeOpts{
+			Subsystem: "kubeproxy", Name: "sync_proxy_rules_last_timestamp_seconds",
+			Help: "The last time proxy rules were successfully synced",
+		}),
+		programming: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Subsystem: "kubeproxy", Name: "network_programming_duration_seconds",
+			Help:    "In Network Programming Latency in seconds",
+			Buckets: merge(prometheus.LinearBuckets(0.25, 0.25, 2), prometheus.LinearBuckets(1, 1, 59), prometheus.LinearBuckets(60, 5, 12), prometheus.LinearBuckets(120, 30, 7)),
+		}),
+		serviceChanges: prometheus.NewCounter(prometheus.CounterOpts{
+			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_total",
+			Help: "Cumulative proxy rules Service changes",
+		}),
+		endpointChanges: prometheus.NewCounter(prometheus.CounterOpts{
+			Subsystem: "kubeproxy", Name: "sync_proxy_rules_endpoint_changes_total",
+			Help: "Cumulative proxy rules Endpoint changes",
+		}),
+		pendingServiceChanges: prometheus.NewGauge(prometheus.GaugeOpts{
+			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_pending",
+			Help: "Pending proxy rules Service changes",
+		}),
+		syncFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kube_portal_proxy_sync_failures_total",
+			Help: "Syncs whose portal programming failed (retried on the next sync).",
+		}),
+		activePorts: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_portal_proxy_proxy_ports",
+			Help: "Service ports with an open proxy socket.",
+		}),
+		failedPorts: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_portal_proxy_proxy_ports_failed",
+			Help: "Service ports whose proxy socket could not open (they have no portal).",
+		}),
+		socketFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kube_portal_proxy_proxy_socket_open_failures_total",
+			Help: "Failed attempts to open a proxy socket.",
+		}),
+		unsupportedPorts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kube_portal_proxy_unsupported_service_ports_total",
+			Help: "Service ports skipped because their protocol (SCTP) cannot be proxied in userspace.",
+		}),
+	}
+}
+
+// Register adds every series to r.
+func (m *Metrics) Register(r prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{m.syncDuration, m.lastSync, m.programming, m.serviceChanges,
+		m.endpointChanges, m.pendingServiceChanges, m.syncFailures, m.activePorts, m.failedPorts,
+		m.socketFailures, m.unsupportedPorts} {
+		if err := r.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (m *Metrics) observeProgramming(now, changed time.Time) {
+	if d := now.Sub(changed); d >= 0 {
+		m.programming.Observe(d.Seconds())
+	}
+}
+
+func merge(parts ...[]float64) []float64 {
+	var out []float64
+	for _, p := range parts {
+		out = append(out, p...)
+	}
+	return out
+}

@@ -1,0 +1,331 @@
+// Package proxier turns Services and EndpointSlices into proxy sockets, portal rules and
+// load-balancer state, and keeps them in step: event handlers record changes, a bounded-frequency
+// runner calls one sync that reconciles the desired state by diff.
+package proxier
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// ProxySocket is one service port's proxy socket: a TCP listener or a UDP socket with its sessions.
+type ProxySocket interface {
+	// Listen opens the socket; port 0 lets the kernel choose. Addr then reports the bound address.
+	Listen(addr netip.AddrPort) error
+	Addr() netip.AddrPort
+	// Run serves until ctx is done or Close is called.
+	Run(ctx context.Context) error
+	// Close stops serving new connections/sessions at once.
+	Close() error
+	// DropEndpoint ends the connections or sessions that use an endpoint that is gone.
+	DropEndpoint(ep netip.AddrPort) int
+}
+
+// Picker is what a proxy socket asks for endpoints (a loadbalancer.Service).
+type Picker interface {
+	Next(client netip.Addr, reset bool) (netip.AddrPort, error)
+}
+
+// SocketFactory builds (without opening) the proxy socket for a service port.
+type SocketFactory func(p *service.Port, picker Picker) ProxySocket
+
+// Config is the proxier's node-level configuration.
+type Config struct {
+	// ListenIP is --bind-address: the address proxy sockets listen on. Unspecified means all.
+	ListenIP  netip.Addr
+	PortRange PortRange
+	// MinSyncPeriod and SyncPeriod bound how often rules are synced.
+	MinSyncPeriod time.Duration
+	SyncPeriod    time.Duration
+	// DrainTCP ends established TCP connections to endpoints that were removed (UDP sessions to
+	// removed endpoints always end, so the client's next datagram reaches a live endpoint).
+	DrainTCP bool
+	Clock    clock.Clock
+	Logger   logrus.FieldLogger
+}
+
+// Deps are the proxier's collaborators, each behind a narrow seam.
+type Deps struct {
+	Balancer *loadbalancer.LoadBalancer
+	Sockets  SocketFactory
+	Portals  portal.Portals
+	// Conntrack clears UDP flows of removed service ports; nil when the portal mode uses no NAT.
+	Conntrack udp.Conntrack
+	Metrics   *Metrics
+	Health    *Health
+}
+
+// Proxier is the node proxy's control loop.
+type Proxier struct {
+	cfg    Config
+	deps   Deps
+	log    logrus.FieldLogger
+	runner *boundedRunner
+
+	svcChanges *serviceChangeTracker
+	slices     *endpointSliceCache
+
+	// mu guards what the event handlers write and the sync reads.
+	mu              sync.Mutex
+	latest          map[service.NamespacedName][]*service.Port
+	servicesSynced  bool
+	endpointsSynced bool
+	firstChange     map[service.NamespacedName]time.Time // for the network programming latency
+
+	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
+	epMu      sync.Mutex
+	endpoints map[service.ServicePortName][]service.Endpoint
+
+	// activeMu guards active for readers outside the sync goroutine (debug view, drains);
+	// only the sync goroutine writes it.
+	activeMu sync.RWMutex
+	active   map[service.ServicePortName]*activePort
+
+	// Owned by the sync goroutine.
+	services map[service.NamespacedName][]*service.Port
+	failed   map[service.ServicePortName]*service.Port
+	ports    *portAllocator
+	socketWG sync.WaitGroup
+	runCtx   context.Context
+}
+
+// activePort is a service port with an open proxy socket.
+type activePort struct {
+	port      *service.Port
+	sock      ProxySocket
+	proxyPort uint16
+	cancel    context.CancelFunc
+	done      chan struct{}
+}
+
+// New builds a proxier. It opens nothing and starts nothing: call Run.
+func New(cfg Config, deps Deps) *Proxier {
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = logrus.StandardLogger()
+	}
+	if !cfg.ListenIP.IsValid() {
+		cfg.ListenIP = netip.IPv4Unspecified()
+	}
+	if deps.Metrics == nil {
+		deps.Metrics = NewMetrics()
+	}
+	if deps.Health == nil {
+		deps.Health = NewHealth(cfg.Clock, 2*cfg.SyncPeriod)
+	}
+	p := &Proxier{
+		cfg:         cfg,
+		deps:        deps,
+		log:         cfg.Logger,
+		svcChanges:  newServiceChangeTracker(),
+		slices:      newEndpointSliceCache(),
+		latest:      make(map[service.NamespacedName][]*service.Port),
+		firstChange: make(map[service.NamespacedName]time.Time),
+		endpoints:   make(map[service.ServicePortName][]service.Endpoint),
+		active:      make(map[service.ServicePortName]*activePort),
+		services:    make(map[service.NamespacedName][]*service.Port),
+		failed:      make(map[service.ServicePortName]*service.Port),
+		ports:       newPortAllocator(cfg.PortRange),
+	}
+	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock)
+	return p
+}
+
+// Run runs the sync loop until ctx is done, then closes every proxy socket and waits for their
+// goroutines. Portal rules are left in place on purpose: a restarted proxy reopens its sockets and
+// swaps the rules in one restore, so service traffic is never black-holed.
+func (p *Proxier) Run(ctx context.Context) {
+	p.runCtx = ctx
+	p.deps.Health.QueuedUpdate()
+	p.runner.Run(ctx)
+	p.shutdown()
+}
+
+func (p *Proxier) shutdown() {
+	p.activeMu.Lock()
+	for _, a := range p.active {
+		a.cancel()
+		_ = a.sock.Close()
+	}
+	p.activeMu.Unlock()
+	p.socketWG.Wait()
+}
+
+// Sync asks for a sync soon (bounded by the minimum sync period).
+func (p *Proxier) Sync() { p.runner.Trigger() }
+
+func (p *Proxier) initialized() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.servicesSynced && p.endpointsSynced
+}
+
+// OnServiceAdd is called when a Service appears.
+func (p *Proxier) OnServiceAdd(svc *v1.Service) { p.OnServiceUpdate(nil, svc) }
+
+// OnServiceDelete is called when a Service is removed.
+func (p *Proxier) OnServiceDelete(svc *v1.Service) { p.onService(nsName(svc.Namespace, svc.Name), nil) }
+
+// OnServiceUpdate is called when a Service changes (old is nil for an add).
+func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
+	ports, errs := convertService(svc)
+	for _, err := range errs {
+		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Skipping service port")
+		if errors.Is(err, ErrUnsupportedProtocol) {
+			p.deps.Metrics.unsupportedPorts.Inc()
+		}
+	}
+	if ports == nil {
+		ports = []*service.Port{} // present but serving nothing differs from absent only for logs
+	}
+	p.onService(nsName(svc.Namespace, svc.Name), ports)
+}
+
+func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) {
+	p.mu.Lock()
+	previous, existed := p.latest[name]
+	if !existed {
+		previous = nil
+	}
+	if ports == nil || len(ports) == 0 {
+		delete(p.latest, name)
+		ports = nil
+	} else {
+		p.latest[name] = ports
+	}
+	pending := p.svcChanges.update(name, previous, ports)
+	if pending {
+		if _, ok := p.firstChange[name]; !ok {
+			p.firstChange[name] = p.cfg.Clock.Now()
+		}
+	}
+	synced := p.servicesSynced && p.endpointsSynced
+	p.mu.Unlock()
+	p.deps.Metrics.serviceChanges.Inc()
+	// Endpoints are matched to ports by name and protocol, so a port change may change them.
+	p.applyEndpoints(name)
+	if pending && synced {
+		p.deps.Health.QueuedUpdate()
+		p.runner.Trigger()
+	}
+}
+
+// OnServicesSynced is called once the initial Service list is delivered.
+func (p *Proxier) OnServicesSynced() { p.setSynced(func() { p.servicesSynced = true }) }
+
+// OnEndpointSlicesSynced is called once the initial EndpointSlice list is delivered.
+func (p *Proxier) OnEndpointSlicesSynced() { p.setSynced(func() { p.endpointsSynced = true }) }
+
+func (p *Proxier) setSynced(set func()) {
+	p.mu.Lock()
+	set()
+	ready := p.servicesSynced && p.endpointsSynced
+	p.mu.Unlock()
+	if ready {
+		p.runner.Trigger()
+	}
+}
+
+// OnEndpointSliceAdd is called when an EndpointSlice appears.
+func (p *Proxier) OnEndpointSliceAdd(s *discovery.EndpointSlice) { p.onSlice(s, false) }
+
+// OnEndpointSliceUpdate is called when an EndpointSlice changes.
+func (p *Proxier) OnEndpointSliceUpdate(_, s *discovery.EndpointSlice) { p.onSlice(s, false) }
+
+// OnEndpointSliceDelete is called when an EndpointSlice is removed.
+func (p *Proxier) OnEndpointSliceDelete(s *discovery.EndpointSlice) { p.onSlice(s, true) }
+
+func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
+	owner, err := sliceOwner(s)
+	if err != nil {
+		p.log.WithError(err).Debug("Ignoring EndpointSlice")
+		return
+	}
+	var slim *slimSlice
+	if !deleted {
+		slim = convertSlice(s)
+	}
+	p.slices.update(owner, s.Name, slim)
+	p.deps.Metrics.endpointChanges.Inc()
+	// Endpoint changes reach the balancer now, not at the next rules sync.
+	start := p.cfg.Clock.Now()
+	p.applyEndpoints(owner)
+	p.deps.Metrics.observeProgramming(p.cfg.Clock.Now(), triggerTime(s, start))
+}
+
+// triggerTime is when the change that produced this slice happened, from the annotation the
+// EndpointSlice controller sets, or else when the event arrived.
+func triggerTime(s *discovery.EndpointSlice, arrived time.Time) time.Time {
+	if v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]; ok {
+		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+			return t
+		}
+	}
+	return arrived
+}
+
+// applyEndpoints recomputes the endpoints of every port of a Service and hands them to the
+// balancer. Connections or sessions on endpoints that disappeared are dropped where that is
+// the policy (UDP always; TCP with DrainTCP).
+func (p *Proxier) applyEndpoints(name service.NamespacedName) {
+	p.mu.Lock()
+	ports := p.latest[name]
+	p.mu.Unlock()
+	sl := p.slices.get(name)
+
+	p.epMu.Lock()
+	defer p.epMu.Unlock()
+	for _, port := range ports {
+		eps := endpointsFor(port, sl)
+		p.endpoints[port.Name] = eps
+		usable := usableEndpoints(eps)
+		svc := p.deps.Balancer.Service(port.Name)
+		before := svc.Endpoints()
+		p.deps.Balancer.SetAffinity(port.Name, port.Affinity)
+		p.deps.Balancer.SetEndpoints(port.Name, usable)
+		p.dropRemoved(port, before, usable)
+	}
+}
+
+func (p *Proxier) dropRemoved(port *service.Port, before, after []netip.AddrPort) {
+	if port.Protocol == service.TCP && !p.cfg.DrainTCP {
+		return
+	}
+	p.activeMu.RLock()
+	a := p.active[port.Name]
+	p.activeMu.RUnlock()
+	if a == nil {
+		return
+	}
+	keep := make(map[netip.AddrPort]bool, len(after))
+	for _, ep := range after {
+		keep[ep] = true
+	}
+	for _, ep := range before {
+		if !keep[ep] {
+			if n := a.sock.DropEndpoint(ep); n > 0 {
+				p.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": ep.String(), "count": n}).
+					Info("Closed connections to a removed endpoint")
+			}
+		}
+	}
+}
+
+func nsName(ns, name string) service.NamespacedName {
+	return service.NamespacedName{Namespace: ns, Name: name}
+}

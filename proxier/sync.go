@@ -1,0 +1,227 @@
+package proxier
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"syscall"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// maxListenTries bounds how many range ports one service port tries when others are taken by
+// processes outside the proxy.
+const maxListenTries = 16
+
+// sync is the one function the runner calls: apply the coalesced Service changes to the proxy
+// sockets, retry sockets that failed to open, then make the portals match the open sockets. A
+// service port whose socket cannot open gets no portal, and the others are unaffected.
+func (p *Proxier) sync(ctx context.Context) error {
+	if !p.initialized() {
+		p.log.Debug("Not syncing until Services and EndpointSlices have synced")
+		return nil
+	}
+	start := p.cfg.Clock.Now()
+	changes := p.svcChanges.take()
+	p.mu.Lock()
+	first := p.firstChange
+	p.firstChange = make(map[service.NamespacedName]time.Time)
+	p.mu.Unlock()
+
+	for name, ch := range changes {
+		if ch.current == nil {
+			delete(p.services, name)
+		} else {
+			p.services[name] = ch.current
+		}
+		p.reconcileService(ch.previous, ch.current)
+	}
+	p.retryFailed()
+
+	err := p.deps.Portals.Sync(ctx, p.specs())
+	end := p.cfg.Clock.Now()
+	m := p.deps.Metrics
+	m.syncDuration.Observe(end.Sub(start).Seconds())
+	m.pendingServiceChanges.Set(float64(p.svcChanges.pending()))
+	m.activePorts.Set(float64(p.activeCount()))
+	m.failedPorts.Set(float64(len(p.failed)))
+	if err != nil {
+		m.syncFailures.Inc()
+		return fmt.Errorf("sync portals: %w", err)
+	}
+	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
+	for _, t := range first {
+		m.observeProgramming(end, t)
+	}
+	p.deps.Health.Updated()
+	if n := p.deps.Balancer.CleanupStaleAffinity(); n > 0 {
+		p.log.WithField("count", n).Debug("Removed expired affinity entries")
+	}
+	return nil
+}
+
+// reconcileService brings the sockets of one Service from its previous ports to its current ones.
+func (p *Proxier) reconcileService(previous, current []*service.Port) {
+	want := make(map[service.ServicePortName]*service.Port, len(current))
+	for _, port := range current {
+		want[port.Name] = port
+	}
+	for _, old := range previous {
+		if _, still := want[old.Name]; !still {
+			p.stopPort(old.Name, true)
+			delete(p.failed, old.Name)
+		}
+	}
+	for _, port := range current {
+		p.activeMu.RLock()
+		a := p.active[port.Name]
+		p.activeMu.RUnlock()
+		switch {
+		case a != nil && a.port.SocketEqual(port):
+			p.activeMu.Lock()
+			a.port = port
+			p.activeMu.Unlock()
+		case a != nil:
+			// The port or an address changed: the legacy proxy reopened the socket too.
+			p.stopPort(port.Name, false)
+			p.startPort(port)
+		default:
+			p.startPort(port)
+		}
+	}
+}
+
+// retryFailed tries again to open the sockets that could not open before.
+func (p *Proxier) retryFailed() {
+	for _, port := range p.failed {
+		p.startPort(port)
+	}
+}
+
+// startPort opens a proxy socket for a service port and starts serving it.
+func (p *Proxier) startPort(port *service.Port) {
+	log := p.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
+	sock, proxyPort, err := p.open(port)
+	if err != nil {
+		if _, already := p.failed[port.Name]; !already {
+			log.WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
+		}
+		p.failed[port.Name] = port
+		p.deps.Metrics.socketFailures.Inc()
+		return
+	}
+	delete(p.failed, port.Name)
+	ctx, cancel := context.WithCancel(p.runCtx)
+	a := &activePort{port: port, sock: sock, proxyPort: proxyPort, cancel: cancel, done: make(chan struct{})}
+	p.activeMu.Lock()
+	p.active[port.Name] = a
+	p.activeMu.Unlock()
+	p.socketWG.Add(1)
+	go func() {
+		defer p.socketWG.Done()
+		defer close(a.done)
+		if err := sock.Run(ctx); err != nil && ctx.Err() == nil {
+			log.WithError(err).Error("Proxy socket stopped")
+		}
+	}()
+	log.WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
+}
+
+// open allocates a proxy port and opens the socket on it. With a port range, a port that another
+// process holds is skipped.
+func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
+	var lastErr error
+	for range maxListenTries {
+		pp, err := p.ports.allocate()
+		if err != nil {
+			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
+		}
+		sock := p.deps.Sockets(port, p.deps.Balancer.Service(port.Name))
+		err = sock.Listen(netip.AddrPortFrom(p.listenIP(port), pp))
+		if err == nil {
+			return sock, sock.Addr().Port(), nil
+		}
+		p.ports.release(pp)
+		lastErr = fmt.Errorf("service port %s: %w", port.Name, err)
+		if p.cfg.PortRange.IsKernelChosen() || !errors.Is(err, syscall.EADDRINUSE) {
+			break
+		}
+	}
+	return nil, 0, lastErr
+}
+
+// listenIP is where the proxy socket of a port listens: --bind-address, or for an unspecified
+// bind address the wildcard of the port's families (:: is dual-stack for a port with both).
+func (p *Proxier) listenIP(port *service.Port) netip.Addr {
+	if !p.cfg.ListenIP.IsUnspecified() {
+		return p.cfg.ListenIP
+	}
+	for _, ip := range port.ClusterIPs {
+		if ip.Is6() {
+			return netip.IPv6Unspecified()
+		}
+	}
+	return p.cfg.ListenIP
+}
+
+// stopPort closes a service port's socket. gone means the port no longer exists at all, so its
+// balancer state goes too; a changed port keeps it (endpoints and affinity survive, as in legacy).
+func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
+	p.activeMu.Lock()
+	a := p.active[name]
+	delete(p.active, name)
+	p.activeMu.Unlock()
+	if gone {
+		p.deps.Balancer.DeleteService(name)
+		p.epMu.Lock()
+		delete(p.endpoints, name)
+		p.epMu.Unlock()
+	}
+	if a == nil {
+		return
+	}
+	a.cancel()
+	if err := a.sock.Close(); err != nil {
+		p.log.WithField("service", name.String()).WithError(err).Warn("Closing proxy socket")
+	}
+	p.ports.release(a.proxyPort)
+	if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
+		// Conntrack would keep steering a chatty client (a resolver) to the closed proxy port.
+		if err := p.deps.Conntrack.ClearUDP(p.runCtx, udp.FlowsOf(a.port)); err != nil {
+			p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+		}
+	}
+}
+
+// specs lists the portal specs of every open socket, sorted by name for stable rule output.
+func (p *Proxier) specs() []portal.Spec {
+	p.activeMu.RLock()
+	out := make([]portal.Spec, 0, len(p.active))
+	for _, a := range p.active {
+		out = append(out, portal.Spec{
+			Name: a.port.Name, Protocol: a.port.Protocol, Port: a.port.Port, NodePort: a.port.NodePort,
+			ClusterIPs: a.port.ClusterIPs, ExternalIPs: a.port.ExternalIPs, LoadBalancerIPs: a.port.LoadBalancerIPs,
+			ProxyPort: a.proxyPort,
+		})
+	}
+	p.activeMu.RUnlock()
+	slices.SortFunc(out, func(a, b portal.Spec) int {
+		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
+			cmp.Compare(a.Name.Port, b.Name.Port))
+	})
+	return out
+}
+
+func (p *Proxier) activeCount() int {
+	p.activeMu.RLock()
+	defer p.activeMu.RUnlock()
+	return len(p.active)
+}

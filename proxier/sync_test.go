@@ -1,0 +1,413 @@
+package proxier
+
+// Address plan: cluster IPs 10.96.x.y, external IPs 203.0.113.x, endpoints 10.244.x.y. Sockets and
+// portals are fakes: these tests check what the sync decides, not the kernel.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// fakeSocket records its life; ports are handed out from a counter like a kernel would.
+type fakeSocket struct {
+	env     *fakeEnv
+	port    *service.Port
+	addr    netip.AddrPort
+	closed  chan struct{}
+	once    sync.Once
+	dropped []netip.AddrPort
+}
+
+func (s *fakeSocket) Listen(addr netip.AddrPort) error {
+	s.env.mu.Lock()
+	defer s.env.mu.Unlock()
+	if err := s.env.failListen[s.port.Name]; err != nil {
+		return err
+	}
+	p := addr.Port()
+	if p == 0 {
+		s.env.nextPort++
+		p = s.env.nextPort
+	}
+	s.addr = netip.AddrPortFrom(addr.Addr(), p)
+	s.env.open[s.port.Name] = s
+	return nil
+}
+func (s *fakeSocket) Addr() netip.AddrPort { return s.addr }
+func (s *fakeSocket) Run(ctx context.Context) error {
+	select {
+	case <-ctx.Done():
+	case <-s.closed:
+	}
+	return nil
+}
+func (s *fakeSocket) Close() error {
+	s.once.Do(func() {
+		close(s.closed)
+		s.env.mu.Lock()
+		if s.env.open[s.port.Name] == s {
+			delete(s.env.open, s.port.Name)
+		}
+		s.env.closedCount++
+		s.env.mu.Unlock()
+	})
+	return nil
+}
+func (s *fakeSocket) DropEndpoint(ep netip.AddrPort) int {
+	s.env.mu.Lock()
+	defer s.env.mu.Unlock()
+	s.dropped = append(s.dropped, ep)
+	return 1
+}
+
+// recordingPortals keeps the specs of the last sync.
+type recordingPortals struct {
+	mu    sync.Mutex
+	specs []portal.Spec
+	syncs int
+	err   error
+}
+
+func (r *recordingPortals) Sync(_ context.Context, specs []portal.Spec) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.syncs++
+	if r.err != nil {
+		return r.err
+	}
+	r.specs = specs
+	return nil
+}
+func (r *recordingPortals) Cleanup(context.Context) error { return nil }
+
+type fakeEnv struct {
+	t           *testing.T
+	p           *Proxier
+	lb          *loadbalancer.LoadBalancer
+	portals     *recordingPortals
+	conntrack   *udp.FakeConntrack
+	clk         *clocktesting.FakeClock
+	mu          sync.Mutex
+	open        map[service.ServicePortName]*fakeSocket
+	failListen  map[service.ServicePortName]error
+	nextPort    uint16
+	closedCount int
+}
+
+func newFakeEnv(t *testing.T, mutate func(*Config)) *fakeEnv {
+	t.Helper()
+	e := &fakeEnv{t: t, portals: &recordingPortals{}, conntrack: &udp.FakeConntrack{},
+		clk: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)), open: map[service.ServicePortName]*fakeSocket{},
+		failListen: map[service.ServicePortName]error{}, nextPort: 40000}
+	e.lb = loadbalancer.New(e.clk)
+	cfg := Config{MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: e.clk}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	e.p = New(cfg, Deps{
+		Balancer: e.lb, Portals: e.portals, Conntrack: e.conntrack,
+		Sockets: func(port *service.Port, _ Picker) ProxySocket {
+			return &fakeSocket{env: e, port: port, closed: make(chan struct{})}
+		},
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	e.p.runCtx = ctx
+	t.Cleanup(func() {
+		cancel()
+		e.p.shutdown()
+	})
+	return e
+}
+
+func (e *fakeEnv) synced() {
+	e.p.OnServicesSynced()
+	e.p.OnEndpointSlicesSynced()
+}
+
+func (e *fakeEnv) sync() {
+	e.t.Helper()
+	if err := e.p.sync(context.Background()); err != nil {
+		e.t.Fatalf("sync: %v", err)
+	}
+}
+
+// state renders what the proxy serves: one line per open socket with its portal spec.
+func (e *fakeEnv) state() string {
+	e.portals.mu.Lock()
+	defer e.portals.mu.Unlock()
+	var lines []string
+	for _, s := range e.portals.specs {
+		lines = append(lines, fmt.Sprintf("%s %s/%d np=%d ips=%v ext=%v", s.Name, s.Protocol, s.Port, s.NodePort, s.ClusterIPs, s.ExternalIPs))
+	}
+	return strings.Join(lines, "\n")
+}
+
+func (e *fakeEnv) openNames() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []string
+	for n := range e.open {
+		out = append(out, n.String())
+	}
+	slices.Sort(out)
+	return out
+}
+
+func webSlice(name string, port int32, addrs ...string) *discovery.EndpointSlice {
+	var eps []sliceEP
+	for _, a := range addrs {
+		eps = append(eps, sliceEP{addr: a})
+	}
+	return makeSlice("ns", "web", name, discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("http", v1.ProtocolTCP, port)}, eps...)
+}
+
+func webService(mutate func(*v1.Service)) *v1.Service {
+	return makeService("ns", "web", "10.96.0.10", mutate, tcpPort("http", 80))
+}
+
+var webHTTP = service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}
+
+func TestSyncWaitsForBothSources(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.p.OnServiceAdd(webService(nil))
+	e.p.OnServicesSynced()
+	e.sync()
+	if got := e.openNames(); len(got) != 0 || e.portals.syncs != 0 {
+		t.Fatalf("before EndpointSlices synced: open=%v portal syncs=%d, want nothing", got, e.portals.syncs)
+	}
+	e.p.OnEndpointSlicesSynced()
+	e.sync()
+	if got := e.openNames(); !slices.Equal(got, []string{"ns/web:http"}) {
+		t.Fatalf("open sockets = %v, want [ns/web:http]", got)
+	}
+}
+
+func TestSyncLifecycle(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.p.OnEndpointSliceAdd(webSlice("a", 8080, "10.244.1.1", "10.244.1.2"))
+	e.p.OnServiceAdd(webService(nil))
+	e.sync()
+	if want := "ns/web:http TCP/80 np=0 ips=[10.96.0.10] ext=[]"; e.state() != want {
+		t.Fatalf("after add (-want +got):\n- %s\n+ %s", want, e.state())
+	}
+	if got := e.lb.Lookup(webHTTP).Endpoints(); len(got) != 2 {
+		t.Fatalf("balancer endpoints = %v, want 2", got)
+	}
+	first := e.open[webHTTP]
+
+	// Only affinity changes: the socket stays, the balancer learns the timeout.
+	e.p.OnServiceUpdate(nil, webService(func(s *v1.Service) {
+		s.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+		s.Spec.SessionAffinityConfig = &v1.SessionAffinityConfig{ClientIP: &v1.ClientIPConfig{TimeoutSeconds: ptr(int32(30))}}
+	}))
+	e.sync()
+	if e.open[webHTTP] != first {
+		t.Errorf("an affinity-only change reopened the socket")
+	}
+	if got := e.lb.Lookup(webHTTP).Affinity(); !got.ClientIP || got.Timeout != 30*time.Second {
+		t.Errorf("balancer affinity = %+v, want ClientIP 30s", got)
+	}
+
+	// Port change: new socket, balancer state (endpoints) kept.
+	e.p.OnServiceUpdate(nil, makeService("ns", "web", "10.96.0.10", nil, tcpPort("http", 81)))
+	e.sync()
+	if e.open[webHTTP] == first || e.open[webHTTP] == nil {
+		t.Fatalf("a port change did not reopen the socket")
+	}
+	if want := "ns/web:http TCP/81 np=0 ips=[10.96.0.10] ext=[]"; e.state() != want {
+		t.Errorf("after port change (-want +got):\n- %s\n+ %s", want, e.state())
+	}
+	if got := e.lb.Lookup(webHTTP).Endpoints(); len(got) != 2 {
+		t.Errorf("balancer endpoints after port change = %v, want 2 kept", got)
+	}
+
+	// Delete: socket closed, no spec, balancer forgets the port.
+	e.p.OnServiceDelete(webService(nil))
+	e.sync()
+	if got := e.openNames(); len(got) != 0 || e.state() != "" {
+		t.Errorf("after delete: open=%v specs=%q, want nothing", got, e.state())
+	}
+	if e.lb.Lookup(webHTTP) != nil {
+		t.Errorf("balancer still has %s after delete", webHTTP)
+	}
+}
+
+func TestSyncUDPRemovalClearsConntrackEverywhere(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	dns := makeService("kube-system", "dns", "10.96.0.53", func(s *v1.Service) {
+		s.Spec.ExternalIPs = []string{"203.0.113.53"}
+		s.Spec.Ports[0].NodePort = 30053
+	}, udpPort("dns", 53))
+	e.p.OnServiceAdd(dns)
+	e.sync()
+	e.p.OnServiceDelete(dns)
+	e.sync()
+	got := e.conntrack.Dump()
+	for _, want := range []string{"10.96.0.53", "203.0.113.53", "30053"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("conntrack clears %q, want it to include %s", got, want)
+		}
+	}
+}
+
+func TestSyncUDPEndpointRemovalDropsSessions(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.p.OnServiceAdd(makeService("ns", "dns", "10.96.0.53", nil, udpPort("dns", 53)))
+	slice := func(addrs ...string) *discovery.EndpointSlice {
+		var eps []sliceEP
+		for _, a := range addrs {
+			eps = append(eps, sliceEP{addr: a})
+		}
+		return makeSlice("ns", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+	}
+	e.p.OnEndpointSliceAdd(slice("10.244.1.1", "10.244.1.2"))
+	e.sync()
+	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.2"))
+	sock := e.open[service.ServicePortName{Namespace: "ns", Name: "dns", Port: "dns"}]
+	e.mu.Lock()
+	dropped := slices.Clone(sock.dropped)
+	e.mu.Unlock()
+	if want := []netip.AddrPort{netip.MustParseAddrPort("10.244.1.1:5353")}; !slices.Equal(dropped, want) {
+		t.Errorf("dropped = %v, want %v (without waiting for a sync)", dropped, want)
+	}
+}
+
+func TestSyncSocketFailureIsolated(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	bad := service.ServicePortName{Namespace: "ns", Name: "web", Port: "bad"}
+	e.failListen[bad] = fmt.Errorf("listen: %w", syscall.EMFILE)
+	e.p.OnServiceAdd(makeService("ns", "web", "10.96.0.10", nil, tcpPort("http", 80), tcpPort("bad", 81)))
+	e.sync()
+	if want := "ns/web:http TCP/80 np=0 ips=[10.96.0.10] ext=[]"; e.state() != want {
+		t.Fatalf("with one failing socket (-want +got):\n- %s\n+ %s", want, e.state())
+	}
+	delete(e.failListen, bad)
+	e.sync() // the failed port is retried on the next (periodic) sync
+	if got := e.openNames(); !slices.Equal(got, []string{"ns/web:bad", "ns/web:http"}) {
+		t.Errorf("after recovery open = %v", got)
+	}
+}
+
+func TestSyncPortalFailureIsRetried(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.portals.err = errors.New("iptables-restore: exit status 4")
+	e.p.OnServiceAdd(webService(nil))
+	if err := e.p.sync(context.Background()); err == nil {
+		t.Fatal("sync with failing portals returned nil")
+	}
+	e.portals.err = nil
+	e.sync()
+	if e.state() == "" {
+		t.Errorf("portals not programmed after the retry")
+	}
+}
+
+func TestSyncPortRangeExhaustion(t *testing.T) {
+	e := newFakeEnv(t, func(c *Config) { c.PortRange = PortRange{Base: 41000, Size: 1} })
+	e.synced()
+	e.p.OnServiceAdd(makeService("ns", "a", "10.96.0.1", nil, tcpPort("", 80)))
+	e.sync()
+	e.p.OnServiceAdd(makeService("ns", "b", "10.96.0.2", nil, tcpPort("", 80)))
+	e.sync()
+	if got := e.openNames(); !slices.Equal(got, []string{"ns/a"}) {
+		t.Fatalf("open = %v, want only ns/a (range of one port)", got)
+	}
+	e.p.OnServiceDelete(makeService("ns", "a", "10.96.0.1", nil))
+	e.sync()
+	if got := e.openNames(); !slices.Equal(got, []string{"ns/b"}) {
+		t.Errorf("after ns/a released its port, open = %v, want [ns/b]", got)
+	}
+}
+
+func TestSyncRandomOrderConverges(t *testing.T) {
+	// Replaying the same final objects in different event orders, with syncs in between, must end
+	// in the same sockets and specs.
+	final := []*v1.Service{
+		makeService("ns", "a", "10.96.0.1", nil, tcpPort("http", 80), udpPort("dns", 53)),
+		makeService("ns", "b", "10.96.0.2", func(s *v1.Service) { s.Spec.ExternalIPs = []string{"203.0.113.2"} }, tcpPort("", 443)),
+		makeService("ns", "c", "10.96.0.3", func(s *v1.Service) { s.Spec.Ports[0].NodePort = 30003 }, tcpPort("", 8080)),
+	}
+	interim := []*v1.Service{
+		makeService("ns", "a", "10.96.0.1", nil, tcpPort("http", 81)),
+		makeService("ns", "d", "10.96.0.4", nil, tcpPort("", 80)),
+	}
+	var want string
+	for seed := range 20 {
+		e := newFakeEnv(t, nil)
+		e.synced()
+		r := rand.New(rand.NewPCG(uint64(seed), 7))
+		events := append(slices.Clone(interim), final...)
+		r.Shuffle(len(events), func(i, j int) { events[i], events[j] = events[j], events[i] })
+		for i, s := range events {
+			e.p.OnServiceAdd(s)
+			if i%2 == 0 {
+				e.sync()
+			}
+		}
+		for _, s := range final { // the final state of every service, then d deleted
+			e.p.OnServiceUpdate(nil, s)
+		}
+		e.p.OnServiceDelete(interim[1])
+		e.sync()
+		got := e.state() + "\n" + strings.Join(e.openNames(), ",")
+		if seed == 0 {
+			want = got
+			continue
+		}
+		if got != want {
+			t.Fatalf("seed %d (-want +got):\n- %s\n+ %s", seed, want, got)
+		}
+	}
+	if !strings.Contains(want, "ns/b TCP/443 np=0 ips=[10.96.0.2] ext=[203.0.113.2]") || strings.Contains(want, "ns/d") {
+		t.Errorf("converged state is wrong:\n%s", want)
+	}
+}
+
+func TestSync10000Services(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	for i := range 10000 {
+		ip := fmt.Sprintf("10.96.%d.%d", i/250, i%250+1)
+		e.p.OnServiceAdd(makeService("ns", fmt.Sprintf("s%d", i), ip, nil, tcpPort("", 80)))
+		e.p.OnEndpointSliceAdd(makeSlice("ns", fmt.Sprintf("s%d", i), "a", discovery.AddressTypeIPv4,
+			[]discovery.EndpointPort{{Port: ptr(int32(8080)), Protocol: ptr(v1.ProtocolTCP), Name: ptr("")}},
+			sliceEP{addr: "10.244.0.1"}, sliceEP{addr: "10.244.0.2"}))
+	}
+	start := time.Now()
+	e.sync()
+	full := time.Since(start)
+	if n := len(e.portals.specs); n != 10000 {
+		t.Fatalf("specs = %d, want 10000", n)
+	}
+	e.p.OnServiceDelete(makeService("ns", "s42", "10.96.0.43", nil))
+	start = time.Now()
+	e.sync()
+	one := time.Since(start)
+	if n := len(e.portals.specs); n != 9999 {
+		t.Fatalf("specs after one delete = %d, want 9999", n)
+	}
+	t.Logf("proxier sync with fake sockets and portals: 10000 ports from nothing %v, one change among 10000 %v", full, one)
+}
