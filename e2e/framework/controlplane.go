@@ -41,7 +41,8 @@ type ControlPlane struct {
 	AdminKubeconfig string
 	// ProxyKubeconfig authenticates as system:kube-proxy (ProxyUser), the proxy's identity.
 	ProxyKubeconfig string
-	// Dir holds everything the control plane wrote, including etcd.log and kube-apiserver.log.
+	// Dir holds everything the control plane wrote: a runN directory per start attempt with data,
+	// certificates, kubeconfigs, etcd.log and kube-apiserver.log.
 	Dir      string
 	Binaries Binaries
 
@@ -52,6 +53,7 @@ type ControlPlane struct {
 
 	etcd      *process
 	apiserver *process
+	runDir    string // the attempt's directory under Dir: data, certificates, logs
 	removeDir bool
 
 	stopOnce sync.Once
@@ -99,10 +101,12 @@ func startOnce(ctx context.Context, bins Binaries, dir string) (_ *ControlPlane,
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("control plane: %w", err)
 	}
-	cp := &ControlPlane{Binaries: bins}
+	cp := &ControlPlane{Binaries: bins, runDir: dir}
 	defer func() {
 		if err != nil {
-			err = errors.Join(err, cp.stopProcesses())
+			// The error already says why; stopping can only add "it had exited" or "it needed
+			// SIGKILL", and either way nothing is left running.
+			_ = cp.stopProcesses()
 		}
 	}()
 

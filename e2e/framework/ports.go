@@ -5,17 +5,8 @@ import (
 	"net"
 )
 
-// freePort returns a TCP port on 127.0.0.1 that was free a moment ago. Another process can take
-// it before the daemon binds it; Start retries with fresh ports when that happens.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
+// freePorts returns n distinct TCP ports on 127.0.0.1 that were free a moment ago. Another process
+// can take one before the daemon binds it; Start retries with fresh ports when that happens.
 func freePorts(n int) ([]int, error) {
 	// Hold all listeners until every port is chosen, so the n ports differ.
 	ls := make([]net.Listener, 0, n)

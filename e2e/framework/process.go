@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -38,14 +39,26 @@ func startProcess(name, logPath, bin string, args, env []string) (*process, erro
 	// If the test binary dies without running its cleanups (a go test timeout, a SIGKILL), the
 	// kernel kills the daemon too, so nothing outlives the test.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
 	p := &process{name: name, logPath: logPath, cmd: cmd, done: make(chan struct{})}
+	started := make(chan error, 1)
 	go func() {
+		// Pdeathsig fires when the *thread* that forked exits, and Go ends a thread whose locked
+		// goroutine returns without unlocking - which network namespace code does on purpose. So
+		// fork from a locked thread and keep it locked, hence alive and unshared, until the child
+		// has exited.
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
 		p.waitErr = cmd.Wait()
 		close(p.done)
 	}()
+	if err := <-started; err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
 	return p, nil
 }
 
@@ -99,12 +112,17 @@ func (p *process) logTail(n int) string {
 	return b.String()
 }
 
+const checkTimeout = 5 * time.Second
+
 // waitReady polls check until it succeeds, the process exits, or ctx ends.
 func (p *process) waitReady(ctx context.Context, check func(context.Context) error) error {
 	ticker := time.NewTicker(100 * time.Millisecond)
 	defer ticker.Stop()
 	for {
-		err := check(ctx)
+		// A daemon that accepts but never answers must not hide that it has exited meanwhile.
+		checkCtx, cancel := context.WithTimeout(ctx, checkTimeout)
+		err := check(checkCtx)
+		cancel()
 		if err == nil {
 			return nil
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"testing"
+	"time"
 )
 
 // Required reports whether the environment demands the end-to-end tests run (KPP_E2E_REQUIRE set
@@ -25,10 +26,13 @@ func StartControlPlane(t testing.TB) *ControlPlane {
 	ctx, cancel := context.WithTimeout(context.Background(), DefaultStartTimeout)
 	defer cancel()
 	// t.TempDir is removed after the cleanup below has stopped the daemons.
+	start := time.Now()
 	cp, err := Start(ctx, Options{Binaries: bins, Dir: t.TempDir()})
 	if err != nil {
 		t.Fatalf("start control plane: %v", err)
 	}
+	t.Logf("control plane %s ready in %v (kube-apiserver pid %d, etcd pid %d, logs in %s)",
+		cp.Server, time.Since(start).Round(time.Millisecond), cp.apiserver.pid(), cp.etcd.pid(), cp.runDir)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("control plane logs:\n%s", cp.LogTail(40))
