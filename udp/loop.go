@@ -28,6 +28,9 @@ func (p *Proxy) serve() error {
 		b := batchPool.Get().(*batch)
 		now := p.cfg.Clock.Now()
 		for _, ev := range events {
+			if int(ev.Fd) == p.poll.wakeFD {
+				continue
+			}
 			if int(ev.Fd) == p.lfd {
 				p.readClients(b, now)
 			} else if s := p.byFD[ev.Fd]; s != nil {
@@ -252,15 +255,6 @@ func (p *Proxy) end(s *session, reason EndReason) {
 	}
 	delete(p.sessions, s.client)
 	p.lru.remove(s)
-}
-
-func send(fd int, data []byte) error {
-	for {
-		_, err := unix.Write(fd, data)
-		if err != unix.EINTR {
-			return err
-		}
-	}
 }
 
 func temporary(err error) bool {

@@ -182,6 +182,13 @@ func (p *Proxy) Run(ctx context.Context) error {
 	close(stop)
 	wg.Wait()
 	p.Close()
+	p.mu.Lock()
+	p.running = false
+	if p.poll != nil {
+		p.poll.close()
+		p.poll = nil
+	}
+	p.mu.Unlock()
 	return err
 }
 
@@ -229,10 +236,15 @@ func (p *Proxy) Close() error {
 		}
 		p.lfd = -1
 	}
-	if p.poll != nil {
+	switch {
+	case p.poll == nil:
+	case p.running:
+		p.poll.wake() // Run's loop sees closed and releases the poller
+	default:
 		if err := p.poll.close(); err != nil {
 			errs = append(errs, err)
 		}
+		p.poll = nil
 	}
 	ended := p.takeEnded()
 	p.mu.Unlock()
