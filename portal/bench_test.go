@@ -1,0 +1,118 @@
+package portal
+
+import (
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+)
+
+// TestBenchmarkPortalSync measures programming real iptables in a throwaway namespace, against
+// the legacy method (one `iptables -C` plus one `iptables -A` per rule, as EnsureRule did). It
+// is slow and noisy, so it runs only with KPP_BENCH=1:
+//
+//	KPP_BENCH=1 go test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/
+//
+// KPP_BENCH_VARIANT=legacy (or nft) picks iptables-legacy* / iptables-nft* binaries.
+func TestBenchmarkPortalSync(t *testing.T) {
+	if os.Getenv("KPP_BENCH") == "" {
+		t.Skip("set KPP_BENCH=1 to run the iptables benchmark")
+	}
+	variant := os.Getenv("KPP_BENCH_VARIANT")
+	for _, n := range []int{1000, 10000} {
+		legacySample := 100
+		if n > 1000 {
+			legacySample = 20 // each legacy command costs most of a second at this size
+		}
+		lab := netns.NewTestLab(t)
+		node := lab.MustAdd(t, "bench")
+		runner := &ExecRunner{Prefix: node.CommandPrefix(), Variant: variant}
+		p := NewIPTables(v4Config(), runner)
+		specs := manySpecs(n, 20000)
+		rules := 2 * n
+
+		start := time.Now()
+		mustSync(t, p, specs)
+		full := time.Since(start)
+
+		specs[n/2].ProxyPort = 65000
+		start = time.Now()
+		mustSync(t, p, specs)
+		change := time.Since(start)
+
+		add := append(specs, manySpecs(n+1, 20000)[n])
+		start = time.Now()
+		mustSync(t, p, add)
+		added := time.Since(start)
+
+		start = time.Now()
+		mustSync(t, p, add)
+		noop := time.Since(start)
+
+		// Legacy: EnsureRule = -C (fails) then -A, per rule, into chains already holding n ports.
+		extra := manySpecs(n+1+legacySample, 20000)[n+1:]
+		fake := NewFake()
+		mustSync(t, NewIPTables(v4Config(), fake), extra)
+		var legacyRules [][]string
+		for _, l := range strings.Split(fake.Dump(), "\n") {
+			if strings.HasPrefix(l, "-A KUBE-PORTALS-") {
+				legacyRules = append(legacyRules, splitRule(strings.TrimPrefix(l, "-A ")))
+			}
+		}
+		start = time.Now()
+		for _, r := range legacyRules {
+			if err := runner.Command(t.Context(), IPv4, append([]string{"-t", "nat", "-C"}, r...)...); err == nil {
+				t.Fatalf("legacy -C found a rule that should not exist: %v", r)
+			}
+			if err := runner.Command(t.Context(), IPv4, append([]string{"-t", "nat", "-A"}, r...)...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		perRule := time.Since(start) / time.Duration(len(legacyRules))
+		start = time.Now()
+		for _, r := range legacyRules {
+			if err := runner.Command(t.Context(), IPv4, append([]string{"-t", "nat", "-C"}, r...)...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		perCheck := time.Since(start) / time.Duration(len(legacyRules))
+
+		t.Logf("%d service ports (%d nat rules), iptables variant %q:", n, rules, variant)
+		t.Logf("  restore: full sync from nothing %v, one proxy port changed %v, one port added %v, no change %v",
+			full.Round(time.Millisecond), change.Round(time.Millisecond), added.Round(time.Millisecond), noop.Round(time.Microsecond))
+		t.Logf("  legacy (sample of %d rules at this size): %v per rule (-C + -A) => full sync ~%v; no-change sync (-C per rule) ~%v",
+			len(legacyRules), perRule.Round(time.Microsecond), (perRule * time.Duration(rules)).Round(time.Second),
+			(perCheck * time.Duration(rules)).Round(time.Second))
+		if err := lab.Close(); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// splitRule splits a rule body into argv, honouring double-quoted words.
+func splitRule(s string) []string {
+	var out []string
+	var cur strings.Builder
+	quoted, inWord := false, false
+	for _, r := range s {
+		switch {
+		case r == '"':
+			quoted, inWord = !quoted, true
+		case r == ' ' && !quoted:
+			if inWord {
+				out = append(out, cur.String())
+				cur.Reset()
+			}
+			inWord = false
+		default:
+			cur.WriteRune(r)
+			inWord = true
+		}
+	}
+	if inWord {
+		out = append(out, cur.String())
+	}
+	return out
+}
