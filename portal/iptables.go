@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -39,6 +40,9 @@ type IPTables struct {
 	skipped    map[Family]string // families skipped, with the reason already logged
 	lastVerify time.Time
 	invalid    map[string]bool
+	// applied is the sorted specs of the last Sync that left every table known and as wanted, so a
+	// repeat Sync with the same specs returns without rebuilding 10,000s of rule strings.
+	applied []Spec
 
 	viewMu sync.Mutex // guards stats and view; never held while running a command
 	stats  Stats
@@ -66,6 +70,16 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 	defer p.mu.Unlock()
 	now := p.cfg.Clock.Now()
 	verify := p.lastVerify.IsZero() || now.Sub(p.lastVerify) >= p.cfg.VerifyPeriod
+	sorted := slices.Clone(specs)
+	slices.SortFunc(sorted, compareSpecs)
+	for i := range sorted { // the caller may reuse its slices
+		s := &sorted[i]
+		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
+	}
+	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
+		return nil
+	}
+	p.applied = nil
 	verified := true
 	var errs []error
 	invalid := map[string]bool{}
@@ -89,6 +103,9 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 	p.invalid = invalid
 	if verify && verified {
 		p.lastVerify = now
+	}
+	if len(errs) == 0 {
+		p.applied = sorted
 	}
 	return errors.Join(errs...)
 }
@@ -239,6 +256,7 @@ func (p *IPTables) Cleanup(ctx context.Context) error {
 		p.publish(fam, nil)
 	}
 	p.lastVerify = time.Time{}
+	p.applied = nil
 	return errors.Join(errs...)
 }
 
@@ -297,4 +315,10 @@ func (p *IPTables) Rules() string {
 		}
 	}
 	return sb.String()
+}
+
+func specEqual(a, b Spec) bool {
+	return a.Name == b.Name && a.Protocol == b.Protocol && a.Port == b.Port && a.NodePort == b.NodePort &&
+		a.ProxyPort == b.ProxyPort && slices.Equal(a.ClusterIPs, b.ClusterIPs) &&
+		slices.Equal(a.ExternalIPs, b.ExternalIPs) && slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs)
 }
