@@ -148,12 +148,18 @@ func (p *Proxy) open(client netip.AddrPort, name *sockaddr, namelen uint32, rese
 	return s
 }
 
+// perSessionReads bounds the replies read from one session per pass.
+const perSessionReads = 4
+
 // readBackend reads a session's replies into the outgoing batch.
 func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
 	if b.outN == p.cfg.BatchSize {
 		p.flush(b)
 	}
-	from, to := b.outN, p.cfg.BatchSize
+	// A session rarely has more than one reply waiting; preparing a few slots, not the whole
+	// batch, keeps a lone reply cheap. Level-triggered epoll reports the socket again if more wait.
+	from := b.outN
+	to := min(from+perSessionReads, p.cfg.BatchSize)
 	b.out.prepareRecv(from, to, false)
 	got, err := recvmmsg(s.fd, b.out.hdrs[from:to])
 	switch {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"reflect"
@@ -422,5 +423,53 @@ func TestProxy_closeWithoutRun(t *testing.T) {
 	}
 	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err == nil {
 		t.Errorf("Listen after Close succeeded, want an error")
+	}
+}
+
+func TestProxy_ipv6RoundTrip(t *testing.T) {
+	backendConn, err := net.ListenUDP("udp6", &net.UDPAddr{IP: net.IPv6loopback})
+	if err != nil {
+		t.Skipf("no IPv6 loopback: %v", err)
+	}
+	defer backendConn.Close()
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			n, from, err := backendConn.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			backendConn.WriteToUDPAddrPort(buf[:n], from)
+		}
+	}()
+	backend := backendConn.LocalAddr().(*net.UDPAddr).AddrPort()
+	p := New(testService, newFakePicker(backend), Config{})
+	if err := p.Listen(netip.MustParseAddrPort("[::1]:0")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	c, err := net.DialUDP("udp6", nil, net.UDPAddrFromAddrPort(p.Addr()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Write([]byte("v6"))
+	c.SetReadDeadline(time.Now().Add(waitTimeout))
+	buf := make([]byte, 512)
+	n, err := c.Read(buf)
+	if err != nil || string(buf[:n]) != "v6" {
+		t.Errorf("round trip over ::1: got %q, %v; want \"v6\"", buf[:n], err)
+	}
+	want := []netip.AddrPort{c.LocalAddr().(*net.UDPAddr).AddrPort()}
+	var got []netip.AddrPort
+	for _, s := range p.Sessions() {
+		got = append(got, s.Client)
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("session clients (-want +got):\n-%v\n+%v", want, got)
 	}
 }

@@ -4,12 +4,13 @@
 // exchanges/s, the share of the direct rate, p50/p99 latency and the proxy's CPU per exchange
 // (each exchange is two datagrams through the proxy). Loopback only; runs are bounded.
 //
-//	go run ./bench/udp [-clients 32] [-duration 2s] [-rounds 3]
+//	go run ./bench/udp [-clients 32] [-duration 2s] [-rounds 3] [-batches 1,8,32] [-compare other-build]
 //
 // The proxy and nginx run as child processes so that their CPU time (summed over all their
 // threads from /proc/<pid>/task/*/schedstat) is measured alone; clients and the echo endpoint run
 // in this process and are the same for every target. Rounds rotate the order of the targets, and
-// the table shows each target's median round, to even out a machine shared with other work.
+// the table shows the median over the rounds of each figure, to even out a machine shared with
+// other work.
 package main
 
 import (
@@ -18,7 +19,10 @@ import (
 	"fmt"
 	"log"
 	"os"
+	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 )
@@ -34,6 +38,8 @@ func main() {
 	duration := flag.Duration("duration", 2*time.Second, "measured time per target and round")
 	warmup := flag.Duration("warmup", 300*time.Millisecond, "unmeasured time before each measurement")
 	rounds := flag.Int("rounds", 3, "rounds over all targets")
+	batches := flag.String("batches", "1", "extra proxy rows with these recvmmsg/sendmmsg batch sizes (comma list)")
+	compare := flag.String("compare", "", "another build of this command whose proxy child to add as a target (A/B)")
 	nginxPath := flag.String("nginx", "/usr/sbin/nginx", "nginx binary; empty to skip nginx")
 	flag.Parse()
 
@@ -55,8 +61,15 @@ func main() {
 
 	targets := []target{
 		directTarget(echo.addr),
-		proxyTarget("proxy", echo.addr, 0, *profile),
-		proxyTarget("proxy -batch 1", echo.addr, 1, ""),
+		proxyTarget("proxy", "", echo.addr, 0, *profile),
+	}
+	for _, b := range strings.Split(*batches, ",") {
+		if n, err := strconv.Atoi(strings.TrimSpace(b)); err == nil && n > 0 {
+			targets = append(targets, proxyTarget("proxy -batch "+strconv.Itoa(n), "", echo.addr, n, ""))
+		}
+	}
+	if *compare != "" {
+		targets = append(targets, proxyTarget("proxy "+filepath.Base(*compare), *compare, echo.addr, 0, ""))
 	}
 	if *nginxPath != "" {
 		targets = append(targets, nginxTarget(*nginxPath, echo.addr))
@@ -89,7 +102,7 @@ func measure(ctx context.Context, t target, clients, size int, warmup, d time.Du
 }
 
 func printTable(targets []target, results map[string][]result, clients, size int, d time.Duration, rounds int) {
-	fmt.Printf("%d clients, %d-byte request/response, %d rounds of %s per target, median round shown\n",
+	fmt.Printf("%d clients, %d-byte request/response, %d rounds of %s per target, median of the rounds for each figure\n",
 		clients, size, rounds, d)
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "target\texchanges/s\tof direct\tp50\tp99\tCPU µs/exchange\tlost\t")
@@ -109,16 +122,23 @@ func printTable(targets []target, results map[string][]result, clients, size int
 	w.Flush()
 }
 
+// median takes each figure's median over the rounds separately: on a shared machine one slow
+// round should move no figure.
 func median(rs []result) result {
-	s := slices.Clone(rs)
-	slices.SortFunc(s, func(a, b result) int {
-		switch {
-		case a.rate < b.rate:
-			return -1
-		case a.rate > b.rate:
-			return 1
-		}
-		return 0
-	})
-	return s[len(s)/2]
+	return result{
+		rate:           medianOf(rs, func(r result) float64 { return r.rate }),
+		p50:            time.Duration(medianOf(rs, func(r result) float64 { return float64(r.p50) })),
+		p99:            time.Duration(medianOf(rs, func(r result) float64 { return float64(r.p99) })),
+		cpuPerExchange: time.Duration(medianOf(rs, func(r result) float64 { return float64(r.cpuPerExchange) })),
+		lost:           int64(medianOf(rs, func(r result) float64 { return float64(r.lost) })),
+	}
+}
+
+func medianOf(rs []result, f func(result) float64) float64 {
+	v := make([]float64, len(rs))
+	for i, r := range rs {
+		v[i] = f(r)
+	}
+	slices.Sort(v)
+	return v[len(v)/2]
 }

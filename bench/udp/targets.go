@@ -36,12 +36,17 @@ func directTarget(echo netip.AddrPort) target {
 	}}
 }
 
-// proxyTarget runs this binary as "-role proxy" in front of echo.
-func proxyTarget(name string, echo netip.AddrPort, batch int, profile string) target {
-	return target{name: name, start: func(ctx context.Context) (netip.AddrPort, int, func(), error) {
+// proxyTarget runs this binary (or bin) as "-role proxy" in front of echo.
+// bin is the binary to run ("" for this one), to compare builds.
+func proxyTarget(name, bin string, echo netip.AddrPort, batch int, profile string) target {
+	t := target{name: name}
+	t.start = func(ctx context.Context) (netip.AddrPort, int, func(), error) {
 		self, err := os.Executable()
 		if err != nil {
 			return netip.AddrPort{}, 0, nil, err
+		}
+		if bin != "" {
+			self = bin
 		}
 		cmd := exec.CommandContext(ctx, self, "-role", "proxy", "-backend", echo.String(),
 			"-batch", strconv.Itoa(batch), "-cpuprofile", profile)
@@ -68,7 +73,8 @@ func proxyTarget(name string, echo netip.AddrPort, batch int, profile string) ta
 			return netip.AddrPort{}, 0, nil, err
 		}
 		return addr, cmd.Process.Pid, stop, nil
-	}}
+	}
+	return t
 }
 
 type onePicker netip.AddrPort
