@@ -1,0 +1,323 @@
+package proxier
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	"k8s.io/utils/clock"
+	"sigs.k8s.io/yaml"
+)
+
+// FileSource feeds a Handler from Service and EndpointSlice manifests on disk (--services-file: a
+// YAML file or a directory of them, multi-document) instead of an API server. It reloads when the
+// files change or Reload is called (SIGHUP); a reload with any bad document is rejected whole, with
+// the file and line, and the last good state stays in force.
+type FileSource struct {
+	path     string
+	h        Handler
+	log      logrus.FieldLogger
+	clock    clock.Clock
+	interval time.Duration
+	reload   chan struct{}
+
+	// Owned by Run.
+	services map[string]*v1.Service
+	slices   map[string]*discovery.EndpointSlice
+	stamp    string
+	synced   bool
+	// OnLoad, if set, is called after every load attempt with its error (nil when applied).
+	OnLoad func(error)
+}
+
+// NewFileSource builds the source; Run loads and watches. interval is how often files are checked
+// for changes.
+func NewFileSource(path string, h Handler, c clock.Clock, interval time.Duration, log logrus.FieldLogger) *FileSource {
+	return &FileSource{path: path, h: h, log: log, clock: c, interval: interval, reload: make(chan struct{}, 1),
+		services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}}
+}
+
+// Reload asks for a reload now, even if no file changed.
+func (f *FileSource) Reload() {
+	select {
+	case f.reload <- struct{}{}:
+	default:
+	}
+}
+
+// Run loads the files and then watches them until ctx is done.
+func (f *FileSource) Run(ctx context.Context) error {
+	f.load(true)
+	for {
+		timer := f.clock.NewTimer(f.interval)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil
+		case <-f.reload:
+			timer.Stop()
+			f.load(true)
+		case <-timer.C():
+			f.load(false)
+		}
+	}
+}
+
+// load reads the files when forced or when their names, sizes or times changed.
+func (f *FileSource) load(force bool) {
+	files, stamp, err := listManifests(f.path)
+	if err == nil && !force && stamp == f.stamp {
+		return
+	}
+	var objs *manifestSet
+	if err == nil {
+		objs, err = parseManifests(files)
+	}
+	if f.OnLoad != nil {
+		defer func() { f.OnLoad(err) }()
+	}
+	if err != nil {
+		f.log.WithError(err).Error("Rejected services file; keeping the last good state")
+		return
+	}
+	f.stamp = stamp
+	f.apply(objs)
+	f.log.WithFields(logrus.Fields{"path": f.path, "services": len(objs.services), "endpointslices": len(objs.slices)}).
+		Info("Loaded services file")
+}
+
+// apply sends the difference between the last good state and objs to the handler.
+func (f *FileSource) apply(objs *manifestSet) {
+	for key, old := range f.services {
+		if _, ok := objs.services[key]; !ok {
+			f.h.OnServiceDelete(old)
+		}
+	}
+	for key, cur := range objs.services {
+		switch old, ok := f.services[key]; {
+		case !ok:
+			f.h.OnServiceAdd(cur)
+		case !equality.Semantic.DeepEqual(old, cur):
+			f.h.OnServiceUpdate(old, cur)
+		}
+	}
+	for key, old := range f.slices {
+		if _, ok := objs.slices[key]; !ok {
+			f.h.OnEndpointSliceDelete(old)
+		}
+	}
+	for key, cur := range objs.slices {
+		switch old, ok := f.slices[key]; {
+		case !ok:
+			f.h.OnEndpointSliceAdd(cur)
+		case !equality.Semantic.DeepEqual(old, cur):
+			f.h.OnEndpointSliceUpdate(old, cur)
+		}
+	}
+	f.services, f.slices = objs.services, objs.slices
+	if !f.synced {
+		f.synced = true
+		f.h.OnServicesSynced()
+		f.h.OnEndpointSlicesSynced()
+	}
+}
+
+// listManifests returns the YAML files under path (sorted) and a stamp of their names, sizes and
+// modification times.
+func listManifests(path string) ([]string, string, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return nil, "", fmt.Errorf("services file: %w", err)
+	}
+	var files []string
+	if !st.IsDir() {
+		files = []string{path}
+	} else {
+		err = filepath.WalkDir(path, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			ext := filepath.Ext(p)
+			if !d.IsDir() && (ext == ".yaml" || ext == ".yml" || ext == ".json") {
+				files = append(files, p)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, "", fmt.Errorf("services directory %s: %w", path, err)
+		}
+	}
+	slices.Sort(files)
+	var stamp strings.Builder
+	for _, p := range files {
+		if st, err := os.Stat(p); err == nil {
+			fmt.Fprintf(&stamp, "%s %d %d\n", p, st.Size(), st.ModTime().UnixNano())
+		}
+	}
+	return files, stamp.String(), nil
+}
+
+type manifestSet struct {
+	services map[string]*v1.Service
+	slices   map[string]*discovery.EndpointSlice
+}
+
+var manifestDecoder = func() runtime.Decoder {
+	s := runtime.NewScheme()
+	_ = v1.AddToScheme(s)
+	_ = discovery.AddToScheme(s)
+	return serializer.NewCodecFactory(s).UniversalDeserializer()
+}()
+
+// parseManifests decodes every document of every file. Kinds other than Service, EndpointSlice
+// and List are skipped (a services file may hold a whole application); a malformed document, a
+// Service or EndpointSlice without a name, or a duplicate fails the whole load.
+func parseManifests(files []string) (*manifestSet, error) {
+	set := &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}}
+	for _, file := range files {
+		data, err := os.ReadFile(file)
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", file, err)
+		}
+		for _, doc := range splitDocuments(data) {
+			if err := set.addDocument(doc.body); err != nil {
+				return nil, fmt.Errorf("%s:%d: %w", file, doc.line+errorLine(err), err)
+			}
+		}
+	}
+	return set, nil
+}
+
+func (set *manifestSet) addDocument(body []byte) error {
+	js, err := yaml.YAMLToJSON(body)
+	if err != nil {
+		return err
+	}
+	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+		return nil // an empty document
+	}
+	obj, gvk, err := manifestDecoder.Decode(js, nil, nil)
+	if err != nil {
+		if runtime.IsNotRegisteredError(err) {
+			return nil
+		}
+		return err
+	}
+	switch o := obj.(type) {
+	case *v1.Service:
+		return set.addService(o)
+	case *discovery.EndpointSlice:
+		return set.addSlice(o)
+	case *v1.List:
+		for i, item := range o.Items {
+			if err := set.addDocument(item.Raw); err != nil {
+				return fmt.Errorf("%s item %d: %w", gvk.Kind, i, err)
+			}
+		}
+	}
+	return nil
+}
+
+func (set *manifestSet) addService(s *v1.Service) error {
+	if s.Name == "" {
+		return errors.New("Service without metadata.name")
+	}
+	if s.Namespace == "" {
+		s.Namespace = v1.NamespaceDefault
+	}
+	key := s.Namespace + "/" + s.Name
+	if _, dup := set.services[key]; dup {
+		return fmt.Errorf("Service %s defined twice", key)
+	}
+	if len(s.Spec.ClusterIPs) == 0 && s.Spec.ClusterIP != "" {
+		s.Spec.ClusterIPs = []string{s.Spec.ClusterIP}
+	}
+	for _, ip := range append(slices.Clone(s.Spec.ClusterIPs), s.Spec.ExternalIPs...) {
+		if ip != v1.ClusterIPNone && !validIP(ip) {
+			return fmt.Errorf("Service %s: invalid IP %q", key, ip)
+		}
+	}
+	set.services[key] = s
+	return nil
+}
+
+func (set *manifestSet) addSlice(s *discovery.EndpointSlice) error {
+	if s.Name == "" {
+		return errors.New("EndpointSlice without metadata.name")
+	}
+	if s.Namespace == "" {
+		s.Namespace = v1.NamespaceDefault
+	}
+	key := s.Namespace + "/" + s.Name
+	if _, dup := set.slices[key]; dup {
+		return fmt.Errorf("EndpointSlice %s defined twice", key)
+	}
+	if _, err := sliceOwner(s); err != nil {
+		return err
+	}
+	set.slices[key] = s
+	return nil
+}
+
+func validIP(s string) bool {
+	_, err := netip.ParseAddr(s)
+	return err == nil
+}
+
+type document struct {
+	line int // 1-based line of the document's first line
+	body []byte
+}
+
+// splitDocuments cuts a YAML stream at "---" lines, remembering where each document starts so
+// errors can name the line.
+func splitDocuments(data []byte) []document {
+	var docs []document
+	var cur bytes.Buffer
+	start, n := 1, 0
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc.Buffer(make([]byte, 64*1024), 16*1024*1024)
+	for sc.Scan() {
+		n++
+		line := sc.Text()
+		if strings.HasPrefix(line, "---") && strings.TrimSpace(strings.TrimPrefix(line, "---")) == "" {
+			docs = append(docs, document{line: start, body: bytes.Clone(cur.Bytes())})
+			cur.Reset()
+			start = n + 1
+			continue
+		}
+		cur.WriteString(line)
+		cur.WriteByte('\n')
+	}
+	return append(docs, document{line: start, body: cur.Bytes()})
+}
+
+var yamlLine = regexp.MustCompile(`line (\d+)`)
+
+// errorLine extracts the 1-based line a YAML error names, as an offset within its document (0
+// when the error names none).
+func errorLine(err error) int {
+	m := yamlLine.FindStringSubmatch(err.Error())
+	if m == nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(m[1])
+	return max(n-1, 0)
+}
