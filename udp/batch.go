@@ -1,6 +1,7 @@
 package udp
 
 import (
+	"net/netip"
 	"sync"
 	"unsafe"
 
@@ -25,12 +26,13 @@ type msgs struct {
 	hdrs  [maxBatch]unix.Mmsghdr
 	iovs  [maxBatch]unix.Iovec
 	names [maxBatch]sockaddr
+	ctrls [maxBatch]control
 	bufs  [maxBatch]*[bufSize]byte
 }
 
-// prepareRecv readies slots [from, to) to receive datagrams, with their source address when
-// named is set.
-func (m *msgs) prepareRecv(from, to int, named bool) {
+// prepareRecv readies slots [from, to) to receive datagrams, with their source address and
+// packet info when fromListener is set.
+func (m *msgs) prepareRecv(from, to int, fromListener bool) {
 	for i := from; i < to; i++ {
 		if m.bufs[i] == nil {
 			m.bufs[i] = new([bufSize]byte)
@@ -41,9 +43,11 @@ func (m *msgs) prepareRecv(from, to int, named bool) {
 		*h = unix.Mmsghdr{}
 		h.Hdr.Iov = &m.iovs[i]
 		h.Hdr.SetIovlen(1)
-		if named {
+		if fromListener {
 			h.Hdr.Name = (*byte)(unsafe.Pointer(&m.names[i]))
 			h.Hdr.Namelen = sockaddrLen
+			h.Hdr.Control = (*byte)(unsafe.Pointer(&m.ctrls[i]))
+			h.Hdr.SetControllen(controlLen)
 		}
 	}
 }
@@ -55,11 +59,21 @@ func (m *msgs) data(i int) []byte { return m.bufs[i][:m.hdrs[i].Len] }
 // but a drop is better than forwarding a corrupt datagram).
 func (m *msgs) truncated(i int) bool { return m.hdrs[i].Hdr.Flags&unix.MSG_TRUNC != 0 }
 
-// addressReply turns received slot i into a datagram to send to the address at name.
-func (m *msgs) addressReply(i int, name *sockaddr, namelen uint32) {
+// local is the address the datagram in slot i was delivered to, if known.
+func (m *msgs) local(i int) (netip.Addr, bool) {
+	return localAddr(&m.ctrls[i], int(m.hdrs[i].Hdr.Controllen))
+}
+
+// addressReply turns received slot i into a datagram to s's client, from s's local address.
+func (m *msgs) addressReply(i int, s *session) {
 	m.iovs[i].SetLen(int(m.hdrs[i].Len))
-	m.hdrs[i].Hdr.Name = (*byte)(unsafe.Pointer(name))
-	m.hdrs[i].Hdr.Namelen = namelen
+	h := &m.hdrs[i].Hdr
+	h.Name = (*byte)(unsafe.Pointer(&s.clientAddr))
+	h.Namelen = s.clientAddrLen
+	if s.replyCtrlLen > 0 {
+		h.Control = (*byte)(unsafe.Pointer(&s.replyCtrl))
+		h.SetControllen(s.replyCtrlLen)
+	}
 }
 
 // batch is the scratch space of one pass of the proxy loop: client datagrams in, replies out.

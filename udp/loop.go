@@ -10,9 +10,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// serve is the proxy loop: wait for ready sockets, then under mu read a batch of client datagrams
-// and demultiplex them to sessions, read each ready session's replies into the outgoing batch, and
-// send all replies from the listening socket with one sendmmsg.
+// serve is the proxy loop: wait for ready sockets, then under mu read each ready session's replies
+// into the outgoing batch and send them all from the listening socket with one sendmmsg, then read
+// a batch of client datagrams and demultiplex them to their sessions.
 func (p *Proxy) serve() error {
 	for {
 		events, err := p.poll.wait()
@@ -27,19 +27,26 @@ func (p *Proxy) serve() error {
 		}
 		b := batchPool.Get().(*batch)
 		now := p.cfg.Clock.Now()
+		// Replies first: each one completes an exchange a client is waiting for, so they leave
+		// before the pass spends time forwarding new requests.
+		clients := false
 		for _, ev := range events {
-			if int(ev.Fd) == p.poll.wakeFD {
-				continue
-			}
-			if int(ev.Fd) == p.lfd {
-				p.readClients(b, now)
-			} else if s := p.byFD[ev.Fd]; s != nil {
+			switch fd := int(ev.Fd); fd {
+			case p.poll.wakeFD:
+			case p.lfd:
+				clients = true
+			default:
 				// A descriptor closed earlier in this pass is no longer in byFD; a reused one
 				// belongs to its new session and at worst reads EAGAIN.
-				p.readBackend(b, s, now)
+				if s := p.byFD[ev.Fd]; s != nil {
+					p.readBackend(b, s, now)
+				}
 			}
 		}
 		p.flush(b)
+		if clients {
+			p.readClients(b, now)
+		}
 		ended := p.takeEnded()
 		p.mu.Unlock()
 		batchPool.Put(b)
@@ -68,12 +75,13 @@ func (p *Proxy) readClients(b *batch, now time.Time) {
 		if !ok {
 			continue
 		}
-		p.forward(client, &b.in.names[i], b.in.hdrs[i].Hdr.Namelen, b.in.data(i), now)
+		local, _ := b.in.local(i)
+		p.forward(client, local, &b.in.names[i], b.in.hdrs[i].Hdr.Namelen, b.in.data(i), now)
 	}
 }
 
 // forward sends one client datagram to the client's session, opening it if needed.
-func (p *Proxy) forward(client netip.AddrPort, name *sockaddr, namelen uint32, data []byte, now time.Time) {
+func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr, namelen uint32, data []byte, now time.Time) {
 	s := p.sessions[client]
 	if s == nil || s.refused {
 		if s = p.open(client, name, namelen, s != nil, now); s == nil {
@@ -97,6 +105,7 @@ func (p *Proxy) forward(client netip.AddrPort, name *sockaddr, namelen uint32, d
 		}
 		return
 	}
+	s.setLocal(local)
 	s.pktsTo++
 	s.bytesTo += uint64(len(data))
 	p.stats.pktsTo.Add(1)
@@ -182,7 +191,7 @@ func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
 			continue
 		}
 		b.out.move(i, w)
-		b.out.addressReply(w, &s.clientAddr, s.clientAddrLen)
+		b.out.addressReply(w, s)
 		s.pktsFrom++
 		s.bytesFrom += uint64(b.out.hdrs[w].Len)
 		w++

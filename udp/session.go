@@ -48,11 +48,26 @@ type session struct {
 	// clientAddr is the client in kernel form, the destination of every reply.
 	clientAddr    sockaddr
 	clientAddrLen uint32
+	// local is the address the client's datagrams were delivered to; replyCtrl makes it the
+	// source of every reply (see pktinfo.go).
+	local        netip.Addr
+	replyCtrl    control
+	replyCtrlLen int
 
 	started, lastActive time.Time
 	pktsTo, bytesTo     uint64
 	pktsFrom, bytesFrom uint64
 	lruPrev, lruNext    *session
+}
+
+// setLocal records the address the client's latest datagram was delivered to. A client that sends
+// from one address and port to two portal addresses of the same service port gets its replies
+// from the latest; that is unusual enough not to key sessions by local address too.
+func (s *session) setLocal(local netip.Addr) {
+	if local != s.local {
+		s.local = local
+		s.replyCtrlLen = sourceControl(&s.replyCtrl, local)
+	}
 }
 
 func (s *session) info(name service.ServicePortName, end time.Time, reason EndReason) SessionInfo {
