@@ -24,7 +24,7 @@ func TestProxy_repliesFromTheAddressTheClientSentTo(t *testing.T) {
 	ns := netns.NewTestLab(t).MustAdd(t, "udp")
 
 	type sockets struct {
-		p              *Proxy
+		p            *Proxy
 		echo, c1, c2 *net.UDPConn
 	}
 	ready := make(chan sockets, 1)
