@@ -158,6 +158,20 @@ func refusedPort(t *testing.T) netip.AddrPort {
 	return ap
 }
 
+// dialExpectReset connects to the proxy and reads: the proxy may reset the connection before the
+// handshake completes on the client side, so connect() itself may report the reset.
+func dialExpectReset(t *testing.T, p *Proxy) error {
+	t.Helper()
+	c, err := net.DialTCP("tcp4", nil, net.TCPAddrFromAddrPort(p.Addr()))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	_, err = c.Read(make([]byte, 1))
+	return err
+}
+
 func dial(t *testing.T, p *Proxy) *net.TCPConn {
 	t.Helper()
 	c, err := net.DialTCP("tcp4", nil, net.TCPAddrFromAddrPort(p.Addr()))

@@ -1,10 +1,10 @@
 package tcp
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/sirupsen/logrus"
@@ -20,8 +20,9 @@ type parker struct {
 	f   *os.File
 	raw syscall.RawConn
 
-	mu   sync.Mutex
-	dirs map[uint64]*direction
+	mu     sync.Mutex
+	dirs   map[uint64]*direction
+	closed atomic.Bool
 
 	// used by the watcher goroutine only
 	events [64]unix.EpollEvent
@@ -104,13 +105,15 @@ func (pk *parker) run(log logrus.FieldLogger) {
 		if err == nil {
 			err = pk.err
 		}
-		if errors.Is(err, os.ErrClosed) {
-			return
+		if err == nil {
+			continue
 		}
-		if err != nil {
-			// epoll_wait on a valid set only fails with EINTR (handled); keep serving.
-			log.WithError(err).Error("idle watcher")
+		// Close makes the read fail (poll.ErrFileClosing, not os.ErrClosed); epoll_wait on a valid
+		// set fails only with EINTR, handled in readyFn. Any other error would repeat: stop, don't spin.
+		if !pk.closed.Load() {
+			log.WithError(err).Error("idle watcher stopped; parked connections will not wake")
 		}
+		return
 	}
 }
 
@@ -140,4 +143,7 @@ func (pk *parker) readyFn(epfd uintptr) bool {
 	}
 }
 
-func (pk *parker) close() { pk.f.Close() }
+func (pk *parker) close() {
+	pk.closed.Store(true)
+	pk.f.Close()
+}

@@ -231,9 +231,8 @@ func TestDialFailover(t *testing.T) {
 		closed := make(closedCh, 1)
 		ladder := []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 100 * time.Millisecond}
 		p := startProxy(t, picker, Config{DialTimeouts: ladder, OnClose: closed.onClose})
-		c := dial(t, p)
-		if _, err := io.ReadAll(c); !isReset(err) {
-			t.Fatalf("client read: %v, want ECONNRESET", err)
+		if err := dialExpectReset(t, p); !isReset(err) {
+			t.Fatalf("client: %v, want ECONNRESET", err)
 		}
 		if ci := closed.next(t); ci.End != EndDialFailed || ci.DialAttempts != len(ladder) {
 			t.Errorf("end %v after %d attempts, want %v after %d", ci.End, ci.DialAttempts, EndDialFailed, len(ladder))
@@ -244,9 +243,8 @@ func TestDialFailover(t *testing.T) {
 func TestNoEndpointsResetsClient(t *testing.T) {
 	closed := make(closedCh, 1)
 	p := startProxy(t, &fakePicker{}, Config{OnClose: closed.onClose})
-	c := dial(t, p)
-	if _, err := c.Read(make([]byte, 1)); !isReset(err) {
-		t.Fatalf("client read: %v, want ECONNRESET", err)
+	if err := dialExpectReset(t, p); !isReset(err) {
+		t.Fatalf("client: %v, want ECONNRESET", err)
 	}
 	if ci := closed.next(t); ci.End != EndNoEndpoints {
 		t.Errorf("end = %v, want %v", ci.End, EndNoEndpoints)
@@ -332,18 +330,24 @@ func TestIdleConnectionsNeedNoGoroutine(t *testing.T) {
 	const conns = 50
 	ep := serve(t, "127.0.0.3", echo)
 	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: time.Millisecond})
-	waitFor(t, "the idle watcher to start", func() bool { return p.parker != nil })
-	base := runtime.NumGoroutine()
 	cs := make([]*net.TCPConn, conns)
 	for i := range cs {
 		cs[i] = dial(t, p)
 		roundTrip(t, cs[i], "warm")
 	}
-	// Each connection leaves only the endpoint's echo goroutine (one per connection).
-	waitFor(t, "proxy goroutines to park", func() bool { return runtime.NumGoroutine() <= base+conns })
+	waitFor(t, "every direction to park", func() bool { return directionGoroutines() == 0 })
+	if got := len(p.Conns()); got != conns {
+		t.Fatalf("live connections = %d, want %d", got, conns)
+	}
 	for i, c := range cs {
 		roundTrip(t, c, fmt.Sprint("wake ", i))
 	}
+}
+
+// directionGoroutines counts goroutines moving data for a connection.
+func directionGoroutines() int {
+	buf := make([]byte, 1<<20)
+	return strings.Count(string(buf[:runtime.Stack(buf, true)]), "tcp.(*direction).run(")
 }
 
 func TestNoGoroutineLeakAfterShutdown(t *testing.T) {

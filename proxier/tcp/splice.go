@@ -166,18 +166,20 @@ func (d *direction) count(n int64) {
 // direction to see FIN closes the connection.
 func (d *direction) eof() {
 	d.releasePipe()
-	if err := d.dst.CloseWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
-		d.broken(true, err)
-		return
-	}
 	c := d.c
 	c.mu.Lock()
-	if c.end == EndUnknown {
+	if c.end == EndUnknown { // before CloseWrite: the peer may answer our FIN with its own at once
 		c.end = EndEndpointClosed
 		if d.up {
 			c.end = EndClientClosed
 		}
 	}
+	c.mu.Unlock()
+	if err := d.dst.CloseWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
+		d.broken(true, err)
+		return
+	}
+	c.mu.Lock()
 	c.eofs++
 	both, end := c.eofs == 2, c.end
 	c.mu.Unlock()
