@@ -307,10 +307,10 @@ type counters struct {
 
 // Stats are the counters of one proxy socket since Listen. BytesIn is client->endpoint.
 type Stats struct {
-	ActiveConns, TotalConns                           int64
-	BytesIn, BytesOut                                 int64
+	ActiveConns, TotalConns                              int64
+	BytesIn, BytesOut                                    int64
 	DialAttempts, DialFailures, DialRetries, NoEndpoints int64
-	AcceptErrors                                      int64
+	AcceptErrors                                         int64
 }
 
 func (c *counters) snapshot() Stats {
