@@ -160,7 +160,11 @@ func (p *Proxier) shutdown() {
 	p.activeMu.Lock()
 	for _, a := range p.active {
 		a.cancel()
-		_ = a.sock.Close()
+		if s, ok := a.sock.(shutdowner); ok {
+			s.Shutdown() // the process is going away: end established connections too
+		} else {
+			_ = a.sock.Close()
+		}
 	}
 	p.activeMu.Unlock()
 	p.socketWG.Wait()

@@ -1,0 +1,265 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"net/netip"
+	"os"
+	"os/exec"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// wantNoFile is the descriptor limit we ask for: two per proxied TCP connection.
+const wantNoFile = 1 << 20
+
+// source is where Services and EndpointSlices come from.
+type source interface{ Run(ctx context.Context) error }
+
+// serve runs the daemon until ctx is done.
+func serve(ctx context.Context, o *options, log *logrus.Logger) error {
+	if res, err := rlimit.RaiseNoFile(wantNoFile); err != nil {
+		log.WithError(err).Warn("Cannot raise the open-file limit")
+	} else if res.Short() {
+		log.WithField("limit", res.After.Cur).Warn("Open-file limit is below what a busy proxy may need; raise the hard limit (LimitNOFILE)")
+	}
+	if err := checkTools(o); err != nil {
+		return err
+	}
+
+	var client kubernetes.Interface
+	var nodeAddrs []netip.Addr
+	if o.servicesFile == "" {
+		c, err := newClient(o)
+		if err != nil {
+			return err
+		}
+		client = c
+		nodeAddrs = nodeAddresses(ctx, c, o, log)
+	}
+	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddrs))
+	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
+		return errors.New("no node IP found (no global unicast address on any interface): set --bind-address")
+	}
+	log.WithField("nodeIPs", fmt.Sprint(hostIPs)).Info("Node IPs")
+
+	clk := clock.RealClock{}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics := proxier.NewMetrics()
+	if err := metrics.Register(reg); err != nil {
+		return fmt.Errorf("register metrics: %w", err)
+	}
+	health := proxier.NewHealth(clk, 2*o.syncPeriod)
+
+	rules := portal.NewIPTables(portal.Config{
+		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts,
+		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
+	}, &portal.ExecRunner{Variant: o.iptablesVariant})
+	portals := &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log}
+
+	lb := loadbalancer.New(clk)
+	px := proxier.New(proxier.Config{
+		ListenIP: o.bind, PortRange: o.portRange, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
+		DrainTCP: o.drainEndpoints, Clock: clk, Logger: log,
+	}, proxier.Deps{
+		Balancer: lb, Portals: portals, Conntrack: udp.ExecConntrack{Runner: udp.ExecRunner{}},
+		Metrics: metrics, Health: health,
+		Sockets: proxier.RealSockets(proxier.SocketConfig{
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log},
+			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log},
+		}),
+	})
+
+	var src source
+	if o.servicesFile != "" {
+		fsrc := proxier.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
+		src = fsrc
+		go reloadOnHUP(ctx, fsrc, log)
+	} else {
+		src = proxier.NewInformerSource(client, o.configSyncPeriod, px, log)
+	}
+
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "userspace") })
+	mux.Handle("/healthz", health)
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		fmt.Fprint(w, rules.Rules())
+	}))
+	healthMux := http.NewServeMux()
+	healthMux.Handle("/healthz", health)
+	healthMux.Handle("/livez", health)
+
+	var servers []*http.Server
+	for _, s := range []struct {
+		addr string
+		h    http.Handler
+	}{{o.healthzBindAddress, healthMux}, {o.metricsBindAddress, mux}} {
+		if s.addr == "" {
+			continue
+		}
+		ln, err := net.Listen("tcp", s.addr)
+		if err != nil {
+			return fmt.Errorf("listen %s: %w", s.addr, err)
+		}
+		srv := &http.Server{Handler: s.h, ReadHeaderTimeout: 10 * time.Second}
+		servers = append(servers, srv)
+		go func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.WithError(err).WithField("address", s.addr).Error("HTTP server stopped")
+			}
+		}()
+	}
+
+	return runAll(ctx, o.shutdownTimeout, log, px.Run, func(ctx context.Context) {
+		if err := src.Run(ctx); err != nil && ctx.Err() == nil {
+			log.WithError(err).Error("Source stopped")
+		}
+	}, func(ctx context.Context) {
+		<-ctx.Done()
+		for _, s := range servers {
+			sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			_ = s.Shutdown(sctx)
+			cancel()
+		}
+	})
+}
+
+// runAll runs each function in its own goroutine until ctx is done, then waits for all of them,
+// at most timeout.
+func runAll(ctx context.Context, timeout time.Duration, log logrus.FieldLogger, fns ...func(context.Context)) error {
+	var wg sync.WaitGroup
+	for _, fn := range fns {
+		wg.Go(func() { fn(ctx) })
+	}
+	<-ctx.Done()
+	log.Info("Shutting down; portal rules stay in place so a restart does not black-hole services")
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-time.After(timeout):
+		return fmt.Errorf("shutdown took longer than --shutdown-timeout=%v", timeout)
+	}
+}
+
+func reloadOnHUP(ctx context.Context, f *proxier.FileSource, log logrus.FieldLogger) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+			log.Info("SIGHUP: reloading the services file")
+			f.Reload()
+		}
+	}
+}
+
+// checkTools fails fast, with the fix, when a tool the portals exec is missing.
+func checkTools(o *options) error {
+	suffix := ""
+	if o.iptablesVariant != "" {
+		suffix = "-" + o.iptablesVariant
+	}
+	for _, tool := range []string{"iptables" + suffix, "iptables-restore" + suffix, "iptables-save" + suffix} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return fmt.Errorf("%s not found in PATH: install the iptables package (Debian/Ubuntu: apt-get install iptables): %w", tool, err)
+		}
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("portal rules need root or CAP_NET_ADMIN: run as root (or with CAP_NET_ADMIN and CAP_NET_BIND_SERVICE)")
+	}
+	return nil
+}
+
+func newClient(o *options) (kubernetes.Interface, error) {
+	var cfg *rest.Config
+	var err error
+	if o.kubeconfig == "" && o.master == "" {
+		cfg, err = rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("no --kubeconfig, --master or --services-file, and not in a cluster: %w", err)
+		}
+	} else {
+		cfg, err = clientcmd.BuildConfigFromFlags(o.master, o.kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("kubeconfig %q: %w", o.kubeconfig, err)
+		}
+	}
+	cfg.QPS = o.apiQPS
+	cfg.Burst = o.apiBurst
+	cfg.UserAgent = "kube-portal-proxy/" + version
+	c, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("API client: %w", err)
+	}
+	return c, nil
+}
+
+// nodeAddresses reads this node's InternalIP and ExternalIP addresses from its Node object. A
+// missing Node is not fatal: the interfaces decide then.
+func nodeAddresses(ctx context.Context, c kubernetes.Interface, o *options, log logrus.FieldLogger) []netip.Addr {
+	name := o.hostnameOverride
+	if name == "" {
+		name, _ = os.Hostname()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	node, err := c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		log.WithError(err).WithField("node", name).Warn("Cannot read the Node object; node IPs come from the interfaces")
+		return nil
+	}
+	var out []netip.Addr
+	for _, want := range []v1.NodeAddressType{v1.NodeInternalIP, v1.NodeExternalIP} {
+		for _, a := range node.Status.Addresses {
+			if a.Type == want {
+				if ip, err := netip.ParseAddr(a.Address); err == nil {
+					out = append(out, ip)
+				}
+			}
+		}
+	}
+	return out
+}
+
+// cleanup removes every chain and rule this proxy owns, for both families.
+func cleanup(ctx context.Context, o *options, log logrus.FieldLogger) error {
+	rules := portal.NewIPTables(portal.Config{Logger: log}, &portal.ExecRunner{Variant: o.iptablesVariant})
+	return rules.Cleanup(ctx)
+}

@@ -1,0 +1,152 @@
+package main
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// options are the command-line flags. Names follow kube-proxy wherever it has the same setting,
+// so a kube-proxy command line carries over.
+type options struct {
+	kubeconfig         string
+	master             string
+	hostnameOverride   string
+	bindAddress        string
+	proxyPortRange     string
+	udpTimeout         time.Duration
+	udpMaxSessions     int
+	syncPeriod         time.Duration
+	minSyncPeriod      time.Duration
+	configSyncPeriod   time.Duration
+	healthzBindAddress string
+	metricsBindAddress string
+	nodePortAddresses  []string
+	cleanup            bool
+	servicesFile       string
+	fileCheckPeriod    time.Duration
+	logLevel           string
+	logFormat          string
+	version            bool
+	apiQPS             float32
+	apiBurst           int
+	protectProxyPorts  bool
+	drainEndpoints     bool
+	tcpIdleTimeout     time.Duration
+	iptablesVariant    string
+	shutdownTimeout    time.Duration
+
+	// Parsed forms, filled by validate.
+	bind      netip.Addr
+	portRange proxier.PortRange
+	nodePorts []netip.Prefix
+}
+
+
+func newFlagSet(o *options) *pflag.FlagSet {
+	fs := pflag.NewFlagSet("kube-portal-proxy", pflag.ContinueOnError)
+	fs.SortFlags = false
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file; empty means in-cluster configuration (or --services-file).")
+	fs.StringVar(&o.master, "master", "", "Address of the Kubernetes API server (overrides the kubeconfig).")
+	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "Name of this node, used to read its addresses from the Node object.")
+	fs.StringVar(&o.bindAddress, "bind-address", "0.0.0.0", "Address the proxy sockets listen on. 0.0.0.0 or :: means all: pod traffic is REDIRECTed and host traffic DNATed to the node IP; a specific address is the DNAT target for both.")
+	fs.StringVar(&o.proxyPortRange, "proxy-port-range", "", "Local ports for proxy sockets: begin-end, begin+offset or a single port; empty means kernel-chosen.")
+	fs.DurationVar(&o.udpTimeout, "udp-timeout", udp.DefaultIdleTimeout, "How long an idle UDP session is kept. Long enough for a resolver retrying a 2-5 s upstream timeout (the legacy 250ms was not).")
+	fs.IntVar(&o.udpMaxSessions, "udp-max-sessions", udp.DefaultMaxSessions, "Maximum UDP sessions per service port; the least recently used is evicted beyond it.")
+	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "Maximum interval between syncs of sockets and portal rules (the periodic repair).")
+	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "Minimum interval between syncs; changes within it are batched.")
+	fs.DurationVar(&o.configSyncPeriod, "config-sync-period", 15*time.Minute, "Resync period of the Service and EndpointSlice informers.")
+	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "ip:port of /healthz and /livez; empty disables.")
+	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "ip:port of /metrics and the debug pages; empty disables.")
+	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic; empty means all.")
+	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every rule and chain this proxy installs (IPv4 and IPv6), then exit.")
+	fs.StringVar(&o.servicesFile, "services-file", "", "Standalone mode: read Service and EndpointSlice manifests from this YAML file or directory instead of an API server.")
+	fs.DurationVar(&o.fileCheckPeriod, "services-file-check-period", time.Second, "How often --services-file is checked for changes (SIGHUP reloads at once).")
+	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: debug, info, warn, error.")
+	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
+	fs.BoolVar(&o.version, "version", false, "Print the version and exit.")
+	fs.Float32Var(&o.apiQPS, "kube-api-qps", 5, "QPS to use while talking with the API server.")
+	fs.IntVar(&o.apiBurst, "kube-api-burst", 10, "Burst to use while talking with the API server.")
+	fs.BoolVar(&o.protectProxyPorts, "protect-proxy-ports", true, "Drop new connections that reach a proxy port directly instead of through a portal (the KUBE-PORTALS-GUARD chain).")
+	fs.BoolVar(&o.drainEndpoints, "drain-removed-endpoints", false, "Close established TCP connections to endpoints that were removed (UDP sessions always move).")
+	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 0, "Close TCP connections idle in both directions for this long; 0 never does.")
+	fs.StringVar(&o.iptablesVariant, "iptables-variant", "", "Which iptables binaries to run: empty for the system's, nft or legacy.")
+	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
+	return fs
+}
+
+// parseOptions parses and validates a command line. Errors name the flag.
+func parseOptions(args []string) (*options, *pflag.FlagSet, error) {
+	o := &options{}
+	fs := newFlagSet(o)
+	if err := fs.Parse(args); err != nil {
+		return nil, fs, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fs, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	return o, fs, o.validate()
+}
+
+func (o *options) validate() error {
+	var err error
+	if o.bind, err = netip.ParseAddr(o.bindAddress); err != nil {
+		return fmt.Errorf("--bind-address %q: %w", o.bindAddress, err)
+	}
+	o.bind = o.bind.Unmap()
+	if o.bind.IsLoopback() {
+		return fmt.Errorf("--bind-address %s: cannot proxy on localhost (portal rules cannot DNAT to a loopback address)", o.bind)
+	}
+	if o.portRange, err = proxier.ParsePortRange(o.proxyPortRange); err != nil {
+		return fmt.Errorf("--proxy-port-range: %w", err)
+	}
+	for _, c := range o.nodePortAddresses {
+		p, err := netip.ParsePrefix(strings.TrimSpace(c))
+		if err != nil {
+			return fmt.Errorf("--nodeport-addresses %q: %w", c, err)
+		}
+		o.nodePorts = append(o.nodePorts, p.Masked())
+	}
+	checks := []struct {
+		ok   bool
+		flag string
+		msg  string
+	}{
+		{o.udpTimeout > 0, "--udp-timeout", "must be > 0"},
+		{o.udpMaxSessions > 0, "--udp-max-sessions", "must be > 0"},
+		{o.syncPeriod > 0, "--iptables-sync-period", "must be > 0"},
+		{o.minSyncPeriod >= 0, "--iptables-min-sync-period", "must be >= 0"},
+		{o.minSyncPeriod <= o.syncPeriod, "--iptables-min-sync-period", "must not exceed --iptables-sync-period"},
+		{o.configSyncPeriod >= 0, "--config-sync-period", "must be >= 0"},
+		{o.fileCheckPeriod > 0, "--services-file-check-period", "must be > 0"},
+		{o.apiQPS > 0, "--kube-api-qps", "must be > 0"},
+		{o.apiBurst > 0, "--kube-api-burst", "must be > 0"},
+		{o.tcpIdleTimeout >= 0, "--tcp-idle-timeout", "must be >= 0"},
+		{o.shutdownTimeout > 0, "--shutdown-timeout", "must be > 0"},
+		{o.logFormat == "text" || o.logFormat == "json", "--log-format", "must be text or json"},
+		{o.iptablesVariant == "" || o.iptablesVariant == "nft" || o.iptablesVariant == "legacy", "--iptables-variant", "must be empty, nft or legacy"},
+	}
+	for _, c := range checks {
+		if !c.ok {
+			return fmt.Errorf("%s: %s", c.flag, c.msg)
+		}
+	}
+	for _, hp := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}} {
+		if hp.v == "" {
+			continue
+		}
+		if _, err := netip.ParseAddrPort(hp.v); err != nil {
+			return fmt.Errorf("%s %q: want ip:port: %w", hp.flag, hp.v, err)
+		}
+	}
+	if _, err := parseLevel(o.logLevel); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	return nil
+}
