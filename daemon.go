@@ -38,7 +38,9 @@ import (
 const wantNoFile = 1 << 20
 
 // source is where Services and EndpointSlices come from.
-type source interface{ Run(ctx context.Context) error }
+type source interface {
+	Run(ctx context.Context) error
+}
 
 // serve runs the daemon until ctx is done.
 func serve(ctx context.Context, o *options, log *logrus.Logger) error {

@@ -48,7 +48,6 @@ type options struct {
 	nodePorts []netip.Prefix
 }
 
-
 func newFlagSet(o *options) *pflag.FlagSet {
 	fs := pflag.NewFlagSet("kube-portal-proxy", pflag.ContinueOnError)
 	fs.SortFlags = false

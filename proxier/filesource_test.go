@@ -42,8 +42,10 @@ func (r *recordingHandler) OnServiceAdd(s *v1.Service) { r.add("add svc %s/%s", 
 func (r *recordingHandler) OnServiceUpdate(_, s *v1.Service) {
 	r.add("update svc %s/%s", s.Namespace, s.Name)
 }
-func (r *recordingHandler) OnServiceDelete(s *v1.Service) { r.add("delete svc %s/%s", s.Namespace, s.Name) }
-func (r *recordingHandler) OnServicesSynced()              { r.add("services synced") }
+func (r *recordingHandler) OnServiceDelete(s *v1.Service) {
+	r.add("delete svc %s/%s", s.Namespace, s.Name)
+}
+func (r *recordingHandler) OnServicesSynced() { r.add("services synced") }
 func (r *recordingHandler) OnEndpointSliceAdd(s *discovery.EndpointSlice) {
 	r.add("add slice %s/%s", s.Namespace, s.Name)
 }
