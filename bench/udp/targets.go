@@ -51,6 +51,7 @@ func proxyTarget(name, bin string, echo netip.AddrPort, batch int, profile strin
 		cmd := exec.CommandContext(ctx, self, "-role", "proxy", "-backend", echo.String(),
 			"-batch", strconv.Itoa(batch), "-cpuprofile", profile)
 		cmd.Stderr = os.Stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the harness
 		stdout, err := cmd.StdoutPipe()
 		if err != nil {
 			return netip.AddrPort{}, 0, nil, err
@@ -161,6 +162,7 @@ func nginxTarget(bin string, echo netip.AddrPort) target {
 		}
 		cmd := exec.CommandContext(ctx, bin, "-c", conf, "-p", dir, "-e", filepath.Join(dir, "error.log"))
 		cmd.Stdout, cmd.Stderr = io.Discard, os.Stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // the worker exits with its master
 		if err := cmd.Start(); err != nil {
 			os.RemoveAll(dir)
 			return netip.AddrPort{}, 0, nil, err
