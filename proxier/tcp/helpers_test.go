@@ -70,7 +70,7 @@ func (c closedCh) next(t *testing.T) ConnInfo {
 	}
 }
 
-func testLogger(t *testing.T) logrus.FieldLogger {
+func testLogger(t testing.TB) logrus.FieldLogger {
 	l := logrus.New()
 	l.SetOutput(io.Discard)
 	return l
@@ -100,7 +100,7 @@ func startProxy(t *testing.T, picker Picker, cfg Config) *Proxy {
 }
 
 // serve runs handler for each connection to a listener on ip:0 until the test ends.
-func serve(t *testing.T, ip string, handler func(*net.TCPConn)) netip.AddrPort {
+func serve(t testing.TB, ip string, handler func(*net.TCPConn)) netip.AddrPort {
 	t.Helper()
 	ln, err := net.ListenTCP("tcp4", net.TCPAddrFromAddrPort(netip.AddrPortFrom(netip.MustParseAddr(ip), 0)))
 	if err != nil {
