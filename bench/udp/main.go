@@ -7,8 +7,8 @@
 //	go run ./bench/udp [-clients 32] [-duration 2s] [-rounds 3] [-batches 1,8,32] [-compare other-build]
 //
 // The proxy and nginx run as child processes so that their CPU time (summed over all their
-// threads from /proc/<pid>/task/*/schedstat) is measured alone; clients and the echo endpoint run
-// in this process and are the same for every target. Rounds rotate the order of the targets, and
+// threads from /proc/<pid>/task/*/schedstat) is measured alone; the echo endpoint is another child
+// and the clients run in this process, the same for every target. Rounds rotate the order of the targets, and
 // the table shows the median over the rounds of each figure, to even out a machine shared with
 // other work.
 package main
@@ -18,6 +18,7 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -28,7 +29,7 @@ import (
 )
 
 func main() {
-	role := flag.String("role", "", "internal: run as the proxy child")
+	role := flag.String("role", "", "internal: run as the proxy or echo child")
 	listen := flag.String("listen", "127.0.0.1:0", "internal: proxy child listen address")
 	backend := flag.String("backend", "", "internal: proxy child endpoint")
 	batch := flag.Int("batch", 0, "internal: proxy child recvmmsg/sendmmsg batch size")
@@ -43,8 +44,14 @@ func main() {
 	nginxPath := flag.String("nginx", "/usr/sbin/nginx", "nginx binary; empty to skip nginx")
 	flag.Parse()
 
-	if *role == "proxy" {
+	switch *role {
+	case "proxy":
 		if err := runProxyChild(*listen, *backend, *batch, *profile); err != nil {
+			log.Fatal(err)
+		}
+		return
+	case "echo":
+		if err := runEchoChild(*listen); err != nil {
 			log.Fatal(err)
 		}
 		return
@@ -53,11 +60,14 @@ func main() {
 		log.Fatal("keep runs short: -duration <= 30s, -rounds <= 10")
 	}
 	ctx := context.Background()
-	echo, err := startEcho("127.0.0.2:0")
+	// The endpoint is a process of its own, as a pod is: a direct path inside one process would
+	// hand datagrams between goroutines without the cross-process wake-ups every real path has.
+	echoAddr, _, stopEcho, err := startChild(ctx, "", "-role", "echo", "-listen", "127.0.0.2:0")
 	if err != nil {
 		log.Fatal(err)
 	}
-	defer echo.close()
+	defer stopEcho()
+	echo := struct{ addr netip.AddrPort }{echoAddr}
 
 	targets := []target{
 		directTarget(echo.addr),

@@ -39,43 +39,61 @@ func directTarget(echo netip.AddrPort) target {
 // proxyTarget runs this binary (or bin) as "-role proxy" in front of echo.
 // bin is the binary to run ("" for this one), to compare builds.
 func proxyTarget(name, bin string, echo netip.AddrPort, batch int, profile string) target {
-	t := target{name: name}
-	t.start = func(ctx context.Context) (netip.AddrPort, int, func(), error) {
+	return target{name: name, start: func(ctx context.Context) (netip.AddrPort, int, func(), error) {
+		return startChild(ctx, bin, "-role", "proxy", "-backend", echo.String(),
+			"-batch", strconv.Itoa(batch), "-cpuprofile", profile)
+	}}
+}
+
+// startChild runs bin ("" for this binary) with args; the child prints the address it serves on
+// its first stdout line and runs until SIGTERM.
+func startChild(ctx context.Context, bin string, args ...string) (netip.AddrPort, int, func(), error) {
+	if bin == "" {
 		self, err := os.Executable()
 		if err != nil {
 			return netip.AddrPort{}, 0, nil, err
 		}
-		if bin != "" {
-			self = bin
-		}
-		cmd := exec.CommandContext(ctx, self, "-role", "proxy", "-backend", echo.String(),
-			"-batch", strconv.Itoa(batch), "-cpuprofile", profile)
-		cmd.Stderr = os.Stderr
-		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the harness
-		stdout, err := cmd.StdoutPipe()
-		if err != nil {
-			return netip.AddrPort{}, 0, nil, err
-		}
-		if err := cmd.Start(); err != nil {
-			return netip.AddrPort{}, 0, nil, err
-		}
-		stop := func() {
-			cmd.Process.Signal(syscall.SIGTERM)
-			cmd.Wait()
-		}
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		if err != nil {
-			stop()
-			return netip.AddrPort{}, 0, nil, fmt.Errorf("proxy child: %w", err)
-		}
-		addr, err := netip.ParseAddrPort(strings.TrimSpace(line))
-		if err != nil {
-			stop()
-			return netip.AddrPort{}, 0, nil, err
-		}
-		return addr, cmd.Process.Pid, stop, nil
+		bin = self
 	}
-	return t
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the harness
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return netip.AddrPort{}, 0, nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return netip.AddrPort{}, 0, nil, err
+	}
+	stop := func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		cmd.Wait()
+	}
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		stop()
+		return netip.AddrPort{}, 0, nil, fmt.Errorf("child %v: %w", args, err)
+	}
+	addr, err := netip.ParseAddrPort(strings.TrimSpace(line))
+	if err != nil {
+		stop()
+		return netip.AddrPort{}, 0, nil, err
+	}
+	return addr, cmd.Process.Pid, stop, nil
+}
+
+// runEchoChild serves the echo endpoint until SIGTERM, printing its address first.
+func runEchoChild(listen string) error {
+	e, err := startEcho(listen)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	fmt.Println(e.addr)
+	ctx, cancel := signalContext()
+	defer cancel()
+	<-ctx.Done()
+	return nil
 }
 
 type onePicker netip.AddrPort
