@@ -53,8 +53,12 @@ type Config struct {
 	// DrainTCP ends established TCP connections to endpoints that were removed (UDP sessions to
 	// removed endpoints always end, so the client's next datagram reaches a live endpoint).
 	DrainTCP bool
-	Clock    clock.Clock
-	Logger   logrus.FieldLogger
+	// ListenPlan, if set, lists the addresses a service port's sockets listen on (bind mode: each
+	// portal IP at the service port, node addresses at the node port). Nil means one socket on
+	// ListenIP at a port from PortRange, for the portal rules to redirect to (iptables mode).
+	ListenPlan func(p *service.Port) []netip.AddrPort
+	Clock      clock.Clock
+	Logger     logrus.FieldLogger
 }
 
 // Deps are the proxier's collaborators, each behind a narrow seam.

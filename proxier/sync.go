@@ -138,6 +138,15 @@ func (p *Proxier) startPort(port *service.Port) {
 // open allocates a proxy port and opens the socket on it. With a port range, a port that another
 // process holds is skipped.
 func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
+	if p.cfg.ListenPlan != nil {
+		m, err := openAll(p.cfg.ListenPlan(port), func() ProxySocket {
+			return p.deps.Sockets(port, p.deps.Balancer.Service(port.Name))
+		})
+		if err != nil {
+			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
+		}
+		return m, port.Port, nil
+	}
 	var lastErr error
 	for range maxListenTries {
 		pp, err := p.ports.allocate()
@@ -192,7 +201,9 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	if err := a.sock.Close(); err != nil {
 		p.log.WithField("service", name.String()).WithError(err).Warn("Closing proxy socket")
 	}
-	p.ports.release(a.proxyPort)
+	if p.cfg.ListenPlan == nil {
+		p.ports.release(a.proxyPort)
+	}
 	if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
 		// Conntrack would keep steering a chatty client (a resolver) to the closed proxy port.
 		if err := p.deps.Conntrack.ClearUDP(p.runCtx, udp.FlowsOf(a.port)); err != nil {

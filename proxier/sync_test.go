@@ -49,6 +49,7 @@ func (s *fakeSocket) Listen(addr netip.AddrPort) error {
 	}
 	s.addr = netip.AddrPortFrom(addr.Addr(), p)
 	s.env.open[s.port.Name] = s
+	s.env.listens = append(s.env.listens, s.addr)
 	return nil
 }
 func (s *fakeSocket) Addr() netip.AddrPort { return s.addr }
@@ -110,6 +111,7 @@ type fakeEnv struct {
 	failListen  map[service.ServicePortName]error
 	nextPort    uint16
 	closedCount int
+	listens     []netip.AddrPort
 }
 
 func newFakeEnv(t *testing.T, mutate func(*Config)) *fakeEnv {
@@ -410,4 +412,40 @@ func TestSync10000Services(t *testing.T) {
 		t.Fatalf("specs after one delete = %d, want 9999", n)
 	}
 	t.Logf("proxier sync with fake sockets and portals: 10000 ports from nothing %v, one change among 10000 %v", full, one)
+}
+
+func TestSyncListenPlan(t *testing.T) {
+	// Bind mode: every portal IP at the service port and the node port on the node address.
+	plan := func(p *service.Port) []netip.AddrPort {
+		var out []netip.AddrPort
+		for _, ip := range append(slices.Clone(p.ClusterIPs), p.ExternalIPs...) {
+			out = append(out, netip.AddrPortFrom(ip, p.Port))
+		}
+		if p.NodePort != 0 {
+			out = append(out, netip.AddrPortFrom(netip.MustParseAddr("192.0.2.1"), p.NodePort))
+		}
+		return out
+	}
+	e := newFakeEnv(t, func(c *Config) { c.ListenPlan = plan })
+	e.synced()
+	e.p.OnServiceAdd(makeService("ns", "web", "10.96.0.10", func(s *v1.Service) {
+		s.Spec.ExternalIPs = []string{"203.0.113.10"}
+		s.Spec.Ports[0].NodePort = 30080
+	}, tcpPort("http", 80)))
+	e.sync()
+	want := "[10.96.0.10:80 203.0.113.10:80 192.0.2.1:30080]"
+	if got := fmt.Sprint(e.listens); got != want {
+		t.Errorf("listened on (-want +got):\n- %s\n+ %s", want, got)
+	}
+	e.portals.mu.Lock()
+	specs := e.portals.specs
+	e.portals.mu.Unlock()
+	if len(specs) != 1 || specs[0].ProxyPort != 80 {
+		t.Errorf("specs = %+v, want one with ProxyPort 80 (the service port)", specs)
+	}
+	e.p.OnServiceDelete(makeService("ns", "web", "10.96.0.10", nil))
+	e.sync()
+	if e.closedCount != 3 {
+		t.Errorf("closed %d sockets after delete, want 3", e.closedCount)
+	}
 }

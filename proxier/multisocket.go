@@ -1,0 +1,85 @@
+package proxier
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"sync"
+)
+
+// multiSocket serves one service port from several already-listening sockets (bind mode: one per
+// portal IP at the service port and one per node address at the node port). They share the
+// port's balancer, so round robin and affinity span all of them.
+type multiSocket struct {
+	socks []ProxySocket
+}
+
+var _ ProxySocket = (*multiSocket)(nil)
+
+// openAll builds and opens one socket per address; on any failure the ones already open close.
+func openAll(addrs []netip.AddrPort, build func() ProxySocket) (*multiSocket, error) {
+	m := &multiSocket{}
+	for _, a := range addrs {
+		s := build()
+		if err := s.Listen(a); err != nil {
+			_ = m.Close()
+			return nil, err
+		}
+		m.socks = append(m.socks, s)
+	}
+	if len(m.socks) == 0 {
+		return nil, errors.New("no address to listen on")
+	}
+	return m, nil
+}
+
+func (m *multiSocket) Listen(netip.AddrPort) error {
+	return errors.New("multiSocket listens when it is built")
+}
+
+func (m *multiSocket) Addr() netip.AddrPort { return m.socks[0].Addr() }
+
+// Addrs lists every address served.
+func (m *multiSocket) Addrs() []netip.AddrPort {
+	out := make([]netip.AddrPort, len(m.socks))
+	for i, s := range m.socks {
+		out[i] = s.Addr()
+	}
+	return out
+}
+
+func (m *multiSocket) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	errs := make([]error, len(m.socks))
+	for i, s := range m.socks {
+		wg.Go(func() { errs[i] = s.Run(ctx) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func (m *multiSocket) Close() error {
+	var errs []error
+	for _, s := range m.socks {
+		errs = append(errs, s.Close())
+	}
+	return errors.Join(errs...)
+}
+
+func (m *multiSocket) Shutdown() {
+	for _, s := range m.socks {
+		if sd, ok := s.(shutdowner); ok {
+			sd.Shutdown()
+		} else {
+			_ = s.Close()
+		}
+	}
+}
+
+func (m *multiSocket) DropEndpoint(ep netip.AddrPort) int {
+	n := 0
+	for _, s := range m.socks {
+		n += s.DropEndpoint(ep)
+	}
+	return n
+}
