@@ -91,11 +91,12 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 	}, proxier.Deps{
 		Balancer: lb, Portals: portals, Conntrack: udp.ExecConntrack{Runner: udp.ExecRunner{}},
 		Metrics: metrics, Health: health,
-		Sockets: proxier.RealSockets(proxier.SocketConfig{
+		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log},
-		}),
+		})),
 	})
+	reg.MustRegister(proxier.NewTrafficCollector(px), portalCollector(rules))
 
 	var src source
 	if o.servicesFile != "" {
@@ -115,6 +116,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	px.RegisterDebug(mux)
 	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprint(w, rules.Rules())
@@ -265,3 +267,32 @@ func cleanup(ctx context.Context, o *options, log logrus.FieldLogger) error {
 	rules := portal.NewIPTables(portal.Config{Logger: log}, &portal.ExecRunner{Variant: o.iptablesVariant})
 	return rules.Cleanup(ctx)
 }
+
+// portalCollector exports the iptables portal counters, with kube-proxy's name for restore failures.
+func portalCollector(rules *portal.IPTables) prometheus.Collector {
+	failures := prometheus.NewDesc("kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+		"Cumulative proxy iptables restore failures", nil, nil)
+	restores := prometheus.NewDesc("kube_portal_proxy_iptables_restores_total", "iptables-restore runs.", nil, nil)
+	repairs := prometheus.NewDesc("kube_portal_proxy_iptables_repairs_total", "Syncs that found the live chains changed by someone else and rewrote them.", nil, nil)
+	count := prometheus.NewDesc("kube_portal_proxy_portal_rules", "Portal rules programmed (all families and tables).", nil, nil)
+	return collectorFunc{descs: []*prometheus.Desc{failures, restores, repairs, count}, collect: func(ch chan<- prometheus.Metric) {
+		st := rules.Stats()
+		ch <- prometheus.MustNewConstMetric(failures, prometheus.CounterValue, float64(st.RestoreFailures))
+		ch <- prometheus.MustNewConstMetric(restores, prometheus.CounterValue, float64(st.Restores))
+		ch <- prometheus.MustNewConstMetric(repairs, prometheus.CounterValue, float64(st.Repairs))
+		ch <- prometheus.MustNewConstMetric(count, prometheus.GaugeValue, float64(st.Rules))
+	}}
+}
+
+type collectorFunc struct {
+	descs   []*prometheus.Desc
+	collect func(chan<- prometheus.Metric)
+}
+
+func (c collectorFunc) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range c.descs {
+		ch <- d
+	}
+}
+
+func (c collectorFunc) Collect(ch chan<- prometheus.Metric) { c.collect(ch) }

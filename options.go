@@ -41,6 +41,7 @@ type options struct {
 	tcpIdleTimeout     time.Duration
 	iptablesVariant    string
 	shutdownTimeout    time.Duration
+	accessLog          bool
 
 	// Parsed forms, filled by validate.
 	bind      netip.Addr
@@ -76,6 +77,7 @@ func newFlagSet(o *options) *pflag.FlagSet {
 	fs.BoolVar(&o.drainEndpoints, "drain-removed-endpoints", false, "Close established TCP connections to endpoints that were removed (UDP sessions always move).")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 0, "Close TCP connections idle in both directions for this long; 0 never does.")
 	fs.StringVar(&o.iptablesVariant, "iptables-variant", "", "Which iptables binaries to run: empty for the system's, nft or legacy.")
+	fs.BoolVar(&o.accessLog, "access-log", false, "Log one line per TCP connection and UDP session when it ends, for every service (per Service: annotation portal-proxy.kubernetes.io/access-log: \"true\").")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
 	return fs
 }

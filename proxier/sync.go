@@ -153,8 +153,7 @@ func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
 		if err != nil {
 			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
 		}
-		sock := p.deps.Sockets(port, p.deps.Balancer.Service(port.Name))
-		err = sock.Listen(netip.AddrPortFrom(p.listenIP(port), pp))
+		sock, err := p.listenFamilies(port, pp)
 		if err == nil {
 			return sock, sock.Addr().Port(), nil
 		}
@@ -167,18 +166,50 @@ func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
 	return nil, 0, lastErr
 }
 
-// listenIP is where the proxy socket of a port listens: --bind-address, or for an unspecified
-// bind address the wildcard of the port's families (:: is dual-stack for a port with both).
-func (p *Proxier) listenIP(port *service.Port) netip.Addr {
-	if !p.cfg.ListenIP.IsUnspecified() {
-		return p.cfg.ListenIP
+// listenFamilies opens the proxy socket on --bind-address, or, when that is unspecified, on the
+// wildcard of each family the port's portals use (the sockets are single-family), all on one port
+// number so one set of portal rules per family leads to them.
+func (p *Proxier) listenFamilies(port *service.Port, pp uint16) (ProxySocket, error) {
+	ips := []netip.Addr{p.cfg.ListenIP}
+	if p.cfg.ListenIP.IsUnspecified() {
+		ips = wildcards(port)
 	}
-	for _, ip := range port.ClusterIPs {
-		if ip.Is6() {
-			return netip.IPv6Unspecified()
+	build := func() ProxySocket { return p.deps.Sockets(port, p.deps.Balancer.Service(port.Name)) }
+	first := build()
+	if err := first.Listen(netip.AddrPortFrom(ips[0], pp)); err != nil {
+		return nil, err
+	}
+	if len(ips) == 1 {
+		return first, nil
+	}
+	rest, err := openAll([]netip.AddrPort{netip.AddrPortFrom(ips[1], first.Addr().Port())}, build)
+	if err != nil {
+		_ = first.Close()
+		return nil, err
+	}
+	return &multiSocket{socks: append([]ProxySocket{first}, rest.socks...)}, nil
+}
+
+// wildcards lists 0.0.0.0 and/or :: for the families of a port's portal addresses (IPv4 first).
+func wildcards(port *service.Port) []netip.Addr {
+	var v4, v6 bool
+	for _, group := range [][]netip.Addr{port.ClusterIPs, port.ExternalIPs, port.LoadBalancerIPs} {
+		for _, ip := range group {
+			if ip.Is4() {
+				v4 = true
+			} else {
+				v6 = true
+			}
 		}
 	}
-	return p.cfg.ListenIP
+	switch {
+	case v4 && v6:
+		return []netip.Addr{netip.IPv4Unspecified(), netip.IPv6Unspecified()}
+	case v6:
+		return []netip.Addr{netip.IPv6Unspecified()}
+	default:
+		return []netip.Addr{netip.IPv4Unspecified()}
+	}
 }
 
 // stopPort closes a service port's socket. gone means the port no longer exists at all, so its

@@ -449,3 +449,21 @@ func TestSyncListenPlan(t *testing.T) {
 		t.Errorf("closed %d sockets after delete, want 3", e.closedCount)
 	}
 }
+
+func TestSyncDualStackOpensOneSocketPerFamilyOnOnePort(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.p.OnServiceAdd(makeService("ns", "dual", "10.96.0.10", func(s *v1.Service) {
+		s.Spec.ClusterIPs = []string{"10.96.0.10", "fd00:96::10"}
+	}, udpPort("dns", 53)))
+	e.sync()
+	want := "[0.0.0.0:40001 [::]:40001]"
+	if got := fmt.Sprint(e.listens); got != want {
+		t.Errorf("listened on (-want +got):\n- %s\n+ %s", want, got)
+	}
+	e.portals.mu.Lock()
+	defer e.portals.mu.Unlock()
+	if len(e.portals.specs) != 1 || e.portals.specs[0].ProxyPort != 40001 {
+		t.Errorf("specs = %+v, want one with ProxyPort 40001", e.portals.specs)
+	}
+}

@@ -95,10 +95,11 @@ func (p *Port) Equal(o *Port) bool {
 		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal && p.AccessLog == o.AccessLog
 }
 
-// SocketEqual reports whether a proxy socket opened for p can serve o unchanged: protocol and the
-// portal addresses match. Affinity, policies and logging can change under a live socket.
+// SocketEqual reports whether a proxy socket opened for p can serve o unchanged: protocol, the
+// portal addresses and the access log (a socket hook) match. Affinity and policies can change
+// under a live socket.
 func (p *Port) SocketEqual(o *Port) bool {
-	return p.Protocol == o.Protocol && p.Port == o.Port && p.NodePort == o.NodePort &&
+	return p.Protocol == o.Protocol && p.Port == o.Port && p.NodePort == o.NodePort && p.AccessLog == o.AccessLog &&
 		slices.Equal(p.ClusterIPs, o.ClusterIPs) && slices.Equal(p.ExternalIPs, o.ExternalIPs) &&
 		slices.Equal(p.LoadBalancerIPs, o.LoadBalancerIPs)
 }

@@ -1,0 +1,173 @@
+package proxier
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// trafficCollector exports the data-path counters of every open proxy socket. The sockets keep
+// their counters as atomics; this collector only reads them when Prometheus scrapes, so the data
+// path pays nothing for metrics. Series of a removed service port disappear with it.
+type trafficCollector struct {
+	p *Proxier
+
+	tcpActive, tcpTotal, tcpBytes                    *prometheus.Desc
+	dialAttempts, dialFailures, dialRetries, rejects *prometheus.Desc
+	udpActive, udpSessions, udpPackets, udpBytes     *prometheus.Desc
+	udpDrops                                         *prometheus.Desc
+	endpoints                                        *prometheus.Desc
+}
+
+// NewTrafficCollector returns the per-service-port traffic collector of p.
+func NewTrafficCollector(p *Proxier) prometheus.Collector {
+	sp := []string{"service_port"}
+	d := func(name, help string, extra ...string) *prometheus.Desc {
+		return prometheus.NewDesc("kube_portal_proxy_"+name, help, append(sp, extra...), nil)
+	}
+	return &trafficCollector{
+		p:            p,
+		tcpActive:    d("tcp_connections_active", "Open proxied TCP connections."),
+		tcpTotal:     d("tcp_connections_total", "Accepted TCP connections."),
+		tcpBytes:     d("tcp_bytes_total", "Bytes proxied over TCP; direction is to_endpoint (client to pod) or to_client.", "direction"),
+		dialAttempts: d("tcp_dial_attempts_total", "Dials to endpoints."),
+		dialFailures: d("tcp_dial_failures_total", "Dials to endpoints that failed."),
+		dialRetries:  d("tcp_dial_retries_total", "Dials that were retries after a failed one (affinity reset)."),
+		rejects:      d("no_endpoint_rejects_total", "New connections (reset) or datagrams (dropped) with no endpoint to go to.", "protocol"),
+		udpActive:    d("udp_sessions_active", "Live UDP sessions."),
+		udpSessions:  d("udp_sessions_total", "Ended or created UDP sessions; event is created, expired, evicted, refused or closed.", "event"),
+		udpPackets:   d("udp_packets_total", "Datagrams proxied; direction is to_endpoint or to_client.", "direction"),
+		udpBytes:     d("udp_bytes_total", "Bytes proxied over UDP; direction is to_endpoint or to_client.", "direction"),
+		udpDrops:     d("udp_drops_total", "Datagrams dropped; reason is no_endpoint, session_setup, to_endpoint, to_client or truncated.", "reason"),
+		endpoints:    d("endpoints", "Endpoints the balancer uses for the service port."),
+	}
+}
+
+func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
+		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.endpoints} {
+		ch <- d
+	}
+}
+
+func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, a := range c.p.activeList() {
+		name := a.port.Name.String()
+		counter := func(d *prometheus.Desc, v float64, labels ...string) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, append([]string{name}, labels...)...)
+		}
+		gauge := func(d *prometheus.Desc, v float64) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, name)
+		}
+		if b := c.p.deps.Balancer.Lookup(a.port.Name); b != nil {
+			gauge(c.endpoints, float64(len(b.Endpoints())))
+		}
+		ts, us := socketStats(a.sock)
+		if ts != nil {
+			gauge(c.tcpActive, float64(ts.ActiveConns))
+			counter(c.tcpTotal, float64(ts.TotalConns))
+			counter(c.tcpBytes, float64(ts.BytesIn), "to_endpoint")
+			counter(c.tcpBytes, float64(ts.BytesOut), "to_client")
+			counter(c.dialAttempts, float64(ts.DialAttempts))
+			counter(c.dialFailures, float64(ts.DialFailures))
+			counter(c.dialRetries, float64(ts.DialRetries))
+			counter(c.rejects, float64(ts.NoEndpoints), "tcp")
+		}
+		if us != nil {
+			gauge(c.udpActive, float64(us.SessionsActive))
+			counter(c.udpSessions, float64(us.SessionsCreated), "created")
+			counter(c.udpSessions, float64(us.SessionsExpired), "expired")
+			counter(c.udpSessions, float64(us.SessionsEvicted), "evicted")
+			counter(c.udpSessions, float64(us.SessionsRefused), "refused")
+			counter(c.udpSessions, float64(us.SessionsClosed), "closed")
+			counter(c.udpPackets, float64(us.PacketsToEndpoint), "to_endpoint")
+			counter(c.udpPackets, float64(us.PacketsFromEndpoint), "to_client")
+			counter(c.udpBytes, float64(us.BytesToEndpoint), "to_endpoint")
+			counter(c.udpBytes, float64(us.BytesFromEndpoint), "to_client")
+			counter(c.rejects, float64(us.DropsNoEndpoint), "udp")
+			counter(c.udpDrops, float64(us.DropsNoEndpoint), "no_endpoint")
+			counter(c.udpDrops, float64(us.DropsSessionSetup), "session_setup")
+			counter(c.udpDrops, float64(us.DropsToEndpoint), "to_endpoint")
+			counter(c.udpDrops, float64(us.DropsToClient), "to_client")
+			counter(c.udpDrops, float64(us.DropsTruncated), "truncated")
+		}
+	}
+}
+
+// socketStats reads the counters of a socket, summing the sockets of a multiSocket.
+func socketStats(s ProxySocket) (*tcp.Stats, *udp.Stats) {
+	switch s := s.(type) {
+	case tcpSocket:
+		st := s.Stats()
+		return &st, nil
+	case udpSocket:
+		st := s.Stats()
+		return nil, &st
+	case *multiSocket:
+		var ts *tcp.Stats
+		var us *udp.Stats
+		for _, sub := range s.socks {
+			t, u := socketStats(sub)
+			if t != nil {
+				ts = sumTCP(ts, t)
+			}
+			if u != nil {
+				us = sumUDP(us, u)
+			}
+		}
+		return ts, us
+	}
+	return nil, nil
+}
+
+func sumTCP(a, b *tcp.Stats) *tcp.Stats {
+	if a == nil {
+		c := *b
+		return &c
+	}
+	a.ActiveConns += b.ActiveConns
+	a.TotalConns += b.TotalConns
+	a.BytesIn += b.BytesIn
+	a.BytesOut += b.BytesOut
+	a.DialAttempts += b.DialAttempts
+	a.DialFailures += b.DialFailures
+	a.DialRetries += b.DialRetries
+	a.NoEndpoints += b.NoEndpoints
+	a.AcceptErrors += b.AcceptErrors
+	return a
+}
+
+func sumUDP(a, b *udp.Stats) *udp.Stats {
+	if a == nil {
+		c := *b
+		return &c
+	}
+	a.SessionsActive += b.SessionsActive
+	a.SessionsCreated += b.SessionsCreated
+	a.SessionsExpired += b.SessionsExpired
+	a.SessionsEvicted += b.SessionsEvicted
+	a.SessionsRefused += b.SessionsRefused
+	a.SessionsClosed += b.SessionsClosed
+	a.PacketsToEndpoint += b.PacketsToEndpoint
+	a.BytesToEndpoint += b.BytesToEndpoint
+	a.PacketsFromEndpoint += b.PacketsFromEndpoint
+	a.BytesFromEndpoint += b.BytesFromEndpoint
+	a.DropsNoEndpoint += b.DropsNoEndpoint
+	a.DropsSessionSetup += b.DropsSessionSetup
+	a.DropsToEndpoint += b.DropsToEndpoint
+	a.DropsToClient += b.DropsToClient
+	a.DropsTruncated += b.DropsTruncated
+	return a
+}
+
+// activeList snapshots the open sockets (copies, so readers need no lock afterwards).
+func (p *Proxier) activeList() []activePort {
+	p.activeMu.RLock()
+	defer p.activeMu.RUnlock()
+	out := make([]activePort, 0, len(p.active))
+	for _, a := range p.active {
+		out = append(out, *a)
+	}
+	return out
+}

@@ -1,0 +1,194 @@
+package proxier
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// ServiceView is one service port as the debug endpoints and the status page show it.
+type ServiceView struct {
+	Name            string         `json:"name"`
+	Protocol        string         `json:"protocol"`
+	Port            uint16         `json:"port"`
+	NodePort        uint16         `json:"nodePort,omitempty"`
+	ClusterIPs      []string       `json:"clusterIPs"`
+	ExternalIPs     []string       `json:"externalIPs,omitempty"`
+	LoadBalancerIPs []string       `json:"loadBalancerIPs,omitempty"`
+	ProxyPort       uint16         `json:"proxyPort,omitempty"`
+	Listen          []string       `json:"listen,omitempty"`
+	Open            bool           `json:"open"`
+	Affinity        string         `json:"affinity"`
+	Endpoints       []EndpointView `json:"endpoints"`
+	AffinityEntries []AffinityView `json:"affinityEntries,omitempty"`
+	Active          int64          `json:"active"`
+	Total           uint64         `json:"total"`
+	BytesToEndpoint uint64         `json:"bytesToEndpoint"`
+	BytesToClient   uint64         `json:"bytesToClient"`
+}
+
+// EndpointView is one endpoint with its conditions and whether the balancer uses it.
+type EndpointView struct {
+	Address     string `json:"address"`
+	Ready       bool   `json:"ready"`
+	Serving     bool   `json:"serving"`
+	Terminating bool   `json:"terminating"`
+	InUse       bool   `json:"inUse"`
+	Node        string `json:"node,omitempty"`
+}
+
+// AffinityView is one sticky client.
+type AffinityView struct {
+	Client   string `json:"client"`
+	Endpoint string `json:"endpoint"`
+	IdleFor  string `json:"idleFor"`
+}
+
+// ConnView is one live TCP connection or UDP session.
+type ConnView struct {
+	Service         string `json:"service"`
+	Protocol        string `json:"protocol"`
+	Client          string `json:"client"`
+	Endpoint        string `json:"endpoint"`
+	Age             string `json:"age"`
+	BytesToEndpoint uint64 `json:"bytesToEndpoint"`
+	BytesToClient   uint64 `json:"bytesToClient"`
+}
+
+// Services describes every service port the proxier knows, open or not, sorted by name.
+func (p *Proxier) Services() []ServiceView {
+	open := map[service.ServicePortName]activePort{}
+	for _, a := range p.activeList() {
+		open[a.port.Name] = a
+	}
+	p.mu.Lock()
+	var ports []*service.Port
+	for _, ps := range p.latest {
+		ports = append(ports, ps...)
+	}
+	p.mu.Unlock()
+	now := p.cfg.Clock.Now()
+	out := make([]ServiceView, 0, len(ports))
+	for _, port := range ports {
+		v := ServiceView{
+			Name: port.Name.String(), Protocol: string(port.Protocol), Port: port.Port, NodePort: port.NodePort,
+			ClusterIPs: addrStrings(port.ClusterIPs), ExternalIPs: addrStrings(port.ExternalIPs),
+			LoadBalancerIPs: addrStrings(port.LoadBalancerIPs), Affinity: "None",
+		}
+		if port.Affinity.ClientIP {
+			v.Affinity = "ClientIP " + port.Affinity.TTL().String()
+		}
+		if a, ok := open[port.Name]; ok {
+			v.Open, v.ProxyPort = true, a.proxyPort
+			v.Listen = listenAddrs(a.sock)
+			fillStats(&v, a.sock)
+		}
+		inUse := map[netip.AddrPort]bool{}
+		if b := p.deps.Balancer.Lookup(port.Name); b != nil {
+			for _, ep := range b.Endpoints() {
+				inUse[ep] = true
+			}
+			for _, e := range b.AffinityEntries() {
+				v.AffinityEntries = append(v.AffinityEntries, AffinityView{Client: e.Client.String(),
+					Endpoint: e.Endpoint.String(), IdleFor: now.Sub(e.LastUsed).Round(time.Second).String()})
+			}
+		}
+		p.epMu.Lock()
+		for _, e := range p.endpoints[port.Name] {
+			v.Endpoints = append(v.Endpoints, EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
+				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName})
+		}
+		p.epMu.Unlock()
+		out = append(out, v)
+	}
+	slices.SortFunc(out, func(a, b ServiceView) int { return cmp.Compare(a.Name, b.Name) })
+	return out
+}
+
+func fillStats(v *ServiceView, s ProxySocket) {
+	ts, us := socketStats(s)
+	if ts != nil {
+		v.Active, v.Total = ts.ActiveConns, uint64(ts.TotalConns)
+		v.BytesToEndpoint, v.BytesToClient = uint64(ts.BytesIn), uint64(ts.BytesOut)
+	}
+	if us != nil {
+		v.Active, v.Total = us.SessionsActive, us.SessionsCreated
+		v.BytesToEndpoint, v.BytesToClient = us.BytesToEndpoint, us.BytesFromEndpoint
+	}
+}
+
+func listenAddrs(s ProxySocket) []string {
+	if m, ok := s.(*multiSocket); ok {
+		var out []string
+		for _, a := range m.Addrs() {
+			out = append(out, a.String())
+		}
+		return out
+	}
+	return []string{s.Addr().String()}
+}
+
+// Connections lists live TCP connections and UDP sessions, optionally only those of service ports
+// whose name contains svc and whose client address contains client.
+func (p *Proxier) Connections(svc, client string) []ConnView {
+	now := p.cfg.Clock.Now()
+	var out []ConnView
+	for _, a := range p.activeList() {
+		name := a.port.Name.String()
+		if svc != "" && !strings.Contains(name, svc) {
+			continue
+		}
+		for _, c := range connsOf(a.sock, name, now) {
+			if client == "" || strings.Contains(c.Client, client) {
+				out = append(out, c)
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b ConnView) int {
+		return cmp.Or(cmp.Compare(a.Service, b.Service), cmp.Compare(a.Client, b.Client))
+	})
+	return out
+}
+
+func connsOf(s ProxySocket, name string, now time.Time) []ConnView {
+	var out []ConnView
+	switch s := s.(type) {
+	case tcpSocket:
+		for _, c := range s.Conns() {
+			out = append(out, tcpView(name, c, now))
+		}
+	case udpSocket:
+		for _, c := range s.Sessions() {
+			out = append(out, udpView(name, c, now))
+		}
+	case *multiSocket:
+		for _, sub := range s.socks {
+			out = append(out, connsOf(sub, name, now)...)
+		}
+	}
+	return out
+}
+
+func tcpView(name string, c tcp.ConnInfo, now time.Time) ConnView {
+	return ConnView{Service: name, Protocol: "TCP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
+		Age: now.Sub(c.Start).Round(time.Millisecond).String(), BytesToEndpoint: uint64(c.BytesIn), BytesToClient: uint64(c.BytesOut)}
+}
+
+func udpView(name string, c udp.SessionInfo, now time.Time) ConnView {
+	return ConnView{Service: name, Protocol: "UDP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
+		Age: now.Sub(c.Started).Round(time.Millisecond).String(), BytesToEndpoint: c.BytesToEndpoint, BytesToClient: c.BytesFromEndpoint}
+}
+
+func addrStrings(a []netip.Addr) []string {
+	out := make([]string, len(a))
+	for i, x := range a {
+		out[i] = x.String()
+	}
+	return out
+}

@@ -1,0 +1,111 @@
+package proxier
+
+import (
+	_ "embed"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"text/tabwriter"
+)
+
+//go:embed status.html
+var statusPage []byte
+
+// RegisterDebug adds the debug endpoints and the status page to mux:
+//
+//	/                    the status page (HTML, refreshes itself)
+//	/debug/services      every service port: portals, proxy port, endpoints, affinity, counters
+//	/debug/connections   live TCP connections and UDP sessions (?service=…&client=… filter)
+//
+// Each /debug endpoint answers JSON for tools (?format=json or Accept: application/json) and
+// aligned text for curl. They show client addresses: serve them on a loopback address.
+func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
+	mux.HandleFunc("/{$}", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		_, _ = w.Write(statusPage)
+	})
+	mux.HandleFunc("/debug/services", func(w http.ResponseWriter, r *http.Request) {
+		views := p.Services()
+		if wantsJSON(r) {
+			writeJSON(w, views)
+			return
+		}
+		tw := textWriter(w)
+		fmt.Fprintln(tw, "SERVICE PORT\tPROTO\tPORTALS\tLISTEN\tENDPOINTS\tAFFINITY\tACTIVE\tTOTAL\tBYTES IN/OUT")
+		for _, v := range views {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d/%d\n", v.Name, v.Protocol, portals(v),
+				strings.Join(v.Listen, ","), endpointsText(v.Endpoints), v.Affinity, v.Active, v.Total, v.BytesToEndpoint, v.BytesToClient)
+			for _, a := range v.AffinityEntries {
+				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
+			}
+		}
+		_ = tw.Flush()
+	})
+	mux.HandleFunc("/debug/connections", func(w http.ResponseWriter, r *http.Request) {
+		views := p.Connections(r.URL.Query().Get("service"), r.URL.Query().Get("client"))
+		if wantsJSON(r) {
+			writeJSON(w, views)
+			return
+		}
+		tw := textWriter(w)
+		fmt.Fprintln(tw, "SERVICE PORT\tPROTO\tCLIENT\tENDPOINT\tAGE\tBYTES IN\tBYTES OUT")
+		for _, c := range views {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\n", c.Service, c.Protocol, c.Client, c.Endpoint, c.Age, c.BytesToEndpoint, c.BytesToClient)
+		}
+		_ = tw.Flush()
+	})
+}
+
+func portals(v ServiceView) string {
+	var parts []string
+	for _, group := range [][]string{v.ClusterIPs, v.ExternalIPs, v.LoadBalancerIPs} {
+		for _, ip := range group {
+			if strings.Contains(ip, ":") {
+				ip = "[" + ip + "]"
+			}
+			parts = append(parts, fmt.Sprintf("%s:%d", ip, v.Port))
+		}
+	}
+	if v.NodePort != 0 {
+		parts = append(parts, fmt.Sprintf("nodePort %d", v.NodePort))
+	}
+	return strings.Join(parts, ",")
+}
+
+func endpointsText(eps []EndpointView) string {
+	if len(eps) == 0 {
+		return "<none>"
+	}
+	parts := make([]string, len(eps))
+	for i, e := range eps {
+		state := "not-ready"
+		switch {
+		case e.Ready:
+			state = "ready"
+		case e.Serving && e.Terminating:
+			state = "terminating"
+		}
+		if !e.InUse {
+			state += ",unused"
+		}
+		parts[i] = e.Address + "(" + state + ")"
+	}
+	return strings.Join(parts, " ")
+}
+
+func wantsJSON(r *http.Request) bool {
+	return r.URL.Query().Get("format") == "json" || strings.Contains(r.Header.Get("Accept"), "application/json")
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func textWriter(w http.ResponseWriter) *tabwriter.Writer {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+}

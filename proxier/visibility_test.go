@@ -1,0 +1,223 @@
+package proxier
+
+// Address plan: everything on 127.0.0.1 with kernel-chosen ports: echo backends, the proxy
+// sockets (ListenIP 127.0.0.1) and the debug HTTP server. Portals are a fake; clients connect to
+// the proxy port directly, as a portal rule would make them.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/sirupsen/logrus"
+	logtest "github.com/sirupsen/logrus/hooks/test"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+)
+
+func echoTCP(t *testing.T) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Go(func() {
+				defer c.Close()
+				_, _ = io.Copy(c, c)
+			})
+		}
+	})
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+func echoUDP(t *testing.T) netip.AddrPort {
+	t.Helper()
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { pc.Close(); <-done })
+	go func() {
+		defer close(done)
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			_, _ = pc.WriteTo(buf[:n], from)
+		}
+	}()
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond) // polling a condition with a deadline
+	}
+}
+
+func TestVisibilityWithRealSockets(t *testing.T) {
+	tcpBackend, udpBackend := echoTCP(t), echoUDP(t)
+	logger, hook := logtest.NewNullLogger()
+	logger.SetLevel(logrus.InfoLevel)
+	lb := loadbalancer.New(clock.RealClock{})
+	portals := &recordingPortals{}
+	p := New(Config{ListenIP: netip.MustParseAddr("127.0.0.1"), MinSyncPeriod: time.Second, SyncPeriod: time.Minute, Logger: logger},
+		Deps{Balancer: lb, Portals: portals, Sockets: RealSockets(AccessLog{Log: logger}.SocketConfigs(SocketConfig{}))})
+	ctx, cancel := context.WithCancel(context.Background())
+	p.runCtx = ctx
+	t.Cleanup(func() { cancel(); p.shutdown() })
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(NewTrafficCollector(p))
+	mux := http.NewServeMux()
+	p.RegisterDebug(mux)
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+
+	p.OnServicesSynced()
+	p.OnEndpointSlicesSynced()
+	p.OnServiceAdd(makeService("ns", "echo", "10.96.0.7", func(s *v1.Service) {
+		s.Annotations = map[string]string{AnnotationAccessLog: "true"}
+	}, tcpPort("tcp", 80), udpPort("udp", 53)))
+	p.OnEndpointSliceAdd(makeSlice("ns", "echo", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{
+		slicePortOf("tcp", v1.ProtocolTCP, int32(tcpBackend.Port())), slicePortOf("udp", v1.ProtocolUDP, int32(udpBackend.Port())),
+	}, sliceEP{addr: "127.0.0.1"}))
+	if err := p.sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	proxyAddr := map[string]string{}
+	for _, s := range portals.specs {
+		proxyAddr[s.Name.Port] = fmt.Sprintf("127.0.0.1:%d", s.ProxyPort)
+	}
+
+	// A TCP connection stays open while we look at it.
+	c, err := net.Dial("tcp4", proxyAddr["tcp"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "hello" {
+		t.Fatalf("echo through the proxy = %q, %v", buf, err)
+	}
+	client := c.LocalAddr().String()
+
+	var conns []ConnView
+	getJSON(t, srv.URL+"/debug/connections?service=ns/echo", &conns)
+	if len(conns) != 1 || conns[0].Client != client || conns[0].Endpoint != tcpBackend.String() {
+		t.Fatalf("/debug/connections = %+v, want one from %s to %s", conns, client, tcpBackend)
+	}
+	text := getText(t, srv.URL+"/debug/services")
+	for _, want := range []string{"ns/echo:tcp", "10.96.0.7:80", tcpBackend.String() + "(ready)"} {
+		if !strings.Contains(text, want) {
+			t.Errorf("/debug/services text lacks %q:\n%s", want, text)
+		}
+	}
+
+	// UDP: one exchange, then the counters and the session list.
+	u, err := net.Dial("udp4", proxyAddr["udp"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer u.Close()
+	_ = u.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := u.Write([]byte("ping!!")); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := u.Read(make([]byte, 64)); err != nil || n != 6 {
+		t.Fatalf("UDP reply: %d bytes, %v", n, err)
+	}
+
+	c.Close()
+	waitFor(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
+	e := hook.AllEntries()[0]
+	if e.Data["access"] != "tcp" || e.Data["client"] != client || e.Data["reason"] != "client closed" ||
+		e.Data["bytes_to_endpoint"] != int64(5) || e.Data["bytes_to_client"] != int64(5) {
+		t.Errorf("access log = %v %v, want tcp client closed 5/5 bytes from %s", e.Message, e.Data, client)
+	}
+
+	want := `
+# HELP kube_portal_proxy_tcp_bytes_total Bytes proxied over TCP; direction is to_endpoint (client to pod) or to_client.
+# TYPE kube_portal_proxy_tcp_bytes_total counter
+kube_portal_proxy_tcp_bytes_total{direction="to_client",service_port="ns/echo:tcp"} 5
+kube_portal_proxy_tcp_bytes_total{direction="to_endpoint",service_port="ns/echo:tcp"} 5
+# HELP kube_portal_proxy_udp_packets_total Datagrams proxied; direction is to_endpoint or to_client.
+# TYPE kube_portal_proxy_udp_packets_total counter
+kube_portal_proxy_udp_packets_total{direction="to_client",service_port="ns/echo:udp"} 1
+kube_portal_proxy_udp_packets_total{direction="to_endpoint",service_port="ns/echo:udp"} 1
+`
+	waitFor(t, "tcp counters to settle", func() bool {
+		return testutil.GatherAndCompare(reg, strings.NewReader(want), "kube_portal_proxy_tcp_bytes_total", "kube_portal_proxy_udp_packets_total") == nil
+	})
+
+	// Removed: nothing listed, no series left.
+	p.OnServiceDelete(makeService("ns", "echo", "10.96.0.7", nil))
+	if err := p.sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var svcs []ServiceView
+	getJSON(t, srv.URL+"/debug/services", &svcs)
+	getJSON(t, srv.URL+"/debug/connections", &conns)
+	if len(svcs) != 0 || len(conns) != 0 {
+		t.Errorf("after delete: services %+v, connections %+v, want none", svcs, conns)
+	}
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 0 {
+		t.Errorf("after delete %d series remain (%v), want 0", n, err)
+	}
+}
+
+func getJSON(t *testing.T, url string, v any) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	req.Header.Set("Accept", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+}
+
+func getText(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
