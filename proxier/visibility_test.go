@@ -85,23 +85,38 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func TestVisibilityWithRealSockets(t *testing.T) {
-	tcpBackend, udpBackend := echoTCP(t), echoUDP(t)
+// realEnv is a proxier with real loopback sockets, a fake portal, an access log hook, a metrics
+// registry and the debug HTTP server, serving ns/echo (TCP port "tcp", UDP port "udp").
+type realEnv struct {
+	p         *Proxier
+	srv       *httptest.Server
+	hook      *logtest.Hook
+	reg       *prometheus.Registry
+	proxyAddr map[string]string
+	tcpEcho   netip.AddrPort
+}
+
+func newRealEnv(t *testing.T) *realEnv {
+	t.Helper()
+	e := &realEnv{tcpEcho: echoTCP(t), proxyAddr: map[string]string{}}
+	udpBackend := echoUDP(t)
 	logger, hook := logtest.NewNullLogger()
 	logger.SetLevel(logrus.InfoLevel)
+	e.hook = hook
 	lb := loadbalancer.New(clock.RealClock{})
 	portals := &recordingPortals{}
 	p := New(Config{ListenIP: netip.MustParseAddr("127.0.0.1"), MinSyncPeriod: time.Second, SyncPeriod: time.Minute, Logger: logger},
 		Deps{Balancer: lb, Portals: portals, Sockets: RealSockets(AccessLog{Log: logger}.SocketConfigs(SocketConfig{}))})
+	e.p = p
 	ctx, cancel := context.WithCancel(context.Background())
 	p.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(NewTrafficCollector(p))
+	e.reg = prometheus.NewRegistry()
+	e.reg.MustRegister(NewTrafficCollector(p))
 	mux := http.NewServeMux()
 	p.RegisterDebug(mux)
-	srv := httptest.NewServer(mux)
-	t.Cleanup(srv.Close)
+	e.srv = httptest.NewServer(mux)
+	t.Cleanup(e.srv.Close)
 
 	p.OnServicesSynced()
 	p.OnEndpointSlicesSynced()
@@ -109,18 +124,21 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 		s.Annotations = map[string]string{AnnotationAccessLog: "true"}
 	}, tcpPort("tcp", 80), udpPort("udp", 53)))
 	p.OnEndpointSliceAdd(makeSlice("ns", "echo", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{
-		slicePortOf("tcp", v1.ProtocolTCP, int32(tcpBackend.Port())), slicePortOf("udp", v1.ProtocolUDP, int32(udpBackend.Port())),
+		slicePortOf("tcp", v1.ProtocolTCP, int32(e.tcpEcho.Port())), slicePortOf("udp", v1.ProtocolUDP, int32(udpBackend.Port())),
 	}, sliceEP{addr: "127.0.0.1"}))
 	if err := p.sync(ctx); err != nil {
 		t.Fatal(err)
 	}
-	proxyAddr := map[string]string{}
 	for _, s := range portals.specs {
-		proxyAddr[s.Name.Port] = fmt.Sprintf("127.0.0.1:%d", s.ProxyPort)
+		e.proxyAddr[s.Name.Port] = fmt.Sprintf("127.0.0.1:%d", s.ProxyPort)
 	}
+	return e
+}
 
-	// A TCP connection stays open while we look at it.
-	c, err := net.Dial("tcp4", proxyAddr["tcp"])
+// openEcho opens a TCP connection through the proxy and checks one echo.
+func (e *realEnv) openEcho(t *testing.T) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp4", e.proxyAddr["tcp"])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,6 +149,15 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "hello" {
 		t.Fatalf("echo through the proxy = %q, %v", buf, err)
 	}
+	return c
+}
+
+func TestVisibilityWithRealSockets(t *testing.T) {
+	e := newRealEnv(t)
+	p, srv, hook, reg, tcpBackend, proxyAddr := e.p, e.srv, e.hook, e.reg, e.tcpEcho, e.proxyAddr
+	ctx := context.Background()
+	// A TCP connection stays open while we look at it.
+	c := e.openEcho(t)
 	client := c.LocalAddr().String()
 
 	var conns []ConnView
@@ -161,10 +188,10 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 
 	c.Close()
 	waitFor(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
-	e := hook.AllEntries()[0]
-	if e.Data["access"] != "tcp" || e.Data["client"] != client || e.Data["reason"] != "client closed" ||
-		e.Data["bytes_to_endpoint"] != int64(5) || e.Data["bytes_to_client"] != int64(5) {
-		t.Errorf("access log = %v %v, want tcp client closed 5/5 bytes from %s", e.Message, e.Data, client)
+	entry := hook.AllEntries()[0]
+	if entry.Data["access"] != "tcp" || entry.Data["client"] != client || entry.Data["reason"] != "client closed" ||
+		entry.Data["bytes_to_endpoint"] != int64(5) || entry.Data["bytes_to_client"] != int64(5) {
+		t.Errorf("access log = %v %v, want tcp client closed 5/5 bytes from %s", entry.Message, entry.Data, client)
 	}
 
 	want := `

@@ -1,0 +1,47 @@
+package proxier
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestStatusPageInChromium loads the status page in a real headless browser and checks that the
+// page's script rendered a service that exists and a connection that is open.
+func TestStatusPageInChromium(t *testing.T) {
+	browser, err := exec.LookPath("chromium")
+	if err != nil {
+		t.Skip("chromium not installed (apt-get install chromium); the status page test needs a real browser")
+	}
+	e := newRealEnv(t)
+	c := e.openEcho(t)
+	defer c.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+		"--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
+		"--user-data-dir="+t.TempDir(), "--virtual-time-budget=5000", "--dump-dom", e.srv.URL+"/")
+	cmd.Env = append(os.Environ(), "HOME="+t.TempDir())
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("chromium: %v", err)
+	}
+	dom := string(out)
+	for _, want := range []string{
+		"<code>ns/echo:tcp</code>",                    // the service row
+		"<code>" + c.LocalAddr().String() + "</code>", // the open connection's client
+		"<code>" + e.tcpEcho.String() + "</code>",     // and its endpoint
+		`<span id="conn-count">1</span>`,
+	} {
+		if !strings.Contains(dom, want) {
+			t.Errorf("rendered page lacks %q; page:\n%s", want, dom)
+		}
+	}
+	if !strings.Contains(dom, `<span id="error"></span>`) {
+		t.Errorf("the page reported a refresh failure:\n%s", dom)
+	}
+}
