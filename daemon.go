@@ -31,6 +31,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
@@ -82,7 +83,13 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts,
 		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
 	}, &portal.ExecRunner{Variant: o.iptablesVariant})
-	portals := &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log}
+	nodeName := o.hostnameOverride
+	if nodeName == "" {
+		nodeName, _ = os.Hostname()
+	}
+	events := newServiceEvents(ctx, client, nodeName, log)
+	portals := &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log,
+		OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }}
 
 	lb := loadbalancer.New(clk)
 	px := proxier.New(proxier.Config{
@@ -90,7 +97,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 		DrainTCP: o.drainEndpoints, Clock: clk, Logger: log,
 	}, proxier.Deps{
 		Balancer: lb, Portals: portals, Conntrack: udp.ExecConntrack{Runner: udp.ExecRunner{}},
-		Metrics: metrics, Health: health,
+		Metrics: metrics, Health: health, Event: events.Warning,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log},

@@ -70,6 +70,9 @@ type Deps struct {
 	Conntrack udp.Conntrack
 	Metrics   *Metrics
 	Health    *Health
+	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
+	// Warning event in cluster mode). Called once per new failure, not on every sync.
+	Event func(name service.ServicePortName, reason, message string)
 }
 
 // Proxier is the node proxy's control loop.

@@ -113,6 +113,13 @@ func (p *Proxier) startPort(port *service.Port) {
 	if err != nil {
 		if _, already := p.failed[port.Name]; !already {
 			log.WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
+			if p.deps.Event != nil {
+				reason := "ProxySocketFailed"
+				if errors.Is(err, ErrPortsExhausted) {
+					reason = "ProxyPortRangeExhausted"
+				}
+				p.deps.Event(port.Name, reason, err.Error())
+			}
 		}
 		p.failed[port.Name] = port
 		p.deps.Metrics.socketFailures.Inc()

@@ -332,10 +332,16 @@ func TestSyncPortRangeExhaustion(t *testing.T) {
 	e.synced()
 	e.p.OnServiceAdd(makeService("ns", "a", "10.96.0.1", nil, tcpPort("", 80)))
 	e.sync()
+	var events []string
+	e.p.deps.Event = func(n service.ServicePortName, reason, msg string) { events = append(events, n.String()+" "+reason) }
 	e.p.OnServiceAdd(makeService("ns", "b", "10.96.0.2", nil, tcpPort("", 80)))
 	e.sync()
+	e.sync() // still failing: no second event
 	if got := e.openNames(); !slices.Equal(got, []string{"ns/a"}) {
 		t.Fatalf("open = %v, want only ns/a (range of one port)", got)
+	}
+	if want := []string{"ns/b ProxyPortRangeExhausted"}; !slices.Equal(events, want) {
+		t.Errorf("events = %q, want %q", events, want)
 	}
 	e.p.OnServiceDelete(makeService("ns", "a", "10.96.0.1", nil))
 	e.sync()

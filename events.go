@@ -1,0 +1,44 @@
+package main
+
+import (
+	"context"
+
+	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// serviceEvents records Warning events against Services. client-go's broadcaster aggregates
+// repeats and rate-limits per object, so a flapping failure cannot flood the API server. Without
+// a cluster (--services-file) events only reach the log, which the callers already wrote.
+type serviceEvents struct {
+	recorder record.EventRecorder
+}
+
+// newServiceEvents starts the broadcaster; it stops when ctx is done.
+func newServiceEvents(ctx context.Context, c kubernetes.Interface, node string, log logrus.FieldLogger) *serviceEvents {
+	if c == nil {
+		return &serviceEvents{}
+	}
+	b := record.NewBroadcaster(record.WithContext(ctx))
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.CoreV1().Events("")})
+	b.StartEventWatcher(func(e *v1.Event) {
+		log.WithFields(logrus.Fields{"reason": e.Reason, "object": e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name}).Debug("Event recorded")
+	})
+	go func() { <-ctx.Done(); b.Shutdown() }()
+	return &serviceEvents{recorder: b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: node})}
+}
+
+// Warning records a Warning event on the Service of a service port.
+func (e *serviceEvents) Warning(name service.ServicePortName, reason, message string) {
+	if e.recorder == nil {
+		return
+	}
+	ref := &v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: name.Namespace, Name: name.Name}
+	e.recorder.Eventf(ref, v1.EventTypeWarning, reason, "service port %s: %s", name, message)
+}
