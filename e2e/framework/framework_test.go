@@ -3,10 +3,12 @@ package framework
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -340,6 +342,57 @@ func TestStopLeavesNothingRunning(t *testing.T) {
 	if err := cp.Stop(); err != nil {
 		t.Errorf("second Stop: %v, want nil", err)
 	}
+}
+
+// TestStartFailureLeavesNothingRunning checks the failure path: when kube-apiserver dies during
+// startup, Start reports its log, stops the etcd it already started and removes its directory.
+func TestStartFailureLeavesNothingRunning(t *testing.T) {
+	bins, err := FindBinaries()
+	if err != nil {
+		skipOrFail(t, err)
+	}
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp) // where Start makes its directory
+	bins.APIServer = filepath.Join(tmp, "broken-apiserver")
+	script := "#!/bin/sh\necho 'broken-apiserver: cannot start' >&2\nexit 3\n"
+	if err := os.WriteFile(bins.APIServer, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultStartTimeout)
+	defer cancel()
+
+	cp, err := Start(ctx, Options{Binaries: bins})
+	if err == nil {
+		cp.Stop()
+		t.Fatal("Start with a failing kube-apiserver succeeded, want an error")
+	}
+	if !strings.Contains(err.Error(), "broken-apiserver: cannot start") {
+		t.Errorf("Start error does not quote the kube-apiserver log:\n%v", err)
+	}
+	if kids := childProcesses(t); len(kids) > 0 {
+		t.Errorf("child processes left after a failed Start: %v", kids)
+	}
+	if entries, err := os.ReadDir(tmp); err != nil || len(entries) != 1 {
+		t.Errorf("TMPDIR after a failed Start holds %v (err %v), want only the fake binary", entries, err)
+	}
+}
+
+// childProcesses lists the PIDs of this test process's children.
+func childProcesses(t *testing.T) []string {
+	t.Helper()
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", os.Getpid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var kids []string
+	for _, f := range tasks {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			continue // the thread ended
+		}
+		kids = append(kids, strings.Fields(string(data))...)
+	}
+	return kids
 }
 
 func createObjects(ctx context.Context, t *testing.T, admin kubernetes.Interface, name string) (*corev1.Service, *discoveryv1.EndpointSlice, *corev1.Node) {
