@@ -1,0 +1,206 @@
+// Command scale measures the daemon at scale, with the real binary in throwaway network
+// namespaces: time to serve N service ports from a cold start, its RSS and idle CPU with them
+// loaded, and the network programming latency of one change (a new Service + EndpointSlice until
+// traffic through its cluster IP works). Not part of CI: go run ./bench/scale (as root).
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+)
+
+func main() {
+	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the binary")
+	services := flag.Int("services", 10000, "service ports to load")
+	endpoints := flag.Int("endpoints", 5, "endpoints per service port")
+	idle := flag.Duration("idle", 20*time.Second, "how long to measure idle CPU")
+	changes := flag.Int("changes", 5, "programming-latency samples")
+	flag.Parse()
+	if err := run(*proxy, *services, *endpoints, *idle, *changes); err != nil {
+		fmt.Fprintln(os.Stderr, "scale:", err)
+		os.Exit(1)
+	}
+}
+
+func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges int) (err error) {
+	// Ctrl-C or a timeout still removes the namespaces.
+	ctx, stopSignals := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stopSignals()
+	proxy, _ = filepath.Abs(proxy)
+	lab, err := netns.NewLab()
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, lab.Close()) }()
+	bed, err := testbed.New(ctx, lab, 1)
+	if err != nil {
+		return err
+	}
+	srvCtx, stop := context.WithCancel(ctx)
+	wait, err := bed.Pods[0].Serve(srvCtx, 8080, 5353)
+	if err != nil {
+		stop()
+		return err
+	}
+	defer func() { stop(); wait() }()
+
+	dir, err := os.MkdirTemp("", "kpp-scale-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	if err := os.WriteFile(filepath.Join(dir, "bulk.yaml"), []byte(bulkManifests(nServices, nEndpoints)), 0o644); err != nil {
+		return err
+	}
+
+	start := time.Now()
+	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
+		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
+	// The last service's portal working means the whole initial sync is done.
+	if err := waitRules(ctx, bed, nServices); err != nil {
+		return err
+	}
+	cold := time.Since(start)
+	pid, err := proxyPID(cmd.Process.Pid)
+	if err != nil {
+		return err
+	}
+	rss, err := rssKiB(pid)
+	if err != nil {
+		return err
+	}
+	cpu0, _ := cpuTicks(pid)
+	select { // measuring an interval, not synchronising
+	case <-time.After(idle):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	cpu1, _ := cpuTicks(pid)
+	idleCPU := float64(cpu1-cpu0) / 100 / idle.Seconds() * 100
+
+	var lat []time.Duration
+	for i := range nChanges {
+		name := fmt.Sprintf("change%d", i)
+		ip := netip.AddrFrom4([4]byte{10, 96, 250, byte(i + 1)})
+		t0 := time.Now()
+		if err := os.WriteFile(filepath.Join(dir, name+".yaml"), []byte(oneService(name, ip, bed.Pods[0].IP)), 0o644); err != nil {
+			return err
+		}
+		if err := testbed.Eventually(ctx, 60*time.Second, 5*time.Millisecond, func() error {
+			_, err := testbed.Who(bed.Client, netip.AddrPortFrom(ip, 80), 200*time.Millisecond)
+			return err
+		}); err != nil {
+			return fmt.Errorf("change %d never worked: %w", i, err)
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	fmt.Printf("service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
+	fmt.Printf("cold start to all portals programmed: %v\n", cold.Round(time.Millisecond))
+	fmt.Printf("RSS with everything loaded: %.1f MiB\n", float64(rss)/1024)
+	fmt.Printf("idle CPU over %v: %.2f%% of one core\n", idle, idleCPU)
+	fmt.Printf("network programming latency (file change -> traffic works), %d samples: %v\n", len(lat), lat)
+	return nil
+}
+
+func clusterIP(i int) netip.Addr {
+	return netip.AddrFrom4([4]byte{10, 96, byte(i / 250), byte(i%250 + 1)})
+}
+
+func bulkManifests(n, eps int) string {
+	var b strings.Builder
+	for i := range n {
+		fmt.Fprintf(&b, "apiVersion: v1\nkind: Service\nmetadata: {name: s%d, namespace: bulk}\nspec: {clusterIP: %s, ports: [{name: http, port: 80}]}\n---\n", i, clusterIP(i))
+		fmt.Fprintf(&b, "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s%d-1, namespace: bulk, labels: {kubernetes.io/service-name: s%d}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n", i, i)
+		for e := range eps {
+			fmt.Fprintf(&b, "- addresses: [\"10.245.%d.%d\"]\n", (i*eps+e)/250%250, (i*eps+e)%250+1)
+		}
+		b.WriteString("---\n")
+	}
+	return b.String()
+}
+
+func oneService(name string, ip, pod netip.Addr) string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata: {name: %[1]s, namespace: bench}
+spec: {clusterIP: %[2]s, ports: [{name: http, port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %[1]s-1, namespace: bench, labels: {kubernetes.io/service-name: %[1]s}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: ["%[3]s"]
+`, name, ip, pod)
+}
+
+// waitRules waits until the node's nat table holds a portal rule per service port (two chains).
+func waitRules(ctx context.Context, bed *testbed.Bed, n int) error {
+	return testbed.Eventually(ctx, 10*time.Minute, 250*time.Millisecond, func() error {
+		out, err := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
+		if err != nil {
+			return err
+		}
+		if got := strings.Count(string(out), "-A KUBE-PORTALS-CONTAINER"); got < n {
+			return fmt.Errorf("%d of %d portal rules", got, n)
+		}
+		return nil
+	})
+}
+
+// proxyPID finds the proxy under `ip netns exec` (which execs it, so usually the same PID).
+func proxyPID(pid int) (int, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+	if err != nil {
+		return 0, err
+	}
+	if strings.TrimSpace(string(b)) != "kube-portal-pro" {
+		return 0, fmt.Errorf("pid %d is %q, not the proxy", pid, strings.TrimSpace(string(b)))
+	}
+	return pid, nil
+}
+
+func rssKiB(pid int) (int, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "VmRSS:") {
+			return strconv.Atoi(strings.Fields(line)[1])
+		}
+	}
+	return 0, errors.New("no VmRSS")
+}
+
+func cpuTicks(pid int) (int, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	f := strings.Fields(string(b)[strings.LastIndex(string(b), ")")+2:])
+	u, _ := strconv.Atoi(f[11])
+	s, _ := strconv.Atoi(f[12])
+	return u + s, nil
+}
