@@ -1,0 +1,120 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
+)
+
+// EnvBinary names a prebuilt kube-portal-proxy binary to test instead of building one; a relative
+// path is relative to the repository root (go test runs in e2e/).
+const EnvBinary = "KPP_BINARY"
+
+// The package shares one control plane and one proxy binary; TestMain sets them up.
+var (
+	controlPlane *framework.ControlPlane
+	proxyBinary  string
+	// skipReason is why the scenarios cannot run here (not root, binaries missing), or "".
+	skipReason string
+)
+
+func TestMain(m *testing.M) { os.Exit(runTests(m)) }
+
+func runTests(m *testing.M) int {
+	if os.Geteuid() != 0 {
+		skipReason = "needs root for network namespaces and iptables (run the e2e tests as root)"
+		return runOrRefuse(m)
+	}
+	bins, err := framework.FindBinaries()
+	if errors.Is(err, framework.ErrBinariesMissing) {
+		skipReason = err.Error()
+		return runOrRefuse(m)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+
+	tmp, err := os.MkdirTemp("", "kpp-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	defer os.RemoveAll(tmp)
+	if proxyBinary, err = findProxyBinary(tmp); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), framework.DefaultStartTimeout)
+	defer cancel()
+	start := time.Now()
+	cp, err := framework.Start(ctx, framework.Options{Binaries: bins, Dir: filepath.Join(tmp, "controlplane")})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e: start control plane:", err)
+		return 1
+	}
+	defer func() {
+		if err := cp.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e: stop control plane:", err)
+		}
+	}()
+	fmt.Printf("e2e: control plane %s ready in %v; proxy binary %s\n", cp.Server, time.Since(start).Round(time.Millisecond), proxyBinary)
+	controlPlane = cp
+
+	code := m.Run()
+	if code != 0 {
+		fmt.Fprintf(os.Stderr, "e2e: control plane logs:\n%s\n", cp.LogTail(30))
+	}
+	return code
+}
+
+// runOrRefuse runs the tests so each reports the skip, or fails at once when KPP_E2E_REQUIRE asks
+// for the suite to run.
+func runOrRefuse(m *testing.M) int {
+	if framework.Required() {
+		fmt.Fprintf(os.Stderr, "e2e: %s, and %s is set\n", skipReason, framework.EnvRequire)
+		return 1
+	}
+	return m.Run()
+}
+
+// requireEnv skips t when the scenarios cannot run on this machine.
+func requireEnv(t *testing.T) {
+	t.Helper()
+	if skipReason != "" {
+		t.Skipf("e2e skipped: %s (set %s=1 to fail instead)", skipReason, framework.EnvRequire)
+	}
+}
+
+// findProxyBinary returns $KPP_BINARY, or builds the module's main package into dir.
+func findProxyBinary(dir string) (string, error) {
+	if p := os.Getenv(EnvBinary); p != "" {
+		if !filepath.IsAbs(p) {
+			p = filepath.Join("..", p)
+		}
+		abs, err := filepath.Abs(p)
+		if err != nil {
+			return "", err
+		}
+		if fi, err := os.Stat(abs); err != nil || fi.Mode().Perm()&0o111 == 0 {
+			return "", fmt.Errorf("%s=%s is not an executable file", EnvBinary, p)
+		}
+		return abs, nil
+	}
+	out := filepath.Join(dir, "kube-portal-proxy")
+	cmd := exec.Command("go", "build", "-o", out, "github.com/kube-portal-proxy/kube-portal-proxy")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if msg, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build the proxy (or set %s): %w: %s", EnvBinary, err, strings.TrimSpace(string(msg)))
+	}
+	return out, nil
+}

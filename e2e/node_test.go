@@ -1,0 +1,249 @@
+package e2e
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net/url"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+)
+
+// newBed builds the test's namespaces (node, client, external host and pods backend pods, see
+// internal/testbed for the address plan) with every pod serving TCP 8080 and UDP 5353, all
+// removed when the test ends, also on failure.
+func newBed(t *testing.T, pods int) *testbed.Bed {
+	t.Helper()
+	requireEnv(t)
+	lab := netns.NewTestLab(t)
+	bed, err := testbed.New(t.Context(), lab, pods)
+	if err != nil {
+		t.Fatalf("test namespaces: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var waits []func()
+	t.Cleanup(func() {
+		cancel()
+		for _, w := range waits {
+			w()
+		}
+	})
+	for _, p := range bed.Pods {
+		wait, err := p.Serve(ctx, 8080, 5353)
+		if err != nil {
+			t.Fatalf("backends: %v", err)
+		}
+		waits = append(waits, wait)
+	}
+	return bed
+}
+
+// clusterNode is a test's node: its namespaces, its Node object, a Kubernetes namespace for its
+// Services and EndpointSlices, and a kubeconfig that reaches the API server from the node
+// namespace as system:kube-proxy.
+type clusterNode struct {
+	bed *testbed.Bed
+	// name is the Node object's name and the proxy's --hostname-override.
+	name string
+	// namespace holds the test's Services and EndpointSlices; it shares the name.
+	namespace  string
+	kubeconfig string
+	dir        string
+	admin      kubernetes.Interface
+}
+
+// newClusterNode sets up a node for t with pods backend pods. Every object it creates is deleted
+// when t ends.
+func newClusterNode(t *testing.T, pods int) *clusterNode {
+	t.Helper()
+	bed := newBed(t, pods)
+	n := &clusterNode{bed: bed, name: uniqueName(t), dir: t.TempDir(), admin: adminClient(t)}
+	n.namespace = n.name
+	ctx := t.Context()
+
+	if _, err := n.admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: n.namespace}}, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create namespace %s: %v", n.namespace, err)
+	}
+	node := &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: n.name},
+		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{
+			{Type: corev1.NodeInternalIP, Address: testbed.NodeExtIP.String()},
+			{Type: corev1.NodeHostName, Address: n.name},
+		}},
+	}
+	if _, err := n.admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create node %s: %v", n.name, err)
+	}
+	t.Cleanup(func() { n.deleteObjects(t) })
+
+	server, err := url.Parse(controlPlane.Server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	relay := startRelay(t, bed.Node, server.Host)
+	n.kubeconfig = filepath.Join(n.dir, "kube-proxy.kubeconfig")
+	if err := writeRelayedKubeconfig(controlPlane.ProxyKubeconfig, n.kubeconfig, "https://"+relay.addr()); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// startProxy runs the proxy on the node as system:kube-proxy.
+func (n *clusterNode) startProxy(t *testing.T, extra ...string) *proxyProcess {
+	t.Helper()
+	return startProxy(t, n.bed.Node, n.dir, proxyArgs(append([]string{
+		"--kubeconfig=" + n.kubeconfig, "--hostname-override=" + n.name}, extra...)...)...)
+}
+
+// deleteObjects removes the test's Services, EndpointSlices, Node and namespace (the namespace
+// stays Terminating: no controller-manager runs, hence the explicit deletes), so other tests'
+// proxies stop serving them.
+func (n *clusterNode) deleteObjects(t *testing.T) {
+	ctx := context.Background()
+	svcs, err := n.admin.CoreV1().Services(n.namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Errorf("cleanup: list services in %s: %v", n.namespace, err)
+	} else {
+		for _, s := range svcs.Items {
+			if err := n.admin.CoreV1().Services(n.namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
+				t.Errorf("cleanup: delete service %s/%s: %v", n.namespace, s.Name, err)
+			}
+		}
+	}
+	if err := n.admin.DiscoveryV1().EndpointSlices(n.namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		t.Errorf("cleanup: delete endpointslices in %s: %v", n.namespace, err)
+	}
+	if err := n.admin.CoreV1().Nodes().Delete(ctx, n.name, metav1.DeleteOptions{}); err != nil {
+		t.Errorf("cleanup: delete node %s: %v", n.name, err)
+	}
+	if err := n.admin.CoreV1().Namespaces().Delete(ctx, n.namespace, metav1.DeleteOptions{}); err != nil {
+		t.Errorf("cleanup: delete namespace %s: %v", n.namespace, err)
+	}
+}
+
+// adminClient is an admin client that does not log the API server's warnings (externalIPs are
+// deprecated, and the tests use them on purpose).
+func adminClient(t *testing.T) kubernetes.Interface {
+	t.Helper()
+	cfg := controlPlane.AdminConfig()
+	cfg.WarningHandler = rest.NoWarnings{}
+	c, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatalf("admin client: %v", err)
+	}
+	return c
+}
+
+// writeRelayedKubeconfig copies the kubeconfig at src to dst with every cluster's server set to
+// server.
+func writeRelayedKubeconfig(src, dst, server string) error {
+	cfg, err := clientcmd.LoadFromFile(src)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", src, err)
+	}
+	for _, c := range cfg.Clusters {
+		c.Server = server
+	}
+	if err := clientcmd.WriteToFile(*cfg, dst); err != nil {
+		return fmt.Errorf("write %s: %w", dst, err)
+	}
+	return nil
+}
+
+// createService creates a Service in the node's namespace and returns it as stored (with its
+// allocated cluster IP and node ports).
+func (n *clusterNode) createService(t *testing.T, name string, spec corev1.ServiceSpec) *corev1.Service {
+	t.Helper()
+	svc, err := n.admin.CoreV1().Services(n.namespace).Create(t.Context(),
+		&corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: spec}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create service %s/%s: %v", n.namespace, name, err)
+	}
+	return svc
+}
+
+// setEndpoints makes svc's single EndpointSlice (what the endpoint slice controller would write)
+// list the given pods (1-based, testbed.PodIP), with one slice port per service port.
+func (n *clusterNode) setEndpoints(t *testing.T, svc *corev1.Service, pods ...int) {
+	t.Helper()
+	want := endpointSlice(svc, pods...)
+	api := n.admin.DiscoveryV1().EndpointSlices(n.namespace)
+	cur, err := api.Get(t.Context(), want.Name, metav1.GetOptions{})
+	switch {
+	case err == nil:
+		want.ResourceVersion = cur.ResourceVersion
+		_, err = api.Update(t.Context(), want, metav1.UpdateOptions{})
+	default:
+		_, err = api.Create(t.Context(), want, metav1.CreateOptions{})
+	}
+	if err != nil {
+		t.Fatalf("endpoints of %s/%s = pods %v: %v", n.namespace, svc.Name, pods, err)
+	}
+}
+
+func endpointSlice(svc *corev1.Service, pods ...int) *discoveryv1.EndpointSlice {
+	s := &discoveryv1.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      svc.Name + "-e2e",
+			Namespace: svc.Namespace,
+			Labels:    map[string]string{discoveryv1.LabelServiceName: svc.Name},
+		},
+		AddressType: discoveryv1.AddressTypeIPv4,
+	}
+	for _, p := range svc.Spec.Ports {
+		s.Ports = append(s.Ports, discoveryv1.EndpointPort{
+			Name: ptr(p.Name), Protocol: ptr(p.Protocol), Port: ptr(p.TargetPort.IntVal),
+		})
+	}
+	for _, i := range pods {
+		s.Endpoints = append(s.Endpoints, discoveryv1.Endpoint{
+			Addresses:  []string{testbed.PodIP(i).String()},
+			Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)},
+		})
+	}
+	return s
+}
+
+func ptr[T any](v T) *T { return &v }
+
+var notDNS = regexp.MustCompile(`[^a-z0-9]+`)
+
+// uniqueName is a DNS label derived from the test's name, unique across runs against one control
+// plane: "kpp-<test>-<random>".
+func uniqueName(t *testing.T) string {
+	base := strings.Trim(notDNS.ReplaceAllString(strings.ToLower(strings.TrimPrefix(t.Name(), "Test")), "-"), "-")
+	if len(base) > 40 {
+		base = base[:40]
+	}
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return "kpp-" + base + "-" + hex.EncodeToString(b[:])
+}
+
+var (
+	externalIPMu   sync.Mutex
+	nextExternalIP = 10
+)
+
+// externalIP hands each service its own address in testbed.ExternalRange: every proxy of the
+// package sees every service, so two with the same external IP would collide in its rules.
+func externalIP() string {
+	externalIPMu.Lock()
+	defer externalIPMu.Unlock()
+	nextExternalIP++
+	return fmt.Sprintf("203.0.113.%d", nextExternalIP)
+}
