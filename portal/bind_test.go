@@ -84,11 +84,11 @@ func TestBindSync(t *testing.T) {
 			},
 		},
 		{
-			name:    "an_explicit_link_type_has_no_fallback",
-			cfg:     BindConfig{LinkType: "vrf"},
-			setup:   func(f *FakeLink) { f.Unsupported = map[string]bool{"vrf": true} },
-			specs:   bindSpecs()[1:],
-			wantErr: "portal bind kube-portal0: create link: link kube-portal0: link type not supported by the kernel: vrf",
+			name:     "an_explicit_link_type_has_no_fallback",
+			cfg:      BindConfig{LinkType: "vrf"},
+			setup:    func(f *FakeLink) { f.Unsupported = map[string]bool{"vrf": true} },
+			specs:    bindSpecs()[1:],
+			wantErr:  "portal bind kube-portal0: create link: link kube-portal0: link type not supported by the kernel: vrf",
 			wantDump: strictSysctls,
 			wantOps: []string{
 				"set-sysctl net/ipv4/conf/all/arp_ignore=1",
