@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -36,8 +37,11 @@ type direction struct {
 	srcRaw, dstRaw syscall.RawConn
 	fill, flush    func(fd uintptr) bool // method values, bound once: no allocation per wakeup
 
+	bulk  bool           // splicing a bulk burst (see fillFn)
+	buf   *[bufSize]byte // holds d.n bytes at off, in small-read mode
+	off   int
 	pipe  *pipe
-	n     int64 // bytes in the pipe, or the last splice result
+	n     int64 // bytes in flight (buffer or pipe), or the last read result
 	rerr  error // from fill
 	werr  error // from flush
 	bytes atomic.Int64
@@ -64,9 +68,15 @@ func (d *direction) String() string {
 // run moves data until EOF, an error, or ParkAfter without data (then it parks and returns).
 func (d *direction) run() {
 	parkAfter := d.c.p.cfg.ParkAfter
+	var deadline time.Time
 	for {
-		// The deadline only decides when to park; it runs on the real clock of the runtime poller.
-		d.src.SetReadDeadline(time.Now().Add(parkAfter))
+		// The read deadline only decides when to park (real clock of the runtime poller). Moving it
+		// costs a timer update, so it is pushed only when less than half of ParkAfter remains: a
+		// direction parks after between ParkAfter/2 and ParkAfter without data.
+		if now := time.Now(); deadline.Sub(now) < parkAfter/2 {
+			deadline = now.Add(parkAfter)
+			d.src.SetReadDeadline(deadline)
+		}
 		d.n, d.rerr = 0, nil
 		err := d.srcRaw.Read(d.fill)
 		if err == nil {
@@ -91,6 +101,7 @@ func (d *direction) run() {
 				err = d.werr
 			}
 		}
+		d.releaseBuf()
 		if err != nil {
 			d.broken(true, err)
 			return
@@ -99,9 +110,18 @@ func (d *direction) run() {
 	}
 }
 
-// fillFn splices what the source has into a pooled pipe. It returns false (wait for readability)
-// only when the source would block, and then holds no pipe.
+// fillFn reads what the source has. It returns false (wait for readability) only when the source
+// would block, and then holds neither buffer nor pipe.
+//
+// Small reads (request/response traffic) go through a pooled buffer: read+write costs the same
+// syscalls as splice in+out and needs no pipe, which a connection-per-request workload would
+// otherwise take from and return to the pool (or create) for every request. A read that fills the
+// whole buffer means a bulk transfer: the rest of that burst is spliced through a pooled pipe, zero
+// copy, until the source would block again.
 func (d *direction) fillFn(fd uintptr) bool {
+	if !d.bulk {
+		return d.readBuf(fd)
+	}
 	if d.pipe == nil {
 		p, err := pipes.get()
 		if err != nil {
@@ -117,6 +137,7 @@ func (d *direction) fillFn(fd uintptr) bool {
 			continue
 		case err == unix.EAGAIN:
 			d.releasePipe()
+			d.bulk = false
 			return false
 		case err != nil:
 			d.rerr = os.NewSyscallError("splice", err)
@@ -126,25 +147,73 @@ func (d *direction) fillFn(fd uintptr) bool {
 	}
 }
 
-// flushFn splices the pipe's contents into the destination; false means wait for writability.
+func (d *direction) readBuf(fd uintptr) bool {
+	buf := bufs.Get().(*[bufSize]byte)
+	for {
+		n, err := unix.Read(int(fd), buf[:])
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			bufs.Put(buf)
+			return false
+		case err != nil:
+			bufs.Put(buf)
+			d.rerr = os.NewSyscallError("read", err)
+			return true
+		}
+		if n == 0 {
+			bufs.Put(buf)
+			return true
+		}
+		d.buf, d.off, d.n = buf, 0, int64(n)
+		d.bulk = n == bufSize
+		return true
+	}
+}
+
+// flushFn writes the buffer or splices the pipe into the destination; false means wait for
+// writability.
 func (d *direction) flushFn(fd uintptr) bool {
 	for d.n > 0 {
-		n, err := unix.Splice(d.pipe.r, nil, int(fd), nil, int(d.n), unix.SPLICE_F_NONBLOCK|unix.SPLICE_F_MOVE)
+		var n int
+		var err error
+		if d.buf != nil {
+			n, err = unix.Write(int(fd), d.buf[d.off:d.off+int(d.n)])
+		} else {
+			var m int64
+			m, err = unix.Splice(d.pipe.r, nil, int(fd), nil, int(d.n), unix.SPLICE_F_NONBLOCK|unix.SPLICE_F_MOVE)
+			n = int(m)
+		}
 		switch {
 		case err == unix.EINTR:
 			continue
 		case err == unix.EAGAIN:
 			return false
 		case err != nil:
-			d.werr = os.NewSyscallError("splice", err)
+			d.werr = os.NewSyscallError("write", err)
 			return true
 		}
-		d.n -= n
+		d.n -= int64(n)
+		d.off += n
 	}
 	return true
 }
 
+// bufSize is the copy buffer for small reads; a read that fills it switches to splice.
+const bufSize = 16 << 10
+
+var bufs = sync.Pool{New: func() any { return new([bufSize]byte) }}
+
+func (d *direction) releaseBuf() {
+	if d.buf != nil {
+		bufs.Put(d.buf)
+		d.buf = nil
+	}
+}
+
 func (d *direction) releasePipe() {
+	d.releaseBuf()
 	if d.pipe != nil {
 		pipes.put(d.pipe, d.n == 0)
 		d.pipe = nil
