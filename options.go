@@ -43,6 +43,24 @@ type options struct {
 	shutdownTimeout    time.Duration
 	accessLog          bool
 
+	// kube-proxy settings for the node, applied at start (config.go, sysctl.go).
+	configFile                string
+	writeConfigTo             string
+	oomScoreAdj               int32
+	conntrackMaxPerCore       int32
+	conntrackMin              int32
+	conntrackTCPEstablished   time.Duration
+	conntrackTCPCloseWait     time.Duration
+	conntrackTCPBeLiberal     bool
+	conntrackUDPTimeout       time.Duration
+	conntrackUDPStreamTimeout time.Duration
+
+	// From --config: which flags it set (flag name -> field, for errors) and what the startup log
+	// reports (logConfigNotes).
+	configFields   map[string]string
+	configIgnored  []string
+	configWarnings []string
+
 	// Parsed forms, filled by validate.
 	bind      netip.Addr
 	portRange proxier.PortRange
@@ -52,6 +70,8 @@ type options struct {
 func newFlagSet(o *options) *pflag.FlagSet {
 	fs := pflag.NewFlagSet("kube-portal-proxy", pflag.ContinueOnError)
 	fs.SortFlags = false
+	fs.StringVar(&o.configFile, "config", "", "Path to a KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly override its values.")
+	fs.StringVar(&o.writeConfigTo, "write-config-to", "", "Write the effective configuration to this file as a KubeProxyConfiguration, then exit.")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file; empty means in-cluster configuration (or --services-file).")
 	fs.StringVar(&o.master, "master", "", "Address of the Kubernetes API server (overrides the kubeconfig).")
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "Name of this node, used to read its addresses from the Node object.")
@@ -79,10 +99,19 @@ func newFlagSet(o *options) *pflag.FlagSet {
 	fs.StringVar(&o.iptablesVariant, "iptables-variant", "", "Which iptables binaries to run: empty for the system's, nft or legacy.")
 	fs.BoolVar(&o.accessLog, "access-log", false, "Log one line per TCP connection and UDP session when it ends, for every service (per Service: annotation portal-proxy.kubernetes.io/access-log: \"true\").")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
+	fs.Int32Var(&o.oomScoreAdj, "oom-score-adj", -999, "The oom_score_adj of this process, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE).")
+	fs.Int32Var(&o.conntrackMaxPerCore, "conntrack-max-per-core", 32*1024, "Set nf_conntrack_max to this many entries per CPU (at least --conntrack-min); 0 leaves it as it is.")
+	fs.Int32Var(&o.conntrackMin, "conntrack-min", 128*1024, "Minimum nf_conntrack_max, whatever --conntrack-max-per-core gives.")
+	fs.DurationVar(&o.conntrackTCPEstablished, "conntrack-tcp-timeout-established", 24*time.Hour, "Set nf_conntrack_tcp_timeout_established; 0 leaves it as it is.")
+	fs.DurationVar(&o.conntrackTCPCloseWait, "conntrack-tcp-timeout-close-wait", time.Hour, "Set nf_conntrack_tcp_timeout_close_wait; 0 leaves it as it is.")
+	fs.BoolVar(&o.conntrackTCPBeLiberal, "conntrack-tcp-be-liberal", false, "Set nf_conntrack_tcp_be_liberal, so out-of-window TCP packets are not marked INVALID.")
+	fs.DurationVar(&o.conntrackUDPTimeout, "conntrack-udp-timeout", 0, "Set nf_conntrack_udp_timeout (unreplied UDP entries); 0 leaves it as it is.")
+	fs.DurationVar(&o.conntrackUDPStreamTimeout, "conntrack-udp-timeout-stream", 0, "Set nf_conntrack_udp_timeout_stream (assured UDP entries); 0 leaves it as it is.")
 	return fs
 }
 
-// parseOptions parses and validates a command line. Errors name the flag.
+// parseOptions parses and validates a command line. The --config file applies first, then the
+// flags given explicitly, then validation. Errors name the flag or the file's field.
 func parseOptions(args []string) (*options, *pflag.FlagSet, error) {
 	o := &options{}
 	fs := newFlagSet(o)
@@ -92,25 +121,33 @@ func parseOptions(args []string) (*options, *pflag.FlagSet, error) {
 	if fs.NArg() > 0 {
 		return nil, fs, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
+	if o.configFile != "" {
+		if err := o.loadConfigFile(fs); err != nil {
+			return nil, fs, err
+		}
+	}
 	return o, fs, o.validate()
 }
 
 func (o *options) validate() error {
 	var err error
 	if o.bind, err = netip.ParseAddr(o.bindAddress); err != nil {
-		return fmt.Errorf("--bind-address %q: %w", o.bindAddress, err)
+		return fmt.Errorf("%s %q: %w", o.setting("--bind-address"), o.bindAddress, err)
 	}
 	o.bind = o.bind.Unmap()
 	if o.bind.IsLoopback() {
-		return fmt.Errorf("--bind-address %s: cannot proxy on localhost (portal rules cannot DNAT to a loopback address)", o.bind)
+		return fmt.Errorf("%s %s: cannot proxy on localhost (portal rules cannot DNAT to a loopback address)", o.setting("--bind-address"), o.bind)
 	}
 	if o.portRange, err = proxier.ParsePortRange(o.proxyPortRange); err != nil {
-		return fmt.Errorf("--proxy-port-range: %w", err)
+		return fmt.Errorf("%s: %w", o.setting("--proxy-port-range"), err)
 	}
 	for _, c := range o.nodePortAddresses {
+		if strings.TrimSpace(c) == nodePortPrimary {
+			return fmt.Errorf("%s %q: %w", o.setting("--nodeport-addresses"), c, errNodePortPrimary)
+		}
 		p, err := netip.ParsePrefix(strings.TrimSpace(c))
 		if err != nil {
-			return fmt.Errorf("--nodeport-addresses %q: %w", c, err)
+			return fmt.Errorf("%s %q: %w", o.setting("--nodeport-addresses"), c, err)
 		}
 		o.nodePorts = append(o.nodePorts, p.Masked())
 	}
@@ -131,11 +168,18 @@ func (o *options) validate() error {
 		{o.tcpIdleTimeout >= 0, "--tcp-idle-timeout", "must be >= 0"},
 		{o.shutdownTimeout > 0, "--shutdown-timeout", "must be > 0"},
 		{o.logFormat == "text" || o.logFormat == "json", "--log-format", "must be text or json"},
+		{o.oomScoreAdj >= -1000 && o.oomScoreAdj <= 1000, "--oom-score-adj", "must be within [-1000, 1000]"},
+		{o.conntrackMaxPerCore >= 0, "--conntrack-max-per-core", "must be >= 0"},
+		{o.conntrackMin >= 0, "--conntrack-min", "must be >= 0"},
+		{o.conntrackTCPEstablished >= 0, "--conntrack-tcp-timeout-established", "must be >= 0"},
+		{o.conntrackTCPCloseWait >= 0, "--conntrack-tcp-timeout-close-wait", "must be >= 0"},
+		{o.conntrackUDPTimeout >= 0, "--conntrack-udp-timeout", "must be >= 0"},
+		{o.conntrackUDPStreamTimeout >= 0, "--conntrack-udp-timeout-stream", "must be >= 0"},
 		{o.iptablesVariant == "" || o.iptablesVariant == "nft" || o.iptablesVariant == "legacy", "--iptables-variant", "must be empty, nft or legacy"},
 	}
 	for _, c := range checks {
 		if !c.ok {
-			return fmt.Errorf("%s: %s", c.flag, c.msg)
+			return fmt.Errorf("%s: %s", o.setting(c.flag), c.msg)
 		}
 	}
 	for _, hp := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}} {
@@ -143,7 +187,7 @@ func (o *options) validate() error {
 			continue
 		}
 		if _, err := netip.ParseAddrPort(hp.v); err != nil {
-			return fmt.Errorf("%s %q: want ip:port: %w", hp.flag, hp.v, err)
+			return fmt.Errorf("%s %q: want ip:port: %w", o.setting(hp.flag), hp.v, err)
 		}
 	}
 	if _, err := parseLevel(o.logLevel); err != nil {
