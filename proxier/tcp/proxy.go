@@ -1,6 +1,6 @@
 // Package tcp is the proxy socket of one TCP service port: it accepts client connections on the proxy
 // port, picks an endpoint, dials it with retries and splices bytes both ways with half-close, using
-// two file descriptors and about 1 KiB of memory per idle connection (see splice.go and park.go).
+// two file descriptors and no goroutine per idle connection (see splice.go and park.go).
 package tcp
 
 import (
