@@ -22,27 +22,17 @@ const EnvBinary = "KPP_BINARY"
 var (
 	controlPlane *framework.ControlPlane
 	proxyBinary  string
-	// skipReason is why the scenarios cannot run here (not root, binaries missing), or "".
-	skipReason string
+	// noRoot and noControlPlane say why scenarios cannot run here, or are "".
+	noRoot, noControlPlane string
 )
 
 func TestMain(m *testing.M) { os.Exit(runTests(m)) }
 
 func runTests(m *testing.M) int {
 	if os.Geteuid() != 0 {
-		skipReason = "needs root for network namespaces and iptables (run the e2e tests as root)"
-		return runOrRefuse(m)
+		noRoot = "needs root for network namespaces and iptables (run the e2e tests as root)"
+		return runOrRefuse(m, noRoot)
 	}
-	bins, err := framework.FindBinaries()
-	if errors.Is(err, framework.ErrBinariesMissing) {
-		skipReason = err.Error()
-		return runOrRefuse(m)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "e2e:", err)
-		return 1
-	}
-
 	tmp, err := os.MkdirTemp("", "kpp-e2e-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
@@ -54,6 +44,16 @@ func runTests(m *testing.M) int {
 		return 1
 	}
 
+	bins, err := framework.FindBinaries()
+	if errors.Is(err, framework.ErrBinariesMissing) {
+		// The standalone --services-file scenario still runs.
+		noControlPlane = err.Error()
+		return runOrRefuse(m, noControlPlane)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), framework.DefaultStartTimeout)
 	defer cancel()
 	start := time.Now()
@@ -72,26 +72,35 @@ func runTests(m *testing.M) int {
 
 	code := m.Run()
 	if code != 0 {
-		fmt.Fprintf(os.Stderr, "e2e: control plane logs:\n%s\n", cp.LogTail(30))
+		fmt.Fprintf(os.Stderr, "e2e: control plane logs:\n%s\n", cp.LogTail(10))
 	}
 	return code
 }
 
-// runOrRefuse runs the tests so each reports the skip, or fails at once when KPP_E2E_REQUIRE asks
-// for the suite to run.
-func runOrRefuse(m *testing.M) int {
+// runOrRefuse runs the tests so each reports why it skips, or fails at once when KPP_E2E_REQUIRE
+// asks for the whole suite to run.
+func runOrRefuse(m *testing.M, reason string) int {
 	if framework.Required() {
-		fmt.Fprintf(os.Stderr, "e2e: %s, and %s is set\n", skipReason, framework.EnvRequire)
+		fmt.Fprintf(os.Stderr, "e2e: %s, and %s is set\n", reason, framework.EnvRequire)
 		return 1
 	}
 	return m.Run()
 }
 
-// requireEnv skips t when the scenarios cannot run on this machine.
-func requireEnv(t *testing.T) {
+// requireRoot skips t unless it can make namespaces and run the proxy.
+func requireRoot(t *testing.T) {
 	t.Helper()
-	if skipReason != "" {
-		t.Skipf("e2e skipped: %s (set %s=1 to fail instead)", skipReason, framework.EnvRequire)
+	if noRoot != "" {
+		t.Skipf("e2e skipped: %s", noRoot)
+	}
+}
+
+// requireControlPlane skips t unless the shared control plane runs.
+func requireControlPlane(t *testing.T) {
+	t.Helper()
+	requireRoot(t)
+	if noControlPlane != "" {
+		t.Skipf("e2e skipped: %s (set %s=1 to fail instead)", noControlPlane, framework.EnvRequire)
 	}
 }
 

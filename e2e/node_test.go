@@ -28,7 +28,7 @@ import (
 // removed when the test ends, also on failure.
 func newBed(t *testing.T, pods int) *testbed.Bed {
 	t.Helper()
-	requireEnv(t)
+	requireRoot(t)
 	lab := netns.NewTestLab(t)
 	bed, err := testbed.New(t.Context(), lab, pods)
 	if err != nil {
@@ -70,6 +70,7 @@ type clusterNode struct {
 // when t ends.
 func newClusterNode(t *testing.T, pods int) *clusterNode {
 	t.Helper()
+	requireControlPlane(t)
 	bed := newBed(t, pods)
 	n := &clusterNode{bed: bed, name: uniqueName(t), dir: t.TempDir(), admin: adminClient(t)}
 	n.namespace = n.name

@@ -141,4 +141,3 @@ func proxyArgs(extra ...string) []string {
 		"--iptables-min-sync-period=200ms",
 	}, extra...)
 }
-

@@ -29,7 +29,9 @@ func webSpec(typ corev1.ServiceType, externalIPs ...string) corev1.ServiceSpec {
 // targets are the addresses one web service is reachable on.
 type targets struct {
 	// namespace is the service's Kubernetes namespace, which names its portal rules.
-	namespace  string
+	namespace string
+	// nodeIP is the node IP the proxy chose: the DNAT target of the node's own traffic.
+	nodeIP     netip.Addr
 	clusterTCP netip.AddrPort // cluster IP, http
 	clusterUDP netip.AddrPort // cluster IP, dns
 	nodePort   netip.AddrPort // node IP, http node port
@@ -42,7 +44,8 @@ func targetsOf(t *testing.T, svc *corev1.Service) targets {
 	if err != nil {
 		t.Fatalf("service %s/%s cluster IP %q: %v", svc.Namespace, svc.Name, svc.Spec.ClusterIP, err)
 	}
-	tg := targets{namespace: svc.Namespace, clusterTCP: netip.AddrPortFrom(ip, 80), clusterUDP: netip.AddrPortFrom(ip, 53)}
+	// The Node object's InternalIP (newClusterNode) is the node IP.
+	tg := targets{namespace: svc.Namespace, nodeIP: testbed.NodeExtIP, clusterTCP: netip.AddrPortFrom(ip, 80), clusterUDP: netip.AddrPortFrom(ip, 53)}
 	if np := svc.Spec.Ports[0].NodePort; np != 0 {
 		tg.nodePort = netip.AddrPortFrom(testbed.NodeExtIP, uint16(np))
 	}
@@ -113,7 +116,7 @@ func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg target
 		})
 	})
 	t.Run("cluster_IP_TCP_from_the_node_is_DNATed_to_the_node_IP", func(t *testing.T) {
-		viaChain(t, "KUBE-PORTALS-HOST", "-j DNAT --to-destination "+testbed.NodeExtIP.String()+":", func() {
+		viaChain(t, "KUBE-PORTALS-HOST", "-j DNAT --to-destination "+tg.nodeIP.String()+":", func() {
 			got := keys(tally(t, whoTCP, bed.Node, tg.clusterTCP, 2*len(pods)))
 			if !cmp.Equal(pods, got) {
 				t.Errorf("pods answering %s from the node (-want +got):\n%s", tg.clusterTCP, cmp.Diff(pods, got))

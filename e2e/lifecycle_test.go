@@ -1,0 +1,259 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"os/exec"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+)
+
+// ofService returns the rules of one service (every port): comment "namespace/name:port".
+func (rs ruleSet) ofService(namespace, name string) ruleSet {
+	var out ruleSet
+	for _, r := range rs {
+		if strings.Contains(r.text, `--comment "`+namespace+`/`+name+`:`) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// TestServiceDeleted deletes one of two services: its portal rules go, its proxy sockets and held
+// node port close, its cluster IP stops answering, and the other service is untouched.
+func TestServiceDeleted(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 2)
+	doomed := n.createService(t, "doomed", webSpec(corev1.ServiceTypeNodePort, externalIP()))
+	kept := n.createService(t, "kept", webSpec(corev1.ServiceTypeClusterIP))
+	n.setEndpoints(t, doomed, 1, 2)
+	n.setEndpoints(t, kept, 1, 2)
+	proxy := n.startProxy(t)
+	doomedAddr, keptAddr := targetsOf(t, doomed).clusterTCP, targetsOf(t, kept).clusterTCP
+	eventually(t, 30*time.Second, "the services never answered", func() error {
+		if err := proxy.exited(); err != nil {
+			return err
+		}
+		if _, err := whoTCP(n.bed.Client, doomedAddr); err != nil {
+			return err
+		}
+		_, err := whoTCP(n.bed.Client, keptAddr)
+		return err
+	})
+	keptRules := rules(t, n.bed.Node).ofService(n.namespace, "kept").texts()
+	doomedRules := rules(t, n.bed.Node).ofService(n.namespace, "doomed")
+	// The node port and the proxy sockets of both ports (TCP and UDP) of the doomed service.
+	ports := append(doomedRules.proxyPorts(), uint16(doomed.Spec.Ports[0].NodePort), uint16(doomed.Spec.Ports[1].NodePort))
+	slices.Sort(ports)
+	if len(doomedRules.proxyPorts()) != 2 {
+		t.Fatalf("proxy ports of %s/doomed in its rules: %v, want 2 (http, dns):\n%s", n.namespace, doomedRules.proxyPorts(), strings.Join(doomedRules.texts(), "\n"))
+	}
+	if open := openOf(listening(t, n.bed.Node), ports); !slices.Equal(open, ports) {
+		t.Fatalf("before the delete: ports %v open in the node namespace, want %v (proxy sockets and held node ports)", open, ports)
+	}
+
+	if err := n.admin.CoreV1().Services(n.namespace).Delete(t.Context(), doomed.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete service: %v", err)
+	}
+	if err := n.admin.DiscoveryV1().EndpointSlices(n.namespace).Delete(t.Context(), endpointSlice(doomed).Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete endpointslice: %v", err)
+	}
+
+	eventually(t, 15*time.Second, "the deleted service's rules stayed", func() error {
+		if left := rules(t, n.bed.Node).ofService(n.namespace, "doomed"); len(left) > 0 {
+			return fmt.Errorf("%d rules left:\n%s", len(left), strings.Join(left.texts(), "\n"))
+		}
+		return nil
+	})
+	eventually(t, 15*time.Second, "the deleted service's ports stayed open", func() error {
+		if open := openOf(listening(t, n.bed.Node), ports); len(open) > 0 {
+			return fmt.Errorf("ports %v still open in the node namespace", open)
+		}
+		return nil
+	})
+	if who, err := whoTCP(n.bed.Client, doomedAddr); err == nil {
+		t.Errorf("deleted service %s still answered, by %s", doomedAddr, who)
+	}
+	if who, err := whoTCP(n.bed.Client, keptAddr); err != nil {
+		t.Errorf("the other service %s: %v (answered by %q)", keptAddr, err, who)
+	}
+	if diff := cmp.Diff(keptRules, rules(t, n.bed.Node).ofService(n.namespace, "kept").texts()); diff != "" {
+		t.Errorf("rules of the other service changed (-before +after):\n%s", diff)
+	}
+}
+
+// openOf returns the ports of want that are open.
+func openOf(open map[uint16]bool, want []uint16) []uint16 {
+	var out []uint16
+	for _, p := range want {
+		if open[p] {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// shape is a rule set with its proxy ports, which a restart changes, replaced by "PORT", sorted.
+// Proxy ports are ephemeral ports, so they never equal a service port or node port.
+func shape(rs ruleSet) []string {
+	var numbers []*regexp.Regexp
+	for _, p := range rs.proxyPorts() {
+		numbers = append(numbers, regexp.MustCompile(`([ :])`+strconv.Itoa(int(p))+`\b`))
+	}
+	out := rs.texts()
+	for i := range out {
+		for _, re := range numbers {
+			out[i] = re.ReplaceAllString(out[i], "${1}PORT")
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// TestProxyKilledAndRestarted SIGKILLs the proxy (its rules stay, pointing at sockets that died),
+// damages the rules while it is down, and restarts it: the rules are repaired, traffic flows on
+// every path again, and no rule is duplicated.
+func TestProxyKilledAndRestarted(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 2)
+	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort, externalIP()))
+	n.setEndpoints(t, svc, 1, 2)
+	first := n.startProxy(t)
+	tg := targetsOf(t, svc)
+	eventually(t, 30*time.Second, "the service never answered", func() error {
+		if err := first.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
+		return err
+	})
+	before := rules(t, n.bed.Node)
+	want := shape(before.of(n.namespace))
+
+	first.kill()
+	if who, err := whoTCP(n.bed.Client, tg.clusterTCP); err == nil {
+		t.Fatalf("%s answered (by %s) with the proxy killed", tg.clusterTCP, who)
+	}
+	if got := shape(rules(t, n.bed.Node).of(n.namespace)); !cmp.Equal(want, got) {
+		t.Fatalf("the killed proxy's rules changed (-want +got):\n%s", cmp.Diff(want, got))
+	}
+	// While it is down: lose the host portals and duplicate a container portal.
+	dup := before.of(n.namespace).in("KUBE-PORTALS-CONTAINER")[0].text
+	n.bed.Node.MustExec(t, "iptables", "-t", "nat", "-F", "KUBE-PORTALS-HOST")
+	restoreNoFlush(t, n.bed.Node, "*nat\n"+dup+"\nCOMMIT\n")
+
+	second := n.startProxy(t)
+	eventually(t, 30*time.Second, "traffic never came back after the restart", func() error {
+		if err := second.exited(); err != nil {
+			return err
+		}
+		for _, c := range []struct {
+			from *netns.NS
+			ask  asker
+			addr string
+		}{
+			{n.bed.Client, whoTCP, tg.clusterTCP.String()},
+			{n.bed.Node, whoTCP, tg.clusterTCP.String()},
+			{n.bed.Client, whoUDP, tg.clusterUDP.String()},
+			{n.bed.External, whoTCP, tg.nodePort.String()},
+			{n.bed.External, whoTCP, tg.externalIP.String()},
+		} {
+			if _, err := c.ask(c.from, mustAddrPort(c.addr)); err != nil {
+				return fmt.Errorf("from %s to %s: %w", c.from.Name, c.addr, err)
+			}
+		}
+		return nil
+	})
+	after := rules(t, n.bed.Node)
+	if got := shape(after.of(n.namespace)); !cmp.Equal(want, got) {
+		t.Errorf("rules after the restart (-before the kill +after the restart):\n%s", cmp.Diff(want, got))
+	}
+	if dups := after.duplicates(); len(dups) > 0 {
+		t.Errorf("duplicate rules after the restart:\n%s", strings.Join(dups, "\n"))
+	}
+	open := listening(t, n.bed.Node)
+	for _, p := range after.of(n.namespace).proxyPorts() {
+		if !open[p] {
+			t.Errorf("rules send traffic to port %d, where nothing listens: the restart left stale rules", p)
+		}
+	}
+	checkHealthy(t, n.bed.Node)
+}
+
+// restoreNoFlush feeds rules to iptables-restore --noflush in ns.
+func restoreNoFlush(t *testing.T, ns *netns.NS, rules string) {
+	t.Helper()
+	cmd := exec.CommandContext(t.Context(), "ip", "netns", "exec", ns.Name, "iptables-restore", "--noflush")
+	cmd.Stdin = strings.NewReader(rules)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("iptables-restore --noflush in %s: %v: %s\ninput:\n%s", ns.Name, err, stderr.String(), rules)
+	}
+}
+
+// TestCleanupLeavesNothing stops the proxy (a clean stop keeps the rules, so a restart does not
+// black-hole services) and runs --cleanup: no chain or rule of the proxy is left in either family,
+// and a second --cleanup succeeds on the clean tables.
+func TestCleanupLeavesNothing(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 2)
+	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort, externalIP()))
+	n.setEndpoints(t, svc, 1, 2)
+	proxy := n.startProxy(t)
+	tg := targetsOf(t, svc)
+	eventually(t, 30*time.Second, "the service never answered", func() error {
+		if err := proxy.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
+		return err
+	})
+	if err := proxy.stop(); err != nil {
+		t.Fatalf("stop the proxy: %v", err)
+	}
+	_, saved := saveRules(t, n.bed.Node, "iptables-save")
+	if left := ownedLines(saved); len(left) == 0 {
+		t.Fatalf("no proxy chain in the node namespace after a clean stop; want the rules kept:\n%s", saved)
+	}
+
+	for i := 1; i <= 2; i++ {
+		out, err := runProxyOnce(t, n.bed.Node, "--cleanup")
+		if err != nil {
+			t.Fatalf("--cleanup run %d: %v\n%s", i, err, out)
+		}
+		for _, tool := range []string{"iptables-save", "ip6tables-save"} {
+			_, saved := saveRules(t, n.bed.Node, tool)
+			if left := ownedLines(saved); len(left) > 0 {
+				t.Errorf("%s after --cleanup run %d still has:\n%s", tool, i, strings.Join(left, "\n"))
+			}
+		}
+	}
+	if who, err := whoTCP(n.bed.Client, tg.clusterTCP); err == nil {
+		t.Errorf("%s answered (by %s) after --cleanup", tg.clusterTCP, who)
+	}
+}
+
+// ownedLines returns the lines of an iptables-save output that mention a chain of the proxy.
+func ownedLines(saved string) []string {
+	var out []string
+	for _, line := range strings.Split(saved, "\n") {
+		for _, c := range ownedChains {
+			if strings.Contains(line, c) {
+				out = append(out, line)
+				break
+			}
+		}
+	}
+	return out
+}
