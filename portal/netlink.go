@@ -8,36 +8,60 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
 
 // Netlink is the LinkManager of the node: rtnetlink requests for links and addresses, and files
-// under /proc/sys for sysctls. Each operation opens its own socket, so Netlink holds no state and
-// is safe for concurrent use.
+// under /proc/sys for sysctls. It keeps one netlink socket open between operations (opening one
+// costs ~0.1 ms, more than the request); Close releases it. Safe for concurrent use; the zero
+// value is ready.
 type Netlink struct {
 	// Do, when set, runs each operation, e.g. on a thread switched into another network namespace
-	// (tests pass netns.NS.Do; /proc/sys/net is that of the calling thread's namespace too). Nil
-	// runs it on the calling goroutine.
+	// (tests pass netns.NS.Do: the socket, opened inside, stays in that namespace, and /proc/sys/net
+	// is that of the calling thread's namespace). Nil runs it on the calling goroutine.
 	Do func(func() error) error
+
+	mu   sync.Mutex
+	conn *nlConn
 }
 
+// Close closes the socket, if one is open. The next operation opens a new one.
+func (n *Netlink) Close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.conn == nil {
+		return nil
+	}
+	err := n.conn.Close()
+	n.conn = nil
+	return err
+}
+
+// run runs fn on the shared socket, opening it first if needed. A socket that failed to send or
+// receive is dropped, so the next operation starts clean.
 func (n *Netlink) run(ctx context.Context, fn func(c *nlConn) error) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	op := func() error {
-		c, err := dialNetlink(ctx, 0)
-		if err != nil {
-			return err
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.runPlain(func() error {
+		if n.conn == nil {
+			c, err := dialNetlink(ctx, 0)
+			if err != nil {
+				return err
+			}
+			n.conn = c
 		}
-		defer c.Close()
-		return fn(c)
-	}
-	if n.Do != nil {
-		return n.Do(op)
-	}
-	return op()
+		err := fn(n.conn)
+		if errors.Is(err, errNetlinkSocket) {
+			n.conn.Close()
+			n.conn = nil
+		}
+		return err
+	})
 }
 
 func (n *Netlink) runPlain(fn func() error) error {

@@ -22,7 +22,7 @@ const (
 	dumpRetries   = 5
 )
 
-// nlConn is one NETLINK_ROUTE socket. It is used by one goroutine and closed after the operation.
+// nlConn is one NETLINK_ROUTE socket, used by one goroutine at a time.
 type nlConn struct {
 	fd  int
 	seq uint32
@@ -51,7 +51,11 @@ func (e *nlError) Error() string {
 
 func (e *nlError) Unwrap() error { return e.errno }
 
-var errDumpInterrupted = errors.New("netlink dump interrupted by a concurrent change")
+var (
+	errDumpInterrupted = errors.New("netlink dump interrupted by a concurrent change")
+	// errNetlinkSocket marks a failure of the socket itself (not an answer from the kernel).
+	errNetlinkSocket = errors.New("netlink socket")
+)
 
 // dialNetlink opens a socket; groups subscribes to multicast groups (0 for requests only). ctx
 // only cuts the open short when it is already done.
@@ -97,14 +101,14 @@ func (c *nlConn) request(op string, typ, flags uint16, body []byte) ([][]byte, e
 	ne.PutUint32(msg[8:], c.seq)
 	msg = append(msg, body...)
 	if err := unix.Sendto(c.fd, msg, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return nil, fmt.Errorf("%s: send: %w", op, err)
+		return nil, fmt.Errorf("%s: %w: send: %w", op, errNetlinkSocket, err)
 	}
 	var out [][]byte
 	interrupted := false
 	for {
 		msgs, err := c.recv(0)
 		if err != nil {
-			return nil, fmt.Errorf("%s: receive: %w", op, err)
+			return nil, fmt.Errorf("%s: %w: receive: %w", op, errNetlinkSocket, err)
 		}
 		for _, m := range msgs {
 			if m.hdr.Seq != c.seq {
