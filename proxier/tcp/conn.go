@@ -261,8 +261,9 @@ func (c *conn) release() {
 func (c *conn) finish() {
 	c.up.releasePipe()
 	c.down.releasePipe()
-	c.p.parker.forget(&c.up)
-	c.p.parker.forget(&c.down)
+	pk := c.p.parker.Load()
+	pk.forget(&c.up)
+	pk.forget(&c.down)
 	c.p.untrack(c)
 	c.p.stats.active.Add(-1)
 	if c.p.cfg.OnClose != nil {

@@ -112,8 +112,9 @@ func emfileChild(endpoint string) {
 	}
 	go p.Run(context.Background())
 	fds, _ := os.ReadDir("/proc/self/fd")
-	// Room for about three proxied connections (2 sockets each) plus one pipe pair.
-	lim := unix.Rlimit{Cur: uint64(len(fds) + 8), Max: uint64(len(fds) + 8)}
+	// Room for about three proxied connections (2 sockets each), one pipe pair and the idle
+	// watcher's epoll set (created when the first connection parks).
+	lim := unix.Rlimit{Cur: uint64(len(fds) + 9), Max: uint64(len(fds) + 9)}
 	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)

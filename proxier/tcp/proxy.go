@@ -82,9 +82,12 @@ type Proxy struct {
 	cfg    Config
 	log    logrus.FieldLogger
 
-	ln     *net.TCPListener
-	addr   netip.AddrPort
-	parker *parker
+	ln   *net.TCPListener
+	addr netip.AddrPort
+	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
+	parker    atomic.Pointer[parker]
+	pkMu      sync.Mutex
+	pkStopped bool
 
 	// ctx is cancelled by Shutdown; it aborts dials in flight.
 	ctx    context.Context
@@ -121,7 +124,9 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	}
 }
 
-// Listen opens the listening socket (port 0 means a kernel-chosen port) and the idle watcher.
+// Listen opens the listening socket (port 0 means a kernel-chosen port). The idle watcher's epoll
+// set is created only when a first connection parks, so a service port nobody uses costs one
+// descriptor (10,000 idle service ports must fit a 20,000-descriptor limit).
 func (p *Proxy) Listen(addr netip.AddrPort) error {
 	network := "tcp4"
 	if addr.Addr().Is6() && !addr.Addr().Is4In6() {
@@ -132,14 +137,8 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
-	pk, err := newParker()
-	if err != nil {
-		ln.Close()
-		return fmt.Errorf("tcp proxy %s: %w", p.name, err)
-	}
 	p.ln = ln.(*net.TCPListener)
 	p.addr = p.ln.Addr().(*net.TCPAddr).AddrPort()
-	p.parker = pk
 	return nil
 }
 
@@ -249,11 +248,6 @@ func (p *Proxy) untrack(c *conn) {
 // proxy is closed and its last connection has ended, or at Shutdown.
 func (p *Proxy) startBackground() {
 	p.bgOnce.Do(func() {
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.parker.run(p.log)
-		}()
 		if p.cfg.IdleTimeout > 0 {
 			p.wg.Add(1)
 			go func() {
@@ -267,10 +261,41 @@ func (p *Proxy) startBackground() {
 func (p *Proxy) stopBackground() {
 	p.bgStop.Do(func() {
 		close(p.bgDone)
-		if p.parker != nil {
-			p.parker.close()
+		p.pkMu.Lock()
+		p.pkStopped = true
+		pk := p.parker.Load()
+		p.pkMu.Unlock()
+		if pk != nil {
+			pk.close()
 		}
 	})
+}
+
+// idleWatcher returns the proxy's parker, creating it and starting its watcher goroutine on first
+// use. After stopBackground it fails: no new connection can park then.
+func (p *Proxy) idleWatcher() (*parker, error) {
+	if pk := p.parker.Load(); pk != nil {
+		return pk, nil
+	}
+	p.pkMu.Lock()
+	defer p.pkMu.Unlock()
+	if pk := p.parker.Load(); pk != nil {
+		return pk, nil
+	}
+	if p.pkStopped {
+		return nil, errClosed
+	}
+	pk, err := newParker()
+	if err != nil {
+		return nil, err
+	}
+	p.parker.Store(pk)
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		pk.run(p.log)
+	}()
+	return pk, nil
 }
 
 // sweepIdle closes connections idle for IdleTimeout. One ticker per proxy instead of a timer per

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
@@ -378,5 +379,35 @@ func TestNoGoroutineLeakAfterShutdown(t *testing.T) {
 	})
 	if st := p.Stats(); st.ActiveConns != 0 {
 		t.Errorf("ActiveConns after Shutdown = %d, want 0", st.ActiveConns)
+	}
+}
+
+// TestIdleServicePortHoldsOneDescriptor: a listening proxy nobody uses costs its listener only, so
+// 10,000 service ports fit under a 20,000-descriptor limit.
+func TestIdleServicePortHoldsOneDescriptor(t *testing.T) {
+	count := func() int {
+		fds, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(fds)
+	}
+	before := count()
+	var proxies []*Proxy
+	for range 20 {
+		p := New(testName, &fakePicker{}, Config{})
+		if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+			t.Fatal(err)
+		}
+		go p.Run(t.Context())
+		proxies = append(proxies, p)
+	}
+	defer func() {
+		for _, p := range proxies {
+			p.Shutdown()
+		}
+	}()
+	if got := count() - before; got != 20 {
+		t.Errorf("20 idle proxies hold %d descriptors, want 20", got)
 	}
 }

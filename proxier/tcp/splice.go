@@ -87,8 +87,10 @@ func (d *direction) run() {
 		}
 		switch {
 		case errors.Is(err, os.ErrDeadlineExceeded):
-			d.park()
-			return
+			if d.park() {
+				return
+			}
+			continue // no descriptor for the idle watcher: keep waiting in this goroutine
 		case err != nil:
 			d.broken(false, err)
 			return
@@ -280,26 +282,36 @@ func (d *direction) broken(onWrite bool, err error) {
 	d.c.release()
 }
 
-// park hands the idle source to the watcher and lets the goroutine go. If the connection is
-// closing, or the watcher is gone (Shutdown), the direction ends instead.
-func (d *direction) park() {
+// park hands the idle source to the watcher and lets the goroutine go (true). If the connection
+// is closing, or the watcher is gone (Shutdown), the direction ends instead (true). If the watcher
+// cannot be created (out of descriptors) the direction stays in its goroutine (false): an idle
+// connection then costs a goroutine, never the connection.
+func (d *direction) park() bool {
 	d.releasePipe()
 	c := d.c
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
 		c.release()
-		return
+		return true
 	}
-	err := c.p.parker.arm(d)
+	pk, err := c.p.idleWatcher()
+	if err != nil && !errors.Is(err, errClosed) {
+		c.mu.Unlock()
+		return false
+	}
+	if err == nil {
+		err = pk.arm(d)
+	}
 	if err == nil {
 		d.parked = true
 		c.mu.Unlock()
-		return
+		return true
 	}
 	c.mu.Unlock()
 	c.fail(EndShutdown, fmt.Errorf("%s: park idle socket: %w", d, err))
 	c.release()
+	return true
 }
 
 // unpark runs on the watcher when a parked source is readable (data, FIN, RST).
