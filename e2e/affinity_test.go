@@ -12,7 +12,7 @@ import (
 // expires once the client has been idle for the timeout.
 func TestClientIPAffinity(t *testing.T) {
 	t.Parallel()
-	const timeout = 2 * time.Second
+	const timeout = 3 * time.Second
 	n := newClusterNode(t, 3)
 	spec := webSpec(corev1.ServiceTypeClusterIP)
 	spec.SessionAffinity = corev1.ServiceAffinityClientIP
@@ -48,8 +48,8 @@ func TestClientIPAffinity(t *testing.T) {
 		}
 	})
 	t.Run("the_stick_slides_while_the_client_keeps_using_it", func(t *testing.T) {
-		// Requests every timeout/4 for 1.5 timeouts: each one renews the stick.
-		tick := time.NewTicker(timeout / 4)
+		// Requests every timeout/6 for 1.5 timeouts: each one renews the stick.
+		tick := time.NewTicker(timeout / 6)
 		defer tick.Stop()
 		for end := time.Now().Add(timeout * 3 / 2); time.Now().Before(end); <-tick.C {
 			who, err := whoTCP(client, addr)

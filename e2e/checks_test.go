@@ -55,6 +55,37 @@ func tally(t *testing.T, ask asker, from *netns.NS, addr netip.AddrPort, n int) 
 	return seen
 }
 
+// tallyUDP sends one query from each of n sockets, all open at once so that each has its own
+// source port and hence its own session, and counts the answering pods.
+func tallyUDP(t *testing.T, from *netns.NS, addr netip.AddrPort, n int) map[string]int {
+	t.Helper()
+	conns := make([]net.Conn, 0, n)
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for range n {
+		var c net.Conn
+		if err := from.Do(func() (err error) {
+			c, err = net.Dial("udp", addr.String())
+			return err
+		}); err != nil {
+			t.Fatalf("UDP socket in %s: %v", from.Name, err)
+		}
+		conns = append(conns, c)
+	}
+	seen := map[string]int{}
+	for i, c := range conns {
+		who, err := testbed.Ask(c, fmt.Sprintf("query-%d", i), requestTimeout)
+		if err != nil {
+			t.Fatalf("query %d/%d from %s to %s: %v (answers so far: %v)", i+1, n, from.Name, addr, err, seen)
+		}
+		seen[who]++
+	}
+	return seen
+}
+
 // podNames are the names of pods i (1-based), as the backends greet.
 func podNames(pods ...int) []string {
 	var out []string

@@ -1,7 +1,9 @@
 package e2e
 
 import (
+	"net/http"
 	"net/netip"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -124,8 +126,11 @@ func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg target
 		})
 	})
 	t.Run("cluster_IP_UDP_from_a_pod_answers_each_query", func(t *testing.T) {
-		// Each query comes from a fresh socket, so it is a new session with a round-robin pick.
-		answeredByAll(t, whoUDP, bed, tg.clusterUDP, true)
+		// Each query comes from its own socket, so it is a new session with a round-robin pick.
+		got := keys(tallyUDP(t, bed.Client, tg.clusterUDP, 2*len(pods)))
+		if !cmp.Equal(pods, got) {
+			t.Errorf("pods answering %s from the client pod (-want +got):\n%s", tg.clusterUDP, cmp.Diff(pods, got))
+		}
 	})
 	if tg.nodePort.IsValid() {
 		t.Run("node_port_from_the_external_host", func(t *testing.T) {
@@ -153,9 +158,36 @@ func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg target
 	t.Run("healthz_is_200_after_sync", func(t *testing.T) {
 		checkHealthy(t, bed.Node)
 	})
+	t.Run("metrics_and_debug_rules_show_the_portals", func(t *testing.T) {
+		code, body, err := httpGet(bed.Node, "http://"+metricsAddr+"/metrics")
+		if err != nil || code != http.StatusOK {
+			t.Fatalf("GET /metrics = %d, %v", code, err)
+		}
+		if v, ok := metricValue(body, "kube_portal_proxy_portal_rules"); !ok || v <= 0 {
+			t.Errorf("/metrics: kube_portal_proxy_portal_rules = %v (present %v), want > 0", v, ok)
+		}
+		code, body, err = httpGet(bed.Node, "http://"+metricsAddr+"/debug/rules")
+		if err != nil || code != http.StatusOK {
+			t.Fatalf("GET /debug/rules = %d, %v", code, err)
+		}
+		if want := `"` + tg.namespace + `/`; !strings.Contains(body, want) {
+			t.Errorf("/debug/rules does not mention %s:\n%s", want, body)
+		}
+	})
 	t.Run("no_duplicate_rules", func(t *testing.T) {
 		if dups := rules(t, bed.Node).duplicates(); len(dups) > 0 {
 			t.Errorf("duplicate rules in the node namespace:\n%s", strings.Join(dups, "\n"))
 		}
 	})
+}
+
+// metricValue returns the value of an unlabelled metric in a Prometheus text exposition.
+func metricValue(exposition, name string) (float64, bool) {
+	for _, line := range strings.Split(exposition, "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return f, err == nil
+		}
+	}
+	return 0, false
 }
