@@ -301,5 +301,3 @@ func listening(t *testing.T, ns *netns.NS) map[uint16]bool {
 func dialTCP(ns *netns.NS, addr netip.AddrPort) (net.Conn, error) {
 	return testbed.Dial(ns, addr, requestTimeout)
 }
-
-func mustAddrPort(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }

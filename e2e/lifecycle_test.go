@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"net/netip"
 	"os/exec"
 	"regexp"
 	"slices"
@@ -160,15 +161,15 @@ func TestProxyKilledAndRestarted(t *testing.T) {
 		for _, c := range []struct {
 			from *netns.NS
 			ask  asker
-			addr string
+			addr netip.AddrPort
 		}{
-			{n.bed.Client, whoTCP, tg.clusterTCP.String()},
-			{n.bed.Node, whoTCP, tg.clusterTCP.String()},
-			{n.bed.Client, whoUDP, tg.clusterUDP.String()},
-			{n.bed.External, whoTCP, tg.nodePort.String()},
-			{n.bed.External, whoTCP, tg.externalIP.String()},
+			{n.bed.Client, whoTCP, tg.clusterTCP},
+			{n.bed.Node, whoTCP, tg.clusterTCP},
+			{n.bed.Client, whoUDP, tg.clusterUDP},
+			{n.bed.External, whoTCP, tg.nodePort},
+			{n.bed.External, whoTCP, tg.externalIP},
 		} {
-			if _, err := c.ask(c.from, mustAddrPort(c.addr)); err != nil {
+			if _, err := c.ask(c.from, c.addr); err != nil {
 				return fmt.Errorf("from %s to %s: %w", c.from.Name, c.addr, err)
 			}
 		}

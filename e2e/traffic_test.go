@@ -12,6 +12,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
@@ -80,15 +81,11 @@ func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg target
 		return err
 	})
 
-	// answeredByAll checks that a few requests reach every pod: strict round robin over n pods
-	// answers each exactly twice in 2n requests.
-	answeredByAll := func(t *testing.T, ask asker, from *testbed.Bed, addr netip.AddrPort, fromClient bool) {
+	// answeredByAll checks that a few requests from ns reach every pod: strict round robin over
+	// n pods answers each exactly twice in 2n requests.
+	answeredByAll := func(t *testing.T, ns *netns.NS, addr netip.AddrPort) {
 		t.Helper()
-		ns := from.External
-		if fromClient {
-			ns = from.Client
-		}
-		if got := keys(tally(t, ask, ns, addr, 2*len(pods))); !cmp.Equal(pods, got) {
+		if got := keys(tally(t, whoTCP, ns, addr, 2*len(pods))); !cmp.Equal(pods, got) {
 			t.Errorf("pods answering %s from %s (-want +got):\n%s", addr, ns.Name, cmp.Diff(pods, got))
 		}
 	}
@@ -114,15 +111,12 @@ func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg target
 
 	t.Run("cluster_IP_TCP_from_a_pod_is_REDIRECTed", func(t *testing.T) {
 		viaChain(t, "KUBE-PORTALS-CONTAINER", "-j REDIRECT --to-ports ", func() {
-			answeredByAll(t, whoTCP, bed, tg.clusterTCP, true)
+			answeredByAll(t, bed.Client, tg.clusterTCP)
 		})
 	})
 	t.Run("cluster_IP_TCP_from_the_node_is_DNATed_to_the_node_IP", func(t *testing.T) {
 		viaChain(t, "KUBE-PORTALS-HOST", "-j DNAT --to-destination "+tg.nodeIP.String()+":", func() {
-			got := keys(tally(t, whoTCP, bed.Node, tg.clusterTCP, 2*len(pods)))
-			if !cmp.Equal(pods, got) {
-				t.Errorf("pods answering %s from the node (-want +got):\n%s", tg.clusterTCP, cmp.Diff(pods, got))
-			}
+			answeredByAll(t, bed.Node, tg.clusterTCP)
 		})
 	})
 	t.Run("cluster_IP_UDP_from_a_pod_answers_each_query", func(t *testing.T) {
@@ -135,13 +129,13 @@ func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg target
 	if tg.nodePort.IsValid() {
 		t.Run("node_port_from_the_external_host", func(t *testing.T) {
 			viaChain(t, "KUBE-NODEPORT-CONTAINER", "-j REDIRECT --to-ports ", func() {
-				answeredByAll(t, whoTCP, bed, tg.nodePort, false)
+				answeredByAll(t, bed.External, tg.nodePort)
 			})
 		})
 	}
 	if tg.externalIP.IsValid() {
 		t.Run("external_IP_from_the_external_host", func(t *testing.T) {
-			answeredByAll(t, whoTCP, bed, tg.externalIP, false)
+			answeredByAll(t, bed.External, tg.externalIP)
 		})
 	}
 	t.Run("round_robin_spreads_connections_evenly", func(t *testing.T) {
