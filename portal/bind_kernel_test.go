@@ -276,8 +276,9 @@ func TestBindKernel(t *testing.T) {
 	})
 }
 
-// TestNetlinkErrors checks what the real LinkManager says for missing links and unknown kinds.
-func TestNetlinkErrors(t *testing.T) {
+// TestNetlink checks the real LinkManager: errors for missing links and unknown kinds, idempotent
+// address changes, IPv6 addresses routed locally when AddAddr returns, and sysctls.
+func TestNetlink(t *testing.T) {
 	lab := netns.NewTestLab(t)
 	node := lab.MustAdd(t, "node")
 	nl := nsNetlink(t, node)
@@ -308,6 +309,34 @@ func TestNetlinkErrors(t *testing.T) {
 	for range 2 {
 		if err := nl.DelAddr(ctx, "kpp-br", p); err != nil {
 			t.Errorf("DelAddr (twice is fine): %v", err)
+		}
+	}
+	// The kernel inserts an IPv6 address's local route after it acks the add; AddAddr waits for
+	// it, so the route is there the moment AddAddr returns. Each round is a fresh chance to race.
+	for i := range 20 {
+		v6 := netip.PrefixFrom(netip.AddrFrom16([16]byte{0: 0xfd, 2: 0x96, 15: byte(i + 1)}), 128)
+		if err := nl.AddAddr(ctx, "kpp-br", v6); err != nil {
+			t.Fatal(err)
+		}
+		var out []byte
+		if err := node.Do(func() error {
+			c, err := dialNetlink(ctx, 0)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			b := make([]byte, unix.SizeofRtMsg)
+			b[0], b[1] = unix.AF_INET6, 128
+			msgs, err := c.request("RTM_GETROUTE", unix.RTM_GETROUTE, 0, append(b, attr(unix.RTA_DST, v6.Addr().AsSlice())...))
+			if err == nil && len(msgs) > 0 {
+				out = msgs[0]
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if len(out) < unix.SizeofRtMsg || out[7] != unix.RTN_LOCAL {
+			t.Errorf("route to %s right after AddAddr is not local (rtm_type %v)", v6.Addr(), out[7:8])
 		}
 	}
 	if err := nl.EnsureLink(ctx, "kpp-br", LinkTypeDummy); err == nil {

@@ -22,8 +22,8 @@ type LinkManager interface {
 	DeleteLink(ctx context.Context, name string) error
 	// Addrs lists the addresses on the link with their prefix lengths.
 	Addrs(ctx context.Context, name string) ([]netip.Prefix, error)
-	// AddAddr adds an address (an IPv6 one without duplicate address detection); one already
-	// present is not an error.
+	// AddAddr adds an address (an IPv6 one without duplicate address detection) and returns
+	// once the kernel delivers its packets locally; one already present is not an error.
 	AddAddr(ctx context.Context, name string, addr netip.Prefix) error
 	// DelAddr removes an address; one already gone is not an error.
 	DelAddr(ctx context.Context, name string, addr netip.Prefix) error

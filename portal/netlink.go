@@ -137,7 +137,11 @@ func (n *Netlink) AddAddr(ctx context.Context, name string, addr netip.Prefix) e
 		if err != nil {
 			return err
 		}
-		err = c.changeAddr(unix.RTM_NEWADDR, l.index, addr)
+		if addr.Addr().Unmap().Is6() {
+			err = c.addAddr6(l.index, addr)
+		} else {
+			err = c.changeAddr(unix.RTM_NEWADDR, l.index, addr)
+		}
 		if errors.Is(err, unix.EEXIST) {
 			return nil
 		}

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -20,6 +22,8 @@ const (
 	nlRecvTimeout = 10 // seconds; the kernel answers at once, this only bounds a broken socket
 	nlaTypeMask   = ^uint16(unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)
 	dumpRetries   = 5
+	// localRouteWait bounds how long an IPv6 address add waits for the address's local route.
+	localRouteWait = 2 * time.Second
 )
 
 // nlConn is one NETLINK_ROUTE socket, used by one goroutine at a time.
@@ -27,6 +31,9 @@ type nlConn struct {
 	fd  int
 	seq uint32
 	buf []byte
+	// While collect is set, route notifications are kept in pending instead of skipped.
+	collect bool
+	pending []nlMsg
 }
 
 // nlMsg is one received message: its header and its payload (after the header).
@@ -111,6 +118,10 @@ func (c *nlConn) request(op string, typ, flags uint16, body []byte) ([][]byte, e
 			return nil, fmt.Errorf("%s: %w: receive: %w", op, errNetlinkSocket, err)
 		}
 		for _, m := range msgs {
+			if c.collect && m.hdr.Type == unix.RTM_NEWROUTE {
+				c.pending = append(c.pending, m)
+				continue
+			}
 			if m.hdr.Seq != c.seq {
 				continue
 			}
@@ -351,4 +362,63 @@ func (c *nlConn) changeAddr(typ uint16, index int32, p netip.Prefix) error {
 	}
 	_, err := c.request(op, typ, flags, b)
 	return err
+}
+
+// addAddr6 adds an IPv6 address and returns once the kernel routes it locally. The kernel inserts
+// an IPv6 address's local route from a work item after it acks RTM_NEWADDR (even with nodad);
+// until then the address's /128 prefix route in the main table sends its packets into the link,
+// and a TCP socket that connects in that window caches that route and never gets through. So
+// the socket listens to IPv6 route notifications during the add and waits for that local route.
+func (c *nlConn) addAddr6(index int32, p netip.Prefix) error {
+	op := "RTM_NEWADDR " + p.String()
+	if err := unix.SetsockoptInt(c.fd, unix.SOL_NETLINK, unix.NETLINK_ADD_MEMBERSHIP, unix.RTNLGRP_IPV6_ROUTE); err != nil {
+		return fmt.Errorf("%s: %w: join route notifications: %w", op, errNetlinkSocket, err)
+	}
+	c.collect, c.pending = true, nil
+	defer func() {
+		c.collect, c.pending = false, nil
+		_ = unix.SetsockoptInt(c.fd, unix.SOL_NETLINK, unix.NETLINK_DROP_MEMBERSHIP, unix.RTNLGRP_IPV6_ROUTE)
+	}()
+	if err := c.changeAddr(unix.RTM_NEWADDR, index, p); err != nil {
+		return err // EEXIST included: an address already there has had its route for a while
+	}
+	deadline := time.Now().Add(localRouteWait)
+	for {
+		if slices.ContainsFunc(c.pending, func(m nlMsg) bool { return isLocalRoute6(m, p.Addr()) }) {
+			return nil
+		}
+		c.pending = c.pending[:0]
+		left := time.Until(deadline)
+		if left <= 0 {
+			return fmt.Errorf("%s: the kernel did not route the address locally within %v", op, localRouteWait)
+		}
+		fds := []unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN}}
+		if _, err := unix.Poll(fds, int(left/time.Millisecond)+1); err != nil && !errors.Is(err, unix.EINTR) {
+			return fmt.Errorf("%s: %w: poll: %w", op, errNetlinkSocket, err)
+		}
+		msgs, err := c.recv(unix.MSG_DONTWAIT)
+		if errors.Is(err, unix.EAGAIN) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w: receive: %w", op, errNetlinkSocket, err)
+		}
+		for _, m := range msgs {
+			if m.hdr.Type == unix.RTM_NEWROUTE {
+				c.pending = append(c.pending, m)
+			}
+		}
+	}
+}
+
+// isLocalRoute6 tells whether m announces the local route (type local, /128) of a.
+func isLocalRoute6(m nlMsg, a netip.Addr) bool {
+	if m.hdr.Type != unix.RTM_NEWROUTE || len(m.data) < unix.SizeofRtMsg {
+		return false
+	}
+	if m.data[0] != unix.AF_INET6 || m.data[1] != 128 || m.data[7] != unix.RTN_LOCAL {
+		return false
+	}
+	dst, ok := netip.AddrFromSlice(parseAttrs(m.data[unix.SizeofRtMsg:])[unix.RTA_DST])
+	return ok && dst == a
 }
