@@ -15,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
 // Bounds of the load loop: it stops at whichever comes first.
@@ -65,21 +66,23 @@ func TestEndpointsScaledUnderLoad(t *testing.T) {
 			n.setEndpoints(t, svc, ph.pods...)
 		}
 		want := podNames(ph.pods...)
-		eventually(t, 20*time.Second, fmt.Sprintf("phase %s: traffic never settled on %v", ph.name, want), func() error {
-			if failed := load.failures(); len(failed) > 0 {
-				return fmt.Errorf("stop: %d failed requests", len(failed))
-			}
+		if err := testbed.Eventually(t.Context(), 20*time.Second, 100*time.Millisecond, func() error {
 			return load.settled(i, want)
-		})
+		}); err != nil {
+			t.Fatalf("phase %s: traffic never settled on %v: %v%s", ph.name, want, err, firstFailures(load.failures()))
+		}
+		if failed := load.failures(); len(failed) > 0 {
+			t.Fatalf("phase %s: requests failed, want none:%s", ph.name, firstFailures(failed))
+		}
 		if err := kept.echo(fmt.Sprintf("after %s", ph.name)); err != nil {
 			t.Fatalf("phase %s: the connection kept open to pod1 broke: %v", ph.name, err)
 		}
 	}
 	results := load.stop()
-
 	if failed := load.failures(); len(failed) > 0 {
-		t.Errorf("%d of %d requests failed, want none; the first ones:\n%s", len(failed), len(results), strings.Join(failed[:min(len(failed), 10)], "\n"))
+		t.Errorf("requests failed after the last phase, want none:%s", firstFailures(failed))
 	}
+
 	// A request started in phase i may still find the proxy on phase i-1's endpoints, never on others.
 	for _, r := range results {
 		if r.err != nil {
@@ -94,6 +97,14 @@ func TestEndpointsScaledUnderLoad(t *testing.T) {
 		}
 	}
 	t.Logf("%d requests over %d phases, %v", len(results), len(phases), results[len(results)-1].at.Sub(results[0].at).Round(time.Millisecond))
+}
+
+// firstFailures formats up to ten failed requests for a message.
+func firstFailures(failed []string) string {
+	if len(failed) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("\n%d failed requests, the first ones:\n%s", len(failed), strings.Join(failed[:min(len(failed), 10)], "\n"))
 }
 
 // keptConn is a connection to one pod through the portal that stays open.
