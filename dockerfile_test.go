@@ -1,0 +1,298 @@
+package main
+
+import (
+	"bufio"
+	"debug/buildinfo"
+	"debug/elf"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+// The image cannot be built here (no container engine); these tests check everything around
+// the build that can be checked: the build command, the base images, the packages and the binary.
+
+// instruction is one Dockerfile instruction, continuation lines joined.
+type instruction struct{ cmd, args string }
+
+func dockerfile(t *testing.T) []instruction {
+	t.Helper()
+	f, err := os.Open("Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var out []instruction
+	var cur strings.Builder
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		l := strings.TrimSpace(sc.Text())
+		if l == "" || strings.HasPrefix(l, "#") {
+			continue
+		}
+		cont := strings.HasSuffix(l, "\\")
+		cur.WriteString(strings.TrimSuffix(l, "\\"))
+		if cont {
+			cur.WriteString(" ")
+			continue
+		}
+		cmd, args, _ := strings.Cut(cur.String(), " ")
+		out = append(out, instruction{strings.ToUpper(cmd), strings.TrimSpace(args)})
+		cur.Reset()
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func find(ins []instruction, cmd, contains string) []string {
+	var out []string
+	for _, i := range ins {
+		if i.cmd == cmd && strings.Contains(i.args, contains) {
+			out = append(out, i.args)
+		}
+	}
+	return out
+}
+
+// imageEntrypoint is the binary the image runs.
+func imageEntrypoint(t *testing.T) string {
+	t.Helper()
+	ep := find(dockerfile(t), "ENTRYPOINT", "")
+	if len(ep) != 1 {
+		t.Fatalf("want one ENTRYPOINT, got %q", ep)
+	}
+	var argv []string
+	if err := json.Unmarshal([]byte(ep[0]), &argv); err != nil || len(argv) != 1 {
+		t.Fatalf("ENTRYPOINT %s: want the exec form with the binary only", ep[0])
+	}
+	return argv[0]
+}
+
+var varRef = regexp.MustCompile(`\$[({]([A-Z_]+)[)}]`)
+
+// buildFlags normalises a go build command line: environment, flags and package, with $(VAR)
+// and ${VAR} written as $VAR and the output path dropped.
+func buildFlags(line string) []string {
+	var out []string
+	fields := shellFields(varRef.ReplaceAllString(line, "$$$1"))
+	for i := 0; i < len(fields); i++ {
+		switch f := fields[i]; f {
+		case "go", "build", "$GO":
+		case "-o":
+			i++
+		case "-ldflags":
+			i++
+			out = append(out, "-ldflags="+fields[i])
+		default:
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// shellFields splits a command line at blanks outside quotes and removes the quotes.
+func shellFields(s string) []string {
+	var out []string
+	var cur strings.Builder
+	var quote rune
+	inField := false
+	for _, r := range s {
+		switch {
+		case quote != 0 && r == quote:
+			quote = 0
+		case quote != 0:
+			cur.WriteRune(r)
+		case r == '"' || r == '\'':
+			quote, inField = r, true
+		case r == ' ' || r == '\t':
+			if inField {
+				out = append(out, cur.String())
+				cur.Reset()
+				inField = false
+			}
+		default:
+			cur.WriteRune(r)
+			inField = true
+		}
+	}
+	if inField {
+		out = append(out, cur.String())
+	}
+	return out
+}
+
+func TestDockerfileBuildsLikeMake(t *testing.T) {
+	mk, err := os.ReadFile("Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ldflags := regexp.MustCompile(`(?m)^LDFLAGS := (.*)$`).FindSubmatch(mk)
+	recipe := regexp.MustCompile(`(?m)^build:.*\n\t(.*)$`).FindSubmatch(mk)
+	if ldflags == nil || recipe == nil {
+		t.Fatal("Makefile has no LDFLAGS or build recipe")
+	}
+	makeLine := strings.ReplaceAll(string(recipe[1]), "$(LDFLAGS)", string(ldflags[1]))
+
+	runs := find(dockerfile(t), "RUN", "go build")
+	if len(runs) != 1 {
+		t.Fatalf("want one RUN with go build, got %q", runs)
+	}
+	if diff := cmp.Diff(buildFlags(makeLine), buildFlags(runs[0])); diff != "" {
+		t.Errorf("Dockerfile build differs from make build (-make +Dockerfile):\n%s", diff)
+	}
+}
+
+func TestBuildFlags(t *testing.T) {
+	got := buildFlags(`CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-X main.version=$(VERSION) -s' -o /out/x .`)
+	want := []string{"CGO_ENABLED=0", "-trimpath", "-ldflags=-X main.version=$VERSION -s", "."}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("buildFlags (-want +got):\n%s", diff)
+	}
+}
+
+func TestDockerfileBaseImages(t *testing.T) {
+	ins := dockerfile(t)
+	gomod, err := os.ReadFile("go.mod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	goLine := regexp.MustCompile(`(?m)^go (\d+\.\d+)`).FindSubmatch(gomod)
+	if goLine == nil {
+		t.Fatal("go.mod has no go line")
+	}
+	if args := find(ins, "ARG", "GO_VERSION="); len(args) != 1 || args[0] != "GO_VERSION="+string(goLine[1]) {
+		t.Errorf("ARG GO_VERSION = %q, want go.mod's %s", args, goLine[1])
+	}
+	var froms []string
+	for _, i := range ins {
+		if i.cmd == "FROM" {
+			froms = append(froms, i.args)
+		}
+	}
+	want := []string{"golang:${GO_VERSION} AS build", "debian:bookworm-slim"}
+	if diff := cmp.Diff(want, froms); diff != "" {
+		t.Errorf("stages (-want +got):\n%s", diff)
+	}
+	if got := imageEntrypoint(t); len(find(ins, "COPY", "--from=build /out/kube-portal-proxy "+got)) != 1 {
+		t.Errorf("ENTRYPOINT %s is not where the binary is copied", got)
+	}
+}
+
+// aptPackages are the packages the runtime stage installs.
+func aptPackages(t *testing.T) []string {
+	runs := find(dockerfile(t), "RUN", "apt-get install")
+	if len(runs) != 1 {
+		t.Fatalf("want one RUN with apt-get install, got %q", runs)
+	}
+	_, rest, _ := strings.Cut(runs[0], "apt-get install")
+	rest, _, _ = strings.Cut(rest, "&&")
+	var pkgs []string
+	for _, f := range strings.Fields(rest) {
+		if !strings.HasPrefix(f, "-") {
+			pkgs = append(pkgs, f)
+		}
+	}
+	return pkgs
+}
+
+// TestImagePackagesProvideTheTools checks, on a Debian bookworm host (the runtime base), that
+// the packages the Dockerfile installs own every binary the proxy execs, and that the
+// alternatives it selects exist.
+func TestImagePackagesProvideTheTools(t *testing.T) {
+	pkgs := aptPackages(t)
+	for _, want := range []string{"iptables", "conntrack", "iproute2"} {
+		if !slices.Contains(pkgs, want) {
+			t.Errorf("apt-get install %v lacks %s", pkgs, want)
+		}
+	}
+	osr, _ := os.ReadFile("/etc/os-release")
+	if !strings.Contains(string(osr), "VERSION_CODENAME=bookworm") {
+		t.Skip("not a Debian bookworm host: cannot check package contents against the image's base")
+	}
+	if _, err := exec.LookPath("dpkg"); err != nil {
+		t.Skip("no dpkg")
+	}
+	var tools []string
+	for _, fam := range []string{"iptables", "ip6tables"} {
+		for _, variant := range []string{"-nft", "-legacy"} {
+			for _, tool := range []string{"", "-save", "-restore"} {
+				tools = append(tools, "/usr/sbin/"+fam+variant+tool) // portal.ExecRunner's names
+			}
+		}
+	}
+	tools = append(tools, "/usr/sbin/conntrack")
+	for _, tool := range tools {
+		out, err := exec.Command("dpkg", "-S", tool).Output()
+		if err != nil {
+			t.Errorf("dpkg -S %s: %v (not installed on this host?)", tool, err)
+			continue
+		}
+		pkg, _, _ := strings.Cut(string(out), ":")
+		if !slices.Contains(pkgs, pkg) {
+			t.Errorf("%s comes from package %s, which the image does not install", tool, pkg)
+		}
+	}
+	for _, set := range find(dockerfile(t), "RUN", "update-alternatives") {
+		for _, m := range regexp.MustCompile(`update-alternatives --set (\S+) (\S+)`).FindAllStringSubmatch(set, -1) {
+			out, err := exec.Command("update-alternatives", "--list", m[1]).Output()
+			if err != nil || !slices.Contains(strings.Fields(string(out)), m[2]) {
+				t.Errorf("update-alternatives --set %s %s: not a choice here (%q, %v)", m[1], m[2], out, err)
+			}
+		}
+	}
+}
+
+// TestImageBuildCommand runs the Dockerfile's go build and checks the binary: static, paths
+// trimmed, version stamped.
+func TestImageBuildCommand(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the binary")
+	}
+	runs := find(dockerfile(t), "RUN", "go build")
+	if len(runs) != 1 {
+		t.Fatalf("want one RUN with go build, got %q", runs)
+	}
+	bin := filepath.Join(t.TempDir(), "kube-portal-proxy")
+	line := strings.ReplaceAll(runs[0], "/out/kube-portal-proxy", bin)
+	cmd := exec.Command("sh", "-c", line)
+	cmd.Env = append(os.Environ(), "VERSION=v9.8.7-test")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v\n%s", line, err, out)
+	}
+	out, err := exec.Command(bin, "--version").Output()
+	if err != nil || string(out) != "kube-portal-proxy v9.8.7-test\n" {
+		t.Errorf("--version = %q, %v; want the stamped version", out, err)
+	}
+	f, err := elf.Open(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			t.Error("the binary is dynamically linked: the image needs a static one (CGO_ENABLED=0)")
+		}
+	}
+	info, err := buildinfo.ReadFile(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	settings := map[string]string{}
+	for _, s := range info.Settings {
+		settings[s.Key] = s.Value
+	}
+	for k, want := range map[string]string{"CGO_ENABLED": "0", "-trimpath": "true"} {
+		if settings[k] != want {
+			t.Errorf("build setting %s = %q, want %q", k, settings[k], want)
+		}
+	}
+}
