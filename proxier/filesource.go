@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -42,6 +43,7 @@ type FileSource struct {
 	services map[string]*v1.Service
 	slices   map[string]*discovery.EndpointSlice
 	stamp    string
+	parsed   map[string]parsedFile
 	synced   bool
 	// OnLoad, if set, is called after every load attempt with its error (nil when applied).
 	OnLoad func(error)
@@ -51,7 +53,7 @@ type FileSource struct {
 // for changes.
 func NewFileSource(path string, h Handler, c clock.Clock, interval time.Duration, log logrus.FieldLogger) *FileSource {
 	return &FileSource{path: path, h: h, log: log, clock: c, interval: interval, reload: make(chan struct{}, 1),
-		services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}}
+		services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}, parsed: map[string]parsedFile{}}
 }
 
 // Reload asks for a reload now, even if no file changed.
@@ -82,13 +84,16 @@ func (f *FileSource) Run(ctx context.Context) error {
 
 // load reads the files when forced or when their names, sizes or times changed.
 func (f *FileSource) load(force bool) {
-	files, stamp, err := listManifests(f.path)
+	files, stamps, stamp, err := listManifests(f.path)
 	if err == nil && !force && stamp == f.stamp {
 		return
 	}
 	var objs *manifestSet
 	if err == nil {
-		objs, err = parseManifests(files)
+		if force {
+			clear(f.parsed) // SIGHUP reads everything again
+		}
+		objs, err = parseManifests(files, stamps, f.parsed)
 	}
 	if f.OnLoad != nil {
 		defer func() { f.OnLoad(err) }()
@@ -114,7 +119,7 @@ func (f *FileSource) apply(objs *manifestSet) {
 		switch old, ok := f.services[key]; {
 		case !ok:
 			f.h.OnServiceAdd(cur)
-		case !equality.Semantic.DeepEqual(old, cur):
+		case old != cur && !equality.Semantic.DeepEqual(old, cur):
 			f.h.OnServiceUpdate(old, cur)
 		}
 	}
@@ -127,7 +132,7 @@ func (f *FileSource) apply(objs *manifestSet) {
 		switch old, ok := f.slices[key]; {
 		case !ok:
 			f.h.OnEndpointSliceAdd(cur)
-		case !equality.Semantic.DeepEqual(old, cur):
+		case old != cur && !equality.Semantic.DeepEqual(old, cur):
 			f.h.OnEndpointSliceUpdate(old, cur)
 		}
 	}
@@ -139,12 +144,12 @@ func (f *FileSource) apply(objs *manifestSet) {
 	}
 }
 
-// listManifests returns the YAML files under path (sorted) and a stamp of their names, sizes and
-// modification times.
-func listManifests(path string) ([]string, string, error) {
+// listManifests returns the YAML files under path (sorted) with a stamp of each (size and
+// modification time), and a stamp of the whole set.
+func listManifests(path string) ([]string, map[string]string, string, error) {
 	st, err := os.Stat(path)
 	if err != nil {
-		return nil, "", fmt.Errorf("services file: %w", err)
+		return nil, nil, "", fmt.Errorf("services file: %w", err)
 	}
 	var files []string
 	if !st.IsDir() {
@@ -161,17 +166,19 @@ func listManifests(path string) ([]string, string, error) {
 			return nil
 		})
 		if err != nil {
-			return nil, "", fmt.Errorf("services directory %s: %w", path, err)
+			return nil, nil, "", fmt.Errorf("services directory %s: %w", path, err)
 		}
 	}
 	slices.Sort(files)
-	var stamp strings.Builder
+	stamps := make(map[string]string, len(files))
+	var all strings.Builder
 	for _, p := range files {
 		if st, err := os.Stat(p); err == nil {
-			fmt.Fprintf(&stamp, "%s %d %d\n", p, st.Size(), st.ModTime().UnixNano())
+			stamps[p] = fmt.Sprintf("%d %d", st.Size(), st.ModTime().UnixNano())
+			fmt.Fprintf(&all, "%s %s\n", p, stamps[p])
 		}
 	}
-	return files, stamp.String(), nil
+	return files, stamps, all.String(), nil
 }
 
 type manifestSet struct {
@@ -186,23 +193,74 @@ var manifestDecoder = func() runtime.Decoder {
 	return serializer.NewCodecFactory(s).UniversalDeserializer()
 }()
 
+// parsedFile is one file's objects, reused while the file's stamp does not change, so a reload
+// after one small file changed does not decode every other file again (10,000 services).
+type parsedFile struct {
+	stamp string
+	set   *manifestSet
+}
+
 // parseManifests decodes every document of every file. Kinds other than Service, EndpointSlice
 // and List are skipped (a services file may hold a whole application); a malformed document, a
-// Service or EndpointSlice without a name, or a duplicate fails the whole load.
-func parseManifests(files []string) (*manifestSet, error) {
-	set := &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}}
+// Service or EndpointSlice without a name, or a duplicate fails the whole load. Files whose stamp
+// matches cache are not read again; cache is updated with what was parsed when the load succeeds.
+func parseManifests(files []string, stamps map[string]string, cache map[string]parsedFile) (*manifestSet, error) {
+	set := newManifestSet()
+	fresh := map[string]parsedFile{}
 	for _, file := range files {
-		data, err := os.ReadFile(file)
-		if err != nil {
-			return nil, fmt.Errorf("read %s: %w", file, err)
-		}
-		for _, doc := range splitDocuments(data) {
-			if err := set.addDocument(doc.body); err != nil {
-				return nil, fmt.Errorf("%s:%d: %w", file, doc.line+errorLine(err), err)
+		pf, ok := cache[file]
+		if !ok || stamps[file] == "" || pf.stamp != stamps[file] {
+			one, err := parseFile(file)
+			if err != nil {
+				return nil, err
 			}
+			pf = parsedFile{stamp: stamps[file], set: one}
+		}
+		fresh[file] = pf
+		if err := set.merge(pf.set, file); err != nil {
+			return nil, err
+		}
+	}
+	if cache != nil {
+		clear(cache)
+		maps.Copy(cache, fresh)
+	}
+	return set, nil
+}
+
+func newManifestSet() *manifestSet {
+	return &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}}
+}
+
+func parseFile(file string) (*manifestSet, error) {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", file, err)
+	}
+	set := newManifestSet()
+	for _, doc := range splitDocuments(data) {
+		if err := set.addDocument(doc.body); err != nil {
+			return nil, fmt.Errorf("%s:%d: %w", file, doc.line+errorLine(err), err)
 		}
 	}
 	return set, nil
+}
+
+// merge adds another file's objects; an object defined in two files is an error.
+func (set *manifestSet) merge(o *manifestSet, file string) error {
+	for k, v := range o.services {
+		if _, dup := set.services[k]; dup {
+			return fmt.Errorf("%s: Service %s defined twice", file, k)
+		}
+		set.services[k] = v
+	}
+	for k, v := range o.slices {
+		if _, dup := set.slices[k]; dup {
+			return fmt.Errorf("%s: EndpointSlice %s defined twice", file, k)
+		}
+		set.slices[k] = v
+	}
+	return nil
 }
 
 func (set *manifestSet) addDocument(body []byte) error {

@@ -212,7 +212,7 @@ func TestParseManifestErrors(t *testing.T) {
 			if err := os.WriteFile(p, []byte(tc.body), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			_, err := parseManifests([]string{p})
+			_, err := parseManifests([]string{p}, nil, nil)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("error = %v, want it to contain %q", err, tc.want)
 			}

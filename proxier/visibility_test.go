@@ -29,7 +29,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 )
 
-func echoTCP(t *testing.T) netip.AddrPort {
+func echoTCP(t testing.TB) netip.AddrPort {
 	t.Helper()
 	ln, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
@@ -52,7 +52,7 @@ func echoTCP(t *testing.T) netip.AddrPort {
 	return ln.Addr().(*net.TCPAddr).AddrPort()
 }
 
-func echoUDP(t *testing.T) netip.AddrPort {
+func echoUDP(t testing.TB) netip.AddrPort {
 	t.Helper()
 	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
 	if err != nil {
