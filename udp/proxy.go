@@ -60,6 +60,8 @@ type Config struct {
 	// Clock drives idle expiry; nil means the real clock.
 	Clock  clock.Clock
 	Logger logrus.FieldLogger
+	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
+	FreeBind bool
 	// OnSessionEnd, if set, is called once per ended session (the access log), from the goroutine
 	// that ended it and without proxy locks held. It must not block for long.
 	OnSessionEnd func(SessionInfo)
@@ -134,7 +136,7 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	case p.lfd >= 0:
 		return fmt.Errorf("udp %s: listen %s: already listening on %s", p.name, addr, p.addr)
 	}
-	fd, bound, err := listenUDP(addr)
+	fd, bound, err := listenUDP(addr, p.cfg.FreeBind)
 	if err != nil {
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 	}

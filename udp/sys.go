@@ -2,6 +2,7 @@ package udp
 
 import (
 	"errors"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 	"net/netip"
 	"os"
 	"unsafe"
@@ -76,10 +77,16 @@ const socketBufferSize = 4 << 20
 // listenUDP opens the non-blocking listening socket. IPv6 sockets are v6-only: each address family
 // of a dual-stack service gets its own proxy, and v4-mapped client addresses would confuse the
 // session keys.
-func listenUDP(addr netip.AddrPort) (int, netip.AddrPort, error) {
+func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) {
 	fd, err := unix.Socket(family(addr.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, netip.AddrPort{}, os.NewSyscallError("socket", err)
+	}
+	if freeBind {
+		if err := sockopt.SetFreeBind(fd, addr.Addr()); err != nil {
+			unix.Close(fd)
+			return -1, netip.AddrPort{}, err
+		}
 	}
 	if family(addr.Addr()) == unix.AF_INET6 {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {

@@ -11,11 +11,13 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/sirupsen/logrus"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -50,6 +52,8 @@ type Config struct {
 	// OnClose, if set, is called once per accepted connection after both sockets are closed (access
 	// log). It runs on the connection's goroutine and must not block.
 	OnClose func(ConnInfo)
+	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
+	FreeBind bool
 	// Clock drives the idle timeout and timestamps; nil means the real clock.
 	Clock clock.WithTicker
 }
@@ -133,6 +137,15 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 		network = "tcp6"
 	}
 	lc := net.ListenConfig{KeepAlive: p.cfg.KeepAlive}
+	if p.cfg.FreeBind {
+		lc.Control = func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			if err := c.Control(func(fd uintptr) { serr = sockopt.SetFreeBind(int(fd), addr.Addr()) }); err != nil {
+				return err
+			}
+			return serr
+		}
+	}
 	ln, err := lc.Listen(p.ctx, network, addr.String())
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
