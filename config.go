@@ -201,8 +201,12 @@ var configCodecs = func() serializer.CodecFactory {
 func checkTypeMeta(raw map[string]any) error {
 	want := map[string]string{"apiVersion": kubeproxyconfig.SchemeGroupVersion.String(), "kind": configKind}
 	for _, field := range []string{"apiVersion", "kind"} {
-		if got, _ := raw[field].(string); got != want[field] {
-			return fmt.Errorf("%s %q: want %s", field, fmt.Sprint(raw[field]), want[field])
+		v, ok := raw[field]
+		if !ok {
+			return fmt.Errorf("%s missing: want %s", field, want[field])
+		}
+		if got, _ := v.(string); got != want[field] {
+			return fmt.Errorf("%s %q: want %s", field, fmt.Sprint(v), want[field])
 		}
 	}
 	return nil

@@ -181,7 +181,7 @@ func TestConfigFileErrors(t *testing.T) {
 		{"ipvs_mode", head + "mode: ipvs\n", []string{`mode "ipvs"`, "mode: userspace"}},
 		{"nodePortAddresses_primary", head + "nodePortAddresses: [primary]\n", []string{"nodePortAddresses", `"primary"`, "not supported"}},
 		{"newer_apiVersion", "apiVersion: kubeproxy.config.k8s.io/v1alpha2\nkind: KubeProxyConfiguration\n", []string{`apiVersion "kubeproxy.config.k8s.io/v1alpha2"`, "want kubeproxy.config.k8s.io/v1alpha1"}},
-		{"missing_kind", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n", []string{"kind", "want KubeProxyConfiguration"}},
+		{"missing_kind", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n", []string{"kind missing: want KubeProxyConfiguration"}},
 		{"not_a_mapping", "- a\n- b\n", []string{"want a YAML mapping"}},
 		{"not_yaml", head + "bindAddress: [\n", []string{"not valid YAML"}},
 		{"loopback_bind_address", head + "bindAddress: 127.0.0.1\n", []string{"--bind-address (field bindAddress of --config", "localhost"}},
