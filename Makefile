@@ -22,7 +22,7 @@ controlplane:
 # kube-apiserver + etcd, real iptables in network namespaces) with the race detector. Run as root;
 # without root the namespace tests skip with a message.
 test: build controlplane
-	KPP_E2E_REQUIRE=$(if $(filter 0,$(shell id -u)),1,) $(GO) test -race -count=1 -timeout 20m ./...
+	KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=$(if $(filter 0,$(shell id -u)),1,) $(GO) test -race -count=1 -timeout 20m ./...
 
 # unit runs the tests without building the control plane (end-to-end tests skip).
 unit:

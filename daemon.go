@@ -31,7 +31,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
@@ -79,31 +78,33 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 	}
 	health := proxier.NewHealth(clk, 2*o.syncPeriod)
 
-	rules := portal.NewIPTables(portal.Config{
-		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts,
-		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
-	}, &portal.ExecRunner{Variant: o.iptablesVariant})
 	nodeName := o.hostnameOverride
 	if nodeName == "" {
 		nodeName, _ = os.Hostname()
 	}
 	events := newServiceEvents(ctx, client, nodeName, log)
-	portals := &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log,
-		OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }}
+	pm, err := newPortalMode(ctx, o, hostIPs, events, log)
+	if err != nil {
+		return err
+	}
+	defer pm.close()
 
 	lb := loadbalancer.New(clk)
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
-		DrainTCP: o.drainEndpoints, Clock: clk, Logger: log,
+		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
 	}, proxier.Deps{
-		Balancer: lb, Portals: portals, Conntrack: udp.ExecConntrack{Runner: udp.ExecRunner{}},
+		Balancer: lb, Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: metrics, Health: health, Event: events.Warning,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
-			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log},
-			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log},
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind},
+			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind},
 		})),
 	})
-	reg.MustRegister(proxier.NewTrafficCollector(px), portalCollector(rules))
+	reg.MustRegister(proxier.NewTrafficCollector(px))
+	if pm.collector != nil {
+		reg.MustRegister(pm.collector)
+	}
 
 	var src source
 	if o.servicesFile != "" {
@@ -126,7 +127,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 	px.RegisterDebug(mux)
 	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-		fmt.Fprint(w, rules.Rules())
+		fmt.Fprint(w, pm.describe())
 	}))
 	healthMux := http.NewServeMux()
 	healthMux.Handle("/healthz", health)
@@ -201,15 +202,21 @@ func reloadOnHUP(ctx context.Context, f *proxier.FileSource, log logrus.FieldLog
 	}
 }
 
+func iptablesTool(o *options, tool string) string {
+	if o.iptablesVariant != "" {
+		return tool + "-" + o.iptablesVariant
+	}
+	return tool
+}
+
 // checkTools fails fast, with the fix, when a tool the portals exec is missing.
 func checkTools(o *options) error {
-	suffix := ""
-	if o.iptablesVariant != "" {
-		suffix = "-" + o.iptablesVariant
-	}
-	for _, tool := range []string{"iptables" + suffix, "iptables-restore" + suffix, "iptables-save" + suffix} {
-		if _, err := exec.LookPath(tool); err != nil {
-			return fmt.Errorf("%s not found in PATH: install the iptables package (Debian/Ubuntu: apt-get install iptables): %w", tool, err)
+	for _, tool := range []string{"iptables", "iptables-restore", "iptables-save"} {
+		if o.portalMode != "iptables" {
+			break
+		}
+		if _, err := exec.LookPath(iptablesTool(o, tool)); err != nil {
+			return fmt.Errorf("%s not found in PATH: install the iptables package (Debian/Ubuntu: apt-get install iptables), or run with --portal-mode=bind: %w", iptablesTool(o, tool), err)
 		}
 	}
 	if os.Geteuid() != 0 {
@@ -269,10 +276,20 @@ func nodeAddresses(ctx context.Context, c kubernetes.Interface, o *options, log 
 	return out
 }
 
-// cleanup removes every chain and rule this proxy owns, for both families.
+// cleanup removes every chain and rule this proxy owns, for both families, and the bind mode's
+// portal interface. Either may be absent: that is not an error.
 func cleanup(ctx context.Context, o *options, log logrus.FieldLogger) error {
-	rules := portal.NewIPTables(portal.Config{Logger: log}, &portal.ExecRunner{Variant: o.iptablesVariant})
-	return rules.Cleanup(ctx)
+	var errs []error
+	if _, err := exec.LookPath(iptablesTool(o, "iptables-restore")); err == nil {
+		rules := portal.NewIPTables(portal.Config{Logger: log}, &portal.ExecRunner{Variant: o.iptablesVariant})
+		errs = append(errs, rules.Cleanup(ctx))
+	} else {
+		log.Info("No iptables on this node: no portal rules to remove")
+	}
+	nl := &portal.Netlink{}
+	defer nl.Close()
+	errs = append(errs, portal.NewBind(portal.BindConfig{Interface: o.portalInterface, Logger: log}, nl).Cleanup(ctx))
+	return errors.Join(errs...)
 }
 
 // portalCollector exports the iptables portal counters, with kube-proxy's name for restore failures.

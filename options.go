@@ -8,6 +8,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
@@ -42,6 +43,8 @@ type options struct {
 	iptablesVariant    string
 	shutdownTimeout    time.Duration
 	accessLog          bool
+	portalMode         string
+	portalInterface    string
 
 	// kube-proxy settings for the node, applied at start (config.go, sysctl.go).
 	configFile                string
@@ -97,6 +100,8 @@ func newFlagSet(o *options) *pflag.FlagSet {
 	fs.BoolVar(&o.drainEndpoints, "drain-removed-endpoints", false, "Close established TCP connections to endpoints that were removed (UDP sessions always move).")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 0, "Close TCP connections idle in both directions for this long; 0 never does.")
 	fs.StringVar(&o.iptablesVariant, "iptables-variant", "", "Which iptables binaries to run: empty for the system's, nft or legacy.")
+	fs.StringVar(&o.portalMode, "portal-mode", "iptables", "How service traffic reaches the proxy: iptables (the legacy KUBE-PORTALS NAT rules) or bind (service IPs on a local interface, sockets listen on them; no NAT needed).")
+	fs.StringVar(&o.portalInterface, "portal-interface", portal.DefaultBindInterface, "Interface that carries the service IPs in --portal-mode=bind.")
 	fs.BoolVar(&o.accessLog, "access-log", false, "Log one line per TCP connection and UDP session when it ends, for every service (per Service: annotation portal-proxy.kubernetes.io/access-log: \"true\").")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
 	fs.Int32Var(&o.oomScoreAdj, "oom-score-adj", -999, "The oom_score_adj of this process, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE).")
@@ -168,6 +173,8 @@ func (o *options) validate() error {
 		{o.tcpIdleTimeout >= 0, "--tcp-idle-timeout", "must be >= 0"},
 		{o.shutdownTimeout > 0, "--shutdown-timeout", "must be > 0"},
 		{o.logFormat == "text" || o.logFormat == "json", "--log-format", "must be text or json"},
+		{o.portalMode == "iptables" || o.portalMode == "bind", "--portal-mode", "must be iptables or bind"},
+		{o.portalInterface != "" && len(o.portalInterface) < 16, "--portal-interface", "must be a valid interface name (1-15 characters)"},
 		{o.oomScoreAdj >= -1000 && o.oomScoreAdj <= 1000, "--oom-score-adj", "must be within [-1000, 1000]"},
 		{o.conntrackMaxPerCore >= 0, "--conntrack-max-per-core", "must be >= 0"},
 		{o.conntrackMin >= 0, "--conntrack-min", "must be >= 0"},

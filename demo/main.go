@@ -27,6 +27,7 @@ func main() {
 	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary")
 	manifests := flag.String("services", "testdata/demo", "the services file or directory to serve")
 	keep := flag.Bool("keep", false, "keep everything running until Ctrl-C, to explore by hand")
+	mode := flag.String("portal-mode", "iptables", "iptables (NAT portal rules) or bind (service IPs on a local interface, no NAT)")
 	flag.Parse()
 	if os.Geteuid() != 0 {
 		fmt.Fprintln(os.Stderr, "demo: needs root to create network namespaces (try: sudo make demo)")
@@ -34,14 +35,14 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *proxy, *manifests, *keep); err != nil {
+	if err := run(ctx, *proxy, *manifests, *mode, *keep); err != nil {
 		fmt.Fprintf(os.Stderr, "demo: FAILED: %v\n", err)
 		os.Exit(1)
 	}
 	fmt.Println("\ndemo: OK")
 }
 
-func run(ctx context.Context, proxy, manifests string, keep bool) (err error) {
+func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err error) {
 	proxy, _ = filepath.Abs(proxy)
 	manifests, _ = filepath.Abs(manifests)
 	lab, err := netns.NewLab()
@@ -75,7 +76,7 @@ func run(ctx context.Context, proxy, manifests string, keep bool) (err error) {
 		return err
 	}
 	defer logFile.Close()
-	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", manifests,
+	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", manifests, "--portal-mode", mode,
 		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249")
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	if err := cmd.Start(); err != nil {
@@ -145,6 +146,16 @@ func run(ctx context.Context, proxy, manifests string, keep bool) (err error) {
 		}
 	}
 
+	if mode == "bind" {
+		out, _ := bed.Node.Exec(ctx, "ip", "-o", "addr", "show", "dev", "kube-portal0")
+		fmt.Printf("\nBind mode: the service IPs on kube-portal0 in the node namespace:\n%s", out)
+		nat, _ := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
+		if strings.Contains(string(nat), "-A ") {
+			return fmt.Errorf("bind mode left rules in the nat table:\n%s", nat)
+		}
+		fmt.Println("The nat table has no rules.")
+		return waitKeep(ctx, keep, bed)
+	}
 	out, _ := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
 	fmt.Println("\nThe portal rules in the node namespace (iptables-save -t nat):")
 	for _, line := range strings.Split(string(out), "\n") {
@@ -152,6 +163,11 @@ func run(ctx context.Context, proxy, manifests string, keep bool) (err error) {
 			fmt.Println("  " + line)
 		}
 	}
+	return waitKeep(ctx, keep, bed)
+}
+
+// waitKeep, with -keep, leaves everything running until Ctrl-C.
+func waitKeep(ctx context.Context, keep bool, bed *testbed.Bed) error {
 	if keep {
 		fmt.Printf("\nExplore, e.g.: ip netns exec %s iptables-save; ip netns exec %s bash -c 'exec 3<>/dev/tcp/10.96.0.10/80; head -1 <&3'\nCtrl-C to clean up.\n",
 			bed.Node.Name, bed.Client.Name)

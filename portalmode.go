@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// portalMode is what differs between --portal-mode=iptables and --portal-mode=bind; everything
+// else (balancer, sockets, sources, metrics) is shared and does not know which one runs.
+type portalMode struct {
+	portals   portal.Portals
+	conntrack udp.Conntrack                        // nil: no NAT, no conntrack entries to clear
+	plan      func(*service.Port) []netip.AddrPort // nil: one proxy socket per port, on a local port
+	freeBind  bool                                 // sockets bind service IPs before they are local
+	collector prometheus.Collector                 // mode-specific metrics, or nil
+	describe  func() string                        // /debug/rules
+	close     func()
+}
+
+func newPortalMode(ctx context.Context, o *options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
+	if o.portalMode == "bind" {
+		nl := &portal.Netlink{}
+		b := portal.NewBind(portal.BindConfig{Interface: o.portalInterface, Logger: log}, nl)
+		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil).InterfaceAddrs
+		return &portalMode{
+			portals:  b,
+			plan:     bindPlan(o.nodePorts, nodeAddrs),
+			freeBind: true,
+			describe: func() string {
+				var b2 strings.Builder
+				fmt.Fprintf(&b2, "# bind mode: service IPs on %s\n", o.portalInterface)
+				for _, a := range b.Addresses() {
+					fmt.Fprintln(&b2, a)
+				}
+				return b2.String()
+			},
+			close: func() { _ = nl.Close() },
+		}, nil
+	}
+	runner := &portal.ExecRunner{Variant: o.iptablesVariant}
+	if err := portal.CheckNAT(ctx, runner, portal.IPv4); errors.Is(err, portal.ErrNATUnavailable) {
+		return nil, fmt.Errorf("this node cannot NAT, which iptables portals need; run with --portal-mode=bind: %w", err)
+	} else if err != nil {
+		log.WithError(err).Warn("Could not check for NAT support")
+	}
+	rules := portal.NewIPTables(portal.Config{
+		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts,
+		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
+	}, runner)
+	return &portalMode{
+		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log,
+			OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }},
+		conntrack: udp.ExecConntrack{Runner: udp.ExecRunner{}},
+		collector: portalCollector(rules),
+		describe:  rules.Rules,
+		close:     func() {},
+	}, nil
+}
+
+// bindPlan lists where a service port listens in bind mode: every portal IP at the service port,
+// and the node port on the node addresses (--nodeport-addresses, or the wildcard of each family).
+func bindPlan(nodePortCIDRs []netip.Prefix, ifaceAddrs map[string][]netip.Addr) func(*service.Port) []netip.AddrPort {
+	return func(p *service.Port) []netip.AddrPort {
+		var out []netip.AddrPort
+		v4, v6 := false, false
+		for _, group := range [][]netip.Addr{p.ClusterIPs, p.ExternalIPs, p.LoadBalancerIPs} {
+			for _, ip := range group {
+				out = append(out, netip.AddrPortFrom(ip, p.Port))
+				v4, v6 = v4 || ip.Is4(), v6 || ip.Is6()
+			}
+		}
+		if p.NodePort == 0 {
+			return out
+		}
+		if len(nodePortCIDRs) == 0 {
+			if v4 {
+				out = append(out, netip.AddrPortFrom(netip.IPv4Unspecified(), p.NodePort))
+			}
+			if v6 {
+				out = append(out, netip.AddrPortFrom(netip.IPv6Unspecified(), p.NodePort))
+			}
+			return out
+		}
+		var local []netip.Addr
+		for _, addrs := range ifaceAddrs {
+			for _, a := range addrs {
+				if slices.ContainsFunc(nodePortCIDRs, func(c netip.Prefix) bool { return c.Contains(a) }) {
+					local = append(local, a)
+				}
+			}
+		}
+		slices.SortFunc(local, netip.Addr.Compare)
+		for _, a := range slices.Compact(local) {
+			out = append(out, netip.AddrPortFrom(a, p.NodePort))
+		}
+		return out
+	}
+}
