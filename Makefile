@@ -3,7 +3,7 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test unit e2e controlplane demo lint bench bench-portal clean
+.PHONY: build test unit e2e controlplane demo lint bench bench-portal image clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -38,6 +38,12 @@ bench:
 
 bench-portal:
 	KPP_BENCH=1 $(GO) test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/
+
+DOCKER ?= docker
+IMAGE ?= ghcr.io/kube-portal-proxy/kube-portal-proxy:$(VERSION)
+# image needs a container engine (docker, or DOCKER=podman); machines without one cannot build it.
+image:
+	$(DOCKER) build --build-arg VERSION=$(VERSION) -t $(IMAGE) .
 
 clean:
 	rm -rf bin

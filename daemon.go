@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -44,6 +45,8 @@ type source interface {
 
 // serve runs the daemon until ctx is done.
 func serve(ctx context.Context, o *options, log *logrus.Logger) error {
+	applyOOMScoreAdj(o, log)
+	applyConntrackSysctls(o, log)
 	if res, err := rlimit.RaiseNoFile(wantNoFile); err != nil {
 		log.WithError(err).Warn("Cannot raise the open-file limit")
 	} else if res.Short() {
@@ -202,11 +205,13 @@ func reloadOnHUP(ctx context.Context, f *proxier.FileSource, log logrus.FieldLog
 	}
 }
 
+// iptablesTool names a tool of the chosen variant the way Debian installs them:
+// iptables-nft-restore, iptables-legacy-save, ...
 func iptablesTool(o *options, tool string) string {
-	if o.iptablesVariant != "" {
-		return tool + "-" + o.iptablesVariant
+	if o.iptablesVariant == "" {
+		return tool
 	}
-	return tool
+	return strings.Replace(tool, "iptables", "iptables-"+o.iptablesVariant, 1)
 }
 
 // checkTools fails fast, with the fix, when a tool the portals exec is missing.

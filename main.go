@@ -40,6 +40,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "kube-portal-proxy %s\n", version)
 		return 0
 	}
+	if o.writeConfigTo != "" {
+		if err := writeConfigFile(o, fs); err != nil {
+			fmt.Fprintf(stderr, "kube-portal-proxy: %v\n", err)
+			return 1
+		}
+		return 0
+	}
 	log := newLogger(o, stderr)
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -51,8 +58,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		log.Info("Cleanup done")
 		return 0
 	}
-	log.WithFields(logrus.Fields{"version": version, "mode": "userspace", "portal": "iptables", "flags": changedFlags(fs)}).
-		Info("Starting kube-portal-proxy")
+	log.WithFields(logrus.Fields{"version": version, "mode": "userspace", "portal": o.portalMode, "config": o.configFile,
+		"flags": changedFlags(fs)}).Info("Starting kube-portal-proxy")
+	logConfigNotes(log, o)
 	if err := serve(ctx, o, log); err != nil {
 		log.WithError(err).Error("Exiting")
 		return 1
