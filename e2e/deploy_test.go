@@ -1,0 +1,264 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/deploy"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+)
+
+// TestDeployManifestsServerDryRun applies deploy/ with kubectl's kustomize support against the
+// real API server in server-side dry run: every object passes the server's defaulting,
+// validation (strict: an unknown field fails) and admission, and nothing is stored.
+func TestDeployManifestsServerDryRun(t *testing.T) {
+	t.Parallel()
+	requireKubectl(t)
+	dir := deployDir(t)
+	m := loadManifests(t, dir)
+
+	admin := adminClient(t)
+	// The API server's system namespaces controller creates kube-system shortly after /readyz
+	// says ok, not before: wait for the namespaces the objects live in.
+	for _, ns := range []string{m.ServiceAccount.Namespace, m.ConfigMap.Namespace, m.DaemonSet.Namespace} {
+		eventually(t, 30*time.Second, "namespace "+ns+" never appeared", func() error {
+			_, err := admin.CoreV1().Namespaces().Get(t.Context(), ns, metav1.GetOptions{})
+			return err
+		})
+	}
+
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	out, err := controlPlane.Kubectl(ctx, "apply", "--dry-run=server", "--validate=strict", "-k", dir)
+	if err != nil {
+		t.Fatal(err) // the error carries kubectl's output
+	}
+
+	// kubectl prints one line per object, and any warning of the server (a deprecated field or
+	// API) on a line of its own: the manifests must draw none.
+	want := []string{
+		"serviceaccount/" + m.ServiceAccount.Name + " created (server dry run)",
+		"clusterrolebinding.rbac.authorization.k8s.io/" + m.ClusterRoleBinding.Name + " created (server dry run)",
+		"configmap/" + m.ConfigMap.Name + " created (server dry run)",
+		"daemonset.apps/" + m.DaemonSet.Name + " created (server dry run)",
+	}
+	got := strings.Split(strings.TrimSpace(string(out)), "\n")
+	slices.Sort(want)
+	slices.Sort(got)
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("kubectl apply --dry-run=server -k %s output lines (-want +got):\n%s", dir, diff)
+	}
+
+	// A dry run stores nothing.
+	_, err = admin.AppsV1().DaemonSets(m.DaemonSet.Namespace).Get(t.Context(), m.DaemonSet.Name, metav1.GetOptions{})
+	if !apierrors.IsNotFound(err) {
+		t.Errorf("get daemonset %s/%s after the dry run: err = %v, want NotFound", m.DaemonSet.Namespace, m.DaemonSet.Name, err)
+	}
+}
+
+// TestDaemonSetArgsServeAService runs the binary as the DaemonSet does on a node: exactly the
+// container's args (the downward API's node name expanded) and the ConfigMap's config file. The
+// only addition is --kubeconfig, since the file's empty kubeconfig means in-cluster
+// configuration and there is no pod here. The proxy runs in the test's node namespace, never in
+// the root one.
+func TestDaemonSetArgsServeAService(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 3)
+	m := loadManifests(t, deployDir(t))
+
+	config, err := m.ConfigFile()
+	if err != nil {
+		t.Fatalf("config file of deploy/: %v", err)
+	}
+	configPath := filepath.Join(n.dir, "config.conf")
+	if err := os.WriteFile(configPath, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	args, err := m.LocalArgs(n.name, configPath)
+	if err != nil {
+		t.Fatalf("DaemonSet args: %v", err)
+	}
+
+	// The config may ask for conntrack sysctls (nf_conntrack_max is host-wide): the proxy must
+	// run in the node namespace, and the root namespace's values must not move.
+	rootNS := namespaceID(t, "/proc/self/ns/net")
+	if node := namespaceID(t, "/run/netns/"+n.bed.Node.Name); node == rootNS {
+		t.Fatalf("node namespace %s is the root network namespace; refusing to start the proxy", n.bed.Node.Name)
+	}
+	rootBefore := readConntrackSysctls(t, nil)
+	nodeBefore := readConntrackSysctls(t, n.bed.Node)
+
+	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort, externalIP()))
+	n.setEndpoints(t, svc, 1, 2, 3)
+	proxy := startProxy(t, n.bed.Node, n.dir, append(args, "--kubeconfig="+n.kubeconfig)...)
+
+	// The config's health (0.0.0.0:10256) and metrics (127.0.0.1:10249) addresses are the ones
+	// checkTraffic queries on the node's loopback.
+	checkTraffic(t, n.bed, proxy, targetsOf(t, svc), podNames(1, 2, 3))
+
+	t.Run("the_DaemonSet_probes_pass", func(t *testing.T) {
+		c, err := m.Container()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range []struct {
+			kind  string
+			probe *corev1.Probe
+		}{{"liveness", c.LivenessProbe}, {"readiness", c.ReadinessProbe}} {
+			url, err := probeURL(c, p.probe)
+			if err != nil {
+				t.Errorf("%s probe: %v", p.kind, err)
+				continue
+			}
+			// The kubelet runs on the node and probes the pod IP, the node's IP with hostNetwork.
+			code, body, err := httpGet(n.bed.Node, url)
+			if err != nil || code != http.StatusOK {
+				t.Errorf("%s probe GET %s = %d %q, %v; want 200", p.kind, url, code, body, err)
+			}
+		}
+	})
+	t.Run("the_proxy_runs_in_the_node_namespace", func(t *testing.T) {
+		proc := namespaceID(t, fmt.Sprintf("/proc/%d/ns/net", proxy.cmd.Process.Pid))
+		if node := namespaceID(t, "/run/netns/"+n.bed.Node.Name); proc != node {
+			t.Errorf("proxy pid %d network namespace %v, want the node namespace %v (root is %v)",
+				proxy.cmd.Process.Pid, proc, node, rootNS)
+		}
+	})
+	t.Run("conntrack_sysctls_are_left_as_they_were", func(t *testing.T) {
+		// The ConfigMap sets the conntrack options to 0 (an unprivileged pod cannot write
+		// /proc/sys), so the proxy touches none; the flags' defaults would have set some.
+		if diff := cmp.Diff(nodeBefore, readConntrackSysctls(t, n.bed.Node)); diff != "" {
+			t.Errorf("node namespace conntrack sysctls changed (-before +after):\n%s", diff)
+		}
+		if diff := cmp.Diff(rootBefore, readConntrackSysctls(t, nil)); diff != "" {
+			t.Errorf("ROOT namespace conntrack sysctls changed (-before +after):\n%s", diff)
+		}
+	})
+}
+
+// requireKubectl skips t unless the control plane runs and kubectl was found with it (it fails
+// instead when the whole suite is required to run).
+func requireKubectl(t *testing.T) {
+	t.Helper()
+	requireControlPlane(t)
+	if controlPlane.Binaries.Kubectl == "" {
+		msg := fmt.Sprintf("kubectl missing (set %s or run hack/controlplane-build.sh)", framework.EnvKubectl)
+		if framework.Required() {
+			t.Fatalf("%s, and %s is set", msg, framework.EnvRequire)
+		}
+		t.Skipf("e2e skipped: %s", msg)
+	}
+}
+
+// deployDir is the repository's deploy/ directory (go test runs in e2e/).
+func deployDir(t *testing.T) string {
+	t.Helper()
+	dir, err := filepath.Abs(filepath.Join("..", "deploy"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func loadManifests(t *testing.T, dir string) *deploy.Manifests {
+	t.Helper()
+	m, err := deploy.Load(dir)
+	if err != nil {
+		t.Fatalf("load %s: %v", dir, err)
+	}
+	return m
+}
+
+// probeURL is the URL the kubelet requests for an HTTP probe of the proxy's pod: the pod IP
+// (with hostNetwork, the node IP the Node object lists) unless the probe names a host, and the
+// port by number or by the container port's name.
+func probeURL(c *corev1.Container, p *corev1.Probe) (string, error) {
+	if p == nil || p.HTTPGet == nil {
+		return "", fmt.Errorf("container %s has no HTTP probe", c.Name)
+	}
+	g := p.HTTPGet
+	port := g.Port.IntValue()
+	if name := g.Port.StrVal; name != "" {
+		port = 0
+		for _, cp := range c.Ports {
+			if cp.Name == name {
+				port = int(cp.ContainerPort)
+			}
+		}
+	}
+	if port == 0 {
+		return "", fmt.Errorf("container %s: probe port %s is neither a number nor a container port's name", c.Name, g.Port.String())
+	}
+	host := testbed.NodeExtIP.String()
+	if g.Host != "" {
+		host = g.Host
+	}
+	scheme := strings.ToLower(string(g.Scheme))
+	if scheme == "" {
+		scheme = "http"
+	}
+	return scheme + "://" + net.JoinHostPort(host, strconv.Itoa(port)) + g.Path, nil
+}
+
+// nsID identifies a network namespace: the device and inode of its nsfs file.
+type nsID struct{ Dev, Ino uint64 }
+
+func namespaceID(t *testing.T, path string) nsID {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		t.Fatalf("network namespace %s: %v", path, err)
+	}
+	return nsID{Dev: st.Dev, Ino: st.Ino}
+}
+
+// conntrackSysctls are the sysctls under /proc/sys/net/netfilter the proxy's --conntrack-*
+// options write.
+var conntrackSysctls = []string{
+	"nf_conntrack_max",
+	"nf_conntrack_tcp_timeout_established",
+	"nf_conntrack_tcp_timeout_close_wait",
+	"nf_conntrack_tcp_be_liberal",
+	"nf_conntrack_udp_timeout",
+	"nf_conntrack_udp_timeout_stream",
+}
+
+// readConntrackSysctls reads the conntrack sysctls in ns, or in this process's (root) namespace
+// when ns is nil. A sysctl that cannot be read (nf_conntrack not loaded) is recorded as such.
+func readConntrackSysctls(t *testing.T, ns *netns.NS) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for _, name := range conntrackSysctls {
+		path := "/proc/sys/net/netfilter/" + name
+		var b []byte
+		var err error
+		if ns == nil {
+			b, err = os.ReadFile(path)
+		} else {
+			b, err = ns.Exec(t.Context(), "cat", path)
+		}
+		if err != nil {
+			out[name] = "unreadable"
+			continue
+		}
+		out[name] = strings.TrimSpace(string(b))
+	}
+	return out
+}
