@@ -1,0 +1,89 @@
+package main
+
+// proc.go reads what a proxy process tree costs from /proc: CPU time (utime+stime of
+// /proc/<pid>/stat, every thread included), resident memory and open descriptors. The tree is the
+// process and its descendants, so nginx's master and workers count together.
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// userHZ is the unit of utime and stime in /proc/<pid>/stat (100 on every Linux architecture
+// Go supports).
+const userHZ = 100
+
+// procTree returns pid and its descendants (none for pid 0, the direct path).
+func procTree(pid int) []int {
+	if pid == 0 {
+		return nil
+	}
+	pids := []int{pid}
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", pid))
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue // the thread exited
+		}
+		for _, c := range strings.Fields(string(b)) {
+			if child, err := strconv.Atoi(c); err == nil {
+				pids = append(pids, procTree(child)...)
+			}
+		}
+	}
+	return pids
+}
+
+// statFields returns the fields of /proc/<pid>/stat after the command name (field 3 onwards).
+func statFields(pid int) []string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil
+	}
+	s := string(b)
+	return strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+}
+
+// cpuTime is utime+stime over the tree of pid.
+func cpuTime(pid int) time.Duration {
+	var ticks int64
+	for _, p := range procTree(pid) {
+		if f := statFields(p); len(f) > 12 {
+			u, _ := strconv.ParseInt(f[11], 10, 64)
+			s, _ := strconv.ParseInt(f[12], 10, 64)
+			ticks += u + s
+		}
+	}
+	return time.Duration(ticks) * time.Second / userHZ
+}
+
+// rssKiB is VmRSS summed over the tree of pid.
+func rssKiB(pid int) int64 {
+	var total int64
+	for _, p := range procTree(pid) {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p))
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+				if f := strings.Fields(v); len(f) > 0 {
+					n, _ := strconv.ParseInt(f[0], 10, 64)
+					total += n
+				}
+			}
+		}
+	}
+	return total
+}
+
+// fdCount is the number of open descriptors over the tree of pid.
+func fdCount(pid int) int {
+	n := 0
+	for _, p := range procTree(pid) {
+		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p))
+		n += len(ents)
+	}
+	return n
+}

@@ -1,0 +1,148 @@
+package main
+
+// run.go is the bench role: it checks the machine, picks the idle-connection count that fits the
+// descriptor limit, runs the rounds (targets rotated each round, a fresh bed per measurement),
+// the rules-sync measurement, and reports.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// fdHeadroom is what a proxy needs besides two descriptors per idle connection (listeners,
+// epoll, logs, the rate tests' stragglers).
+const fdHeadroom = 600
+
+func runBench(ctx context.Context, cfg config) error {
+	if os.Geteuid() != 0 {
+		return errors.New("needs root to create network namespaces (sudo make bench)")
+	}
+	if cfg.reps < 1 || cfg.reps > 10 || cfg.dur > 30*time.Second {
+		return errors.New("keep runs bounded: 1 <= -reps <= 10, -dur <= 30s")
+	}
+	ctx, cancel := context.WithTimeout(ctx, cfg.timeout)
+	defer cancel()
+	start := time.Now()
+	rep := newReport(cfg)
+	var err error
+	if cfg.proxy, err = filepath.Abs(cfg.proxy); err != nil {
+		return err
+	}
+	if _, err := os.Stat(cfg.proxy); err != nil {
+		return fmt.Errorf("the daemon binary: %w (run make build)", err)
+	}
+	hard, err := fdHardLimit()
+	if err != nil {
+		return err
+	}
+	// Each process (client child, proxy, backend) may raise its soft limit to the hard one; a proxy
+	// holds two descriptors per connection, so it is the one that bounds N.
+	if fit := (int(hard) - fdHeadroom) / 2; cfg.idle > fit {
+		rep.note("idle connections lowered from %d to %d: the descriptor hard limit is %d and a proxy holds 2 per connection", cfg.idle, fit, hard)
+		cfg.idle = fit
+	}
+	rep.Config["idle_conns"] = cfg.idle
+	rep.note("each client load runs in a child process in the client namespace (its own descriptor limit); "+
+		"the idle test holds %d connections, so the proxy holds about %d descriptors, under the hard limit of %d", cfg.idle, 2*cfg.idle, hard)
+
+	targets := rep.selectTargets(cfg, int(hard))
+	for round := range cfg.reps {
+		for i := range targets {
+			t := targets[(i+round)%len(targets)]
+			withIdle := round == 0
+			fmt.Printf("round %d/%d: %s%s\n", round+1, cfg.reps, t.name, map[bool]string{true: " (+ idle connections)"}[withIdle])
+			s, err := runOne(ctx, cfg, t, withIdle)
+			if ctx.Err() != nil {
+				return fmt.Errorf("stopped: %w", ctx.Err())
+			}
+			if err != nil {
+				rep.note("%s, round %d: %v", t.name, round+1, err)
+				fmt.Printf("  %s: %v\n", t.name, err)
+			}
+			if len(s) > 0 {
+				rep.add(t.name, s)
+			}
+		}
+	}
+	if cfg.syncServices > 0 {
+		fmt.Printf("rules sync: bench/scale at %d service ports (iptables portals)\n", cfg.syncServices)
+		sr, err := runScale(ctx, cfg)
+		if err != nil {
+			rep.note("rules sync: %v", err)
+			fmt.Printf("  rules sync: %v\n", err)
+		}
+		rep.Sync = sr
+	}
+	rep.ElapsedS = time.Since(start).Seconds()
+	rep.finish()
+	rep.print(os.Stdout)
+	if cfg.jsonPath != "" {
+		if err := rep.writeJSON(cfg.jsonPath); err != nil {
+			return err
+		}
+		fmt.Printf("JSON: %s\n", cfg.jsonPath)
+	}
+	return nil
+}
+
+// runOne measures one target in a bed of its own.
+func runOne(ctx context.Context, cfg config, t target, withIdle bool) (_ sample, err error) {
+	b, err := newBed(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, b.close()) }()
+	r, err := t.start(ctx, b)
+	if err != nil {
+		return nil, fmt.Errorf("start: %w", err)
+	}
+	defer r.stop()
+	s, err := measure(ctx, cfg, b, r, withIdle)
+	if r.proc != nil && !r.proc.alive() {
+		err = errors.Join(err, errors.New("the proxy exited during the run"))
+	}
+	return s, err
+}
+
+// selectTargets returns the targets to run, noting the ones skipped.
+func (rep *report) selectTargets(cfg config, hard int) []target {
+	all := []struct {
+		key  string
+		t    target
+		skip string
+	}{
+		{"direct", directTarget(), ""},
+		{"iptables", kppTarget(cfg.proxy, "iptables"), available("iptables-restore")},
+		{"bind", kppTarget(cfg.proxy, "bind"), ""},
+		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
+		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
+	}
+	var out []target
+	for _, a := range all {
+		if cfg.only != "" && !strings.Contains(","+cfg.only+",", ","+a.key+",") {
+			continue
+		}
+		if a.skip != "" {
+			rep.note("%s skipped: %s", a.t.name, a.skip)
+			continue
+		}
+		out = append(out, a.t)
+		rep.order = append(rep.order, a.t.name)
+	}
+	return out
+}
+
+func fdHardLimit() (uint64, error) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 0, fmt.Errorf("descriptor limit: %w", err)
+	}
+	return lim.Max, nil
+}
