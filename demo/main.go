@@ -77,6 +77,8 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 	}
 	defer logFile.Close()
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", manifests, "--portal-mode", mode,
+		// Leave conntrack sysctls alone (on older kernels nf_conntrack_max is host-wide).
+		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
 		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249")
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	if err := cmd.Start(); err != nil {

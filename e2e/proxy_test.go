@@ -139,5 +139,8 @@ func proxyArgs(extra ...string) []string {
 		"--healthz-bind-address=" + healthzAddr,
 		"--metrics-bind-address=" + metricsAddr,
 		"--iptables-min-sync-period=200ms",
+		// Leave conntrack sysctls alone: the node namespace's are harmless, but on older kernels
+		// nf_conntrack_max is shared with the whole host.
+		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
 	}, extra...)
 }

@@ -74,8 +74,6 @@ func (t *affinityTable) removeIf(drop func(*affinityEntry) bool) int {
 	return n
 }
 
-func (t *affinityTable) clear() { t.removeIf(func(*affinityEntry) bool { return true }) }
-
 func (t *affinityTable) entries() []AffinityEntry {
 	var out []AffinityEntry
 	for i := range t.shards {

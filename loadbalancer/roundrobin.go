@@ -172,15 +172,16 @@ type Service struct {
 	ttl      atomic.Int64 // nanoseconds
 
 	// writeMu orders endpoint and affinity updates; picks never take it.
-	writeMu  sync.Mutex
-	affinity affinityTable
+	writeMu sync.Mutex
+	// affinity exists only while ClientIP affinity is on: most service ports never use it, and at
+	// 10,000 service ports an eager table per port cost ~50 MB.
+	affinity atomic.Pointer[affinityTable]
 }
 
 func newService(name service.ServicePortName, c clock.PassiveClock, shuffle func([]netip.AddrPort)) *Service {
 	s := &Service{name: name, clock: c, shuffle: shuffle}
 	s.eps.Store(newEndpointSet(nil))
 	s.ttl.Store(int64(service.DefaultAffinityTimeout))
-	s.affinity.init()
 	return s
 }
 
@@ -210,8 +211,12 @@ func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
 	if !s.clientIP.Load() {
 		return set.list[(s.rr.Add(1)-1)%n], nil
 	}
+	table := s.affinity.Load()
+	if table == nil { // affinity is being turned on or off right now
+		return set.list[(s.rr.Add(1)-1)%n], nil
+	}
 	now := s.clock.Now().UnixNano()
-	sh := s.affinity.shard(client)
+	sh := table.shard(client)
 	sticky := sh.get(client)
 	if sticky != nil {
 		_, alive := set.has[sticky.endpoint]
@@ -232,8 +237,15 @@ func (s *Service) setAffinity(a service.Affinity) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
 	s.ttl.Store(int64(a.TTL()))
-	if s.clientIP.Swap(a.ClientIP) && !a.ClientIP {
-		s.affinity.clear()
+	switch {
+	case a.ClientIP && s.affinity.Load() == nil:
+		t := &affinityTable{}
+		t.init()
+		s.affinity.Store(t) // before clientIP, so a pick that sees ClientIP finds the table
+		s.clientIP.Store(true)
+	case !a.ClientIP:
+		s.clientIP.Store(false)
+		s.affinity.Store(nil) // forget every client
 	}
 }
 
@@ -247,16 +259,22 @@ func (s *Service) setEndpoints(eps []netip.AddrPort) {
 	}
 	s.shuffle(next.list)
 	s.eps.Store(next)
-	s.affinity.removeIf(func(e *affinityEntry) bool {
-		_, ok := next.has[e.endpoint]
-		return !ok
-	})
+	if t := s.affinity.Load(); t != nil {
+		t.removeIf(func(e *affinityEntry) bool {
+			_, ok := next.has[e.endpoint]
+			return !ok
+		})
+	}
 }
 
 func (s *Service) cleanupStale() int {
 	now := s.clock.Now().UnixNano()
 	ttl := s.ttl.Load()
-	return s.affinity.removeIf(func(e *affinityEntry) bool { return now-e.lastUsed.Load() >= ttl })
+	t := s.affinity.Load()
+	if t == nil {
+		return 0
+	}
+	return t.removeIf(func(e *affinityEntry) bool { return now-e.lastUsed.Load() >= ttl })
 }
 
 // AffinityEntry is one client's sticky endpoint, for the debug view.
@@ -268,7 +286,10 @@ type AffinityEntry struct {
 
 // AffinityEntries lists the current sticky clients, sorted by client address.
 func (s *Service) AffinityEntries() []AffinityEntry {
-	out := s.affinity.entries()
+	var out []AffinityEntry
+	if t := s.affinity.Load(); t != nil {
+		out = t.entries()
+	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Client.Less(out[j].Client) })
 	return out
 }

@@ -70,7 +70,8 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	start := time.Now()
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
 		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
-		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms")
+		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
+		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if err := cmd.Start(); err != nil {
 		return err
