@@ -98,6 +98,10 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	cpu1, _ := cpuTicks(pid)
 	idleCPU := float64(cpu1-cpu0) / 100 / idle.Seconds() * 100
+	rssIdle, err := rssKiB(pid)
+	if err != nil {
+		return err
+	}
 
 	var lat []time.Duration
 	for i := range nChanges {
@@ -117,7 +121,8 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	fmt.Printf("service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
 	fmt.Printf("cold start to all portals programmed: %v\n", cold.Round(time.Millisecond))
-	fmt.Printf("RSS with everything loaded: %.1f MiB\n", float64(rss)/1024)
+	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync, %.1f MiB after the idle period\n",
+		float64(rss)/1024, float64(rssIdle)/1024)
 	fmt.Printf("idle CPU over %v: %.2f%% of one core\n", idle, idleCPU)
 	fmt.Printf("network programming latency (file change -> traffic works), %d samples: %v\n", len(lat), lat)
 	return nil
