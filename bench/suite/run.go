@@ -52,6 +52,12 @@ func runBench(ctx context.Context, cfg config) error {
 	rep.note("each client load runs in a child process in the client namespace (its own descriptor limit); "+
 		"the idle test holds %d connections, so the proxy holds about %d descriptors, under the hard limit of %d", cfg.idle, 2*cfg.idle, hard)
 
+	rep.note("every (round, target) runs in fresh namespaces: no TIME_WAIT sockets, conntrack entries or rules carry over; " +
+		"the idle-connection test runs in round 1 only")
+	rep.note("direct is routed through the node namespace (ip_forward there, no nat table, so no conntrack); " +
+		"kpp iptables adds the nat table's REDIRECT and conntrack; bind, haproxy and nginx need neither")
+	rep.note("UDP exch = one 64-byte request and its reply; conn = connect, 4 bytes there and back, close; " +
+		"req = 64 bytes there and back on a kept connection; CPU counts the kernel time charged to the proxy process")
 	targets := rep.selectTargets(cfg, int(hard))
 	for round := range cfg.reps {
 		for i := range targets {
