@@ -110,37 +110,31 @@ func (f *FileSource) load(force bool) {
 
 // apply sends the difference between the last good state and objs to the handler.
 func (f *FileSource) apply(objs *manifestSet) {
-	for key, old := range f.services {
-		if _, ok := objs.services[key]; !ok {
-			f.h.OnServiceDelete(old)
-		}
-	}
-	for key, cur := range objs.services {
-		switch old, ok := f.services[key]; {
-		case !ok:
-			f.h.OnServiceAdd(cur)
-		case old != cur && !equality.Semantic.DeepEqual(old, cur):
-			f.h.OnServiceUpdate(old, cur)
-		}
-	}
-	for key, old := range f.slices {
-		if _, ok := objs.slices[key]; !ok {
-			f.h.OnEndpointSliceDelete(old)
-		}
-	}
-	for key, cur := range objs.slices {
-		switch old, ok := f.slices[key]; {
-		case !ok:
-			f.h.OnEndpointSliceAdd(cur)
-		case old != cur && !equality.Semantic.DeepEqual(old, cur):
-			f.h.OnEndpointSliceUpdate(old, cur)
-		}
-	}
+	applyDiff(f.services, objs.services, f.h.OnServiceAdd, f.h.OnServiceUpdate, f.h.OnServiceDelete)
+	applyDiff(f.slices, objs.slices, f.h.OnEndpointSliceAdd, f.h.OnEndpointSliceUpdate, f.h.OnEndpointSliceDelete)
 	f.services, f.slices = objs.services, objs.slices
 	if !f.synced {
 		f.synced = true
 		f.h.OnServicesSynced()
 		f.h.OnEndpointSlicesSynced()
+	}
+}
+
+// applyDiff reports the objects of cur that are new, changed or gone relative to old. An object
+// from an unchanged file is the same pointer, which skips the deep comparison.
+func applyDiff[T comparable](old, cur map[string]T, add func(T), update func(old, cur T), del func(T)) {
+	for key, o := range old {
+		if _, ok := cur[key]; !ok {
+			del(o)
+		}
+	}
+	for key, c := range cur {
+		switch o, ok := old[key]; {
+		case !ok:
+			add(c)
+		case o != c && !equality.Semantic.DeepEqual(o, c):
+			update(o, c)
+		}
 	}
 }
 
