@@ -54,21 +54,11 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 	if err != nil {
 		return err
 	}
-	srvCtx, stopServers := context.WithCancel(ctx)
-	var waits []func()
-	defer func() {
-		stopServers()
-		for _, w := range waits {
-			w()
-		}
-	}()
-	for _, p := range bed.Pods {
-		wait, err := p.Serve(srvCtx, 8080, 5353)
-		if err != nil {
-			return err
-		}
-		waits = append(waits, wait)
+	stopPods, err := bed.ServePods(ctx, 8080, 5353)
+	if err != nil {
+		return err
 	}
+	defer stopPods()
 
 	logPath := filepath.Join(os.TempDir(), lab.Prefix()+"proxy.log")
 	logFile, err := os.Create(logPath)

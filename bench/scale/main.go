@@ -50,13 +50,11 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	if err != nil {
 		return err
 	}
-	srvCtx, stop := context.WithCancel(ctx)
-	wait, err := bed.Pods[0].Serve(srvCtx, 8080, 5353)
+	stopPods, err := bed.ServePods(ctx, 8080, 5353)
 	if err != nil {
-		stop()
 		return err
 	}
-	defer func() { stop(); wait() }()
+	defer stopPods()
 
 	dir, err := os.MkdirTemp("", "kpp-scale-")
 	if err != nil {

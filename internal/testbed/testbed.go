@@ -268,3 +268,24 @@ func Eventually(ctx context.Context, timeout, every time.Duration, f func() erro
 		}
 	}
 }
+
+// ServePods starts every pod's backends (see Pod.Serve); stop ends them and waits.
+func (b *Bed) ServePods(ctx context.Context, tcpPort, udpPort uint16) (stop func(), err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	var waits []func()
+	stop = func() {
+		cancel()
+		for _, w := range waits {
+			w()
+		}
+	}
+	for _, p := range b.Pods {
+		wait, err := p.Serve(ctx, tcpPort, udpPort)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		waits = append(waits, wait)
+	}
+	return stop, nil
+}
