@@ -3,7 +3,7 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test unit e2e controlplane demo lint bench bench-portal image clean
+.PHONY: build test unit e2e controlplane demo lint bench bench-quick bench-micro bench-portal image clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -33,7 +33,16 @@ lint:
 	$(GO) vet ./...
 	@if command -v staticcheck >/dev/null; then staticcheck ./...; else echo "staticcheck not installed; skipped"; fi
 
-bench:
+# bench runs the side-by-side suite (needs root, haproxy, nginx, libnginx-mod-stream): direct,
+# kube-portal-proxy in iptables and bind mode, HAProxy and nginx stream in one run; see
+# bench/RESULTS.md. Not part of CI.
+bench: build
+	$(GO) run ./bench/suite -proxy $(BIN) -json bench.json
+
+bench-quick: build
+	$(GO) run ./bench/suite -quick -proxy $(BIN) -json bench.json
+
+bench-micro:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 
 bench-portal:
