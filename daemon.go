@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
@@ -45,6 +46,12 @@ type source interface {
 
 // serve runs the daemon until ctx is done.
 func serve(ctx context.Context, o *options, log *logrus.Logger) error {
+	if os.Getenv("GOGC") == "" {
+		// A node agent's live heap is small and its allocation rate low, so a tighter GC target
+		// costs little CPU and keeps RSS near the live heap: at 10,000 service ports the default
+		// (heap may double before a collection) left ~90 MB of garbage resident. GOGC overrides.
+		debug.SetGCPercent(50)
+	}
 	applyOOMScoreAdj(o, log)
 	applyConntrackSysctls(o, log)
 	if res, err := rlimit.RaiseNoFile(wantNoFile); err != nil {

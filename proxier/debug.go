@@ -99,12 +99,12 @@ func (p *Proxier) Services() []ServiceView {
 					Endpoint: e.Endpoint.String(), IdleFor: now.Sub(e.LastUsed).Round(time.Second).String()})
 			}
 		}
-		p.epMu.Lock()
-		for _, e := range p.endpoints[port.Name] {
+		// Computed on request from the slice cache: keeping a third copy of every endpoint for a
+		// page that is rarely open would cost memory at 50,000 endpoints.
+		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
 			v.Endpoints = append(v.Endpoints, EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
 				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName})
 		}
-		p.epMu.Unlock()
 		out = append(out, v)
 	}
 	slices.SortFunc(out, func(a, b ServiceView) int { return cmp.Compare(a.Name, b.Name) })

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io/fs"
 	"maps"
 	"net/netip"
@@ -20,7 +21,7 @@ import (
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
-	"k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/utils/clock"
@@ -40,10 +41,11 @@ type FileSource struct {
 	reload   chan struct{}
 
 	// Owned by Run.
-	services map[string]*v1.Service
-	slices   map[string]*discovery.EndpointSlice
+	services map[string]*v1.Service              // stubs: name, namespace, owner label
+	slices   map[string]*discovery.EndpointSlice // stubs
+	hashes   map[string]uint64                   // of each object's manifest
 	stamp    string
-	parsed   map[string]parsedFile
+	parsed   map[string]*parsedFile
 	synced   bool
 	// OnLoad, if set, is called after every load attempt with its error (nil when applied).
 	OnLoad func(error)
@@ -53,7 +55,8 @@ type FileSource struct {
 // for changes.
 func NewFileSource(path string, h Handler, c clock.Clock, interval time.Duration, log logrus.FieldLogger) *FileSource {
 	return &FileSource{path: path, h: h, log: log, clock: c, interval: interval, reload: make(chan struct{}, 1),
-		services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}, parsed: map[string]parsedFile{}}
+		services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}, hashes: map[string]uint64{},
+		parsed: map[string]*parsedFile{}}
 }
 
 // Reload asks for a reload now, even if no file changed.
@@ -108,11 +111,19 @@ func (f *FileSource) load(force bool) {
 		Info("Loaded services file")
 }
 
-// apply sends the difference between the last good state and objs to the handler.
+// apply sends the difference between the last good state and objs to the handler, then keeps
+// only stubs (enough to name a deletion) and hashes: at 10,000 services the decoded objects held
+// tens of megabytes that no later load needs.
 func (f *FileSource) apply(objs *manifestSet) {
-	applyDiff(f.services, objs.services, f.h.OnServiceAdd, f.h.OnServiceUpdate, f.h.OnServiceDelete)
-	applyDiff(f.slices, objs.slices, f.h.OnEndpointSliceAdd, f.h.OnEndpointSliceUpdate, f.h.OnEndpointSliceDelete)
-	f.services, f.slices = objs.services, objs.slices
+	changed := func(key string) bool { return f.hashes[key] != objs.hashes[key] }
+	applyDiff(f.services, objs.services, "s/", changed, f.h.OnServiceAdd, f.h.OnServiceUpdate, f.h.OnServiceDelete)
+	applyDiff(f.slices, objs.slices, "e/", changed, f.h.OnEndpointSliceAdd, f.h.OnEndpointSliceUpdate, f.h.OnEndpointSliceDelete)
+	f.services, f.slices, f.hashes = map[string]*v1.Service{}, map[string]*discovery.EndpointSlice{}, objs.hashes
+	for _, pf := range f.parsed {
+		pf.stub()
+		maps.Copy(f.services, pf.set.services)
+		maps.Copy(f.slices, pf.set.slices)
+	}
 	if !f.synced {
 		f.synced = true
 		f.h.OnServicesSynced()
@@ -121,8 +132,9 @@ func (f *FileSource) apply(objs *manifestSet) {
 }
 
 // applyDiff reports the objects of cur that are new, changed or gone relative to old. An object
-// from an unchanged file is the same pointer, which skips the deep comparison.
-func applyDiff[T comparable](old, cur map[string]T, add func(T), update func(old, cur T), del func(T)) {
+// from an unchanged file is the same (stub) pointer; one from a re-read file is compared by the
+// hash of its manifest.
+func applyDiff[T comparable](old, cur map[string]T, kind string, changed func(string) bool, add func(T), update func(old, cur T), del func(T)) {
 	for key, o := range old {
 		if _, ok := cur[key]; !ok {
 			del(o)
@@ -132,7 +144,7 @@ func applyDiff[T comparable](old, cur map[string]T, add func(T), update func(old
 		switch o, ok := old[key]; {
 		case !ok:
 			add(c)
-		case o != c && !equality.Semantic.DeepEqual(o, c):
+		case o != c && changed(kind+key):
 			update(o, c)
 		}
 	}
@@ -178,6 +190,7 @@ func listManifests(path string) ([]string, map[string]string, string, error) {
 type manifestSet struct {
 	services map[string]*v1.Service
 	slices   map[string]*discovery.EndpointSlice
+	hashes   map[string]uint64 // "s/ns/name" or "e/ns/name" -> FNV-1a of the manifest's JSON
 }
 
 var manifestDecoder = func() runtime.Decoder {
@@ -190,17 +203,33 @@ var manifestDecoder = func() runtime.Decoder {
 // parsedFile is one file's objects, reused while the file's stamp does not change, so a reload
 // after one small file changed does not decode every other file again (10,000 services).
 type parsedFile struct {
-	stamp string
-	set   *manifestSet
+	stamp   string
+	set     *manifestSet
+	stubbed bool
+}
+
+// stub replaces the file's decoded objects by stubs once they have been reported.
+func (pf *parsedFile) stub() {
+	if pf.stubbed {
+		return
+	}
+	pf.stubbed = true
+	for k, o := range pf.set.services {
+		pf.set.services[k] = &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: o.Name, Namespace: o.Namespace}}
+	}
+	for k, o := range pf.set.slices {
+		pf.set.slices[k] = &discovery.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Name: o.Name, Namespace: o.Namespace,
+			Labels: map[string]string{discovery.LabelServiceName: o.Labels[discovery.LabelServiceName]}}}
+	}
 }
 
 // parseManifests decodes every document of every file. Kinds other than Service, EndpointSlice
 // and List are skipped (a services file may hold a whole application); a malformed document, a
 // Service or EndpointSlice without a name, or a duplicate fails the whole load. Files whose stamp
 // matches cache are not read again; cache is updated with what was parsed when the load succeeds.
-func parseManifests(files []string, stamps map[string]string, cache map[string]parsedFile) (*manifestSet, error) {
+func parseManifests(files []string, stamps map[string]string, cache map[string]*parsedFile) (*manifestSet, error) {
 	set := newManifestSet()
-	fresh := map[string]parsedFile{}
+	fresh := map[string]*parsedFile{}
 	for _, file := range files {
 		pf, ok := cache[file]
 		if !ok || stamps[file] == "" || pf.stamp != stamps[file] {
@@ -208,7 +237,7 @@ func parseManifests(files []string, stamps map[string]string, cache map[string]p
 			if err != nil {
 				return nil, err
 			}
-			pf = parsedFile{stamp: stamps[file], set: one}
+			pf = &parsedFile{stamp: stamps[file], set: one}
 		}
 		fresh[file] = pf
 		if err := set.merge(pf.set, file); err != nil {
@@ -223,7 +252,7 @@ func parseManifests(files []string, stamps map[string]string, cache map[string]p
 }
 
 func newManifestSet() *manifestSet {
-	return &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}}
+	return &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}, hashes: map[string]uint64{}}
 }
 
 func parseFile(file string) (*manifestSet, error) {
@@ -248,6 +277,7 @@ func (set *manifestSet) merge(o *manifestSet, file string) error {
 		}
 		set.services[k] = v
 	}
+	maps.Copy(set.hashes, o.hashes)
 	for k, v := range o.slices {
 		if _, dup := set.slices[k]; dup {
 			return fmt.Errorf("%s: EndpointSlice %s defined twice", file, k)
@@ -272,11 +302,13 @@ func (set *manifestSet) addDocument(body []byte) error {
 		}
 		return err
 	}
+	h := fnv.New64a()
+	h.Write(js)
 	switch o := obj.(type) {
 	case *v1.Service:
-		return set.addService(o)
+		return set.addService(o, h.Sum64())
 	case *discovery.EndpointSlice:
-		return set.addSlice(o)
+		return set.addSlice(o, h.Sum64())
 	case *v1.List:
 		for i, item := range o.Items {
 			if err := set.addDocument(item.Raw); err != nil {
@@ -287,7 +319,7 @@ func (set *manifestSet) addDocument(body []byte) error {
 	return nil
 }
 
-func (set *manifestSet) addService(s *v1.Service) error {
+func (set *manifestSet) addService(s *v1.Service, hash uint64) error {
 	if s.Name == "" {
 		return errors.New("Service without metadata.name")
 	}
@@ -307,10 +339,11 @@ func (set *manifestSet) addService(s *v1.Service) error {
 		}
 	}
 	set.services[key] = s
+	set.hashes["s/"+key] = hash
 	return nil
 }
 
-func (set *manifestSet) addSlice(s *discovery.EndpointSlice) error {
+func (set *manifestSet) addSlice(s *discovery.EndpointSlice, hash uint64) error {
 	if s.Name == "" {
 		return errors.New("EndpointSlice without metadata.name")
 	}
@@ -325,6 +358,7 @@ func (set *manifestSet) addSlice(s *discovery.EndpointSlice) error {
 		return err
 	}
 	set.slices[key] = s
+	set.hashes["e/"+key] = hash
 	return nil
 }
 

@@ -93,8 +93,7 @@ type Proxier struct {
 	firstChange     map[service.NamespacedName]time.Time // for the network programming latency
 
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
-	epMu      sync.Mutex
-	endpoints map[service.ServicePortName][]service.Endpoint
+	epMu sync.Mutex
 
 	// activeMu guards active for readers outside the sync goroutine (debug view, drains);
 	// only the sync goroutine writes it.
@@ -143,7 +142,6 @@ func New(cfg Config, deps Deps) *Proxier {
 		slices:      newEndpointSliceCache(),
 		latest:      make(map[service.NamespacedName][]*service.Port),
 		firstChange: make(map[service.NamespacedName]time.Time),
-		endpoints:   make(map[service.ServicePortName][]service.Endpoint),
 		active:      make(map[service.ServicePortName]*activePort),
 		services:    make(map[service.NamespacedName][]*service.Port),
 		failed:      make(map[service.ServicePortName]*service.Port),
@@ -302,9 +300,7 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	p.epMu.Lock()
 	defer p.epMu.Unlock()
 	for _, port := range ports {
-		eps := endpointsFor(port, sl)
-		p.endpoints[port.Name] = eps
-		usable := usableEndpoints(eps)
+		usable := usableEndpoints(endpointsFor(port, sl))
 		svc := p.deps.Balancer.Service(port.Name)
 		before := svc.Endpoints()
 		p.deps.Balancer.SetAffinity(port.Name, port.Affinity)

@@ -228,9 +228,6 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	p.activeMu.Unlock()
 	if gone {
 		p.deps.Balancer.DeleteService(name)
-		p.epMu.Lock()
-		delete(p.endpoints, name)
-		p.epMu.Unlock()
 	}
 	if a == nil {
 		return
