@@ -41,12 +41,14 @@ type FileSource struct {
 	reload   chan struct{}
 
 	// Owned by Run.
-	services map[string]*v1.Service              // stubs: name, namespace, owner label
-	slices   map[string]*discovery.EndpointSlice // stubs
-	hashes   map[string]uint64                   // of each object's manifest
-	stamp    string
-	parsed   map[string]*parsedFile
-	synced   bool
+	// What was last applied: per object key ("s/ns/name", "e/ns/name") the hash of its manifest
+	// and enough to name it in a deletion. The decoded objects are not kept: at 10,000 services
+	// they held tens of megabytes that no later load needs.
+	hashes map[string]uint64
+	infos  map[string]objInfo
+	stamp  string
+	parsed map[string]*parsedFile
+	synced bool
 	// OnLoad, if set, is called after every load attempt with its error (nil when applied).
 	OnLoad func(error)
 }
@@ -55,8 +57,7 @@ type FileSource struct {
 // for changes.
 func NewFileSource(path string, h Handler, c clock.Clock, interval time.Duration, log logrus.FieldLogger) *FileSource {
 	return &FileSource{path: path, h: h, log: log, clock: c, interval: interval, reload: make(chan struct{}, 1),
-		services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}, hashes: map[string]uint64{},
-		parsed: map[string]*parsedFile{}}
+		hashes: map[string]uint64{}, infos: map[string]objInfo{}, parsed: map[string]*parsedFile{}}
 }
 
 // Reload asks for a reload now, even if no file changed.
@@ -107,23 +108,47 @@ func (f *FileSource) load(force bool) {
 	}
 	f.stamp = stamp
 	f.apply(objs)
-	f.log.WithFields(logrus.Fields{"path": f.path, "services": len(objs.services), "endpointslices": len(objs.slices)}).
-		Info("Loaded services file")
+	nSvc := 0
+	for _, info := range objs.infos {
+		if info.service {
+			nSvc++
+		}
+	}
+	f.log.WithFields(logrus.Fields{"path": f.path, "services": nSvc, "endpointslices": len(objs.infos) - nSvc,
+		"reread": len(objs.services) + len(objs.slices)}).Info("Loaded services file")
 }
 
-// apply sends the difference between the last good state and objs to the handler, then keeps
-// only stubs (enough to name a deletion) and hashes: at 10,000 services the decoded objects held
-// tens of megabytes that no later load needs.
+// apply sends the difference between the last good state and objs to the handler. Objects of
+// files that did not change are not decoded again and cannot differ; a re-read file's objects are
+// compared by the hash of their manifests.
 func (f *FileSource) apply(objs *manifestSet) {
-	changed := func(key string) bool { return f.hashes[key] != objs.hashes[key] }
-	applyDiff(f.services, objs.services, "s/", changed, f.h.OnServiceAdd, f.h.OnServiceUpdate, f.h.OnServiceDelete)
-	applyDiff(f.slices, objs.slices, "e/", changed, f.h.OnEndpointSliceAdd, f.h.OnEndpointSliceUpdate, f.h.OnEndpointSliceDelete)
-	f.services, f.slices, f.hashes = map[string]*v1.Service{}, map[string]*discovery.EndpointSlice{}, objs.hashes
-	for _, pf := range f.parsed {
-		pf.stub()
-		maps.Copy(f.services, pf.set.services)
-		maps.Copy(f.slices, pf.set.slices)
+	for key, info := range f.infos {
+		if _, ok := objs.hashes[key]; ok {
+			continue
+		}
+		if info.service {
+			f.h.OnServiceDelete(info.serviceStub())
+		} else {
+			f.h.OnEndpointSliceDelete(info.sliceStub())
+		}
 	}
+	for key, svc := range objs.services {
+		switch old, had := f.hashes["s/"+key]; {
+		case !had:
+			f.h.OnServiceAdd(svc)
+		case old != objs.hashes["s/"+key]:
+			f.h.OnServiceUpdate(f.infos["s/"+key].serviceStub(), svc)
+		}
+	}
+	for key, sl := range objs.slices {
+		switch old, had := f.hashes["e/"+key]; {
+		case !had:
+			f.h.OnEndpointSliceAdd(sl)
+		case old != objs.hashes["e/"+key]:
+			f.h.OnEndpointSliceUpdate(f.infos["e/"+key].sliceStub(), sl)
+		}
+	}
+	f.hashes, f.infos = objs.hashes, objs.infos
 	if !f.synced {
 		f.synced = true
 		f.h.OnServicesSynced()
@@ -131,23 +156,20 @@ func (f *FileSource) apply(objs *manifestSet) {
 	}
 }
 
-// applyDiff reports the objects of cur that are new, changed or gone relative to old. An object
-// from an unchanged file is the same (stub) pointer; one from a re-read file is compared by the
-// hash of its manifest.
-func applyDiff[T comparable](old, cur map[string]T, kind string, changed func(string) bool, add func(T), update func(old, cur T), del func(T)) {
-	for key, o := range old {
-		if _, ok := cur[key]; !ok {
-			del(o)
-		}
-	}
-	for key, c := range cur {
-		switch o, ok := old[key]; {
-		case !ok:
-			add(c)
-		case o != c && changed(kind+key):
-			update(o, c)
-		}
-	}
+// objInfo is what names an object in a deletion event.
+type objInfo struct {
+	service         bool
+	namespace, name string
+	owner           string // an EndpointSlice's kubernetes.io/service-name
+}
+
+func (i objInfo) serviceStub() *v1.Service {
+	return &v1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: i.namespace, Name: i.name}}
+}
+
+func (i objInfo) sliceStub() *discovery.EndpointSlice {
+	return &discovery.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: i.namespace, Name: i.name,
+		Labels: map[string]string{discovery.LabelServiceName: i.owner}}}
 }
 
 // listManifests returns the YAML files under path (sorted) with a stamp of each (size and
@@ -191,6 +213,7 @@ type manifestSet struct {
 	services map[string]*v1.Service
 	slices   map[string]*discovery.EndpointSlice
 	hashes   map[string]uint64 // "s/ns/name" or "e/ns/name" -> FNV-1a of the manifest's JSON
+	infos    map[string]objInfo
 }
 
 var manifestDecoder = func() runtime.Decoder {
@@ -203,24 +226,9 @@ var manifestDecoder = func() runtime.Decoder {
 // parsedFile is one file's objects, reused while the file's stamp does not change, so a reload
 // after one small file changed does not decode every other file again (10,000 services).
 type parsedFile struct {
-	stamp   string
-	set     *manifestSet
-	stubbed bool
-}
-
-// stub replaces the file's decoded objects by stubs once they have been reported.
-func (pf *parsedFile) stub() {
-	if pf.stubbed {
-		return
-	}
-	pf.stubbed = true
-	for k, o := range pf.set.services {
-		pf.set.services[k] = &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: o.Name, Namespace: o.Namespace}}
-	}
-	for k, o := range pf.set.slices {
-		pf.set.slices[k] = &discovery.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Name: o.Name, Namespace: o.Namespace,
-			Labels: map[string]string{discovery.LabelServiceName: o.Labels[discovery.LabelServiceName]}}}
-	}
+	stamp  string
+	hashes map[string]uint64
+	infos  map[string]objInfo
 }
 
 // parseManifests decodes every document of every file. Kinds other than Service, EndpointSlice
@@ -232,15 +240,17 @@ func parseManifests(files []string, stamps map[string]string, cache map[string]*
 	fresh := map[string]*parsedFile{}
 	for _, file := range files {
 		pf, ok := cache[file]
+		one := &manifestSet{}
 		if !ok || stamps[file] == "" || pf.stamp != stamps[file] {
-			one, err := parseFile(file)
-			if err != nil {
+			var err error
+			if one, err = parseFile(file); err != nil {
 				return nil, err
 			}
-			pf = &parsedFile{stamp: stamps[file], set: one}
+			pf = &parsedFile{stamp: stamps[file], hashes: one.hashes, infos: one.infos}
 		}
 		fresh[file] = pf
-		if err := set.merge(pf.set, file); err != nil {
+		one.hashes, one.infos = pf.hashes, pf.infos
+		if err := set.merge(one, file); err != nil {
 			return nil, err
 		}
 	}
@@ -252,7 +262,8 @@ func parseManifests(files []string, stamps map[string]string, cache map[string]*
 }
 
 func newManifestSet() *manifestSet {
-	return &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{}, hashes: map[string]uint64{}}
+	return &manifestSet{services: map[string]*v1.Service{}, slices: map[string]*discovery.EndpointSlice{},
+		hashes: map[string]uint64{}, infos: map[string]objInfo{}}
 }
 
 func parseFile(file string) (*manifestSet, error) {
@@ -269,21 +280,22 @@ func parseFile(file string) (*manifestSet, error) {
 	return set, nil
 }
 
-// merge adds another file's objects; an object defined in two files is an error.
+// merge adds another file's objects (decoded ones only for re-read files) and their hashes; an
+// object defined in two files is an error.
 func (set *manifestSet) merge(o *manifestSet, file string) error {
-	for k, v := range o.services {
-		if _, dup := set.services[k]; dup {
-			return fmt.Errorf("%s: Service %s defined twice", file, k)
+	for k, h := range o.hashes {
+		if _, dup := set.hashes[k]; dup {
+			kind := "EndpointSlice"
+			if o.infos[k].service {
+				kind = "Service"
+			}
+			return fmt.Errorf("%s: %s %s defined twice", file, kind, k[2:])
 		}
-		set.services[k] = v
+		set.hashes[k] = h
+		set.infos[k] = o.infos[k]
 	}
-	maps.Copy(set.hashes, o.hashes)
-	for k, v := range o.slices {
-		if _, dup := set.slices[k]; dup {
-			return fmt.Errorf("%s: EndpointSlice %s defined twice", file, k)
-		}
-		set.slices[k] = v
-	}
+	maps.Copy(set.services, o.services)
+	maps.Copy(set.slices, o.slices)
 	return nil
 }
 
@@ -340,6 +352,7 @@ func (set *manifestSet) addService(s *v1.Service, hash uint64) error {
 	}
 	set.services[key] = s
 	set.hashes["s/"+key] = hash
+	set.infos["s/"+key] = objInfo{service: true, namespace: s.Namespace, name: s.Name}
 	return nil
 }
 
@@ -359,6 +372,7 @@ func (set *manifestSet) addSlice(s *discovery.EndpointSlice, hash uint64) error 
 	}
 	set.slices[key] = s
 	set.hashes["e/"+key] = hash
+	set.infos["e/"+key] = objInfo{namespace: s.Namespace, name: s.Name, owner: s.Labels[discovery.LabelServiceName]}
 	return nil
 }
 
