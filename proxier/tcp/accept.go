@@ -32,11 +32,11 @@ func (p *Proxy) acceptLoop() error {
 		p.stats.acceptErrors.Add(1)
 		if !temporaryAcceptError(err) {
 			// ECONNABORTED and friends concern one connection; the listener is fine.
-			p.log.WithError(err).Debug("accept failed")
+			p.logger().WithError(err).Debug("accept failed")
 			continue
 		}
 		backoff = min(max(2*backoff, minAcceptBackoff), maxAcceptBackoff)
-		p.log.WithError(err).WithField("backoff", backoff).Warn("accept: out of resources, backing off")
+		p.logger().WithError(err).WithField("backoff", backoff).Warn("accept: out of resources, backing off")
 		if !p.sleep(backoff) {
 			return nil
 		}

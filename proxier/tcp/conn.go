@@ -167,7 +167,7 @@ func (c *conn) logger() logrus.FieldLogger {
 	c.mu.Lock()
 	ep := c.endpoint
 	c.mu.Unlock()
-	l := c.p.log.WithField("client", c.clientAddr.String())
+	l := c.p.logger().WithField("client", c.clientAddr.String())
 	if ep.IsValid() {
 		l = l.WithField("endpoint", ep.String())
 	}
