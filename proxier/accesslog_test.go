@@ -8,9 +8,11 @@ import (
 	"testing"
 
 	"github.com/sirupsen/logrus"
+	logtest "github.com/sirupsen/logrus/hooks/test"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 type onePicker struct{ ep netip.AddrPort }
@@ -57,5 +59,42 @@ func BenchmarkAccessLogCost(b *testing.B) {
 				c.Close()
 			}
 		})
+	}
+}
+
+// TestAccessLogLinePerEndReason: every way a connection or session ends gives one line that names
+// the reason, with the client, endpoint and byte counts.
+func TestAccessLogLinePerEndReason(t *testing.T) {
+	logger, hook := logtest.NewNullLogger()
+	port := &service.Port{Name: service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}, AccessLog: true}
+	al := AccessLog{Log: logger}
+	client := netip.MustParseAddrPort("10.244.9.9:40000")
+	ep := netip.MustParseAddrPort("10.244.1.10:8080")
+	tcpReasons := map[tcp.EndReason]string{
+		tcp.EndClientClosed: "client closed", tcp.EndEndpointClosed: "endpoint closed", tcp.EndClientReset: "client reset",
+		tcp.EndEndpointReset: "endpoint reset", tcp.EndIdleTimeout: "idle timeout", tcp.EndDialFailed: "dial failed",
+		tcp.EndNoEndpoints: "no endpoints", tcp.EndDrained: "drained", tcp.EndShutdown: "shutdown",
+	}
+	for reason, want := range tcpReasons {
+		hook.Reset()
+		al.TCP(port)(tcp.ConnInfo{Client: client, Endpoint: ep, BytesIn: 3, BytesOut: 7, End: reason, DialAttempts: 2})
+		e := hook.LastEntry()
+		if e == nil || e.Data["reason"] != want || e.Data["client"] != client.String() || e.Data["endpoint"] != ep.String() ||
+			e.Data["bytes_to_endpoint"] != int64(3) || e.Data["bytes_to_client"] != int64(7) || e.Data["service"] != "ns/web:http" {
+			t.Errorf("TCP %v: entry %+v, want reason %q with client, endpoint and bytes", reason, e, want)
+		}
+	}
+	for _, reason := range []udp.EndReason{udp.EndIdle, udp.EndEvicted, udp.EndBackendRefused, udp.EndBackendError, udp.EndEndpointRemoved, udp.EndClosed} {
+		hook.Reset()
+		al.UDP(port)(udp.SessionInfo{Client: client, Endpoint: ep, PacketsToEndpoint: 1, BytesToEndpoint: 64, Reason: reason})
+		e := hook.LastEntry()
+		if e == nil || e.Data["reason"] != string(reason) || e.Data["bytes_to_endpoint"] != uint64(64) {
+			t.Errorf("UDP %v: entry %+v", reason, e)
+		}
+	}
+	hook.Reset()
+	off := AccessLog{Log: logger}
+	if off.TCP(&service.Port{}) != nil || (AccessLog{}).UDP(port) != nil {
+		t.Error("access log hooks exist for a port that did not ask for them")
 	}
 }
