@@ -133,15 +133,26 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	if addr.Addr().Is6() && !addr.Addr().Is4In6() {
 		network = "tcp6"
 	}
-	lc := net.ListenConfig{KeepAlive: p.cfg.KeepAlive}
-	if p.cfg.FreeBind {
-		lc.Control = func(_, _ string, c syscall.RawConn) error {
-			var serr error
-			if err := c.Control(func(fd uintptr) { serr = sockopt.SetFreeBind(int(fd), addr.Addr()) }); err != nil {
-				return err
+	// Keepalive is set once on the listening socket: accepted sockets inherit SO_KEEPALIVE and the
+	// TCP_KEEP* settings from it, which saves three setsockopt calls on every accepted connection
+	// (Go's per-accept KeepAlive is switched off).
+	lc := net.ListenConfig{KeepAlive: -1}
+	lc.Control = func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			if p.cfg.FreeBind {
+				if serr = sockopt.SetFreeBind(int(fd), addr.Addr()); serr != nil {
+					return
+				}
 			}
-			return serr
+			if p.cfg.KeepAlive > 0 {
+				serr = sockopt.SetKeepAlive(int(fd), p.cfg.KeepAlive)
+			}
+		})
+		if err != nil {
+			return err
 		}
+		return serr
 	}
 	ln, err := lc.Listen(p.ctx, network, addr.String())
 	if err != nil {

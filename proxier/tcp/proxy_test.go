@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"io"
 	"net"
 	"net/netip"
@@ -409,5 +410,51 @@ func TestIdleServicePortHoldsOneDescriptor(t *testing.T) {
 	}()
 	if got := count() - before; got != 20 {
 		t.Errorf("20 idle proxies hold %d descriptors, want 20", got)
+	}
+}
+
+// TestKeepAliveOnBothLegs: the client leg inherits keepalive from the listening socket, the
+// endpoint leg gets it from the dialer.
+func TestKeepAliveOnBothLegs(t *testing.T) {
+	ep := serve(t, "127.0.0.1", echo)
+	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{KeepAlive: 7 * time.Second})
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	go p.Run(t.Context())
+	defer p.Shutdown()
+	c, err := net.Dial("tcp4", p.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	conns := p.snapshot()
+	if len(conns) != 1 {
+		t.Fatalf("%d live connections, want 1", len(conns))
+	}
+	conns[0].mu.Lock()
+	legs := map[string]*net.TCPConn{"client": conns[0].client, "endpoint": conns[0].backend}
+	conns[0].mu.Unlock()
+	for name, leg := range legs {
+		raw, err := leg.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var on, idle int
+		var gerr error
+		_ = raw.Control(func(fd uintptr) {
+			if on, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE); gerr == nil {
+				idle, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+			}
+		})
+		if gerr != nil || on != 1 || idle != 7 {
+			t.Errorf("%s leg: SO_KEEPALIVE=%d TCP_KEEPIDLE=%d (%v), want 1 and 7", name, on, idle, gerr)
+		}
 	}
 }
