@@ -9,12 +9,12 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -84,22 +84,15 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	if err != nil {
 		return err
 	}
-	rss, err := rssKiB(pid)
-	if err != nil {
-		return err
-	}
-	cpu0, _ := cpuTicks(pid)
+	rss := procstat.RSSKiB(pid)
+	cpu0 := procstat.CPUTime(pid)
 	select { // measuring an interval, not synchronising
 	case <-time.After(idle):
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-	cpu1, _ := cpuTicks(pid)
-	idleCPU := float64(cpu1-cpu0) / 100 / idle.Seconds() * 100
-	rssIdle, err := rssKiB(pid)
-	if err != nil {
-		return err
-	}
+	idleCPU := (procstat.CPUTime(pid) - cpu0).Seconds() / idle.Seconds() * 100
+	rssIdle := procstat.RSSKiB(pid)
 
 	var lat []time.Duration
 	for i := range nChanges {
@@ -183,28 +176,4 @@ func proxyPID(pid int) (int, error) {
 		return 0, fmt.Errorf("pid %d is %q, not the proxy", pid, strings.TrimSpace(string(b)))
 	}
 	return pid, nil
-}
-
-func rssKiB(pid int) (int, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(line, "VmRSS:") {
-			return strconv.Atoi(strings.Fields(line)[1])
-		}
-	}
-	return 0, errors.New("no VmRSS")
-}
-
-func cpuTicks(pid int) (int, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	f := strings.Fields(string(b)[strings.LastIndex(string(b), ")")+2:])
-	u, _ := strconv.Atoi(f[11])
-	s, _ := strconv.Atoi(f[12])
-	return u + s, nil
 }

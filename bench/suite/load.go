@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"io"
 	"net"
 	"os"
@@ -77,11 +78,11 @@ type window struct {
 	cpu0 time.Duration
 }
 
-func openWindow(pid int) window { return window{pid: pid, t0: time.Now(), cpu0: cpuTime(pid)} }
+func openWindow(pid int) window { return window{pid: pid, t0: time.Now(), cpu0: procstat.CPUTime(pid)} }
 
 func (w window) close(res *loadResult) {
 	res.Seconds = time.Since(w.t0).Seconds()
-	res.CPU = (cpuTime(w.pid) - w.cpu0).Seconds()
+	res.CPU = (procstat.CPUTime(w.pid) - w.cpu0).Seconds()
 }
 
 // bulk sends spec.Bytes on one connection to the sink and waits for its ack.

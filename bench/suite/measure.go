@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"strconv"
 	"time"
 )
@@ -81,7 +82,7 @@ func perOp(s sample, res loadResult, rate, cpu string, hasCPU bool) {
 // measureIdle opens cfg.idle connections through the proxy and reads its RSS and descriptors
 // once they have been held for cfg.settle.
 func measureIdle(ctx context.Context, cfg config, b *bed, r *running, s sample) error {
-	rss0, fds0 := rssKiB(r.pid), fdCount(r.pid)
+	rss0, fds0 := procstat.RSSKiB(r.pid), procstat.FDCount(r.pid)
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	c, err := startSelf(ctx, b.tb.Client, "client", loadSpec{Test: "idle", Addr: r.echo.String(), N: cfg.idle}.args()...)
@@ -101,7 +102,7 @@ func measureIdle(ctx context.Context, cfg config, b *bed, r *running, s sample) 
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-	rss1, fds1 := rssKiB(r.pid), fdCount(r.pid)
+	rss1, fds1 := procstat.RSSKiB(r.pid), procstat.FDCount(r.pid)
 	n := float64(res.Open)
 	s[mIdleConns] = n
 	s[mIdleRSS] = float64(rss1) / 1024

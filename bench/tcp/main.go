@@ -13,13 +13,13 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"io"
 	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -336,13 +336,13 @@ func measure(t target) (result, error) {
 	r.cpuPerReq = (cpuTime(t.pid) - cpu0) / float64(rn) * 1e6
 
 	time.Sleep(time.Second) // let TIME_WAIT and goroutines of the rate tests settle
-	rss0, fd0 := rssKiB(t.pid), fdCount(t.pid)
+	rss0, fd0 := procstat.RSSKiB(t.pid), procstat.FDCount(t.pid)
 	conns := openIdle(t.echo, *idleN)
 	r.idleOK = len(conns)
 	time.Sleep(*settle)
 	if len(conns) > 0 {
-		r.rssPerConn = float64(rssKiB(t.pid)-rss0) / float64(len(conns))
-		r.fdPerCon = float64(fdCount(t.pid)-fd0) / float64(len(conns))
+		r.rssPerConn = float64(procstat.RSSKiB(t.pid)-rss0) / float64(len(conns))
+		r.fdPerCon = float64(procstat.FDCount(t.pid)-fd0) / float64(len(conns))
 	}
 	for _, c := range conns {
 		c.Close()
@@ -451,70 +451,8 @@ func openIdle(addr string, n int) []net.Conn {
 	return conns
 }
 
-// tree returns pid and its descendants.
-func tree(pid int) []int {
-	if pid == 0 {
-		return nil
-	}
-	pids := []int{pid}
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		child, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if f := statFields(child); len(f) > 3 && f[1] == strconv.Itoa(pid) {
-			pids = append(pids, tree(child)...)
-		}
-	}
-	return pids
-}
-
-// statFields returns /proc/pid/stat fields after the command name (field 3 onwards).
-func statFields(pid int) []string {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return nil
-	}
-	s := string(b)
-	return strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-}
-
-// cpuTime is utime+stime in seconds over the process tree (USER_HZ is 100 on Linux).
-func cpuTime(pid int) float64 {
-	var ticks int64
-	for _, p := range tree(pid) {
-		if f := statFields(p); len(f) > 12 {
-			u, _ := strconv.ParseInt(f[11], 10, 64)
-			s, _ := strconv.ParseInt(f[12], 10, 64)
-			ticks += u + s
-		}
-	}
-	return float64(ticks) / 100
-}
-
-func rssKiB(pid int) int64 {
-	var total int64
-	for _, p := range tree(pid) {
-		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p))
-		for _, l := range strings.Split(string(b), "\n") {
-			if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-				n, _ := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
-				total += n
-			}
-		}
-	}
-	return total
-}
-
-func fdCount(pid int) int {
-	n := 0
-	for _, p := range tree(pid) {
-		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p))
-		n += len(ents)
-	}
-	return n
-}
+// cpuTime is utime+stime in seconds over the process tree.
+func cpuTime(pid int) float64 { return procstat.CPUTime(pid).Seconds() }
 
 func printTable(rows []result) {
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)

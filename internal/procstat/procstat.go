@@ -1,8 +1,8 @@
-package main
-
-// proc.go reads what a proxy process tree costs from /proc: CPU time (utime+stime of
+// Package procstat reads what a process tree costs from /proc: CPU time (utime+stime of
 // /proc/<pid>/stat, every thread included), resident memory and open descriptors. The tree is the
-// process and its descendants, so nginx's master and workers count together.
+// process and its descendants, so nginx's master and workers count together. The benchmark tools
+// share it.
+package procstat
 
 import (
 	"fmt"
@@ -17,8 +17,8 @@ import (
 // Go supports).
 const userHZ = 100
 
-// procTree returns pid and its descendants (none for pid 0, the direct path).
-func procTree(pid int) []int {
+// Tree returns pid and its descendants (none for pid 0, the direct path).
+func Tree(pid int) []int {
 	if pid == 0 {
 		return nil
 	}
@@ -31,7 +31,7 @@ func procTree(pid int) []int {
 		}
 		for _, c := range strings.Fields(string(b)) {
 			if child, err := strconv.Atoi(c); err == nil {
-				pids = append(pids, procTree(child)...)
+				pids = append(pids, Tree(child)...)
 			}
 		}
 	}
@@ -48,10 +48,10 @@ func statFields(pid int) []string {
 	return strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
 }
 
-// cpuTime is utime+stime over the tree of pid.
-func cpuTime(pid int) time.Duration {
+// CPUTime is utime+stime over the tree of pid.
+func CPUTime(pid int) time.Duration {
 	var ticks int64
-	for _, p := range procTree(pid) {
+	for _, p := range Tree(pid) {
 		if f := statFields(p); len(f) > 12 {
 			u, _ := strconv.ParseInt(f[11], 10, 64)
 			s, _ := strconv.ParseInt(f[12], 10, 64)
@@ -61,10 +61,10 @@ func cpuTime(pid int) time.Duration {
 	return time.Duration(ticks) * time.Second / userHZ
 }
 
-// rssKiB is VmRSS summed over the tree of pid.
-func rssKiB(pid int) int64 {
+// RSSKiB is VmRSS summed over the tree of pid.
+func RSSKiB(pid int) int64 {
 	var total int64
-	for _, p := range procTree(pid) {
+	for _, p := range Tree(pid) {
 		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p))
 		for _, l := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
@@ -78,10 +78,10 @@ func rssKiB(pid int) int64 {
 	return total
 }
 
-// fdCount is the number of open descriptors over the tree of pid.
-func fdCount(pid int) int {
+// FDCount is the number of open descriptors over the tree of pid.
+func FDCount(pid int) int {
 	n := 0
-	for _, p := range procTree(pid) {
+	for _, p := range Tree(pid) {
 		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p))
 		n += len(ents)
 	}
