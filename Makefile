@@ -1,4 +1,7 @@
-GO ?= go
+# sudo drops /usr/local/go/bin from PATH on most systems; find go anyway, and put its directory
+# on PATH for the scripts and tests that run it.
+GO ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
+export PATH := $(dir $(GO)):$(PATH)
 BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
