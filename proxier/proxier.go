@@ -199,19 +199,14 @@ func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 			p.deps.Metrics.unsupportedPorts.Inc()
 		}
 	}
-	if ports == nil {
-		ports = []*service.Port{} // present but serving nothing differs from absent only for logs
-	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
 }
 
+// onService records the ports a Service now has; none (deleted, headless, ...) means absent.
 func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) {
 	p.mu.Lock()
-	previous, existed := p.latest[name]
-	if !existed {
-		previous = nil
-	}
-	if ports == nil || len(ports) == 0 {
+	previous := p.latest[name]
+	if len(ports) == 0 {
 		delete(p.latest, name)
 		ports = nil
 	} else {
