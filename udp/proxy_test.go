@@ -5,12 +5,15 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	"github.com/sirupsen/logrus"
 	"net"
 	"net/netip"
 	"os"
 	"reflect"
 	"runtime"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -471,5 +474,49 @@ func TestProxy_ipv6RoundTrip(t *testing.T) {
 	}
 	if !slices.Equal(got, want) {
 		t.Errorf("session clients (-want +got):\n-%v\n+%v", want, got)
+	}
+}
+
+// TestIdleServicePortsHoldNoThreads: an idle UDP service port waits in the Go netpoller, not in a
+// blocking epoll_wait, so hundreds of them add no OS threads (the runtime dies at 10,000), while
+// traffic still flows through each of them.
+func TestIdleServicePortsHoldNoThreads(t *testing.T) {
+	threads := func() int {
+		b, err := os.ReadFile("/proc/self/status")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "Threads:"); ok {
+				n, _ := strconv.Atoi(strings.TrimSpace(v))
+				return n
+			}
+		}
+		t.Fatal("no Threads line")
+		return 0
+	}
+	ep := echoServer(t, "127.0.0.1", "a")
+	before := threads()
+	var proxies []*Proxy
+	for range 200 {
+		proxies = append(proxies, startProxy(t, newFakePicker(ep), Config{Logger: logrus.New()}))
+	}
+	// Every proxy answers (each one has been busy once, then goes idle again).
+	for _, p := range proxies[:20] {
+		c, err := net.Dial("udp4", p.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(waitTimeout))
+		if _, err := c.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Read(make([]byte, 64)); err != nil {
+			t.Fatalf("no reply through %s: %v", p.Addr(), err)
+		}
+		c.Close()
+	}
+	if grown := threads() - before; grown > 60 {
+		t.Errorf("200 mostly idle UDP proxies added %d OS threads, want far fewer than one each", grown)
 	}
 }

@@ -2,9 +2,12 @@ package udp
 
 import (
 	"errors"
+	"fmt"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 	"net/netip"
 	"os"
+	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -158,13 +161,25 @@ func sendmmsg(fd int, hs []unix.Mmsghdr) (int, error) {
 	return int(n), nil
 }
 
-// poller is a level-triggered epoll set, waited on with a blocking epoll_wait, plus an eventfd
-// that wakes the waiter when the proxy closes (closing an epoll descriptor does not).
+// poller is a level-triggered epoll set, waited on with a blocking epoll_wait while traffic flows,
+// plus an eventfd that wakes the waiter when the proxy closes (closing an epoll descriptor does
+// not). A blocking epoll_wait holds an OS thread; after idleAfter without events the wait moves
+// into the Go netpoller instead, so an idle service port holds no thread (thousands of idle UDP
+// service ports would otherwise run into the runtime's 10,000-thread limit and crash the process).
 type poller struct {
 	fd     int
 	wakeFD int
 	events []unix.EpollEvent
+	// watch is a second epoll set, registered in the Go netpoller (file, raw), created on the
+	// first idle wait. fd is added to it only while parked: registering fd itself would make the
+	// runtime's poller wake on every datagram of a busy port (measured: ~40% more CPU/exchange).
+	file *os.File
+	raw  syscall.RawConn
+	busy bool // events came within idleAfter: wait in epoll_wait, holding the thread
 }
+
+// idleAfter is how long a wait blocks its thread before it parks in the netpoller.
+const idleAfter = time.Second
 
 func newPoller(maxEvents int) (*poller, error) {
 	fd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
@@ -192,15 +207,82 @@ func (p *poller) add(fd int) error {
 // wait blocks until events are ready. The wake eventfd's event is among them after wake.
 func (p *poller) wait() ([]unix.EpollEvent, error) {
 	for {
-		n, err := unix.EpollWait(p.fd, p.events, -1)
-		if err == unix.EINTR {
-			continue
+		var n int
+		var err error
+		if p.busy {
+			// Traffic flowed since the last park: block the thread, the fastest wake-up.
+			n, err = unix.EpollWait(p.fd, p.events, int(idleAfter/time.Millisecond))
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil {
+				return nil, os.NewSyscallError("epoll_wait", err)
+			}
 		}
-		if err != nil {
-			return nil, os.NewSyscallError("epoll_wait", err)
+		if n == 0 {
+			// Idle (or just started): wait without a thread.
+			n, err = p.park()
+			if err != nil {
+				return nil, err
+			}
 		}
-		return p.events[:n], nil
+		p.busy = n > 0
+		if n > 0 {
+			return p.events[:n], nil
+		}
 	}
+}
+
+// park waits in the Go netpoller until the epoll set has events, holding no OS thread, and
+// returns them. The set is watched through the nested watch set only for the time of the park.
+func (p *poller) park() (int, error) {
+	if p.raw == nil {
+		w, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+		if err != nil {
+			return 0, os.NewSyscallError("epoll_create1", err)
+		}
+		if err := unix.SetNonblock(w, true); err != nil {
+			unix.Close(w)
+			return 0, os.NewSyscallError("set epoll descriptor non-blocking", err)
+		}
+		p.file = os.NewFile(uintptr(w), "udp-epoll-watch")
+		raw, err := p.file.SyscallConn()
+		if err != nil {
+			return 0, fmt.Errorf("udp epoll in the netpoller: %w", err)
+		}
+		p.raw = raw
+	}
+	var n int
+	var werr error
+	err := p.raw.Control(func(w uintptr) {
+		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(p.fd)}
+		werr = unix.EpollCtl(int(w), unix.EPOLL_CTL_ADD, p.fd, &ev)
+	})
+	if err == nil && werr != nil {
+		err = os.NewSyscallError("epoll_ctl add", werr)
+	}
+	if err != nil {
+		return 0, err
+	}
+	err = p.raw.Read(func(uintptr) bool {
+		for {
+			n, werr = unix.EpollWait(p.fd, p.events, 0)
+			if werr != unix.EINTR {
+				return werr != nil || n > 0
+			}
+		}
+	})
+	if err == nil && werr != nil {
+		err = os.NewSyscallError("epoll_wait", werr)
+	}
+	if cerr := p.raw.Control(func(w uintptr) { werr = unix.EpollCtl(int(w), unix.EPOLL_CTL_DEL, p.fd, nil) }); err == nil {
+		if cerr != nil {
+			err = cerr
+		} else if werr != nil {
+			err = os.NewSyscallError("epoll_ctl del", werr)
+		}
+	}
+	return n, err
 }
 
 // wake makes a blocked or the next wait return.
@@ -211,7 +293,11 @@ func (p *poller) wake() {
 
 // close releases the descriptors. No wait may be in progress or follow.
 func (p *poller) close() error {
-	return errors.Join(closeFD(p.wakeFD), closeFD(p.fd))
+	var watch error
+	if p.file != nil {
+		watch = p.file.Close()
+	}
+	return errors.Join(watch, closeFD(p.wakeFD), closeFD(p.fd))
 }
 
 // send writes one datagram to a connected socket.
