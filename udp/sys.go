@@ -170,8 +170,8 @@ type poller struct {
 	fd     int
 	wakeFD int
 	events []unix.EpollEvent
-	// watch is a second epoll set, registered in the Go netpoller (file, raw), created on the
-	// first idle wait. fd is added to it only while parked: registering fd itself would make the
+	// file/raw are a second epoll set, registered in the Go netpoller. fd is added to it only
+	// while parked: registering fd itself would make the
 	// runtime's poller wake on every datagram of a busy port (measured: ~40% more CPU/exchange).
 	file *os.File
 	raw  syscall.RawConn
@@ -196,7 +196,28 @@ func newPoller(maxEvents int) (*poller, error) {
 		p.close()
 		return nil, err
 	}
+	if err := p.openWatch(); err != nil {
+		p.close()
+		return nil, err
+	}
 	return p, nil
+}
+
+// openWatch creates the nested epoll set the Go netpoller watches while the poller is parked.
+func (p *poller) openWatch() error {
+	w, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return os.NewSyscallError("epoll_create1", err)
+	}
+	if err := unix.SetNonblock(w, true); err != nil {
+		unix.Close(w)
+		return os.NewSyscallError("set epoll descriptor non-blocking", err)
+	}
+	p.file = os.NewFile(uintptr(w), "udp-epoll-watch")
+	if p.raw, err = p.file.SyscallConn(); err != nil {
+		return fmt.Errorf("udp epoll in the netpoller: %w", err)
+	}
+	return nil
 }
 
 func (p *poller) add(fd int) error {
@@ -236,22 +257,6 @@ func (p *poller) wait() ([]unix.EpollEvent, error) {
 // park waits in the Go netpoller until the epoll set has events, holding no OS thread, and
 // returns them. The set is watched through the nested watch set only for the time of the park.
 func (p *poller) park() (int, error) {
-	if p.raw == nil {
-		w, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
-		if err != nil {
-			return 0, os.NewSyscallError("epoll_create1", err)
-		}
-		if err := unix.SetNonblock(w, true); err != nil {
-			unix.Close(w)
-			return 0, os.NewSyscallError("set epoll descriptor non-blocking", err)
-		}
-		p.file = os.NewFile(uintptr(w), "udp-epoll-watch")
-		raw, err := p.file.SyscallConn()
-		if err != nil {
-			return 0, fmt.Errorf("udp epoll in the netpoller: %w", err)
-		}
-		p.raw = raw
-	}
 	var n int
 	var werr error
 	err := p.raw.Control(func(w uintptr) {
