@@ -45,22 +45,13 @@ func main() {
 func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err error) {
 	proxy, _ = filepath.Abs(proxy)
 	manifests, _ = filepath.Abs(manifests)
-	lab, err := netns.NewLab()
+	bed, closeBed, err := testbed.Start(ctx, 2, 8080, 5353)
+	defer func() { err = errors.Join(err, closeBed()) }()
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, lab.Close()) }()
-	bed, err := testbed.New(ctx, lab, 2)
-	if err != nil {
-		return err
-	}
-	stopPods, err := bed.ServePods(ctx, 8080, 5353)
-	if err != nil {
-		return err
-	}
-	defer stopPods()
 
-	logPath := filepath.Join(os.TempDir(), lab.Prefix()+"proxy.log")
+	logPath := filepath.Join(os.TempDir(), bed.Lab.Prefix()+"proxy.log")
 	logFile, err := os.Create(logPath)
 	if err != nil {
 		return err
@@ -85,7 +76,7 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 			<-exited
 		}
 	}()
-	fmt.Printf("Namespaces %s{node,client,ext,pod1,pod2}; proxy log: %s\n", lab.Prefix(), logPath)
+	fmt.Printf("Namespaces %s{node,client,ext,pod1,pod2}; proxy log: %s\n", bed.Lab.Prefix(), logPath)
 
 	web := netip.MustParseAddrPort("10.96.0.10:80")
 	if err := testbed.Eventually(ctx, 30*time.Second, 100*time.Millisecond, func() error {

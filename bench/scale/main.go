@@ -19,7 +19,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
@@ -41,20 +40,11 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	ctx, stopSignals := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stopSignals()
 	proxy, _ = filepath.Abs(proxy)
-	lab, err := netns.NewLab()
+	bed, closeBed, err := testbed.Start(ctx, 1, 8080, 5353)
+	defer func() { err = errors.Join(err, closeBed()) }()
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, lab.Close()) }()
-	bed, err := testbed.New(ctx, lab, 1)
-	if err != nil {
-		return err
-	}
-	stopPods, err := bed.ServePods(ctx, 8080, 5353)
-	if err != nil {
-		return err
-	}
-	defer stopPods()
 
 	dir, err := os.MkdirTemp("", "kpp-scale-")
 	if err != nil {

@@ -289,3 +289,27 @@ func (b *Bed) ServePods(ctx context.Context, tcpPort, udpPort uint16) (stop func
 	}
 	return stop, nil
 }
+
+// Start builds a fresh lab with the bed and serves every pod's backends on tcpPort/udpPort.
+// close stops the backends and deletes every namespace; call it also when Start fails half-way
+// (it is never nil).
+func Start(ctx context.Context, pods int, tcpPort, udpPort uint16) (bed *Bed, close func() error, err error) {
+	lab, err := netns.NewLab()
+	if err != nil {
+		return nil, func() error { return nil }, err
+	}
+	stopPods := func() {}
+	close = func() error {
+		stopPods()
+		return lab.Close()
+	}
+	if bed, err = New(ctx, lab, pods); err != nil {
+		return nil, close, err
+	}
+	stop, err := bed.ServePods(ctx, tcpPort, udpPort)
+	if err != nil {
+		return nil, close, err
+	}
+	stopPods = stop
+	return bed, close, nil
+}
