@@ -4,9 +4,9 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"os"
 	"os/exec"
-	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -26,8 +26,7 @@ const (
 type proxyProcess struct {
 	cmd     *exec.Cmd
 	logPath string
-	done    chan struct{} // closed once the child has exited and waitErr is set
-	waitErr error
+	*framework.Child
 }
 
 // startProxy runs the proxy binary in ns with args, logging to a file in dir. The test's cleanup
@@ -42,26 +41,11 @@ func startProxy(t *testing.T, ns *netns.NS, dir string, args ...string) *proxyPr
 	cmd := exec.Command("ip", append([]string{"netns", "exec", ns.Name, proxyBinary}, args...)...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// If the test binary dies without its cleanups, the kernel kills the proxy too.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	p := &proxyProcess{cmd: cmd, logPath: logFile.Name(), done: make(chan struct{})}
-	started := make(chan error, 1)
-	go func() {
-		// Pdeathsig follows the forking thread, and Go ends threads whose locked goroutine exits
-		// (namespace code does that on purpose): fork from a locked thread that lives as long as
-		// the child.
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		p.waitErr = cmd.Wait()
-		close(p.done)
-	}()
-	if err := <-started; err != nil {
+	child, err := framework.StartChild(cmd)
+	if err != nil {
 		t.Fatalf("start %s in %s: %v", proxyBinary, ns.Name, err)
 	}
+	p := &proxyProcess{cmd: cmd, logPath: logFile.Name(), Child: child}
 	t.Logf("proxy pid %d in %s: %s", cmd.Process.Pid, ns.Name, strings.Join(args, " "))
 	t.Cleanup(func() {
 		if err := p.stop(); err != nil {
@@ -77,8 +61,8 @@ func startProxy(t *testing.T, ns *netns.NS, dir string, args ...string) *proxyPr
 // exited returns an error describing the exit if the proxy is no longer running, or nil.
 func (p *proxyProcess) exited() error {
 	select {
-	case <-p.done:
-		return fmt.Errorf("proxy exited: %v; log:\n%s", p.waitErr, p.logTail(30))
+	case <-p.Done:
+		return fmt.Errorf("proxy exited: %v; log:\n%s", p.Err, p.logTail(30))
 	default:
 		return nil
 	}
@@ -87,14 +71,14 @@ func (p *proxyProcess) exited() error {
 // kill sends SIGKILL and waits for the exit: the proxy gets no chance to clean anything up.
 func (p *proxyProcess) kill() {
 	_ = p.cmd.Process.Signal(syscall.SIGKILL)
-	<-p.done
+	<-p.Done
 }
 
 // stop sends SIGTERM and waits for a clean exit, killing the proxy after a grace period. It is
 // an error if the proxy had already died on its own or needed SIGKILL.
 func (p *proxyProcess) stop() error {
 	select {
-	case <-p.done:
+	case <-p.Done:
 		return nil // already stopped (or killed) by the test
 	default:
 	}
@@ -102,9 +86,9 @@ func (p *proxyProcess) stop() error {
 		return err
 	}
 	select {
-	case <-p.done:
-		if p.waitErr != nil {
-			return fmt.Errorf("exit after SIGTERM: %w", p.waitErr)
+	case <-p.Done:
+		if p.Err != nil {
+			return fmt.Errorf("exit after SIGTERM: %w", p.Err)
 		}
 		return nil
 	case <-time.After(20 * time.Second):

@@ -19,8 +19,7 @@ type process struct {
 	name    string
 	logPath string
 	cmd     *exec.Cmd
-	done    chan struct{} // closed once the child has exited and waitErr is set
-	waitErr error
+	*Child
 }
 
 // startProcess runs bin with args and env, stdout and stderr going to logPath.
@@ -36,29 +35,12 @@ func startProcess(name, logPath, bin string, args, env []string) (*process, erro
 	cmd.Env = env
 	cmd.Stdout = logFile
 	cmd.Stderr = logFile
-	// If the test binary dies without running its cleanups (a go test timeout, a SIGKILL), the
-	// kernel kills the daemon too, so nothing outlives the test.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	p := &process{name: name, logPath: logPath, cmd: cmd, done: make(chan struct{})}
-	started := make(chan error, 1)
-	go func() {
-		// Pdeathsig fires when the *thread* that forked exits, and Go ends a thread whose locked
-		// goroutine returns without unlocking - which network namespace code does on purpose. So
-		// fork from a locked thread and keep it locked, hence alive and unshared, until the child
-		// has exited.
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		p.waitErr = cmd.Wait()
-		close(p.done)
-	}()
-	if err := <-started; err != nil {
+	// If the test binary dies without running its cleanups, the kernel kills the daemon too.
+	child, err := StartChild(cmd)
+	if err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
+	p := &process{name: name, logPath: logPath, cmd: cmd, Child: child}
 	return p, nil
 }
 
@@ -68,7 +50,7 @@ func (p *process) pid() int { return p.cmd.Process.Pid }
 // process has exited. An exit caused by our own signal is not an error.
 func (p *process) stop(grace time.Duration) error {
 	select {
-	case <-p.done:
+	case <-p.Done:
 		return p.exitError()
 	default:
 	}
@@ -78,20 +60,20 @@ func (p *process) stop(grace time.Duration) error {
 	timer := time.NewTimer(grace)
 	defer timer.Stop()
 	select {
-	case <-p.done:
+	case <-p.Done:
 		return nil
 	case <-timer.C:
 	}
 	if err := p.cmd.Process.Kill(); err != nil && !errors.Is(err, os.ErrProcessDone) {
 		return fmt.Errorf("kill %s (pid %d): %w", p.name, p.pid(), err)
 	}
-	<-p.done
+	<-p.Done
 	return fmt.Errorf("stop %s (pid %d): still running %v after SIGTERM, killed", p.name, p.pid(), grace)
 }
 
 // exitError describes an exit that nobody asked for.
 func (p *process) exitError() error {
-	return fmt.Errorf("%s (pid %d) exited: %v\n%s", p.name, p.pid(), p.waitErr, p.logTail(30))
+	return fmt.Errorf("%s (pid %d) exited: %v\n%s", p.name, p.pid(), p.Err, p.logTail(30))
 }
 
 // logTail returns the last n lines of the process's log, indented, for error messages.
@@ -127,7 +109,7 @@ func (p *process) waitReady(ctx context.Context, check func(context.Context) err
 			return nil
 		}
 		select {
-		case <-p.done:
+		case <-p.Done:
 			return p.exitError()
 		case <-ctx.Done():
 			return fmt.Errorf("%s (pid %d) not ready: %w (last check: %w)\n%s",
@@ -135,4 +117,39 @@ func (p *process) waitReady(ctx context.Context, check func(context.Context) err
 		case <-ticker.C:
 		}
 	}
+}
+
+// Child is a process started by StartChild.
+type Child struct {
+	Done chan struct{} // closed once the process has exited; Err is set then
+	Err  error         // what cmd.Wait returned
+}
+
+// StartChild starts cmd so that it dies with the test binary: if the test process dies without
+// running its cleanups (a go test timeout, a SIGKILL), the kernel kills the child (Pdeathsig).
+// Pdeathsig fires when the *thread* that forked exits, and Go ends a thread whose locked goroutine
+// returns without unlocking - which network namespace code does on purpose - so the fork happens
+// on a locked thread that stays alive, and unshared, until the child has exited.
+func StartChild(cmd *exec.Cmd) (*Child, error) {
+	if cmd.SysProcAttr == nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
+	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	c := &Child{Done: make(chan struct{})}
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		c.Err = cmd.Wait()
+		close(c.Done)
+	}()
+	if err := <-started; err != nil {
+		return nil, err
+	}
+	return c, nil
 }
