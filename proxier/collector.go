@@ -95,28 +95,10 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// socketStats reads the counters of a socket, summing the sockets of a multiSocket.
+// socketStats reads the counters of a socket (none for sockets that are not observed, i.e. fakes).
 func socketStats(s ProxySocket) (*tcp.Stats, *udp.Stats) {
-	switch s := s.(type) {
-	case tcpSocket:
-		st := s.Stats()
-		return &st, nil
-	case udpSocket:
-		st := s.Stats()
-		return nil, &st
-	case *multiSocket:
-		var ts *tcp.Stats
-		var us *udp.Stats
-		for _, sub := range s.socks {
-			t, u := socketStats(sub)
-			if t != nil {
-				ts = sumTCP(ts, t)
-			}
-			if u != nil {
-				us = sumUDP(us, u)
-			}
-		}
-		return ts, us
+	if o, ok := s.(observed); ok {
+		return o.traffic()
 	}
 	return nil, nil
 }

@@ -7,9 +7,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // ServiceView is one service port as the debug endpoints and the status page show it.
@@ -124,14 +122,15 @@ func fillStats(v *ServiceView, s ProxySocket) {
 }
 
 func listenAddrs(s ProxySocket) []string {
-	if m, ok := s.(*multiSocket); ok {
-		var out []string
-		for _, a := range m.Addrs() {
-			out = append(out, a.String())
-		}
-		return out
+	addrs := []netip.AddrPort{s.Addr()}
+	if o, ok := s.(observed); ok {
+		addrs = o.addrs()
 	}
-	return []string{s.Addr().String()}
+	out := make([]string, len(addrs))
+	for i, a := range addrs {
+		out[i] = a.String()
+	}
+	return out
 }
 
 // Connections lists live TCP connections and UDP sessions, optionally only those of service ports
@@ -157,32 +156,10 @@ func (p *Proxier) Connections(svc, client string) []ConnView {
 }
 
 func connsOf(s ProxySocket, name string, now time.Time) []ConnView {
-	var out []ConnView
-	switch s := s.(type) {
-	case tcpSocket:
-		for _, c := range s.Conns() {
-			out = append(out, tcpView(name, c, now))
-		}
-	case udpSocket:
-		for _, c := range s.Sessions() {
-			out = append(out, udpView(name, c, now))
-		}
-	case *multiSocket:
-		for _, sub := range s.socks {
-			out = append(out, connsOf(sub, name, now)...)
-		}
+	if o, ok := s.(observed); ok {
+		return o.live(name, now)
 	}
-	return out
-}
-
-func tcpView(name string, c tcp.ConnInfo, now time.Time) ConnView {
-	return ConnView{Service: name, Protocol: "TCP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
-		Age: now.Sub(c.Start).Round(time.Millisecond).String(), BytesToEndpoint: uint64(c.BytesIn), BytesToClient: uint64(c.BytesOut)}
-}
-
-func udpView(name string, c udp.SessionInfo, now time.Time) ConnView {
-	return ConnView{Service: name, Protocol: "UDP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
-		Age: now.Sub(c.Started).Round(time.Millisecond).String(), BytesToEndpoint: c.BytesToEndpoint, BytesToClient: c.BytesFromEndpoint}
+	return nil
 }
 
 func addrStrings(a []netip.Addr) []string {

@@ -296,31 +296,41 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	defer p.epMu.Unlock()
 	for _, port := range ports {
 		usable := usableEndpoints(endpointsFor(port, sl))
-		svc := p.deps.Balancer.Service(port.Name)
-		before := svc.Endpoints()
 		p.deps.Balancer.SetAffinity(port.Name, port.Affinity)
+		sock := p.drainable(port)
+		var before []netip.AddrPort
+		if sock != nil { // only then is the old list needed
+			before = p.deps.Balancer.Service(port.Name).Endpoints()
+		}
 		p.deps.Balancer.SetEndpoints(port.Name, usable)
-		p.dropRemoved(port, before, usable)
+		if sock != nil {
+			p.dropRemoved(sock, port, before, usable)
+		}
 	}
 }
 
-func (p *Proxier) dropRemoved(port *service.Port, before, after []netip.AddrPort) {
+// drainable returns the open socket of a port whose connections to removed endpoints must end
+// (UDP always, TCP with DrainTCP), or nil.
+func (p *Proxier) drainable(port *service.Port) ProxySocket {
 	if port.Protocol == service.TCP && !p.cfg.DrainTCP {
-		return
+		return nil
 	}
 	p.activeMu.RLock()
-	a := p.active[port.Name]
-	p.activeMu.RUnlock()
-	if a == nil {
-		return
+	defer p.activeMu.RUnlock()
+	if a := p.active[port.Name]; a != nil {
+		return a.sock
 	}
+	return nil
+}
+
+func (p *Proxier) dropRemoved(sock ProxySocket, port *service.Port, before, after []netip.AddrPort) {
 	keep := make(map[netip.AddrPort]bool, len(after))
 	for _, ep := range after {
 		keep[ep] = true
 	}
 	for _, ep := range before {
 		if !keep[ep] {
-			if n := a.sock.DropEndpoint(ep); n > 0 {
+			if n := sock.DropEndpoint(ep); n > 0 {
 				p.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": ep.String(), "count": n}).
 					Info("Closed connections to a removed endpoint")
 			}

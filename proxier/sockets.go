@@ -2,6 +2,7 @@ package proxier
 
 import (
 	"net/netip"
+	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -51,3 +52,40 @@ func (s udpSocket) Shutdown() { _ = s.Close() }
 
 // shutdowner is implemented by sockets that can end their established connections at exit.
 type shutdowner interface{ Shutdown() }
+
+// observed is what the metrics collector and the debug views read from a socket. The real
+// sockets implement it; a multiSocket aggregates its members.
+type observed interface {
+	traffic() (*tcp.Stats, *udp.Stats)
+	live(name string, now time.Time) []ConnView
+	addrs() []netip.AddrPort
+}
+
+var (
+	_ observed = tcpSocket{}
+	_ observed = udpSocket{}
+	_ observed = (*multiSocket)(nil)
+)
+
+func (s tcpSocket) traffic() (*tcp.Stats, *udp.Stats) { st := s.Stats(); return &st, nil }
+func (s udpSocket) traffic() (*tcp.Stats, *udp.Stats) { st := s.Stats(); return nil, &st }
+func (s tcpSocket) addrs() []netip.AddrPort           { return []netip.AddrPort{s.Addr()} }
+func (s udpSocket) addrs() []netip.AddrPort           { return []netip.AddrPort{s.Addr()} }
+
+func (s tcpSocket) live(name string, now time.Time) []ConnView {
+	var out []ConnView
+	for _, c := range s.Conns() {
+		out = append(out, ConnView{Service: name, Protocol: "TCP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
+			Age: now.Sub(c.Start).Round(time.Millisecond).String(), BytesToEndpoint: uint64(c.BytesIn), BytesToClient: uint64(c.BytesOut)})
+	}
+	return out
+}
+
+func (s udpSocket) live(name string, now time.Time) []ConnView {
+	var out []ConnView
+	for _, c := range s.Sessions() {
+		out = append(out, ConnView{Service: name, Protocol: "UDP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
+			Age: now.Sub(c.Started).Round(time.Millisecond).String(), BytesToEndpoint: c.BytesToEndpoint, BytesToClient: c.BytesFromEndpoint})
+	}
+	return out
+}
