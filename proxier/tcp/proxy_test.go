@@ -297,8 +297,13 @@ func TestCloseConnsTo(t *testing.T) {
 		t.Errorf("drained client read: %v, want ECONNRESET", err)
 	}
 	roundTrip(t, c2, "still here")
+	// The client->endpoint counter is bumped after the write, which can be after the echo came
+	// back: wait for it. "one" and "two" have one length, so the count does not depend on the swap.
+	waitFor(t, "the survivor's bytes in", func() bool {
+		conns := p.Conns()
+		return len(conns) == 1 && conns[0].BytesIn == int64(len("twostill here"))
+	})
 	conns := p.Conns()
-	// "one" and "two" have one length, so the survivor's byte count does not depend on the swap.
 	if len(conns) != 1 || conns[0].Endpoint != ep2 || conns[0].Client.String() != c2.LocalAddr().String() ||
 		conns[0].BytesIn != int64(len("twostill here")) {
 		t.Errorf("Conns() = %+v, want only %s's connection to %s with %d bytes in", conns, c2.LocalAddr(), ep2, len("twostill here"))
