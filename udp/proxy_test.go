@@ -264,10 +264,11 @@ func TestProxy_sessionCapBoundsSpoofedFlood(t *testing.T) {
 	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: maxSessions})
 	baseFDs := countFDs(t)
 
-	// Each source address is a fresh socket; only the newest maxSessions keep a session.
-	// One at a time, so that no datagram is lost in a socket buffer and the counts are exact.
+	// Each source is a fresh socket on its own loopback address (a reused ephemeral port on one
+	// address could land on a live session, making the count flaky); only the newest maxSessions
+	// keep a session. One at a time, so that no datagram is lost and the counts are exact.
 	for i := range sources {
-		c := newClient(t, "127.0.0.1", p.Addr())
+		c := newClient(t, fmt.Sprintf("127.0.%d.%d", 10+i/250, 1+i%250), p.Addr())
 		c.send([]byte("flood"))
 		c.conn.Close()
 		waitFor(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().SessionsCreated == uint64(i+1) })
