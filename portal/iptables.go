@@ -234,7 +234,7 @@ func (p *IPTables) Cleanup(ctx context.Context) error {
 	defer p.mu.Unlock()
 	var errs []error
 	for _, fam := range Families {
-		for _, table := range tables {
+		for _, table := range natFirst {
 			live, err := p.readBack(ctx, fam, table)
 			if errors.Is(err, ErrUnavailable) {
 				p.cfg.Logger.WithField("family", fam.String()).Info("Skipping IP family for cleanup: " + err.Error())
@@ -306,7 +306,7 @@ func (p *IPTables) Rules() string {
 			continue
 		}
 		sb.WriteString("# " + fam.String() + "\n")
-		for _, table := range tables {
+		for _, table := range natFirst {
 			if st := ts[table]; st != nil {
 				sb.WriteString(render(table, st))
 			} else {

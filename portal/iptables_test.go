@@ -317,8 +317,9 @@ func TestRestartSwapsRulesInOneRestorePerTable(t *testing.T) {
 	// A restarted proxy has new proxy ports for every service; the old rules stay in force until
 	// the one restore per table replaces them.
 	mustSync(t, NewIPTables(cfg, fake), manySpecs(300, 36000))
-	if !slices.Equal(restores, []string{"*nat", "*filter"}) {
-		t.Errorf("restores on restart = %q, want one for nat and one for filter", restores)
+	// filter first: the new proxy ports are accepted and guarded before nat steers traffic to them.
+	if !slices.Equal(restores, []string{"*filter", "*nat"}) {
+		t.Errorf("restores on restart = %q, want one for filter, then one for nat", restores)
 	}
 	if d := lineDiff(freshDump(t, cfg, manySpecs(300, 36000)), fake.Dump()); d != "" {
 		t.Errorf("rules after restart (-want +got):\n%s", d)

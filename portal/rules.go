@@ -27,8 +27,15 @@ const (
 	ChainGuard             = "KUBE-PORTALS-GUARD"
 )
 
-// tables lists the tables in the order they are programmed.
-var tables = []string{tableNAT, tableFilter}
+// tables lists the tables in the order they are programmed. The filter table comes first: its
+// rules accept (KUBE-NODEPORT-NON-LOCAL) and guard (KUBE-PORTALS-GUARD) the proxy ports, so they
+// must be in place for a new proxy port before the nat table starts steering traffic to it (after a
+// restart every proxy port is new). Cleanup goes the other way: see natFirst.
+var tables = []string{tableFilter, tableNAT}
+
+// natFirst is the order Cleanup removes tables in (stop steering before dropping the rules that
+// accept the steered traffic) and the order Rules shows them in (portals first, as people read them).
+var natFirst = []string{tableNAT, tableFilter}
 
 // ownedChains are the chains we create, per table, in the order they are declared. Cleanup and
 // read-back recognise all of them, also the guard chain when protection is switched off, so

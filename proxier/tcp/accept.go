@@ -30,7 +30,7 @@ func (p *Proxy) acceptLoop() error {
 			return nil
 		}
 		p.stats.acceptErrors.Add(1)
-		if !temporaryAcceptError(err) {
+		if !outOfResources(err) {
 			// ECONNABORTED and friends concern one connection; the listener is fine.
 			p.logger().WithError(err).Debug("accept failed")
 			continue
@@ -43,8 +43,8 @@ func (p *Proxy) acceptLoop() error {
 	}
 }
 
-// temporaryAcceptError is true for errors that will repeat until resources are freed.
-func temporaryAcceptError(err error) bool {
+// outOfResources is true for errors that will repeat until descriptors or memory are freed.
+func outOfResources(err error) bool {
 	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
 		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
 }

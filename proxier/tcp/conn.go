@@ -141,13 +141,9 @@ func (c *conn) dial() (*net.TCPConn, EndReason, error) {
 		if i > 0 {
 			p.stats.dialRetries.Add(1)
 		}
-		d := net.Dialer{Timeout: timeout, KeepAlive: p.cfg.KeepAlive}
-		// Not Dialer.DialTCP: it turns a zero laddr into an explicit bind(0.0.0.0:0), and bind's
-		// ephemeral port search dominated the profile (86% of CPU at 3000 connections/s with many
-		// sockets in TIME_WAIT). connect() without bind picks a port far more cheaply.
-		nc, err := d.DialContext(p.ctx, "tcp", ep.String())
+		nc, err := c.dialEndpoint(ep, timeout)
 		if err == nil {
-			return nc.(*net.TCPConn), EndUnknown, nil
+			return nc, EndUnknown, nil
 		}
 		p.stats.dialFailures.Add(1)
 		lastErr = fmt.Errorf("dial endpoint %s (attempt %d, timeout %s): %w", ep, i+1, timeout, err)
@@ -161,6 +157,40 @@ func (c *conn) dial() (*net.TCPConn, EndReason, error) {
 		lastErr = errors.New("no endpoint to retry")
 	}
 	return nil, EndDialFailed, fmt.Errorf("connect to an endpoint: %w", lastErr)
+}
+
+// dialEndpoint connects to ep within timeout. Out of descriptors (or kernel memory) the socket
+// cannot even be created: that says nothing about ep, so instead of failing over it backs off and
+// tries ep again while the attempt's time lasts; closing connections free what it needs. (The
+// accept loop backs off the same way, but it can only see the limit when accept itself fails; a
+// connection accepted with the last free descriptor meets it here.)
+func (c *conn) dialEndpoint(ep netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
+	p := c.p
+	deadline := time.Now().Add(timeout) // the dialer's deadline is on the real clock
+	backoff := time.Duration(0)
+	for {
+		d := net.Dialer{Deadline: deadline, KeepAlive: p.cfg.KeepAlive}
+		// Not Dialer.DialTCP: it turns a zero laddr into an explicit bind(0.0.0.0:0), and bind's
+		// ephemeral port search dominated the profile (86% of CPU at 3000 connections/s with many
+		// sockets in TIME_WAIT). connect() without bind picks a port far more cheaply.
+		nc, err := d.DialContext(p.ctx, "tcp", ep.String())
+		if err == nil {
+			return nc.(*net.TCPConn), nil
+		}
+		if !outOfResources(err) {
+			return nil, err
+		}
+		backoff = min(max(2*backoff, minAcceptBackoff), maxAcceptBackoff)
+		if time.Until(deadline) < backoff {
+			return nil, err
+		}
+		if backoff == minAcceptBackoff { // once per attempt, not per retry
+			c.logger().WithError(err).Warn("dial: out of resources, backing off")
+		}
+		if !p.sleep(backoff) {
+			return nil, err
+		}
+	}
 }
 
 func (c *conn) logger() logrus.FieldLogger {

@@ -22,8 +22,9 @@ import (
 const emfileChildEnv = "KPP_TCP_EMFILE_CHILD_ENDPOINT"
 
 // TestAcceptBacksOffOnEMFILE runs the proxy in a child process (this test binary re-executed) whose
-// RLIMIT_NOFILE leaves room for only a few connections. Clients beyond that wait in the backlog while
-// the accept loop backs off; once earlier clients close, the waiting ones are served. The child must
+// RLIMIT_NOFILE leaves room for only a few connections. A client beyond that waits, either in the
+// backlog while the accept loop backs off, or accepted with the last descriptor while its dial backs
+// off; it is never reset. Once earlier clients close, the waiting one is served. The child must
 // neither die nor spin.
 func TestAcceptBacksOffOnEMFILE(t *testing.T) {
 	if ep := os.Getenv(emfileChildEnv); ep != "" {
