@@ -248,10 +248,16 @@ func (d *direction) eof() {
 			c.end = EndClientClosed
 		}
 	}
+	// The other direction already ended: closing both sockets (below) sends this FIN too, so the
+	// shutdown would be a wasted syscall. Nothing is unread on either socket (both reads saw EOF),
+	// so the close sends FIN, not RST.
+	last := c.eofs == 1
 	c.mu.Unlock()
-	if err := d.dst.CloseWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
-		d.broken(true, err)
-		return
+	if !last {
+		if err := d.dst.CloseWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
+			d.broken(true, err)
+			return
+		}
 	}
 	c.mu.Lock()
 	c.eofs++
