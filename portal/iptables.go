@@ -71,7 +71,9 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 	now := p.cfg.Clock.Now()
 	verify := p.lastVerify.IsZero() || now.Sub(p.lastVerify) >= p.cfg.VerifyPeriod
 	sorted := slices.Clone(specs)
-	slices.SortFunc(sorted, compareSpecs)
+	if !slices.IsSortedFunc(sorted, compareSpecs) { // the proxier passes them sorted
+		slices.SortFunc(sorted, compareSpecs)
+	}
 	for i := range sorted { // the caller may reuse its slices
 		s := &sorted[i]
 		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
@@ -167,16 +169,21 @@ func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules,
 			}
 			live[table] = st
 		}
-		data, result := restorePlan(table, live[table], want[table], repair)
-		if data == nil {
-			continue
+		pl := restorePlan(table, live[table], want[table], repair)
+		for _, step := range []struct {
+			data  []byte
+			after *tableState
+		}{{pl.apply, pl.mid}, {pl.cleanup, pl.result}} {
+			if step.data == nil {
+				continue
+			}
+			if err := p.restore(ctx, fam, table, step.data); err != nil {
+				live[table] = nil // unknown now: read back before the next attempt
+				errs = append(errs, err)
+				break
+			}
+			live[table] = step.after
 		}
-		if err := p.restore(ctx, fam, table, data); err != nil {
-			live[table] = nil // unknown now: read back before the next attempt
-			errs = append(errs, err)
-			continue
-		}
-		live[table] = result
 	}
 	p.publish(fam, live)
 	return ok, errors.Join(errs...)
@@ -244,12 +251,11 @@ func (p *IPTables) Cleanup(ctx context.Context) error {
 				errs = append(errs, err)
 				continue
 			}
-			data, _ := restorePlan(table, live, newTableState(), false)
-			if data == nil {
-				continue
-			}
-			if err := p.restore(ctx, fam, table, data); err != nil {
-				errs = append(errs, err)
+			// Nothing is wanted, so no chain gets incremental changes: apply is the whole job.
+			if data := restorePlan(table, live, newTableState(), false).apply; data != nil {
+				if err := p.restore(ctx, fam, table, data); err != nil {
+					errs = append(errs, err)
+				}
 			}
 		}
 		delete(p.live, fam)

@@ -120,29 +120,49 @@ func TestSyncReplayInAnyOrder(t *testing.T) {
 	}
 }
 
+// A small change is two nat transactions: the new rules go in at the head of their chains (cheap,
+// and they win over the stale ones at once), then the stale rules are deleted (a delete makes
+// iptables-nft read the whole chain).
 func TestSyncSmallChangeIsIncremental(t *testing.T) {
 	fake := NewFake()
-	var last []byte
+	var nat []string
 	fake.RestoreHook = func(_ Family, data []byte) error {
 		if bytes.HasPrefix(data, []byte("*nat")) {
-			last = data
+			nat = append(nat, string(data))
 		}
 		return nil
 	}
 	p := NewIPTables(v4Config(), fake)
 	specs := manySpecs(500, 34000)
 	mustSync(t, p, specs)
+	nat = nil
 	specs[42].ProxyPort = 40000
 	mustSync(t, p, specs)
-	want := `*nat
--D KUBE-PORTALS-CONTAINER -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j REDIRECT --to-ports 34042
--A KUBE-PORTALS-CONTAINER -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j REDIRECT --to-ports 40000
--D KUBE-PORTALS-HOST -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j DNAT --to-destination 192.168.1.10:34042
--A KUBE-PORTALS-HOST -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j DNAT --to-destination 192.168.1.10:40000
+	want := []string{`*nat
+-I KUBE-PORTALS-CONTAINER 1 -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j REDIRECT --to-ports 40000
+-I KUBE-PORTALS-HOST 1 -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j DNAT --to-destination 192.168.1.10:40000
 COMMIT
-`
-	if d := lineDiff(want, string(last)); d != "" {
-		t.Errorf("restore input for one changed port (-want +got):\n%s", d)
+`, `*nat
+-D KUBE-PORTALS-CONTAINER -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j REDIRECT --to-ports 34042
+-D KUBE-PORTALS-HOST -d 10.96.0.43/32 -p tcp -m comment --comment "ns42/svc42:http" -m tcp --dport 80 -j DNAT --to-destination 192.168.1.10:34042
+COMMIT
+`}
+	if len(nat) != len(want) {
+		t.Fatalf("%d nat restores for one changed port, want %d (insert, then delete):\n%s", len(nat), len(want), strings.Join(nat, "\n"))
+	}
+	for i := range want {
+		if d := lineDiff(want[i], nat[i]); d != "" {
+			t.Errorf("nat restore %d for one changed port (-want +got):\n%s", i+1, d)
+		}
+	}
+	// The believed state is what the kernel (fake) has, so the next sync with no change runs nothing.
+	before := fake.Counts().Restores
+	mustSync(t, p, specs)
+	if got := fake.Counts().Restores - before; got != 0 {
+		t.Errorf("%d restores after an unchanged sync, want 0", got)
+	}
+	if d := lineDiff(sortedLines(freshDump(t, v4Config(), specs)), sortedLines(fake.Dump())); d != "" {
+		t.Errorf("rules (-want +got):\n%s", d)
 	}
 }
 
