@@ -89,7 +89,7 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 		if !p.familyEnabled(fam) {
 			continue
 		}
-		want, bad := buildRules(p.cfg, fam, specs)
+		want, bad := buildRules(p.cfg, fam, sorted)
 		for _, err := range bad {
 			if !p.invalid[err.Error()] && !invalid[err.Error()] {
 				p.cfg.Logger.WithError(err).Warn("Skipping service port without portal")
@@ -170,20 +170,12 @@ func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules,
 			live[table] = st
 		}
 		pl := restorePlan(table, live[table], want[table], repair)
-		for _, step := range []struct {
-			data  []byte
-			after *tableState
-		}{{pl.apply, pl.mid}, {pl.cleanup, pl.result}} {
-			if step.data == nil {
-				continue
-			}
-			if err := p.restore(ctx, fam, table, step.data); err != nil {
-				live[table] = nil // unknown now: read back before the next attempt
-				errs = append(errs, err)
-				break
-			}
-			live[table] = step.after
+		if err := p.restoreAll(ctx, fam, table, pl.apply, pl.cleanup); err != nil {
+			live[table] = nil // unknown now: read back before the next attempt
+			errs = append(errs, err)
+			continue
 		}
+		live[table] = pl.result
 	}
 	p.publish(fam, live)
 	return ok, errors.Join(errs...)
@@ -200,6 +192,19 @@ func (p *IPTables) readBack(ctx context.Context, fam Family, table string) (*tab
 		return nil, fmt.Errorf("portal %s %s: %w", fam, table, err)
 	}
 	return st, nil
+}
+
+// restoreAll runs the non-nil inputs in order and stops at the first failure.
+func (p *IPTables) restoreAll(ctx context.Context, fam Family, table string, inputs ...[]byte) error {
+	for _, data := range inputs {
+		if data == nil {
+			continue
+		}
+		if err := p.restore(ctx, fam, table, data); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (p *IPTables) restore(ctx context.Context, fam Family, table string, data []byte) error {

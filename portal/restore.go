@@ -35,7 +35,6 @@ var jumpHead = func() map[string]bool {
 // steered to its new proxy port within milliseconds and the cleanup follows in the same sync.
 type plan struct {
 	apply, cleanup []byte      // nil when there is nothing to do
-	mid            *tableState // the state after apply, before cleanup
 	result         *tableState // the state after both
 }
 
@@ -49,9 +48,9 @@ type plan struct {
 // and chains no longer wanted are emptied and deleted last.
 func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 	if have.equal(want) {
-		return plan{mid: have, result: have}
+		return plan{result: have}
 	}
-	mid, result := newTableState(), newTableState()
+	result := newTableState()
 	var decl, jumpDel, body, jumpAdd, drop, deletes []string
 	for _, c := range ownedChains[table] {
 		w, wanted := want.chains[c]
@@ -64,31 +63,30 @@ func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 		case !exists:
 			decl = append(decl, ":"+c+" - [0:0]")
 			body = appendRules(body, "-A", c, w)
-			mid.chains[c], result.chains[c] = w, w
+			result.chains[c] = w
 		default:
 			removed, added := multisetDiff(h, w)
 			switch {
 			case len(removed) == 0 && len(added) == 0:
-				mid.chains[c], result.chains[c] = h, h
+				result.chains[c] = h
 			case !rewrite && len(removed) <= maxIncrementalDeletes:
 				// Inserted last first, so the added rules end up at the head in their own order.
 				for i := len(added) - 1; i >= 0; i-- {
 					body = append(body, "-I "+c+" 1 "+added[i])
 				}
 				deletes = appendRules(deletes, "-D", c, removed)
-				mid.chains[c] = append(slices.Clone(added), h...)
-				result.chains[c] = removeFirst(mid.chains[c], removed)
+				result.chains[c] = append(slices.Clone(added), removeFirst(h, removed)...)
 			default:
 				decl = append(decl, ":"+c+" - [0:0]")
 				body = appendRules(body, "-A", c, w)
-				mid.chains[c], result.chains[c] = w, w
+				result.chains[c] = w
 			}
 		}
 	}
 	for _, chain := range sortedKeys(have.jumps, want.jumps) {
 		h, w := have.jumps[chain], want.jumps[chain]
 		if len(w) > 0 {
-			mid.jumps[chain], result.jumps[chain] = w, w
+			result.jumps[chain] = w
 		}
 		if slices.Equal(h, w) {
 			continue
@@ -108,7 +106,6 @@ func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 	return plan{
 		apply:   restoreInput(table, decl, jumpDel, body, jumpAdd, drop),
 		cleanup: restoreInput(table, deletes),
-		mid:     mid,
 		result:  result,
 	}
 }

@@ -138,8 +138,8 @@ type ruleBuilder struct {
 	host      string // hostTarget
 }
 
-// buildRules is the pure function from specs to the wanted rules of one family. Specs are taken in
-// name order, and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
+// buildRules is the pure function from specs to the wanted rules of one family. Specs come sorted
+// by compareSpecs (Sync sorts them once for both families), and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
 // IPs, node port), so the text is stable. Invalid specs are returned for the caller to report.
 func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
 	b := ruleBuilder{fam: fam, bind: cfg.BindAddress, hostIP: cfg.HostIPs[fam], protect: cfg.ProtectProxyPorts,
@@ -166,18 +166,13 @@ func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
 		}
 	}
 
-	sorted := specs
-	if !slices.IsSortedFunc(specs, compareSpecs) { // Sync passes them sorted
-		sorted = slices.Clone(specs)
-		slices.SortFunc(sorted, compareSpecs)
-	}
 	var errs []error
-	for i := range sorted {
-		if err := validate(&sorted[i]); err != nil {
+	for i := range specs {
+		if err := validate(&specs[i]); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		b.add(&sorted[i])
+		b.add(&specs[i])
 	}
 	return b.out, errs
 }
