@@ -7,13 +7,18 @@ import (
 	"time"
 )
 
-// Accept back-off bounds: out of descriptors, the listener stays readable (the connection waits in
-// the backlog), so retrying at once would spin a core. Back off exponentially instead; a closing
-// connection frees descriptors and the next try succeeds.
+// Back-off bounds when out of descriptors or memory (accept, and dial): the listener stays readable
+// (the connection waits in the backlog), so retrying at once would spin a core. Back off
+// exponentially instead; a closing connection frees descriptors and the next try succeeds.
 const (
-	minAcceptBackoff = 5 * time.Millisecond
-	maxAcceptBackoff = time.Second
+	minBackoff = 5 * time.Millisecond
+	maxBackoff = time.Second
 )
+
+// nextBackoff doubles prev within the bounds; 0 starts at minBackoff.
+func nextBackoff(prev time.Duration) time.Duration {
+	return min(max(2*prev, minBackoff), maxBackoff)
+}
 
 // acceptLoop accepts until the listener is closed. It never dials: each connection gets its own
 // goroutine, so a slow endpoint never delays the next client.
@@ -35,7 +40,7 @@ func (p *Proxy) acceptLoop() error {
 			p.logger().WithError(err).Debug("accept failed")
 			continue
 		}
-		backoff = min(max(2*backoff, minAcceptBackoff), maxAcceptBackoff)
+		backoff = nextBackoff(backoff)
 		p.logger().WithError(err).WithField("backoff", backoff).Warn("accept: out of resources, backing off")
 		if !p.sleep(backoff) {
 			return nil

@@ -180,11 +180,11 @@ func (c *conn) dialEndpoint(ep netip.AddrPort, timeout time.Duration) (*net.TCPC
 		if !outOfResources(err) {
 			return nil, err
 		}
-		backoff = min(max(2*backoff, minAcceptBackoff), maxAcceptBackoff)
+		backoff = nextBackoff(backoff)
 		if time.Until(deadline) < backoff {
 			return nil, err
 		}
-		if backoff == minAcceptBackoff { // once per attempt, not per retry
+		if backoff == minBackoff { // once per attempt, not per retry
 			c.logger().WithError(err).Warn("dial: out of resources, backing off")
 		}
 		if !p.sleep(backoff) {
