@@ -2,9 +2,12 @@ package tcp
 
 import (
 	"errors"
-	"net"
+	"fmt"
+	"os"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Back-off bounds when out of descriptors or memory (accept, and dial): the listener stays readable
@@ -23,17 +26,28 @@ func nextBackoff(prev time.Duration) time.Duration {
 // acceptLoop accepts until the listener is closed. It never dials: each connection gets its own
 // goroutine, so a slow endpoint never delays the next client.
 func (p *Proxy) acceptLoop() error {
+	var (
+		fd   int
+		sa   unix.Sockaddr
+		aerr error
+	)
+	accept := acceptFn(&fd, &sa, &aerr)
 	backoff := time.Duration(0)
 	for {
-		cc, err := p.ln.AcceptTCP()
-		if err == nil {
+		if err := p.ln.raw.Read(accept); err != nil {
+			select {
+			case <-p.closed: // Close closed the listener: this is the error it caused
+				return nil
+			default: // the listener itself is broken; retrying would spin
+				return fmt.Errorf("tcp proxy %s: wait for connections: %w", p.name, err)
+			}
+		}
+		if aerr == nil {
 			backoff = 0
-			p.handle(cc)
+			p.handle(fd, sa)
 			continue
 		}
-		if errors.Is(err, net.ErrClosed) {
-			return nil
-		}
+		err := os.NewSyscallError("accept4", aerr)
 		p.stats.acceptErrors.Add(1)
 		if !outOfResources(err) {
 			// ECONNABORTED and friends concern one connection; the listener is fine.

@@ -3,13 +3,13 @@ package tcp
 import (
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
 )
 
 // EndReason says why a proxied connection ended: the first thing that ended it.
@@ -57,14 +57,15 @@ type ConnInfo struct {
 type conn struct {
 	p          *Proxy
 	id         uint64
-	client     *net.TCPConn
+	client     *sock
 	clientAddr netip.AddrPort
 	start      int64        // unix nanoseconds on the proxy clock
 	last       atomic.Int64 // last byte moved, unix nanoseconds on the proxy clock
 	up, down   direction    // client->endpoint, endpoint->client
 
 	mu       sync.Mutex
-	backend  *net.TCPConn
+	backend  *sock
+	dialing  *sock // the socket being connected, closed by terminate to abort the dial
 	endpoint netip.AddrPort
 	attempts int
 	end      EndReason
@@ -74,14 +75,10 @@ type conn struct {
 	eofs     int  // directions that saw FIN
 }
 
-// handle starts serving an accepted connection on its own goroutine.
-func (p *Proxy) handle(cc *net.TCPConn) {
+// handle starts serving an accepted connection (fd, from peer) on its own goroutine.
+func (p *Proxy) handle(fd int, peer unix.Sockaddr) {
 	now := p.cfg.Clock.Now().UnixNano()
-	c := &conn{p: p, client: cc, start: now, live: 1}
-	if ra, ok := cc.RemoteAddr().(*net.TCPAddr); ok {
-		ap := ra.AddrPort()
-		c.clientAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-	}
+	c := &conn{p: p, client: newSock(fd), clientAddr: addrPort(peer), start: now, live: 1}
 	c.last.Store(now)
 	p.stats.total.Add(1)
 	p.stats.active.Add(1)
@@ -105,8 +102,8 @@ func (c *conn) serve() {
 	c.mu.Lock()
 	if c.closed { // terminated (Shutdown, idle timeout) while dialing
 		c.mu.Unlock()
-		be.SetLinger(0)
-		be.Close()
+		be.resetOnClose()
+		be.close()
 		c.release()
 		return
 	}
@@ -120,7 +117,7 @@ func (c *conn) serve() {
 }
 
 // dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
-func (c *conn) dial() (*net.TCPConn, EndReason, error) {
+func (c *conn) dial() (*sock, EndReason, error) {
 	p := c.p
 	reset := false
 	var lastErr error
@@ -147,7 +144,7 @@ func (c *conn) dial() (*net.TCPConn, EndReason, error) {
 		}
 		p.stats.dialFailures.Add(1)
 		lastErr = fmt.Errorf("dial endpoint %s (attempt %d, timeout %s): %w", ep, i+1, timeout, err)
-		if p.ctx.Err() != nil {
+		if p.ctx.Err() != nil || c.isClosed() {
 			return nil, EndShutdown, lastErr
 		}
 		c.logger().WithError(lastErr).Debug("dial failed, trying the next endpoint")
@@ -164,18 +161,20 @@ func (c *conn) dial() (*net.TCPConn, EndReason, error) {
 // tries ep again while the attempt's time lasts; closing connections free what it needs. (The
 // accept loop backs off the same way, but it can only see the limit when accept itself fails; a
 // connection accepted with the last free descriptor meets it here.)
-func (c *conn) dialEndpoint(ep netip.AddrPort, timeout time.Duration) (*net.TCPConn, error) {
+func (c *conn) dialEndpoint(ep netip.AddrPort, timeout time.Duration) (*sock, error) {
 	p := c.p
-	deadline := time.Now().Add(timeout) // the dialer's deadline is on the real clock
+	deadline := time.Now().Add(timeout) // the runtime poller's deadlines are on the real clock
 	backoff := time.Duration(0)
 	for {
-		d := net.Dialer{Deadline: deadline, KeepAlive: p.cfg.KeepAlive}
-		// Not Dialer.DialTCP: it turns a zero laddr into an explicit bind(0.0.0.0:0), and bind's
-		// ephemeral port search dominated the profile (86% of CPU at 3000 connections/s with many
-		// sockets in TIME_WAIT). connect() without bind picks a port far more cheaply.
-		nc, err := d.DialContext(p.ctx, "tcp", ep.String())
+		// No bind before connect: bind(0.0.0.0:0)'s ephemeral port search dominated the profile
+		// (86% of CPU at 3000 connections/s with many sockets in TIME_WAIT); connect() picks a
+		// port far more cheaply.
+		s, err := dialSock(ep, deadline, p.cfg.KeepAlive, c.startDial)
+		c.mu.Lock()
+		c.dialing = nil
+		c.mu.Unlock()
 		if err == nil {
-			return nc.(*net.TCPConn), nil
+			return s, nil
 		}
 		if !outOfResources(err) {
 			return nil, err
@@ -191,6 +190,24 @@ func (c *conn) dialEndpoint(ep netip.AddrPort, timeout time.Duration) (*net.TCPC
 			return nil, err
 		}
 	}
+}
+
+// startDial records the socket being connected so that terminate can abort the dial; false if the
+// connection is already closed.
+func (c *conn) startDial(s *sock) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.dialing = s
+	return true
+}
+
+func (c *conn) isClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closed
 }
 
 func (c *conn) logger() logrus.FieldLogger {
@@ -253,17 +270,20 @@ func (c *conn) terminate(reason EndReason, rst bool) bool {
 			c.live--
 		}
 	}
-	be, done := c.backend, c.live == 0
+	be, dialing, done := c.backend, c.dialing, c.live == 0
 	c.mu.Unlock()
 	if rst {
-		c.client.SetLinger(0)
+		c.client.resetOnClose()
 		if be != nil {
-			be.SetLinger(0)
+			be.resetOnClose()
 		}
 	}
-	c.client.Close()
+	c.client.close()
 	if be != nil {
-		be.Close()
+		be.close()
+	}
+	if dialing != nil {
+		dialing.close() // its dialer wakes up, sees closed, and gives up
 	}
 	if done {
 		c.finish()

@@ -7,17 +7,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/sirupsen/logrus"
 	"k8s.io/utils/clock"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -85,7 +82,7 @@ type Proxy struct {
 	picker Picker
 	cfg    Config
 
-	ln   *net.TCPListener
+	ln   *sock // listening
 	addr netip.AddrPort
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
@@ -129,37 +126,13 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 // set is created only when a first connection parks, so a service port nobody uses costs one
 // descriptor (10,000 idle service ports must fit a 20,000-descriptor limit).
 func (p *Proxy) Listen(addr netip.AddrPort) error {
-	network := "tcp4"
-	if addr.Addr().Is6() && !addr.Addr().Is4In6() {
-		network = "tcp6"
-	}
-	// Keepalive is set once on the listening socket: accepted sockets inherit SO_KEEPALIVE and the
-	// TCP_KEEP* settings from it, which saves three setsockopt calls on every accepted connection
-	// (Go's per-accept KeepAlive is switched off).
-	lc := net.ListenConfig{KeepAlive: -1}
-	lc.Control = func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) {
-			if p.cfg.FreeBind {
-				if serr = sockopt.SetFreeBind(int(fd), addr.Addr()); serr != nil {
-					return
-				}
-			}
-			if p.cfg.KeepAlive > 0 {
-				serr = sockopt.SetKeepAlive(int(fd), p.cfg.KeepAlive)
-			}
-		})
-		if err != nil {
-			return err
-		}
-		return serr
-	}
-	ln, err := lc.Listen(p.ctx, network, addr.String())
+	// TCP_NODELAY and keepalive are set once on the listening socket: accepted sockets inherit them
+	// (TestKeepAliveOnBothLegs checks), which saves four setsockopt calls on every accepted connection.
+	ln, bound, err := listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
-	p.ln = ln.(*net.TCPListener)
-	p.addr = p.ln.Addr().(*net.TCPAddr).AddrPort()
+	p.ln, p.addr = ln, bound
 	return nil
 }
 
@@ -184,7 +157,7 @@ func (p *Proxy) Close() error {
 	p.closeOnce.Do(func() {
 		close(p.closed)
 		if p.ln != nil {
-			err = p.ln.Close()
+			err = p.ln.close()
 		}
 		p.mu.Lock()
 		idle := len(p.conns) == 0

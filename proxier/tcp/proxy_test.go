@@ -426,8 +426,8 @@ func TestIdleServicePortHoldsOneDescriptor(t *testing.T) {
 	}
 }
 
-// TestKeepAliveOnBothLegs: the client leg inherits keepalive from the listening socket, the
-// endpoint leg gets it from the dialer.
+// TestKeepAliveOnBothLegs: the client leg inherits keepalive and TCP_NODELAY from the listening
+// socket, the endpoint leg gets them from the dialer.
 func TestKeepAliveOnBothLegs(t *testing.T) {
 	ep := serve(t, "127.0.0.1", echo)
 	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{KeepAlive: 7 * time.Second})
@@ -452,22 +452,21 @@ func TestKeepAliveOnBothLegs(t *testing.T) {
 		t.Fatalf("%d live connections, want 1", len(conns))
 	}
 	conns[0].mu.Lock()
-	legs := map[string]*net.TCPConn{"client": conns[0].client, "endpoint": conns[0].backend}
+	legs := map[string]*sock{"client": conns[0].client, "endpoint": conns[0].backend}
 	conns[0].mu.Unlock()
 	for name, leg := range legs {
-		raw, err := leg.SyscallConn()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var on, idle int
+		var on, idle, nodelay int
 		var gerr error
-		_ = raw.Control(func(fd uintptr) {
+		_ = leg.raw.Control(func(fd uintptr) {
 			if on, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE); gerr == nil {
 				idle, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
 			}
+			if gerr == nil {
+				nodelay, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY)
+			}
 		})
-		if gerr != nil || on != 1 || idle != 7 {
-			t.Errorf("%s leg: SO_KEEPALIVE=%d TCP_KEEPIDLE=%d (%v), want 1 and 7", name, on, idle, gerr)
+		if gerr != nil || on != 1 || idle != 7 || nodelay != 1 {
+			t.Errorf("%s leg: SO_KEEPALIVE=%d TCP_KEEPIDLE=%d TCP_NODELAY=%d (%v), want 1, 7 and 1", name, on, idle, nodelay, gerr)
 		}
 	}
 }

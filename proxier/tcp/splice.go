@@ -3,7 +3,6 @@ package tcp
 import (
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -36,7 +35,7 @@ import (
 type direction struct {
 	c              *conn
 	up             bool // client->endpoint
-	src, dst       *net.TCPConn
+	src, dst       *sock
 	srcRaw, dstRaw syscall.RawConn
 	fill, flush    func(fd uintptr) bool // method values, bound once: no allocation per wakeup
 
@@ -54,10 +53,9 @@ type direction struct {
 	armed  bool // registered in the parker's epoll set (re-armed with EPOLL_CTL_MOD)
 }
 
-func (d *direction) init(c *conn, up bool, src, dst *net.TCPConn) {
+func (d *direction) init(c *conn, up bool, src, dst *sock) {
 	d.c, d.up, d.src, d.dst = c, up, src, dst
-	d.srcRaw, _ = src.SyscallConn() // cannot fail on an open *net.TCPConn
-	d.dstRaw, _ = dst.SyscallConn()
+	d.srcRaw, d.dstRaw = src.raw, dst.raw
 	d.fill, d.flush = d.fillFn, d.flushFn
 }
 
@@ -78,7 +76,7 @@ func (d *direction) run() {
 		// direction parks after between ParkAfter/2 and ParkAfter without data.
 		if now := time.Now(); deadline.Sub(now) < parkAfter/2 {
 			deadline = now.Add(parkAfter)
-			d.src.SetReadDeadline(deadline)
+			d.src.f.SetReadDeadline(deadline)
 		}
 		d.n, d.rerr = 0, nil
 		err := d.srcRaw.Read(d.fill)
@@ -254,7 +252,7 @@ func (d *direction) eof() {
 	last := c.eofs == 1
 	c.mu.Unlock()
 	if !last {
-		if err := d.dst.CloseWrite(); err != nil && !errors.Is(err, net.ErrClosed) {
+		if err := d.dst.closeWrite(); err != nil {
 			d.broken(true, err)
 			return
 		}
@@ -270,10 +268,11 @@ func (d *direction) eof() {
 }
 
 // broken handles a read (onWrite=false) or write error: the side that failed is gone or reset, so
-// reset the other one too. net.ErrClosed means the connection was closed under us on purpose.
+// reset the other one too. On a connection closed under us on purpose (its sockets report "use of
+// closed file"), fail does nothing, so no error is built.
 func (d *direction) broken(onWrite bool, err error) {
 	d.releasePipe()
-	if !errors.Is(err, net.ErrClosed) {
+	if !d.c.isClosed() {
 		op := "read"
 		if onWrite {
 			op = "write"
