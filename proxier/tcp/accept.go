@@ -3,11 +3,10 @@ package tcp
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // Back-off bounds when out of descriptors or memory (accept, and dial): the listener stays readable
@@ -28,10 +27,10 @@ func nextBackoff(prev time.Duration) time.Duration {
 func (p *Proxy) acceptLoop() error {
 	var (
 		fd   int
-		sa   unix.Sockaddr
+		peer netip.AddrPort
 		aerr error
 	)
-	accept := acceptFn(&fd, &sa, &aerr)
+	accept := acceptFn(&fd, &peer, &aerr)
 	backoff := time.Duration(0)
 	for {
 		if err := p.ln.raw.Read(accept); err != nil {
@@ -44,7 +43,7 @@ func (p *Proxy) acceptLoop() error {
 		}
 		if aerr == nil {
 			backoff = 0
-			p.handle(fd, sa)
+			p.handle(fd, peer)
 			continue
 		}
 		err := os.NewSyscallError("accept4", aerr)

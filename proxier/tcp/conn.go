@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
-	"golang.org/x/sys/unix"
 )
 
 // EndReason says why a proxied connection ended: the first thing that ended it.
@@ -76,9 +75,9 @@ type conn struct {
 }
 
 // handle starts serving an accepted connection (fd, from peer) on its own goroutine.
-func (p *Proxy) handle(fd int, peer unix.Sockaddr) {
+func (p *Proxy) handle(fd int, peer netip.AddrPort) {
 	now := p.cfg.Clock.Now().UnixNano()
-	c := &conn{p: p, client: newSock(fd), clientAddr: addrPort(peer), start: now, live: 1}
+	c := &conn{p: p, client: newSock(fd), clientAddr: peer, start: now, live: 1}
 	c.last.Store(now)
 	p.stats.total.Add(1)
 	p.stats.active.Add(1)

@@ -40,7 +40,7 @@ func newSock(fd int) *sock {
 // closeWrite sends FIN: the peer reads EOF, the other direction keeps flowing.
 func (s *sock) closeWrite() error {
 	var serr error
-	err := s.raw.Control(func(fd uintptr) { serr = unix.Shutdown(int(fd), unix.SHUT_WR) })
+	err := s.raw.Control(func(fd uintptr) { serr = sysShutdownWrite(int(fd)) })
 	if err != nil {
 		return err
 	}
@@ -64,7 +64,10 @@ var errDialAborted = errors.New("dial aborted: connection closed")
 // connect is under way, so that the caller can close it to abort the wait; if it returns false the
 // dial is abandoned at once.
 func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, start func(*sock) bool) (*sock, error) {
-	sa, domain := sockaddr(ep)
+	domain := unix.AF_INET
+	if !ep.Addr().Unmap().Is4() {
+		domain = unix.AF_INET6
+	}
 	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
@@ -73,7 +76,7 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, st
 		unix.Close(fd)
 		return nil, err
 	}
-	switch err := unix.Connect(fd, sa); err {
+	switch err := sysConnect(fd, ep); err {
 	case nil, unix.EINPROGRESS, unix.EINTR: // EINTR: the connect goes on in the background
 	default:
 		unix.Close(fd)
@@ -95,7 +98,7 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, st
 	var cerr error
 	err = s.raw.Write(func(fd uintptr) bool {
 		for {
-			cerr = unix.Sendto(int(fd), nil, unix.MSG_NOSIGNAL, nil)
+			cerr = sysSendEmpty(int(fd))
 			switch cerr {
 			case unix.EINTR:
 				continue
@@ -176,7 +179,7 @@ func sockaddr(ep netip.AddrPort) (unix.Sockaddr, int) {
 // setLegOptions sets what both legs of a connection get; the accepted leg inherits the same from
 // the listening socket (see Proxy.Listen).
 func setLegOptions(fd int, keepAlive time.Duration) error {
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+	if err := sysSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 		return os.NewSyscallError("setsockopt TCP_NODELAY", err)
 	}
 	if keepAlive > 0 {
@@ -185,12 +188,12 @@ func setLegOptions(fd int, keepAlive time.Duration) error {
 	return nil
 }
 
-// acceptFn returns the accept4 callback for a listener's RawConn.Read: it sets *fd and *sa, or
+// acceptFn returns the accept callback for the listener's RawConn.Read: it sets *fd and *peer, or
 // *err, and asks to wait (false) only when no connection is queued.
-func acceptFn(fd *int, sa *unix.Sockaddr, err *error) func(uintptr) bool {
+func acceptFn(fd *int, peer *netip.AddrPort, err *error) func(uintptr) bool {
 	return func(lfd uintptr) bool {
 		for {
-			*fd, *sa, *err = unix.Accept4(int(lfd), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+			*fd, *peer, *err = sysAccept(int(lfd))
 			switch *err {
 			case unix.EINTR:
 				continue
@@ -202,7 +205,7 @@ func acceptFn(fd *int, sa *unix.Sockaddr, err *error) func(uintptr) bool {
 	}
 }
 
-// addrPort converts an accepted peer address.
+// addrPort converts a socket address.
 func addrPort(sa unix.Sockaddr) netip.AddrPort {
 	switch sa := sa.(type) {
 	case *unix.SockaddrInet4:

@@ -134,7 +134,7 @@ func (d *direction) fillFn(fd uintptr) bool {
 		d.pipe = p
 	}
 	for {
-		n, err := unix.Splice(int(fd), nil, d.pipe.w, nil, d.pipe.size, unix.SPLICE_F_NONBLOCK|unix.SPLICE_F_MOVE)
+		n, err := sysSplice(int(fd), d.pipe.w, d.pipe.size)
 		switch {
 		case err == unix.EINTR:
 			continue
@@ -145,7 +145,7 @@ func (d *direction) fillFn(fd uintptr) bool {
 		case err != nil:
 			d.rerr = os.NewSyscallError("splice", err)
 		}
-		d.n = n
+		d.n = int64(n)
 		return true
 	}
 }
@@ -153,7 +153,7 @@ func (d *direction) fillFn(fd uintptr) bool {
 func (d *direction) readBuf(fd uintptr) bool {
 	buf := bufs.Get().(*[bufSize]byte)
 	for {
-		n, err := unix.Read(int(fd), buf[:])
+		n, err := sysRead(int(fd), buf[:])
 		switch {
 		case err == unix.EINTR:
 			continue
@@ -182,11 +182,9 @@ func (d *direction) flushFn(fd uintptr) bool {
 		var n int
 		var err error
 		if d.buf != nil {
-			n, err = unix.Write(int(fd), d.buf[d.off:d.off+int(d.n)])
+			n, err = sysWrite(int(fd), d.buf[d.off:d.off+int(d.n)])
 		} else {
-			var m int64
-			m, err = unix.Splice(d.pipe.r, nil, int(fd), nil, int(d.n), unix.SPLICE_F_NONBLOCK|unix.SPLICE_F_MOVE)
-			n = int(m)
+			n, err = sysSplice(d.pipe.r, int(fd), int(d.n))
 		}
 		switch {
 		case err == unix.EINTR:
