@@ -89,8 +89,14 @@ func (p *Proxy) handle(fd int, peer netip.AddrPort) {
 	}()
 }
 
-// serve dials an endpoint, then runs client->endpoint on this goroutine and endpoint->client on a
-// second one.
+// serve dials an endpoint, then starts a goroutine for each direction and returns.
+//
+// Why not run client->endpoint on this goroutine: the dial's call chain (down to the runtime
+// poller's deadline timers) outgrows a new goroutine's 2 KiB stack, so this goroutine ends with
+// 4 KiB, and until they park, the connections of a burst would hold it: 8 KiB of stacks per
+// active connection instead of 4 KiB (BenchmarkIdleMemory), and the runtime returns freed stack
+// memory to the OS only slowly. Exiting here frees the grown stack for the next dial at the cost
+// of one goroutine start.
 func (c *conn) serve() {
 	be, reason, err := c.dial()
 	if err != nil {
@@ -112,11 +118,14 @@ func (c *conn) serve() {
 	c.live++ // endpoint->client; client->endpoint inherits the dialer's share
 	c.mu.Unlock()
 	c.p.goRun(&c.down)
-	c.up.run()
+	c.p.goRun(&c.up)
 }
 
 // dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
 func (c *conn) dial() (*sock, EndReason, error) {
+	// The common path keeps small frames: the connection's goroutine starts with a 2 KiB stack, and
+	// growing it to 4 KiB here would double what a burst of new connections holds in stacks until
+	// they park (BenchmarkIdleMemory). Errors are built in helpers that only failures call.
 	p := c.p
 	reset := false
 	var lastErr error
@@ -124,71 +133,105 @@ func (c *conn) dial() (*sock, EndReason, error) {
 		ep, err := p.picker.Next(c.clientAddr.Addr(), reset)
 		if err != nil {
 			if i == 0 {
-				p.stats.noEndpoints.Add(1)
-				return nil, EndNoEndpoints, fmt.Errorf("pick endpoint: %w", err)
+				return nil, EndNoEndpoints, c.noEndpoints(err)
 			}
 			break
 		}
-		c.mu.Lock()
-		c.endpoint = ep
-		c.attempts++
-		c.mu.Unlock()
-		p.stats.dialAttempts.Add(1)
-		if i > 0 {
-			p.stats.dialRetries.Add(1)
-		}
-		nc, err := c.dialEndpoint(ep, timeout)
-		if err == nil {
-			return nc, EndUnknown, nil
-		}
-		p.stats.dialFailures.Add(1)
-		lastErr = fmt.Errorf("dial endpoint %s (attempt %d, timeout %s): %w", ep, i+1, timeout, err)
-		if p.ctx.Err() != nil || c.isClosed() {
-			return nil, EndShutdown, lastErr
-		}
-		c.logger().WithError(lastErr).Debug("dial failed, trying the next endpoint")
-		reset = true
-	}
-	if lastErr == nil {
-		lastErr = errors.New("no endpoint to retry")
-	}
-	return nil, EndDialFailed, fmt.Errorf("connect to an endpoint: %w", lastErr)
-}
-
-// dialEndpoint connects to ep within timeout. Out of descriptors (or kernel memory) the socket
-// cannot even be created: that says nothing about ep, so instead of failing over it backs off and
-// tries ep again while the attempt's time lasts; closing connections free what it needs. (The
-// accept loop backs off the same way, but it can only see the limit when accept itself fails; a
-// connection accepted with the last free descriptor meets it here.)
-func (c *conn) dialEndpoint(ep netip.AddrPort, timeout time.Duration) (*sock, error) {
-	p := c.p
-	deadline := time.Now().Add(timeout) // the runtime poller's deadlines are on the real clock
-	backoff := time.Duration(0)
-	for {
+		c.attempt(ep, i)
 		// No bind before connect: bind(0.0.0.0:0)'s ephemeral port search dominated the profile
 		// (86% of CPU at 3000 connections/s with many sockets in TIME_WAIT); connect() picks a
 		// port far more cheaply.
-		s, err := dialSock(ep, deadline, p.cfg.KeepAlive, c.startDial)
-		c.mu.Lock()
-		c.dialing = nil
-		c.mu.Unlock()
+		deadline := time.Now().Add(timeout) // the runtime poller's deadlines are on the real clock
+		s, err := dialSock(ep, deadline, p.cfg.KeepAlive, c)
+		if err != nil && outOfResources(err) {
+			s, err = c.dialBackingOff(ep, deadline, err)
+		}
 		if err == nil {
-			return s, nil
+			return s, EndUnknown, nil
 		}
-		if !outOfResources(err) {
+		lastErr = c.dialFailed(ep, i, timeout, err)
+		if lastErr == nil {
+			return nil, EndShutdown, err
+		}
+		reset = true
+	}
+	return nil, EndDialFailed, dialsFailed(lastErr)
+}
+
+func (c *conn) attempt(ep netip.AddrPort, i int) {
+	c.mu.Lock()
+	c.endpoint = ep
+	c.attempts++
+	c.mu.Unlock()
+	c.p.stats.dialAttempts.Add(1)
+	if i > 0 {
+		c.p.stats.dialRetries.Add(1)
+	}
+}
+
+//go:noinline
+func (c *conn) noEndpoints(err error) error {
+	c.p.stats.noEndpoints.Add(1)
+	return fmt.Errorf("pick endpoint: %w", err)
+}
+
+// dialFailed counts and logs a failed attempt and returns its error, naming the endpoint; nil if
+// the connection or the proxy is closing, and the ladder should stop (err then says so).
+//
+//go:noinline
+func (c *conn) dialFailed(ep netip.AddrPort, i int, timeout time.Duration, err error) error {
+	c.p.stats.dialFailures.Add(1)
+	if c.p.ctx.Err() != nil || c.isClosed() {
+		return nil
+	}
+	err = fmt.Errorf("dial endpoint %s (attempt %d, timeout %s): %w", ep, i+1, timeout, err)
+	c.logger().WithError(err).Debug("dial failed, trying the next endpoint")
+	return err
+}
+
+//go:noinline
+func dialsFailed(lastErr error) error {
+	if lastErr == nil {
+		lastErr = errors.New("no endpoint to retry")
+	}
+	return fmt.Errorf("connect to an endpoint: %w", lastErr)
+}
+
+// dialBackingOff retries a dial that failed for want of descriptors (or kernel memory). That says
+// nothing about ep, so instead of failing over it backs off and tries ep again while the attempt's
+// time lasts; closing connections free what it needs. (The accept loop backs off the same way,
+// but it can only see the limit when accept itself fails; a connection accepted with the last
+// free descriptor meets it here.)
+//go:noinline
+func (c *conn) dialBackingOff(ep netip.AddrPort, deadline time.Time, err error) (*sock, error) {
+	backoff := time.Duration(0)
+	for {
+		if backoff = c.backOff(backoff, deadline, err); backoff == 0 {
 			return nil, err
 		}
-		backoff = nextBackoff(backoff)
-		if time.Until(deadline) < backoff {
-			return nil, err
-		}
-		if backoff == minBackoff { // once per attempt, not per retry
-			c.logger().WithError(err).Warn("dial: out of resources, backing off")
-		}
-		if !p.sleep(backoff) {
-			return nil, err
+		var s *sock
+		if s, err = dialSock(ep, deadline, c.p.cfg.KeepAlive, c); err == nil || !outOfResources(err) {
+			return s, err
 		}
 	}
+}
+
+// backOff waits before the next try after an out-of-resources dial error; 0 means give up (the
+// attempt's time is out, or the proxy closed).
+//
+//go:noinline
+func (c *conn) backOff(prev time.Duration, deadline time.Time, err error) time.Duration {
+	backoff := nextBackoff(prev)
+	if time.Until(deadline) < backoff {
+		return 0
+	}
+	if backoff == minBackoff { // once per attempt, not per retry
+		c.logger().WithError(err).Warn("dial: out of resources, backing off")
+	}
+	if !c.p.sleep(backoff) {
+		return 0
+	}
+	return backoff
 }
 
 // startDial records the socket being connected so that terminate can abort the dial; false if the
@@ -201,6 +244,13 @@ func (c *conn) startDial(s *sock) bool {
 	}
 	c.dialing = s
 	return true
+}
+
+// endDial forgets the socket of a dial that ended.
+func (c *conn) endDial() {
+	c.mu.Lock()
+	c.dialing = nil
+	c.mu.Unlock()
 }
 
 func (c *conn) isClosed() bool {

@@ -59,11 +59,17 @@ func (s *sock) close() error { return s.f.Close() }
 // errDialAborted: the connection was closed (Shutdown, idle timeout) while its dial was waiting.
 var errDialAborted = errors.New("dial aborted: connection closed")
 
+// dialer is told about the socket a dial is waiting on (see conn.startDial and endDial).
+type dialer interface {
+	startDial(*sock) bool
+	endDial()
+}
+
 // dialSock connects a new socket to ep, giving up at deadline. The socket gets TCP_NODELAY and,
-// when keepAlive > 0, keepalive before the SYN leaves. start is called with the socket once the
-// connect is under way, so that the caller can close it to abort the wait; if it returns false the
-// dial is abandoned at once.
-func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, start func(*sock) bool) (*sock, error) {
+// when keepAlive > 0, keepalive before the SYN leaves. d.startDial is called with the socket once
+// the connect is under way, so that the dial can be aborted by closing it (if it returns false,
+// the dial is abandoned at once), and d.endDial when the wait is over.
+func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d dialer) (*sock, error) {
 	domain := unix.AF_INET
 	if !ep.Addr().Unmap().Is4() {
 		domain = unix.AF_INET6
@@ -83,20 +89,30 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, st
 		return nil, os.NewSyscallError("connect", err)
 	}
 	s := newSock(fd)
-	if !start(s) {
+	if !d.startDial(s) {
 		s.close()
 		return nil, errDialAborted
 	}
-	if err := s.f.SetWriteDeadline(deadline); err != nil {
+	err = s.awaitConnect(deadline)
+	d.endDial()
+	if err != nil {
 		s.close()
 		return nil, err
+	}
+	return s, nil
+}
+
+// awaitConnect waits until the connect started on s completes, fails, or deadline passes.
+func (s *sock) awaitConnect(deadline time.Time) error {
+	if err := s.f.SetWriteDeadline(deadline); err != nil {
+		return err
 	}
 	// The callback runs at once and again whenever the socket turns writable. A zero-length send is
 	// the cheapest way to ask a connecting socket for its state in one syscall: EAGAIN while the
 	// handshake runs (SYN_SENT), 0 once established, and the connect's error (ECONNREFUSED,
 	// ETIMEDOUT, EHOSTUNREACH...) if it failed, which also clears it like SO_ERROR would.
 	var cerr error
-	err = s.raw.Write(func(fd uintptr) bool {
+	err := s.raw.Write(func(fd uintptr) bool {
 		for {
 			cerr = sysSendEmpty(int(fd))
 			switch cerr {
@@ -112,14 +128,9 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, st
 		err = os.NewSyscallError("connect", cerr)
 	}
 	if err != nil {
-		s.close()
-		return nil, err
+		return err
 	}
-	if err := s.f.SetWriteDeadline(time.Time{}); err != nil {
-		s.close()
-		return nil, err
-	}
-	return s, nil
+	return s.f.SetWriteDeadline(time.Time{})
 }
 
 // listenSock opens a listening socket on addr as package net would (SO_REUSEADDR, IPV6_V6ONLY for
@@ -183,10 +194,28 @@ func setLegOptions(fd int, keepAlive time.Duration) error {
 		return os.NewSyscallError("setsockopt TCP_NODELAY", err)
 	}
 	if keepAlive > 0 {
-		return sockopt.SetKeepAlive(fd, keepAlive)
+		return setKeepAlive(fd, keepAlive)
 	}
 	return nil
 }
+
+// setKeepAlive is sockopt.SetKeepAlive with smaller frames (see conn.dial).
+func setKeepAlive(fd int, d time.Duration) error {
+	secs := max(int(d/time.Second), 1)
+	if err := sysSetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1); err != nil {
+		return keepAliveErr("SO_KEEPALIVE", err)
+	}
+	if err := sysSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, secs); err != nil {
+		return keepAliveErr("TCP_KEEPIDLE", err)
+	}
+	if err := sysSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, secs); err != nil {
+		return keepAliveErr("TCP_KEEPINTVL", err)
+	}
+	return nil
+}
+
+//go:noinline
+func keepAliveErr(opt string, err error) error { return os.NewSyscallError("setsockopt "+opt, err) }
 
 // acceptFn returns the accept callback for the listener's RawConn.Read: it sets *fd and *peer, or
 // *err, and asks to wait (false) only when no connection is queued.
