@@ -202,6 +202,7 @@ func dialsFailed(lastErr error) error {
 // time lasts; closing connections free what it needs. (The accept loop backs off the same way,
 // but it can only see the limit when accept itself fails; a connection accepted with the last
 // free descriptor meets it here.)
+//
 //go:noinline
 func (c *conn) dialBackingOff(ep netip.AddrPort, deadline time.Time, err error) (*sock, error) {
 	backoff := time.Duration(0)
