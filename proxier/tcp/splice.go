@@ -309,6 +309,7 @@ func (d *direction) park() bool {
 	if err == nil {
 		d.parked = true
 		c.mu.Unlock()
+		stackTrim.parked()
 		return true
 	}
 	c.mu.Unlock()

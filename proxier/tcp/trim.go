@@ -1,0 +1,78 @@
+package tcp
+
+import (
+	"runtime/debug"
+	"sync"
+	"time"
+)
+
+// When a burst of connections goes idle, their directions park and the goroutine stacks they ran
+// on become free, but the Go runtime keeps free memory resident: stack spans go back to the heap
+// only at the next GC (an idle proxy may not run one for two minutes), and the scavenger returns
+// free heap pages to the OS at its own slow pace. Measured with bench/suite (9,000 connections
+// opened in a burst, RSS read 3 s later): 4.2-4.6 KiB per idle connection without this trimmer,
+// 3.0-3.1 KiB with it (HAProxy 3.2-3.3 KiB). So after a wave of parking the proxy returns free memory to
+// the OS itself: debug.FreeOSMemory, a GC plus a full scavenge, a few milliseconds of CPU for the
+// heap of 10,000 idle connections, and rate-limited.
+//
+// One trimmer serves the whole process, since memory is process-wide.
+var stackTrim = &trimmer{
+	release:  debug.FreeOSMemory,
+	after:    1000,                   // parks that make a wave worth trimming: ~4 MiB of stacks
+	quiet:    200 * time.Millisecond, // the wave has ended when no direction parked for this long
+	maxDelay: 2 * time.Second,        // ... or when it has gone on this long
+	every:    10 * time.Second,       // at most one trim per interval
+}
+
+// trimmer calls release once at least after parks have been counted and parking then paused for
+// quiet (or went on for maxDelay), but not more often than every. The release runs on a timer's
+// goroutine; it is bounded and needs no stopping.
+type trimmer struct {
+	release                func()
+	after                  int
+	quiet, maxDelay, every time.Duration
+
+	mu      sync.Mutex
+	parks   int
+	timer   *time.Timer
+	armedAt time.Time // when the pending trim was first scheduled; zero if none is pending
+	last    time.Time // the last release
+}
+
+// parked counts one direction that parked.
+func (t *trimmer) parked() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.parks++
+	if t.parks < t.after {
+		return
+	}
+	now := time.Now()
+	switch {
+	case t.armedAt.IsZero():
+		t.armedAt = now
+		if t.timer == nil {
+			t.timer = time.AfterFunc(t.quiet, t.fire)
+		} else {
+			t.timer.Reset(t.quiet)
+		}
+	case now.Sub(t.armedAt) < t.maxDelay:
+		t.timer.Reset(t.quiet) // still parking: wait for the wave to end
+	}
+}
+
+func (t *trimmer) fire() {
+	t.mu.Lock()
+	if t.armedAt.IsZero() { // a Reset raced with the previous fire, which did the work
+		t.mu.Unlock()
+		return
+	}
+	if wait := t.every - time.Since(t.last); !t.last.IsZero() && wait > 0 {
+		t.timer.Reset(wait)
+		t.mu.Unlock()
+		return
+	}
+	t.parks, t.armedAt, t.last = 0, time.Time{}, time.Now()
+	t.mu.Unlock()
+	t.release()
+}
