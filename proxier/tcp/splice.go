@@ -25,11 +25,11 @@ import (
 // direction that saw no data for Config.ParkAfter parks: it arms a one-shot registration of its
 // source socket in the proxy's own epoll set (park.go) and its goroutine exits. When the socket becomes
 // readable, the watcher starts a fresh goroutine for that direction. An idle connection then costs its
-// sockets, its netFDs and this struct: measured 1.2 KiB RSS per idle connection with 300 of them.
-// With 9000 opened in a burst, RSS is 4.4-4.9 KiB per connection (HAProxy 3.3, nginx 9.5): the
-// stacks of the goroutines that ran during the first ParkAfter are freed to the Go heap but not
-// returned to the OS. Active connections keep their goroutines, so request/response traffic pays no
-// extra syscall.
+// sockets, their os.Files and this struct: 1.2-1.3 KB of Go heap per idle connection
+// (BenchmarkIdleMemory). The stacks of the goroutines a burst of new connections ran on are freed
+// when they park, and trim.go hands that memory back to the OS after the wave: with 9000 opened in
+// a burst, RSS is 2.7-3.1 KiB per idle connection (HAProxy 3.2-3.3, nginx 9.5). Active connections
+// keep their goroutines, so request/response traffic pays no extra syscall.
 
 // direction moves bytes one way: src -> dst.
 type direction struct {
