@@ -8,6 +8,8 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
 
 // serve is the proxy loop: wait for ready sockets, then under mu read each ready session's replies
@@ -71,7 +73,7 @@ func (p *Proxy) readClients(b *batch, now time.Time) {
 			p.stats.trunc.Add(1)
 			continue
 		}
-		client, ok := parseRaw(&b.in.names[i])
+		client, ok := sockopt.ParseRaw(&b.in.names[i])
 		if !ok {
 			continue
 		}

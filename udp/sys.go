@@ -30,48 +30,6 @@ type sockaddr = unix.RawSockaddrInet6
 
 const sockaddrLen = unix.SizeofSockaddrInet6
 
-func family(a netip.Addr) int {
-	if a.Unmap().Is4() {
-		return unix.AF_INET
-	}
-	return unix.AF_INET6
-}
-
-func toSockaddr(ap netip.AddrPort) unix.Sockaddr {
-	a := ap.Addr().Unmap()
-	if a.Is4() {
-		return &unix.SockaddrInet4{Port: int(ap.Port()), Addr: a.As4()}
-	}
-	return &unix.SockaddrInet6{Port: int(ap.Port()), Addr: a.As16()}
-}
-
-func fromSockaddr(sa unix.Sockaddr) netip.AddrPort {
-	switch sa := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), uint16(sa.Port))
-	}
-	return netip.AddrPort{}
-}
-
-// parseRaw decodes a raw address as filled in by recvmmsg.
-func parseRaw(rsa *sockaddr) (netip.AddrPort, bool) {
-	switch rsa.Family {
-	case unix.AF_INET:
-		sa4 := (*unix.RawSockaddrInet4)(unsafe.Pointer(rsa))
-		return netip.AddrPortFrom(netip.AddrFrom4(sa4.Addr), ntohs(sa4.Port)), true
-	case unix.AF_INET6:
-		return netip.AddrPortFrom(netip.AddrFrom16(rsa.Addr).Unmap(), ntohs(rsa.Port)), true
-	}
-	return netip.AddrPort{}, false
-}
-
-func ntohs(raw uint16) uint16 {
-	b := (*[2]byte)(unsafe.Pointer(&raw))
-	return uint16(b[0])<<8 | uint16(b[1])
-}
-
 // socketBufferSize is what the listening socket asks for: a DNS burst from many clients should
 // queue in the kernel rather than be dropped while the proxy goroutine is busy (the default
 // net.core.rmem_max, 208 KiB, holds only a few hundred small datagrams).
@@ -81,7 +39,7 @@ const socketBufferSize = 4 << 20
 // of a dual-stack service gets its own proxy, and v4-mapped client addresses would confuse the
 // session keys.
 func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) {
-	fd, err := unix.Socket(family(addr.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := unix.Socket(sockopt.Family(addr.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, netip.AddrPort{}, os.NewSyscallError("socket", err)
 	}
@@ -91,19 +49,19 @@ func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) 
 			return -1, netip.AddrPort{}, err
 		}
 	}
-	if family(addr.Addr()) == unix.AF_INET6 {
+	if sockopt.Family(addr.Addr()) == unix.AF_INET6 {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {
 			unix.Close(fd)
 			return -1, netip.AddrPort{}, os.NewSyscallError("setsockopt IPV6_V6ONLY", err)
 		}
 	}
-	if err := enablePktinfo(fd, family(addr.Addr())); err != nil {
+	if err := enablePktinfo(fd, sockopt.Family(addr.Addr())); err != nil {
 		unix.Close(fd)
 		return -1, netip.AddrPort{}, err
 	}
 	setBuffer(fd, unix.SO_RCVBUFFORCE, unix.SO_RCVBUF)
 	setBuffer(fd, unix.SO_SNDBUFFORCE, unix.SO_SNDBUF)
-	if err := unix.Bind(fd, toSockaddr(addr)); err != nil {
+	if err := unix.Bind(fd, sockopt.ToSockaddr(addr)); err != nil {
 		unix.Close(fd)
 		return -1, netip.AddrPort{}, os.NewSyscallError("bind", err)
 	}
@@ -112,7 +70,7 @@ func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) 
 		unix.Close(fd)
 		return -1, netip.AddrPort{}, os.NewSyscallError("getsockname", err)
 	}
-	return fd, fromSockaddr(sa), nil
+	return fd, sockopt.FromSockaddr(sa), nil
 }
 
 // setBuffer sizes a socket buffer, beyond the sysctl cap when the proxy has CAP_NET_ADMIN (the
@@ -126,11 +84,11 @@ func setBuffer(fd, force, capped int) {
 // dialUDP opens a non-blocking socket connected to a backend. Connecting makes the kernel filter
 // replies to that endpoint and report its ICMP port unreachable as ECONNREFUSED.
 func dialUDP(ep netip.AddrPort) (int, error) {
-	fd, err := unix.Socket(family(ep.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := unix.Socket(sockopt.Family(ep.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
-	if err := unix.Connect(fd, toSockaddr(ep)); err != nil {
+	if err := unix.Connect(fd, sockopt.ToSockaddr(ep)); err != nil {
 		unix.Close(fd)
 		return -1, os.NewSyscallError("connect", err)
 	}

@@ -70,11 +70,7 @@ type dialer interface {
 // the connect is under way, so that the dial can be aborted by closing it (if it returns false,
 // the dial is abandoned at once), and d.endDial when the wait is over.
 func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d dialer) (*sock, error) {
-	domain := unix.AF_INET
-	if !ep.Addr().Unmap().Is4() {
-		domain = unix.AF_INET6
-	}
-	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := unix.Socket(sockopt.Family(ep.Addr()), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
 	}
@@ -138,7 +134,7 @@ func (s *sock) awaitConnect(deadline time.Time) error {
 // accepted socket inherits (setLegOptions). It is an os.File, not a net.TCPListener, because the
 // accept loop calls accept4 itself through RawConn.Read, which a listener's RawConn refuses.
 func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
-	sa, domain := sockaddr(addr)
+	domain := sockopt.Family(addr.Addr())
 	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, netip.AddrPort{}, os.NewSyscallError("socket", err)
@@ -160,7 +156,7 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*s
 		if err := setLegOptions(fd, keepAlive); err != nil {
 			return err
 		}
-		if err := unix.Bind(fd, sa); err != nil {
+		if err := unix.Bind(fd, sockopt.ToSockaddr(addr)); err != nil {
 			return os.NewSyscallError("bind", err)
 		}
 		// The kernel caps the backlog at net.core.somaxconn.
@@ -175,16 +171,7 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*s
 		unix.Close(fd)
 		return nil, netip.AddrPort{}, err
 	}
-	return newSock(fd), addrPort(bound), nil
-}
-
-// sockaddr converts ep for connect or bind; IPv4-mapped IPv6 addresses become IPv4.
-func sockaddr(ep netip.AddrPort) (unix.Sockaddr, int) {
-	a := ep.Addr().Unmap()
-	if a.Is4() {
-		return &unix.SockaddrInet4{Port: int(ep.Port()), Addr: a.As4()}, unix.AF_INET
-	}
-	return &unix.SockaddrInet6{Port: int(ep.Port()), Addr: a.As16()}, unix.AF_INET6
+	return newSock(fd), sockopt.FromSockaddr(bound), nil
 }
 
 // setLegOptions sets what both legs of a connection get; the accepted leg inherits the same from
@@ -232,15 +219,4 @@ func acceptFn(fd *int, peer *netip.AddrPort, err *error) func(uintptr) bool {
 			return true
 		}
 	}
-}
-
-// addrPort converts a socket address.
-func addrPort(sa unix.Sockaddr) netip.AddrPort {
-	switch sa := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), uint16(sa.Port))
-	}
-	return netip.AddrPort{}
 }

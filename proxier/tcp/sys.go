@@ -6,6 +6,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
 
 // The socket calls of the connection path never block (every descriptor is non-blocking), so they
@@ -73,18 +75,8 @@ func sysAccept(lfd int) (int, netip.AddrPort, error) {
 	if e != 0 {
 		return -1, netip.AddrPort{}, e
 	}
-	return int(r), parseSockaddr(&rsa), nil
-}
-
-func parseSockaddr(rsa *unix.RawSockaddrInet6) netip.AddrPort {
-	switch rsa.Family {
-	case unix.AF_INET:
-		sa4 := (*unix.RawSockaddrInet4)(unsafe.Pointer(rsa))
-		return netip.AddrPortFrom(netip.AddrFrom4(sa4.Addr), ntohs(sa4.Port))
-	case unix.AF_INET6:
-		return netip.AddrPortFrom(netip.AddrFrom16(rsa.Addr).Unmap(), ntohs(rsa.Port))
-	}
-	return netip.AddrPort{}
+	peer, _ := sockopt.ParseRaw(&rsa)
+	return int(r), peer, nil
 }
 
 // sysConnect starts a non-blocking connect to ep (EINPROGRESS while the handshake runs).
@@ -92,24 +84,11 @@ func sysConnect(fd int, ep netip.AddrPort) error {
 	a := ep.Addr().Unmap()
 	var e syscall.Errno
 	if a.Is4() {
-		sa := unix.RawSockaddrInet4{Family: unix.AF_INET, Port: htons(ep.Port()), Addr: a.As4()}
+		sa := unix.RawSockaddrInet4{Family: unix.AF_INET, Port: sockopt.Htons(ep.Port()), Addr: a.As4()}
 		_, _, e = unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unsafe.Sizeof(sa))
 	} else {
-		sa := unix.RawSockaddrInet6{Family: unix.AF_INET6, Port: htons(ep.Port()), Addr: a.As16()}
+		sa := unix.RawSockaddrInet6{Family: unix.AF_INET6, Port: sockopt.Htons(ep.Port()), Addr: a.As16()}
 		_, _, e = unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), unsafe.Sizeof(sa))
 	}
 	return errnoErr(e)
-}
-
-// htons and ntohs convert between a port and its network byte order form in a raw sockaddr.
-func htons(port uint16) uint16 {
-	var raw uint16
-	b := (*[2]byte)(unsafe.Pointer(&raw))
-	b[0], b[1] = byte(port>>8), byte(port)
-	return raw
-}
-
-func ntohs(raw uint16) uint16 {
-	b := (*[2]byte)(unsafe.Pointer(&raw))
-	return uint16(b[0])<<8 | uint16(b[1])
 }

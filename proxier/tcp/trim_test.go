@@ -6,12 +6,17 @@ import (
 	"time"
 )
 
-func TestTrimmerReleasesAfterAWaveOfParking(t *testing.T) {
-	var released atomic.Int32
-	tr := &trimmer{
+// testTrimmer counts releases instead of returning memory; every is an hour.
+func testTrimmer(after int, quiet, maxDelay time.Duration) (*trimmer, *atomic.Int32) {
+	released := new(atomic.Int32)
+	return &trimmer{
 		release: func() { released.Add(1) },
-		after:   10, quiet: 20 * time.Millisecond, maxDelay: time.Second, every: time.Hour,
-	}
+		after:   after, quiet: quiet, maxDelay: maxDelay, every: time.Hour,
+	}, released
+}
+
+func TestTrimmerReleasesAfterAWaveOfParking(t *testing.T) {
+	tr, released := testTrimmer(10, 20*time.Millisecond, time.Second)
 	for range 9 {
 		tr.parked()
 	}
@@ -45,11 +50,7 @@ func TestTrimmerReleasesAfterAWaveOfParking(t *testing.T) {
 }
 
 func TestTrimmerWaitsForTheWaveToEnd(t *testing.T) {
-	var released atomic.Int32
-	tr := &trimmer{
-		release: func() { released.Add(1) },
-		after:   1, quiet: 50 * time.Millisecond, maxDelay: time.Hour, every: time.Hour,
-	}
+	tr, released := testTrimmer(1, 50*time.Millisecond, time.Hour)
 	// Parking every 10 ms keeps postponing the trim (quiet is 50 ms).
 	for range 20 {
 		tr.parked()
@@ -62,11 +63,7 @@ func TestTrimmerWaitsForTheWaveToEnd(t *testing.T) {
 }
 
 func TestTrimmerMaxDelay(t *testing.T) {
-	var released atomic.Int32
-	tr := &trimmer{
-		release: func() { released.Add(1) },
-		after:   1, quiet: 50 * time.Millisecond, maxDelay: 30 * time.Millisecond, every: time.Hour,
-	}
+	tr, released := testTrimmer(1, 50*time.Millisecond, 30*time.Millisecond)
 	// Parking never pauses, but after maxDelay the timer is no longer pushed back.
 	stop := time.Now().Add(10 * time.Second)
 	for released.Load() == 0 {
