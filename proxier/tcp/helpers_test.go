@@ -102,7 +102,7 @@ func startProxy(t *testing.T, picker Picker, cfg Config) *Proxy {
 // serve runs handler for each connection to a listener on ip:0 until the test ends.
 func serve(t testing.TB, ip string, handler func(*net.TCPConn)) netip.AddrPort {
 	t.Helper()
-	ln, err := net.ListenTCP("tcp4", net.TCPAddrFromAddrPort(netip.AddrPortFrom(netip.MustParseAddr(ip), 0)))
+	ln, err := net.ListenTCP("tcp", net.TCPAddrFromAddrPort(netip.AddrPortFrom(netip.MustParseAddr(ip), 0)))
 	if err != nil {
 		t.Fatalf("listen on %s: %v", ip, err)
 	}

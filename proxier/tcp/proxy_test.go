@@ -470,3 +470,36 @@ func TestKeepAliveOnBothLegs(t *testing.T) {
 		}
 	}
 }
+
+// TestIPv6 proxies between IPv6 loopback addresses (the sockets are built by hand, not by package
+// net) and reports the client's IPv6 address.
+func TestIPv6(t *testing.T) {
+	ln, err := net.ListenTCP("tcp6", &net.TCPAddr{IP: net.IPv6loopback})
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	ln.Close()
+	ep := serve(t, "::1", echo)
+	closed := make(closedCh, 1)
+	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Logger: testLogger(t), OnClose: closed.onClose})
+	if err := p.Listen(netip.MustParseAddrPort("[::1]:0")); err != nil {
+		t.Fatalf("Listen: %v", err)
+	}
+	go p.Run(t.Context())
+	defer p.Shutdown()
+	if !p.Addr().Addr().Is6() || p.Addr().Port() == 0 {
+		t.Fatalf("bound to %v, want [::1] and a port", p.Addr())
+	}
+	c, err := net.DialTCP("tcp6", nil, net.TCPAddrFromAddrPort(p.Addr()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	roundTrip(t, c, "hello over IPv6")
+	client := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	c.Close()
+	ci := closed.next(t)
+	if ci.Client != client || ci.Endpoint != ep {
+		t.Errorf("ConnInfo client %v endpoint %v, want %v and %v", ci.Client, ci.Endpoint, client, ep)
+	}
+}
