@@ -93,10 +93,11 @@ func (p *Proxy) handle(fd int, peer netip.AddrPort) {
 //
 // Why not run client->endpoint on this goroutine: the dial's call chain (down to the runtime
 // poller's deadline timers) outgrows a new goroutine's 2 KiB stack, so this goroutine ends with
-// 4 KiB, and until they park, the connections of a burst would hold it: 8 KiB of stacks per
-// active connection instead of 4 KiB (BenchmarkIdleMemory), and the runtime returns freed stack
-// memory to the OS only slowly. Exiting here frees the grown stack for the next dial at the cost
-// of one goroutine start.
+// 4 KiB, while the directions' loops fit in 2 KiB (checked with debug.SetMaxStack). Until they
+// park, the connections of a burst would each hold that 4 KiB stack, and the runtime returns freed
+// stack memory to the OS only slowly. Exiting here frees it for the next dial at the cost of one
+// goroutine start (bench/suite, 9,000 idle connections opened in a burst: 4.7-5.3 KiB RSS per
+// connection before, 4.2-4.6 KiB after; no change in CPU per connection).
 func (c *conn) serve() {
 	be, reason, err := c.dial()
 	if err != nil {
@@ -123,9 +124,8 @@ func (c *conn) serve() {
 
 // dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
 func (c *conn) dial() (*sock, EndReason, error) {
-	// The common path keeps small frames: the connection's goroutine starts with a 2 KiB stack, and
-	// growing it to 4 KiB here would double what a burst of new connections holds in stacks until
-	// they park (BenchmarkIdleMemory). Errors are built in helpers that only failures call.
+	// Errors are built in helpers that only failures call, which keeps the frames of the common
+	// path small.
 	p := c.p
 	reset := false
 	var lastErr error

@@ -20,9 +20,7 @@ import (
 //     both addresses (getsockname, getpeername): 1780 B in 30 allocations per dial, against
 //     440 B in 10 here;
 //   - accept asks for the local address and sets TCP_NODELAY, which the accepted socket inherits
-//     from the listener anyway (set once in Listen, like keepalive);
-//   - DialContext's deep call chain grew the connection goroutine's stack to 8 KiB, and a burst of
-//     new connections holds its stacks for ParkAfter (BenchmarkIdleMemory).
+//     from the listener anyway (set once in Listen, like keepalive).
 //
 // The splice code only ever needed RawConn, a read deadline, shutdown, linger and close.
 type sock struct {

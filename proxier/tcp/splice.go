@@ -21,7 +21,7 @@ import (
 // source would block. Idle connections hold just their 2 sockets.
 //
 // Memory: a goroutine blocked in the poller costs at least its 2 KiB stack plus ~400 B of g, so two
-// goroutines per connection would already exceed 4 KiB per idle connection (measured: ~6 KiB). So a
+// goroutines per connection would already exceed 4 KiB per idle connection. So a
 // direction that saw no data for Config.ParkAfter parks: it arms a one-shot registration of its
 // source socket in the proxy's own epoll set (park.go) and its goroutine exits. When the socket becomes
 // readable, the watcher starts a fresh goroutine for that direction. An idle connection then costs its
