@@ -35,7 +35,7 @@ import (
 )
 
 var (
-	role     = flag.String("role", "bench", "bench | backend | proxy (internal)")
+	role     = flag.String("role", "bench", "bench | backend | proxy | evloop (internal)")
 	echoEP   = flag.String("echo", "", "echo endpoint (role proxy)")
 	sinkEP   = flag.String("sink", "", "sink endpoint (role proxy)")
 	bulkMiB  = flag.Int("bulk-mib", 512, "bytes sent per bulk test, MiB")
@@ -43,7 +43,7 @@ var (
 	conc     = flag.Int("conc", 16, "concurrent clients in the rate tests")
 	idleN    = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle   = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only     = flag.String("only", "", "comma-separated targets (direct,kpp,haproxy,nginx); empty = all")
+	only     = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,haproxy,nginx); empty = all")
 	nginxMod = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
 
@@ -55,6 +55,8 @@ func main() {
 		err = runBackend()
 	case "proxy":
 		err = runProxy()
+	case "evloop":
+		err = runEvloop()
 	default:
 		err = runBench()
 	}
@@ -155,7 +157,8 @@ func runBench() error {
 		{"direct", func() (target, error) {
 			return target{name: "direct", echo: addrs["echo"], sink: addrs["sink"], stop: func() {}}, nil
 		}},
-		{"kpp", func() (target, error) { return startKPP(self, addrs) }},
+		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
+		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
 		{"haproxy", func() (target, error) { return startHAProxy(addrs) }},
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
@@ -205,8 +208,10 @@ func startChild(self string, args ...string) (func(), map[string]string, error) 
 	return stop, addrs, nil
 }
 
-func startKPP(self string, be map[string]string) (target, error) {
-	cmd := exec.Command(self, "-role", "proxy", "-echo", be["echo"], "-sink", be["sink"])
+// startOwn runs this binary as a proxy child in role (proxy: kube-portal-proxy's TCP proxy; evloop:
+// the experiment in evloop.go).
+func startOwn(self, role, name string, be map[string]string) (target, error) {
+	cmd := exec.Command(self, "-role", role, "-echo", be["echo"], "-sink", be["sink"])
 	cmd.Stderr = os.Stderr
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
@@ -220,7 +225,7 @@ func startKPP(self string, be map[string]string) (target, error) {
 			addrs[f[0]] = f[1]
 		}
 	}
-	return target{name: "kpp", echo: addrs["echo"], sink: addrs["sink"], pid: cmd.Process.Pid,
+	return target{name: name, echo: addrs["echo"], sink: addrs["sink"], pid: cmd.Process.Pid,
 		stop: func() { stdin.Close(); cmd.Wait() }}, nil
 }
 
