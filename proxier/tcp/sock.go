@@ -184,7 +184,9 @@ func setLegOptions(fd int, keepAlive time.Duration) error {
 	return nil
 }
 
-// setKeepAlive is sockopt.SetKeepAlive with smaller frames (see conn.dial).
+// setKeepAlive turns TCP keepalive on with idle time and probe interval d (whole seconds, at least
+// one); the probe count is the kernel's (net.ipv4.tcp_keepalive_probes, 9 by default). Set on the
+// listening socket, it is inherited by every accepted socket.
 func setKeepAlive(fd int, d time.Duration) error {
 	secs := max(int(d/time.Second), 1)
 	if err := sysSetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1); err != nil {
