@@ -124,8 +124,6 @@ func (c *conn) serve() {
 
 // dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
 func (c *conn) dial() (*sock, EndReason, error) {
-	// Errors are built in helpers that only failures call, which keeps the frames of the common
-	// path small.
 	p := c.p
 	reset := false
 	var lastErr error
@@ -169,7 +167,6 @@ func (c *conn) attempt(ep netip.AddrPort, i int) {
 	}
 }
 
-//go:noinline
 func (c *conn) noEndpoints(err error) error {
 	c.p.stats.noEndpoints.Add(1)
 	return fmt.Errorf("pick endpoint: %w", err)
@@ -177,8 +174,6 @@ func (c *conn) noEndpoints(err error) error {
 
 // dialFailed counts and logs a failed attempt and returns its error, naming the endpoint; nil if
 // the connection or the proxy is closing, and the ladder should stop (err then says so).
-//
-//go:noinline
 func (c *conn) dialFailed(ep netip.AddrPort, i int, timeout time.Duration, err error) error {
 	c.p.stats.dialFailures.Add(1)
 	if c.p.ctx.Err() != nil || c.isClosed() {
@@ -189,7 +184,6 @@ func (c *conn) dialFailed(ep netip.AddrPort, i int, timeout time.Duration, err e
 	return err
 }
 
-//go:noinline
 func dialsFailed(lastErr error) error {
 	if lastErr == nil {
 		lastErr = errors.New("no endpoint to retry")
@@ -202,37 +196,25 @@ func dialsFailed(lastErr error) error {
 // time lasts; closing connections free what it needs. (The accept loop backs off the same way,
 // but it can only see the limit when accept itself fails; a connection accepted with the last
 // free descriptor meets it here.)
-//
-//go:noinline
 func (c *conn) dialBackingOff(ep netip.AddrPort, deadline time.Time, err error) (*sock, error) {
 	backoff := time.Duration(0)
-	for {
-		if backoff = c.backOff(backoff, deadline, err); backoff == 0 {
-			return nil, err
+	for outOfResources(err) {
+		backoff = nextBackoff(backoff)
+		if time.Until(deadline) < backoff {
+			break
+		}
+		if backoff == minBackoff { // once per attempt, not per retry
+			c.logger().WithError(err).Warn("dial: out of resources, backing off")
+		}
+		if !c.p.sleep(backoff) {
+			break
 		}
 		var s *sock
-		if s, err = dialSock(ep, deadline, c.p.cfg.KeepAlive, c); err == nil || !outOfResources(err) {
-			return s, err
+		if s, err = dialSock(ep, deadline, c.p.cfg.KeepAlive, c); err == nil {
+			return s, nil
 		}
 	}
-}
-
-// backOff waits before the next try after an out-of-resources dial error; 0 means give up (the
-// attempt's time is out, or the proxy closed).
-//
-//go:noinline
-func (c *conn) backOff(prev time.Duration, deadline time.Time, err error) time.Duration {
-	backoff := nextBackoff(prev)
-	if time.Until(deadline) < backoff {
-		return 0
-	}
-	if backoff == minBackoff { // once per attempt, not per retry
-		c.logger().WithError(err).Warn("dial: out of resources, backing off")
-	}
-	if !c.p.sleep(backoff) {
-		return 0
-	}
-	return backoff
+	return nil, err
 }
 
 // startDial records the socket being connected so that terminate can abort the dial; false if the

@@ -69,7 +69,7 @@ func (pk *parker) arm(d *direction) error {
 	}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP | unix.EPOLLONESHOT, Fd: int32(key), Pad: int32(key >> 32)}
 	var ctlErr error
-	err := d.srcRaw.Control(func(fd uintptr) {
+	err := d.src.raw.Control(func(fd uintptr) {
 		err := pk.raw.Control(func(epfd uintptr) {
 			ctlErr = unix.EpollCtl(int(epfd), op, int(fd), &ev)
 		})

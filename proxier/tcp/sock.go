@@ -189,20 +189,20 @@ func setLegOptions(fd int, keepAlive time.Duration) error {
 // listening socket, it is inherited by every accepted socket.
 func setKeepAlive(fd int, d time.Duration) error {
 	secs := max(int(d/time.Second), 1)
-	if err := sysSetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1); err != nil {
-		return keepAliveErr("SO_KEEPALIVE", err)
-	}
-	if err := sysSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, secs); err != nil {
-		return keepAliveErr("TCP_KEEPIDLE", err)
-	}
-	if err := sysSetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, secs); err != nil {
-		return keepAliveErr("TCP_KEEPINTVL", err)
+	for _, o := range [...]struct {
+		level, opt, v int
+		name          string
+	}{
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1, "SO_KEEPALIVE"},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, secs, "TCP_KEEPIDLE"},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, secs, "TCP_KEEPINTVL"},
+	} {
+		if err := sysSetsockoptInt(fd, o.level, o.opt, o.v); err != nil {
+			return os.NewSyscallError("setsockopt "+o.name, err)
+		}
 	}
 	return nil
 }
-
-//go:noinline
-func keepAliveErr(opt string, err error) error { return os.NewSyscallError("setsockopt "+opt, err) }
 
 // acceptFn returns the accept callback for the listener's RawConn.Read: it sets *fd and *peer, or
 // *err, and asks to wait (false) only when no connection is queued.

@@ -6,7 +6,6 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -33,11 +32,10 @@ import (
 
 // direction moves bytes one way: src -> dst.
 type direction struct {
-	c              *conn
-	up             bool // client->endpoint
-	src, dst       *sock
-	srcRaw, dstRaw syscall.RawConn
-	fill, flush    func(fd uintptr) bool // method values, bound once: no allocation per wakeup
+	c           *conn
+	up          bool // client->endpoint
+	src, dst    *sock
+	fill, flush func(fd uintptr) bool // method values, bound once: no allocation per wakeup
 
 	bulk  bool           // splicing a bulk burst (see fillFn)
 	buf   *[bufSize]byte // holds d.n bytes at off, in small-read mode
@@ -55,7 +53,6 @@ type direction struct {
 
 func (d *direction) init(c *conn, up bool, src, dst *sock) {
 	d.c, d.up, d.src, d.dst = c, up, src, dst
-	d.srcRaw, d.dstRaw = src.raw, dst.raw
 	d.fill, d.flush = d.fillFn, d.flushFn
 }
 
@@ -79,7 +76,7 @@ func (d *direction) run() {
 			d.src.f.SetReadDeadline(deadline)
 		}
 		d.n, d.rerr = 0, nil
-		err := d.srcRaw.Read(d.fill)
+		err := d.src.raw.Read(d.fill)
 		if err == nil {
 			err = d.rerr
 		}
@@ -99,7 +96,7 @@ func (d *direction) run() {
 		moved := d.n
 		for d.n > 0 && err == nil {
 			d.werr = nil
-			err = d.dstRaw.Write(d.flush)
+			err = d.dst.raw.Write(d.flush)
 			if err == nil {
 				err = d.werr
 			}
