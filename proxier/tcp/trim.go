@@ -3,6 +3,7 @@ package tcp
 import (
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -32,8 +33,9 @@ type trimmer struct {
 	after                  int
 	quiet, maxDelay, every time.Duration
 
+	parks atomic.Int64 // counted without the lock: every park of every proxy counts
+
 	mu      sync.Mutex
-	parks   int
 	timer   *time.Timer
 	armedAt time.Time // when the pending trim was first scheduled; zero if none is pending
 	last    time.Time // the last release
@@ -41,12 +43,11 @@ type trimmer struct {
 
 // parked counts one direction that parked.
 func (t *trimmer) parked() {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.parks++
-	if t.parks < t.after {
+	if t.parks.Add(1) < int64(t.after) {
 		return
 	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	now := time.Now()
 	switch {
 	case t.armedAt.IsZero():
@@ -72,7 +73,8 @@ func (t *trimmer) fire() {
 		t.mu.Unlock()
 		return
 	}
-	t.parks, t.armedAt, t.last = 0, time.Time{}, time.Now()
+	t.parks.Store(0)
+	t.armedAt, t.last = time.Time{}, time.Now()
 	t.mu.Unlock()
 	t.release()
 }
