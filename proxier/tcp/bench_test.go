@@ -4,10 +4,12 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"runtime"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 )
 
 // Benchmarks compare the proxy with a direct connection to the same loopback endpoint:
@@ -204,18 +206,10 @@ func BenchmarkDial(b *testing.B) {
 // reportCPU reports the process's CPU time (user+system) per iteration from the call until the
 // returned function runs.
 func reportCPU(b *testing.B) func() {
-	start := processCPU(b)
+	start := procstat.CPUTime(os.Getpid())
 	return func() {
-		b.ReportMetric(float64(processCPU(b)-start)/float64(b.N), "cpu-ns/op")
+		b.ReportMetric(float64(procstat.CPUTime(os.Getpid())-start)/float64(b.N), "cpu-ns/op")
 	}
-}
-
-func processCPU(b *testing.B) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		b.Fatal(err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 type noAbort struct{}
