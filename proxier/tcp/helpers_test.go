@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -19,6 +20,7 @@ import (
 //   127.0.0.1:0   the proxy port
 //   127.0.0.2:0   a port that was bound then closed: dials to it are refused
 //   127.0.0.3:0+  endpoints (test servers)
+//   127.0.0.4:0   a listener whose full accept queue drops SYNs: dials to it time out
 //   clients dial from 127.0.0.1
 
 var testName = service.ServicePortName{Namespace: "default", Name: "web", Port: "http"}
@@ -155,6 +157,35 @@ func refusedPort(t *testing.T) netip.AddrPort {
 	}
 	ap := ln.Addr().(*net.TCPAddr).AddrPort()
 	ln.Close()
+	return ap
+}
+
+// unansweredPort returns an endpoint that drops SYNs: a listener with a backlog of 0 whose accept
+// queue is full with one connection nobody accepts, so a connect to it stays in SYN_SENT until
+// the dial's deadline (the kernel retransmits the SYN only after a second).
+func unansweredPort(t *testing.T) netip.AddrPort {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("socket: %v", err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 4}}); err != nil {
+		t.Fatalf("bind: %v", err)
+	}
+	if err := unix.Listen(fd, 0); err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatalf("getsockname: %v", err)
+	}
+	ap := netip.AddrPortFrom(netip.AddrFrom4(sa.(*unix.SockaddrInet4).Addr), uint16(sa.(*unix.SockaddrInet4).Port))
+	filler, err := net.DialTimeout("tcp4", ap.String(), 5*time.Second)
+	if err != nil {
+		t.Fatalf("fill the accept queue: %v", err)
+	}
+	t.Cleanup(func() { filler.Close() })
 	return ap
 }
 

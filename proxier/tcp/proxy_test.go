@@ -228,6 +228,28 @@ func TestDialFailover(t *testing.T) {
 			t.Errorf("dial stats %+v, want 2 attempts, 1 failure, 1 retry", st)
 		}
 	})
+	t.Run("unanswered_endpoint_times_out_to_next", func(t *testing.T) {
+		// The only test of a dial that does not complete inside connect (on loopback every other
+		// one does): it must wait in the poller and give up at the attempt's timeout.
+		good := serve(t, "127.0.0.3", echo)
+		picker := &fakePicker{eps: []netip.AddrPort{unansweredPort(t), good}}
+		closed := make(closedCh, 1)
+		const first = 200 * time.Millisecond
+		p := startProxy(t, picker, Config{DialTimeouts: []time.Duration{first, 5 * time.Second}, OnClose: closed.onClose})
+		start := time.Now()
+		c := dial(t, p)
+		roundTrip(t, c, "after a timeout")
+		if took := time.Since(start); took < first {
+			t.Errorf("round trip after %v, want at least the first attempt's %v", took, first)
+		}
+		c.Close()
+		if ci := closed.next(t); ci.DialAttempts != 2 || ci.Endpoint != good {
+			t.Errorf("dial attempts %d to %s, want 2 ending at %s", ci.DialAttempts, ci.Endpoint, good)
+		}
+		if st := p.Stats(); st.DialFailures != 1 || st.DialRetries != 1 {
+			t.Errorf("dial stats %+v, want 1 failure and 1 retry", st)
+		}
+	})
 	t.Run("every_attempt_refused_resets_client_after_ladder", func(t *testing.T) {
 		picker := &fakePicker{eps: []netip.AddrPort{refusedPort(t)}}
 		closed := make(closedCh, 1)

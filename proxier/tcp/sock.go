@@ -77,7 +77,23 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d 
 		return nil, err
 	}
 	switch err := sysConnect(fd, ep); err {
-	case nil, unix.EINPROGRESS, unix.EINTR: // EINTR: the connect goes on in the background
+	case nil:
+		return newSock(fd), nil
+	case unix.EINPROGRESS, unix.EINTR: // EINTR: the connect goes on in the background
+	default:
+		unix.Close(fd)
+		return nil, os.NewSyscallError("connect", err)
+	}
+	// To an endpoint on this node (or over veth) the handshake has usually completed by the time
+	// connect returns: the kernel runs the endpoint's side of it inline, and the SYN-ACK is
+	// processed when connect releases the socket. Asking now, while fd is still ours alone, saves
+	// arming and clearing a deadline timer and parking in the poller; that chain also outgrew the
+	// dialing goroutine's first stack, and the stack copy cost 3.5% of the proxy's CPU per
+	// connection (perf, bench/tcp conn test).
+	switch err := sysSendEmpty(fd); err {
+	case nil:
+		return newSock(fd), nil
+	case unix.EAGAIN, unix.EINTR: // still connecting: wait below
 	default:
 		unix.Close(fd)
 		return nil, os.NewSyscallError("connect", err)
