@@ -92,7 +92,7 @@ func (p *Proxy) handle(fd int, peer netip.AddrPort) {
 // serve dials an endpoint, then starts a goroutine for each direction and returns.
 //
 // Why not run client->endpoint on this goroutine: a dial that has to wait for its handshake (an
-// endpoint on another node; see dialSock) goes down to the runtime poller's deadline timers, whose
+// endpoint on another node; see awaitConnect) goes down to the runtime poller's deadline timers, whose
 // call chain outgrows a new goroutine's 2 KiB stack, so this goroutine ends with 4 KiB, while the
 // directions' loops fit in 2 KiB (checked with debug.SetMaxStack). Until they
 // park, the connections of a burst would each hold that 4 KiB stack, and the runtime returns freed

@@ -77,23 +77,7 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d 
 		return nil, err
 	}
 	switch err := sysConnect(fd, ep); err {
-	case nil:
-		return newSock(fd), nil
-	case unix.EINPROGRESS, unix.EINTR: // EINTR: the connect goes on in the background
-	default:
-		unix.Close(fd)
-		return nil, os.NewSyscallError("connect", err)
-	}
-	// To an endpoint on this node (or over veth) the handshake has usually completed by the time
-	// connect returns: the kernel runs the endpoint's side of it inline, and the SYN-ACK is
-	// processed when connect releases the socket. Asking now, while fd is still ours alone, saves
-	// arming and clearing a deadline timer and parking in the poller; that chain also outgrew the
-	// dialing goroutine's first stack, and the stack copy cost 3.5% of the proxy's CPU per
-	// connection (perf, bench/tcp conn test).
-	switch err := sysSendEmpty(fd); err {
-	case nil:
-		return newSock(fd), nil
-	case unix.EAGAIN, unix.EINTR: // still connecting: wait below
+	case nil, unix.EINPROGRESS, unix.EINTR: // EINTR: the connect goes on in the background
 	default:
 		unix.Close(fd)
 		return nil, os.NewSyscallError("connect", err)
@@ -113,15 +97,21 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d 
 }
 
 // awaitConnect waits until the connect started on s completes, fails, or deadline passes.
+//
+// The callback runs at once and again whenever the socket turns writable. A zero-length send is
+// the cheapest way to ask a connecting socket for its state in one syscall: EAGAIN while the
+// handshake runs (SYN_SENT), 0 once established, and the connect's error (ECONNREFUSED,
+// ETIMEDOUT, EHOSTUNREACH...) if it failed, which also clears it like SO_ERROR would.
+//
+// The deadline is armed only when that first answer is EAGAIN. To an endpoint on this node (or
+// behind a veth) the handshake has usually completed by the time connect returns: the kernel runs
+// the endpoint's side of it inline, and the SYN-ACK is processed when connect releases the socket.
+// Arming and clearing a timer for such a dial was wasted, and its call chain outgrew the dialing
+// goroutine's first stack: the stack copy cost 3.5% of the proxy's CPU per connection (perf,
+// bench/tcp conn test). The deadline is set before the callback returns false, so before the wait.
 func (s *sock) awaitConnect(deadline time.Time) error {
-	if err := s.f.SetWriteDeadline(deadline); err != nil {
-		return err
-	}
-	// The callback runs at once and again whenever the socket turns writable. A zero-length send is
-	// the cheapest way to ask a connecting socket for its state in one syscall: EAGAIN while the
-	// handshake runs (SYN_SENT), 0 once established, and the connect's error (ECONNREFUSED,
-	// ETIMEDOUT, EHOSTUNREACH...) if it failed, which also clears it like SO_ERROR would.
-	var cerr error
+	var cerr, derr error
+	armed := false
 	err := s.raw.Write(func(fd uintptr) bool {
 		for {
 			cerr = sysSendEmpty(int(fd))
@@ -129,18 +119,28 @@ func (s *sock) awaitConnect(deadline time.Time) error {
 			case unix.EINTR:
 				continue
 			case unix.EAGAIN:
+				if !armed {
+					armed = true
+					if derr = s.f.SetWriteDeadline(deadline); derr != nil {
+						return true
+					}
+				}
 				return false
 			}
 			return true
 		}
 	})
-	if err == nil && cerr != nil {
-		err = os.NewSyscallError("connect", cerr)
-	}
-	if err != nil {
+	switch {
+	case err != nil:
 		return err
+	case derr != nil:
+		return derr
+	case cerr != nil:
+		return os.NewSyscallError("connect", cerr)
+	case armed:
+		return s.f.SetWriteDeadline(time.Time{})
 	}
-	return s.f.SetWriteDeadline(time.Time{})
+	return nil
 }
 
 // listenSock opens a listening socket on addr as package net would (SO_REUSEADDR, IPV6_V6ONLY for
