@@ -6,7 +6,9 @@
 //   - kpp iptables: the real bin/kube-portal-proxy (--services-file) with iptables portals, the
 //     client connecting to the cluster IP;
 //   - kpp bind: the same binary in --portal-mode=bind;
-//   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address.
+//   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address;
+//   - ceiling: ceiling/ceiling.c, compiled with cc, the leanest bulk-TCP and UDP forwarder we can
+//     write, to show how much of the direct rate any user-space proxy keeps on this machine.
 //
 // Metrics: bulk Gbit/s, connections/s (one small exchange each), keep-alive requests/s, UDP
 // 64-byte request/response exchanges/s, the proxy's CPU per operation (utime+stime of its process
@@ -62,7 +64,7 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,ceiling); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")

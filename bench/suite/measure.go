@@ -45,6 +45,9 @@ func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool)
 	if hasCPU {
 		s[mCPUPerGB] = res.CPU / (float64(res.Ops) / 1e9)
 	}
+	if r.bulkAndUDPOnly {
+		return s, measureUDP(ctx, cfg, b, r, s)
+	}
 	if res, err = runLoad(ctx, b, loadSpec{Test: "conn", Addr: r.echo.String(), PID: r.pid, Dur: cfg.dur, Conc: cfg.conc}); err != nil {
 		return s, fmt.Errorf("connections: %w", err)
 	}
@@ -54,12 +57,8 @@ func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool)
 		return s, fmt.Errorf("keep-alive: %w", err)
 	}
 	perOp(s, res, mReq, mCPUPerReq, hasCPU)
-	if r.udp.IsValid() {
-		if res, err = runLoad(ctx, b, loadSpec{Test: "udp", Addr: r.udp.String(), PID: r.pid, Dur: cfg.dur,
-			Warmup: cfg.warmup, Conc: cfg.udpClients, Size: 64}); err != nil {
-			return s, fmt.Errorf("udp: %w", err)
-		}
-		perOp(s, res, mUDP, mCPUPerUDP, hasCPU)
+	if err := measureUDP(ctx, cfg, b, r, s); err != nil {
+		return s, err
 	}
 	if withIdle && hasCPU {
 		if err := measureIdle(ctx, cfg, b, r, s); err != nil {
@@ -67,6 +66,20 @@ func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool)
 		}
 	}
 	return s, nil
+}
+
+// measureUDP runs the UDP load when the target serves UDP.
+func measureUDP(ctx context.Context, cfg config, b *bed, r *running, s sample) error {
+	if !r.udp.IsValid() {
+		return nil
+	}
+	res, err := runLoad(ctx, b, loadSpec{Test: "udp", Addr: r.udp.String(), PID: r.pid, Dur: cfg.dur,
+		Warmup: cfg.warmup, Conc: cfg.udpClients, Size: 64})
+	if err != nil {
+		return fmt.Errorf("udp: %w", err)
+	}
+	perOp(s, res, mUDP, mCPUPerUDP, r.pid != 0)
+	return nil
 }
 
 func perOp(s sample, res loadResult, rate, cpu string, hasCPU bool) {

@@ -58,7 +58,18 @@ func runBench(ctx context.Context, cfg config) error {
 		"kpp iptables adds the nat table's REDIRECT and conntrack; bind, haproxy and nginx need neither")
 	rep.note("UDP exch = one 64-byte request and its reply; conn = connect, 4 bytes there and back, close; " +
 		"req = 64 bytes there and back on a kept connection; CPU counts the kernel time charged to the proxy process")
-	targets := rep.selectTargets(cfg, int(hard))
+	ceilingDir, err := os.MkdirTemp("", "kpp-bench-ceiling")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(ceilingDir)
+	ceiling, ceilingErr := "", error(nil)
+	if cfg.wants("ceiling") {
+		ceiling, ceilingErr = buildCeiling(ctx, ceilingDir)
+	}
+	rep.note("ceiling is bench/suite/ceiling/ceiling.c, the leanest bulk-TCP and UDP forwarder we can write " +
+		"(blocking splice, a thread per direction; recvmmsg/sendmmsg): no real proxy can keep more of the direct rate here")
+	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingErr)
 	for round := range cfg.reps {
 		for i := range targets {
 			t := targets[(i+round)%len(targets)]
@@ -118,7 +129,12 @@ func runOne(ctx context.Context, cfg config, t target, withIdle bool) (_ sample,
 }
 
 // selectTargets returns the targets to run, noting the ones skipped.
-func (rep *report) selectTargets(cfg config, hard int) []target {
+// ceiling is the built ceiling forwarder, or ceilingErr why there is none.
+func (rep *report) selectTargets(cfg config, hard int, ceiling string, ceilingErr error) []target {
+	ceilingSkip := ""
+	if ceilingErr != nil {
+		ceilingSkip = ceilingErr.Error()
+	}
 	all := []struct {
 		key  string
 		t    target
@@ -129,10 +145,11 @@ func (rep *report) selectTargets(cfg config, hard int) []target {
 		{"bind", kppTarget(cfg.proxy, "bind"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
+		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
 	}
 	var out []target
 	for _, a := range all {
-		if cfg.only != "" && !strings.Contains(","+cfg.only+",", ","+a.key+",") {
+		if !cfg.wants(a.key) {
 			continue
 		}
 		if a.skip != "" {
@@ -143,6 +160,11 @@ func (rep *report) selectTargets(cfg config, hard int) []target {
 		rep.order = append(rep.order, a.t.name)
 	}
 	return out
+}
+
+// wants says whether -only selects the target with this key.
+func (cfg config) wants(key string) bool {
+	return cfg.only == "" || strings.Contains(","+cfg.only+",", ","+key+",")
 }
 
 func fdHardLimit() (uint64, error) {

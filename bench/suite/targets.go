@@ -31,6 +31,8 @@ type running struct {
 	pid        int            // the proxy; 0 for direct
 	proc       *child
 	stopSig    syscall.Signal
+	// bulkAndUDPOnly skips the connection, keep-alive and idle loads (the ceiling target).
+	bulkAndUDPOnly bool
 }
 
 func (r *running) stop() {

@@ -44,6 +44,7 @@ var (
 	idleN    = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle   = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
 	only     = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,haproxy,nginx); empty = all")
+	compare  = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
 	nginxMod = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
 
@@ -159,12 +160,16 @@ func runBench() error {
 		}},
 		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
 		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
+		{"compare", func() (target, error) { return startOwn(*compare, "proxy", filepath.Base(*compare), addrs) }},
 		{"haproxy", func() (target, error) { return startHAProxy(addrs) }},
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
 	var rows []result
 	for _, s := range starters {
-		if *only != "" && !strings.Contains(","+*only+",", ","+s.name+",") {
+		if s.name == "compare" && *compare == "" {
+			continue
+		}
+		if *only != "" && s.name != "compare" && !strings.Contains(","+*only+",", ","+s.name+",") {
 			continue
 		}
 		t, err := s.start()
@@ -208,8 +213,8 @@ func startChild(self string, args ...string) (func(), map[string]string, error) 
 	return stop, addrs, nil
 }
 
-// startOwn runs this binary as a proxy child in role (proxy: kube-portal-proxy's TCP proxy; evloop:
-// the experiment in evloop.go).
+// startOwn runs a proxy child: this binary (or another build, -compare) in role (proxy:
+// kube-portal-proxy's TCP proxy; evloop: the experiment in evloop.go).
 func startOwn(self, role, name string, be map[string]string) (target, error) {
 	cmd := exec.Command(self, "-role", role, "-echo", be["echo"], "-sink", be["sink"])
 	cmd.Stderr = os.Stderr
