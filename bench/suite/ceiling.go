@@ -54,3 +54,24 @@ func ceilingTarget(bin string) target {
 		return r, nil
 	}}
 }
+
+// compareTarget runs another TCP proxy command in the node namespace, for A/B runs against an
+// older build or an experiment: argv plus -listen-echo, -echo, -listen-sink and -sink, the flags
+// of bench/tcp's proxy roles (e.g. -compare "/tmp/benchtcp -role evloop"). TCP loads only.
+func compareTarget(argv []string) target {
+	return target{name: "compare", start: func(ctx context.Context, b *bed) (*running, error) {
+		args := append(append([]string{}, argv...),
+			"-listen-echo", nodeEcho.String(), "-echo", podAddr(echoPort).String(),
+			"-listen-sink", nodeSink.String(), "-sink", podAddr(sinkPort).String())
+		proc, err := startChild(ctx, b.tb.Node, "compare", nil, args...)
+		if err != nil {
+			return nil, err
+		}
+		r := &running{echo: nodeEcho, sink: nodeSink, pid: proc.pid(), proc: proc, stopSig: syscall.SIGKILL}
+		if err := waitReady(ctx, b, r); err != nil {
+			r.stop()
+			return nil, err
+		}
+		return r, nil
+	}}
+}

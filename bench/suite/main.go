@@ -50,6 +50,7 @@ type config struct {
 	goTool       string
 	nginxModule  string
 	timeout      time.Duration
+	compare      string
 }
 
 func main() {
@@ -64,7 +65,7 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,ceiling); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,ceiling,compare); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")
@@ -72,6 +73,7 @@ func main() {
 	flag.StringVar(&cfg.goTool, "go", "go", "the go command, to build bench/scale")
 	flag.StringVar(&cfg.nginxModule, "nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 	flag.DurationVar(&cfg.timeout, "timeout", 10*time.Minute, "hard limit of the whole run")
+	flag.StringVar(&cfg.compare, "compare", "", "another TCP proxy command to add as target \"compare\" (see compareTarget), e.g. an older build of bench/tcp")
 	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 (explicit flags win)")
 	var spec loadSpec
 	flag.StringVar(&spec.Test, "test", "", "client: bulk, conn, keepalive, udp, idle")

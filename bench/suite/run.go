@@ -147,6 +147,13 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling string, ceilingEr
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
 		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
 	}
+	if cfg.compare != "" {
+		all = append(all, struct {
+			key  string
+			t    target
+			skip string
+		}{"compare", compareTarget(strings.Fields(cfg.compare)), ""})
+	}
 	var out []target
 	for _, a := range all {
 		if !cfg.wants(a.key) {

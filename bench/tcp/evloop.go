@@ -23,11 +23,12 @@ import (
 // runEvloop serves the echo and sink endpoints through event loops on 127.0.0.1.
 func runEvloop() error {
 	loops := runtime.GOMAXPROCS(0)
-	for _, ep := range []struct{ name, addr string }{{"echo", *echoEP}, {"sink", *sinkEP}} {
+	for _, ep := range []struct{ name, addr, listen string }{{"echo", *echoEP, *listenEcho}, {"sink", *sinkEP, *listenSink}} {
 		backend := netip.MustParseAddrPort(ep.addr)
-		port := 0
+		listen := netip.MustParseAddrPort(ep.listen)
+		port := int(listen.Port())
 		for i := 0; i < loops; i++ {
-			lfd, bound, err := evListen(port)
+			lfd, bound, err := evListen(listen.Addr(), port)
 			if err != nil {
 				return err
 			}
@@ -38,13 +39,13 @@ func runEvloop() error {
 			}
 			go l.run()
 		}
-		fmt.Printf("%s 127.0.0.1:%d\n", ep.name, port)
+		fmt.Printf("%s %s\n", ep.name, netip.AddrPortFrom(listen.Addr(), uint16(port)))
 	}
 	io.Copy(io.Discard, os.Stdin)
 	return nil
 }
 
-func evListen(port int) (int, int, error) {
+func evListen(addr netip.Addr, port int) (int, int, error) {
 	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, 0, err
@@ -52,7 +53,7 @@ func evListen(port int) (int, int, error) {
 	unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
 	unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
 	unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-	if err := unix.Bind(fd, &unix.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Port: port, Addr: addr.As4()}); err != nil {
 		return -1, 0, err
 	}
 	if err := unix.Listen(fd, 4096); err != nil {
