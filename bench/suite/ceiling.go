@@ -38,20 +38,10 @@ func buildCeiling(ctx context.Context, dir string) (string, error) {
 // one big stream, and its connection or idle figures would measure thread creation, not a bound.
 func ceilingTarget(bin string) target {
 	return target{name: "ceiling", start: func(ctx context.Context, b *bed) (*running, error) {
-		proc, err := startChild(ctx, b.tb.Node, "ceiling", nil, bin,
-			"-tcp", nodeEcho.String(), podAddr(echoPort).String(),
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, stopSig: syscall.SIGKILL, bulkAndUDPOnly: true},
+			bin, "-tcp", nodeEcho.String(), podAddr(echoPort).String(),
 			"-tcp", nodeSink.String(), podAddr(sinkPort).String(),
 			"-udp", nodeUDP.String(), podAddr(udpPort).String())
-		if err != nil {
-			return nil, err
-		}
-		r := &running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, pid: proc.pid(), proc: proc,
-			stopSig: syscall.SIGKILL, bulkAndUDPOnly: true}
-		if err := waitReady(ctx, b, r); err != nil {
-			r.stop()
-			return nil, err
-		}
-		return r, nil
 	}}
 }
 
@@ -63,15 +53,6 @@ func compareTarget(argv []string) target {
 		args := append(append([]string{}, argv...),
 			"-listen-echo", nodeEcho.String(), "-echo", podAddr(echoPort).String(),
 			"-listen-sink", nodeSink.String(), "-sink", podAddr(sinkPort).String())
-		proc, err := startChild(ctx, b.tb.Node, "compare", nil, args...)
-		if err != nil {
-			return nil, err
-		}
-		r := &running{echo: nodeEcho, sink: nodeSink, pid: proc.pid(), proc: proc, stopSig: syscall.SIGKILL}
-		if err := waitReady(ctx, b, r); err != nil {
-			r.stop()
-			return nil, err
-		}
-		return r, nil
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, stopSig: syscall.SIGKILL}, args...)
 	}}
 }

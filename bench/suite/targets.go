@@ -146,16 +146,8 @@ listen sink
 		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 			return nil, err
 		}
-		proc, err := startChild(ctx, b.tb.Node, "haproxy", nil, "haproxy", "-db", "-q", "-f", path)
-		if err != nil {
-			return nil, err
-		}
-		r := &running{echo: nodeEcho, sink: nodeSink, pid: proc.pid(), proc: proc, stopSig: syscall.SIGTERM}
-		if err := waitReady(ctx, b, r); err != nil {
-			r.stop()
-			return nil, err
-		}
-		return r, nil
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, stopSig: syscall.SIGTERM},
+			"haproxy", "-db", "-q", "-f", path)
 	}}
 }
 
@@ -179,18 +171,25 @@ stream {
 		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 			return nil, err
 		}
-		proc, err := startChild(ctx, b.tb.Node, "nginx", nil, "nginx", "-e", "stderr", "-p", b.dir, "-c", path)
-		if err != nil {
-			return nil, err
-		}
 		// SIGTERM: the master stops its workers (SIGKILL would orphan them).
-		r := &running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, pid: proc.pid(), proc: proc, stopSig: syscall.SIGTERM}
-		if err := waitReady(ctx, b, r); err != nil {
-			r.stop()
-			return nil, err
-		}
-		return r, nil
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, stopSig: syscall.SIGTERM},
+			"nginx", "-e", "stderr", "-p", b.dir, "-c", path)
 	}}
+}
+
+// startInNode runs argv in the node namespace as the target r describes (its addresses and stop
+// signal) and waits until it answers there.
+func startInNode(ctx context.Context, b *bed, r running, argv ...string) (*running, error) {
+	proc, err := startChild(ctx, b.tb.Node, filepath.Base(argv[0]), nil, argv...)
+	if err != nil {
+		return nil, err
+	}
+	r.pid, r.proc = proc.pid(), proc
+	if err := waitReady(ctx, b, &r); err != nil {
+		r.stop()
+		return nil, err
+	}
+	return &r, nil
 }
 
 // waitReady waits until every address of r answers from the client namespace.
