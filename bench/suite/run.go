@@ -58,18 +58,20 @@ func runBench(ctx context.Context, cfg config) error {
 		"kpp iptables adds the nat table's REDIRECT and conntrack; bind, haproxy and nginx need neither")
 	rep.note("UDP exch = one 64-byte request and its reply; conn = connect, 4 bytes there and back, close; " +
 		"req = 64 bytes there and back on a kept connection; CPU counts the kernel time charged to the proxy process")
-	ceilingDir, err := os.MkdirTemp("", "kpp-bench-ceiling")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(ceilingDir)
-	ceiling, ceilingErr := "", error(nil)
+	ceiling, ceilingSkip := "", ""
 	if cfg.wants("ceiling") {
-		ceiling, ceilingErr = buildCeiling(ctx, ceilingDir)
+		dir, err := os.MkdirTemp("", "kpp-bench-ceiling")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		if ceiling, err = buildCeiling(ctx, dir); err != nil {
+			ceilingSkip = err.Error()
+		}
+		rep.note("ceiling is bench/suite/ceiling/ceiling.c, the leanest bulk-TCP and UDP forwarder we can write " +
+			"(blocking splice, a thread per direction; recvmmsg/sendmmsg): a reference for how much of the direct rate a forwarder keeps here")
 	}
-	rep.note("ceiling is bench/suite/ceiling/ceiling.c, the leanest bulk-TCP and UDP forwarder we can write " +
-		"(blocking splice, a thread per direction; recvmmsg/sendmmsg): no real proxy can keep more of the direct rate here")
-	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingErr)
+	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip)
 	for round := range cfg.reps {
 		for i := range targets {
 			t := targets[(i+round)%len(targets)]
@@ -128,18 +130,17 @@ func runOne(ctx context.Context, cfg config, t target, withIdle bool) (_ sample,
 	return s, err
 }
 
-// selectTargets returns the targets to run, noting the ones skipped.
-// ceiling is the built ceiling forwarder, or ceilingErr why there is none.
-func (rep *report) selectTargets(cfg config, hard int, ceiling string, ceilingErr error) []target {
-	ceilingSkip := ""
-	if ceilingErr != nil {
-		ceilingSkip = ceilingErr.Error()
-	}
-	all := []struct {
-		key  string
-		t    target
-		skip string
-	}{
+// candidate is a target -only may select (by key); skip says why it cannot run here.
+type candidate struct {
+	key  string
+	t    target
+	skip string
+}
+
+// selectTargets returns the targets to run, noting the ones skipped. ceiling is the built ceiling
+// forwarder, or ceilingSkip why there is none.
+func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string) []target {
+	all := []candidate{
 		{"direct", directTarget(), ""},
 		{"iptables", kppTarget(cfg.proxy, "iptables"), available("iptables-restore")},
 		{"bind", kppTarget(cfg.proxy, "bind"), ""},
@@ -148,11 +149,7 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling string, ceilingEr
 		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
 	}
 	if cfg.compare != "" {
-		all = append(all, struct {
-			key  string
-			t    target
-			skip string
-		}{"compare", compareTarget(strings.Fields(cfg.compare)), ""})
+		all = append(all, candidate{"compare", compareTarget(strings.Fields(cfg.compare)), ""})
 	}
 	var out []target
 	for _, a := range all {

@@ -20,7 +20,7 @@ import (
 //
 //	go run ./bench/tcp -only kpp,evloop,haproxy,nginx
 
-// runEvloop serves the echo and sink endpoints through event loops on 127.0.0.1.
+// runEvloop serves the echo and sink endpoints through event loops on -listen-echo and -listen-sink.
 func runEvloop() error {
 	loops := runtime.GOMAXPROCS(0)
 	for _, ep := range []struct{ name, addr, listen string }{{"echo", *echoEP, *listenEcho}, {"sink", *sinkEP, *listenSink}} {

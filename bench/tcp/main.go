@@ -45,7 +45,7 @@ var (
 	conc       = flag.Int("conc", 16, "concurrent clients in the rate tests")
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,haproxy,nginx); empty = all")
+	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,haproxy,nginx,compare); empty = all")
 	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
@@ -153,25 +153,25 @@ func runBench() error {
 		return fmt.Errorf("backend: %w", err)
 	}
 	defer backend()
-	starters := []struct {
+	type starter struct {
 		name  string
 		start func() (target, error)
-	}{
+	}
+	starters := []starter{
 		{"direct", func() (target, error) {
 			return target{name: "direct", echo: addrs["echo"], sink: addrs["sink"], stop: func() {}}, nil
 		}},
 		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
 		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
-		{"compare", func() (target, error) { return startOwn(*compare, "proxy", filepath.Base(*compare), addrs) }},
 		{"haproxy", func() (target, error) { return startHAProxy(addrs) }},
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
+	if *compare != "" {
+		starters = append(starters, starter{"compare", func() (target, error) { return startOwn(*compare, "proxy", filepath.Base(*compare), addrs) }})
+	}
 	var rows []result
 	for _, s := range starters {
-		if s.name == "compare" && *compare == "" {
-			continue
-		}
-		if *only != "" && s.name != "compare" && !strings.Contains(","+*only+",", ","+s.name+",") {
+		if *only != "" && !strings.Contains(","+*only+",", ","+s.name+",") {
 			continue
 		}
 		t, err := s.start()

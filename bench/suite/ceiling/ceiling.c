@@ -12,7 +12,7 @@
 //     replies of one epoll round sent back with one sendmmsg.
 //
 // No timeouts, no session expiry, no limits, no error handling beyond not crashing: everything a
-// real proxy must do costs extra, so this bounds the rates from above.
+// real proxy must do costs extra, so beyond the machine's noise no proxy should beat it.
 //
 // usage: ceiling [-tcp LISTEN BACKEND]... [-udp LISTEN BACKEND]      (addresses are IPv4 ip:port)
 // It serves until killed.
