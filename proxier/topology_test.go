@@ -187,7 +187,7 @@ func TestSelectEndpoints(t *testing.T) {
 		{
 			name: "no_endpoint_for_this_node_falls_back_to_zone_hints",
 			port: with(func(p *service.Port) { p.TrafficDistribution = service.PreferSameNode }), node: nodeA,
-			eps: eps("10.0.0.1:80 ready nodes=node-b zones=zone-a", "10.0.0.2:80 ready nodes=node-c zones=zone-b"),
+			eps:      eps("10.0.0.1:80 ready nodes=node-b zones=zone-a", "10.0.0.2:80 ready nodes=node-c zones=zone-b"),
 			internal: "[10.0.0.1:80] policy=Cluster hints-ignored=no-node-hint-for:node-a topology=zone:zone-a",
 			external: none, fromNode: none, hasAny: true,
 		},
