@@ -7,6 +7,7 @@ package proxier
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 
@@ -365,24 +366,19 @@ func TestSelectEndpointsNeverLeavesTheNodeUnderLocal(t *testing.T) {
 	flags := []string{"ready", "terminating", "terminating notserving", ""}
 	where := []string{"local", "", "nonode"}
 	hints := []string{"", "zones=zone-a", "nodes=node-a zones=zone-a", "nodes=node-b zones=zone-b"}
+	shapes := len(flags) * len(where) * len(hints)
+	describe := func(k, n int) string {
+		f, w, h := flags[n%len(flags)], where[n/len(flags)%len(where)], hints[n/len(flags)/len(where)]
+		return strings.Join(strings.Fields(fmt.Sprintf("10.0.0.%d:80 %s %s %s", k, f, w, h)), " ")
+	}
 	count := 0
-	for i := 0; i < len(flags)*len(where)*len(hints); i++ {
-		for j := 0; j < len(flags)*len(where)*len(hints); j += 7 {
-			var list []service.Endpoint
-			for k, n := range []int{i, j} {
-				f, w, h := flags[n%len(flags)], where[n/len(flags)%len(where)], hints[n/len(flags)/len(where)]
-				list = append(list, ep(strings.Join(strings.Fields(fmt.Sprintf("10.0.0.%d:80 %s %s %s", k, f, w, h)), " ")))
-			}
+	for i := 0; i < shapes; i++ {
+		for j := 0; j < shapes; j++ {
+			list := eps(describe(0, i), describe(1, j))
 			got := selectEndpoints(port, list, node)
-			local := map[netip.AddrPort]bool{}
-			for _, e := range list {
-				if e.NodeName == node.Name {
-					local[e.Addr] = true
-				}
-			}
 			for _, s := range []Selection{got.Internal, got.External} {
 				for _, a := range s.Endpoints {
-					if !local[a] {
+					if i := slices.IndexFunc(list, func(e service.Endpoint) bool { return e.Addr == a }); list[i].NodeName != node.Name {
 						t.Fatalf("endpoints %+v: Local selection %q holds %s, not on %s", list, render(s), a, node.Name)
 					}
 				}
