@@ -217,8 +217,14 @@ func convertSlice(s *discovery.EndpointSlice) *slimSlice {
 		}
 		out.ports = append(out.ports, sp)
 	}
+	n := 0
+	for i := range s.Endpoints {
+		n += len(s.Endpoints[i].Addresses)
+	}
+	out.endpoints = make([]service.Endpoint, 0, n) // one allocation: an Endpoint is ~150 bytes
+	hints := hintSets{}
 	for _, e := range s.Endpoints {
-		base := endpointOf(s.Namespace, &e)
+		base := endpointOf(s.Namespace, &e, hints)
 		for _, a := range e.Addresses {
 			ip, err := netip.ParseAddr(a)
 			if err != nil {
@@ -234,7 +240,7 @@ func convertSlice(s *discovery.EndpointSlice) *slimSlice {
 
 // endpointOf converts the address-independent part of one slice endpoint: conditions, where it
 // runs, its topology hints and the object behind it.
-func endpointOf(namespace string, e *discovery.Endpoint) service.Endpoint {
+func endpointOf(namespace string, e *discovery.Endpoint, hints hintSets) service.Endpoint {
 	c := e.Conditions
 	ready := c.Ready == nil || *c.Ready // nil means unknown, which the API says to treat as ready
 	serving := ready
@@ -249,13 +255,8 @@ func endpointOf(namespace string, e *discovery.Endpoint) service.Endpoint {
 		out.Zone = *e.Zone
 	}
 	if h := e.Hints; h != nil {
-		for _, z := range h.ForZones {
-			out.ZoneHints = append(out.ZoneHints, z.Name)
-		}
-		for _, n := range h.ForNodes {
-			out.NodeHints = append(out.NodeHints, n.Name)
-		}
-		out.ZoneHints, out.NodeHints = sortedSet(out.ZoneHints), sortedSet(out.NodeHints)
+		out.ZoneHints = hints.of(len(h.ForZones), func(i int) string { return h.ForZones[i].Name })
+		out.NodeHints = hints.of(len(h.ForNodes), func(i int) string { return h.ForNodes[i].Name })
 	}
 	if r := e.TargetRef; r != nil {
 		out.TargetRef = service.NamespacedName{Namespace: r.Namespace, Name: r.Name}
@@ -264,6 +265,32 @@ func endpointOf(namespace string, e *discovery.Endpoint) service.Endpoint {
 		}
 	}
 	return out
+}
+
+// hintSets shares the hint slices of one EndpointSlice: its endpoints are mostly hinted for the
+// one zone (or node) they are in, so a 1,000-endpoint slice needs a handful of slices, not 1,000.
+// Shared slices are never modified.
+type hintSets map[string][]string
+
+// of returns the sorted set of the n names name(0..n-1).
+func (h hintSets) of(n int, name func(int) string) []string {
+	if n == 1 {
+		one := name(0)
+		if one == "" {
+			return nil
+		}
+		if s, ok := h[one]; ok {
+			return s
+		}
+		s := []string{one}
+		h[one] = s
+		return s
+	}
+	names := make([]string, n)
+	for i := range names {
+		names[i] = name(i)
+	}
+	return sortedSet(names)
 }
 
 // sortedSet sorts names and drops duplicates and empty names (which no node or zone has); nil
