@@ -18,7 +18,8 @@ type NodeTopology struct {
 // Selection is the endpoints one kind of traffic may use, and why.
 type Selection struct {
 	// Endpoints are the addresses the balancer may pick, in the order given. Empty means the
-	// traffic is refused here; it is never sent to an endpoint outside the selection.
+	// traffic is refused here; it is never sent to an endpoint outside the selection. Two
+	// selections may share this slice: read it, do not modify it.
 	Endpoints []netip.AddrPort
 	// Reason is a short machine-readable account of the choice: space-separated key=value
 	// tokens, e.g. "policy=Cluster topology=zone:zone-a" or "policy=Local fallback=terminating"
@@ -31,12 +32,14 @@ type EndpointSelection struct {
 	// Internal is for traffic to the cluster IPs (internalTrafficPolicy).
 	Internal Selection
 	// External is for traffic from other hosts to the node port, external IPs and load-balancer
-	// IPs (externalTrafficPolicy). Zero when the port takes no such traffic.
+	// IPs (externalTrafficPolicy). Empty, with the reason traffic=none, when the port has none
+	// of those addresses.
 	External Selection
 	// ExternalFromNode is for traffic to those external addresses that starts on this node (the
 	// node itself or one of its pods): kube-proxy sends it by the Cluster policy even under
 	// externalTrafficPolicy Local, since no client address needs preserving and a local client
-	// should reach the service as well as a remote one does. Zero when External is.
+	// should reach the service as well as a remote one does. Like External when the port has
+	// no external addresses.
 	ExternalFromNode Selection
 	// HasAnyEndpoints reports whether some endpoint is usable anywhere in the cluster. When a
 	// Local selection is empty and this is true, kube-proxy drops rather than rejects, so that
