@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
+	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -43,10 +45,20 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 		ExternalIPs:     parseIPs(svc.Spec.ExternalIPs),
 		LoadBalancerIPs: loadBalancerIPs(svc),
 		Affinity:        affinity(svc),
-		ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
+		ExternalLocal:   externalPolicyLocal(svc),
 		InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
 		AccessLog:       svc.Annotations[AnnotationAccessLog] == "true",
 	}
+	if svc.Spec.TrafficDistribution != nil {
+		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
+	}
+	var err error
+	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
+		errs = append(errs, err)
+	}
+	var rangeErrs []error
+	common.LoadBalancerSourceRanges, rangeErrs = sourceRanges(svc)
+	errs = append(errs, rangeErrs...)
 	for i := range svc.Spec.Ports {
 		sp := &svc.Spec.Ports[i]
 		name := service.ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
@@ -82,6 +94,55 @@ func shouldProxy(svc *v1.Service) bool {
 	}
 	ip := svc.Spec.ClusterIP
 	return ip != "" && ip != v1.ClusterIPNone
+}
+
+// externalPolicyLocal mirrors kube-proxy: externalTrafficPolicy applies only to a Service that
+// takes traffic from outside (NodePort, LoadBalancer, or ClusterIP with external IPs).
+func externalPolicyLocal(svc *v1.Service) bool {
+	if svc.Spec.ExternalTrafficPolicy != v1.ServiceExternalTrafficPolicyLocal {
+		return false
+	}
+	switch svc.Spec.Type {
+	case v1.ServiceTypeNodePort, v1.ServiceTypeLoadBalancer:
+		return true
+	case v1.ServiceTypeClusterIP, "":
+		return len(svc.Spec.ExternalIPs) > 0
+	}
+	return false
+}
+
+// healthCheckNodePort is spec.healthCheckNodePort where kube-proxy serves one: a LoadBalancer
+// with externalTrafficPolicy Local. Missing there (the API server allocates it) is reported.
+func healthCheckNodePort(svc *v1.Service) (uint16, error) {
+	if svc.Spec.Type != v1.ServiceTypeLoadBalancer || !externalPolicyLocal(svc) {
+		return 0, nil
+	}
+	p := svc.Spec.HealthCheckNodePort
+	if p <= 0 || p > 65535 {
+		return 0, fmt.Errorf("service %s/%s: healthCheckNodePort %d: load balancers cannot check this node's endpoints", svc.Namespace, svc.Name, p)
+	}
+	return uint16(p), nil
+}
+
+// sourceRanges parses spec.loadBalancerSourceRanges (padded with spaces, which validation lets
+// through, as kube-proxy tolerates), masked and without duplicates. A range that does not parse
+// is reported and skipped. Like kube-proxy, and unlike cloud providers, the
+// service.beta.kubernetes.io/load-balancer-source-ranges annotation is not read.
+func sourceRanges(svc *v1.Service) ([]netip.Prefix, []error) {
+	var out []netip.Prefix
+	var errs []error
+	for i, raw := range svc.Spec.LoadBalancerSourceRanges {
+		p, err := netip.ParsePrefix(strings.TrimSpace(raw))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("service %s/%s: loadBalancerSourceRanges[%d] skipped: %w", svc.Namespace, svc.Name, i, err))
+			continue
+		}
+		p = p.Masked()
+		if !slices.Contains(out, p) {
+			out = append(out, p)
+		}
+	}
+	return out, errs
 }
 
 func affinity(svc *v1.Service) service.Affinity {
@@ -156,29 +217,91 @@ func convertSlice(s *discovery.EndpointSlice) *slimSlice {
 		}
 		out.ports = append(out.ports, sp)
 	}
+	n := 0
+	for i := range s.Endpoints {
+		n += len(s.Endpoints[i].Addresses)
+	}
+	out.endpoints = make([]service.Endpoint, 0, n) // one allocation: an Endpoint is ~150 bytes
+	hints := hintSets{}
 	for _, e := range s.Endpoints {
-		c := e.Conditions
-		ready := c.Ready == nil || *c.Ready // nil means unknown, which the API says to treat as ready
-		serving := ready
-		if c.Serving != nil {
-			serving = *c.Serving
-		}
-		terminating := c.Terminating != nil && *c.Terminating
-		node := ""
-		if e.NodeName != nil {
-			node = *e.NodeName
-		}
+		base := endpointOf(s.Namespace, &e, hints)
 		for _, a := range e.Addresses {
 			ip, err := netip.ParseAddr(a)
 			if err != nil {
 				continue
 			}
-			out.endpoints = append(out.endpoints, service.Endpoint{
-				Addr: netip.AddrPortFrom(ip.Unmap(), 0), Ready: ready, Serving: serving, Terminating: terminating, NodeName: node,
-			})
+			ep := base // the hint slices are shared, never modified
+			ep.Addr = netip.AddrPortFrom(ip.Unmap(), 0)
+			out.endpoints = append(out.endpoints, ep)
 		}
 	}
 	return out
+}
+
+// endpointOf converts the address-independent part of one slice endpoint: conditions, where it
+// runs, its topology hints and the object behind it.
+func endpointOf(namespace string, e *discovery.Endpoint, hints hintSets) service.Endpoint {
+	c := e.Conditions
+	ready := c.Ready == nil || *c.Ready // nil means unknown, which the API says to treat as ready
+	serving := ready
+	if c.Serving != nil {
+		serving = *c.Serving
+	}
+	out := service.Endpoint{Ready: ready, Serving: serving, Terminating: c.Terminating != nil && *c.Terminating}
+	if e.NodeName != nil {
+		out.NodeName = *e.NodeName
+	}
+	if e.Zone != nil {
+		out.Zone = *e.Zone
+	}
+	if h := e.Hints; h != nil {
+		out.ZoneHints = hints.of(len(h.ForZones), func(i int) string { return h.ForZones[i].Name })
+		out.NodeHints = hints.of(len(h.ForNodes), func(i int) string { return h.ForNodes[i].Name })
+	}
+	if r := e.TargetRef; r != nil {
+		out.TargetRef = service.NamespacedName{Namespace: r.Namespace, Name: r.Name}
+		if out.TargetRef.Namespace == "" {
+			out.TargetRef.Namespace = namespace
+		}
+	}
+	return out
+}
+
+// hintSets shares the hint slices of one EndpointSlice: its endpoints are mostly hinted for the
+// one zone (or node) they are in, so a 1,000-endpoint slice needs a handful of slices, not 1,000.
+// Shared slices are never modified.
+type hintSets map[string][]string
+
+// of returns the sorted set of the n names name(0..n-1).
+func (h hintSets) of(n int, name func(int) string) []string {
+	if n == 1 {
+		one := name(0)
+		if one == "" {
+			return nil
+		}
+		if s, ok := h[one]; ok {
+			return s
+		}
+		s := []string{one}
+		h[one] = s
+		return s
+	}
+	names := make([]string, n)
+	for i := range names {
+		names[i] = name(i)
+	}
+	return sortedSet(names)
+}
+
+// sortedSet sorts names and drops duplicates and empty names (which no node or zone has); nil
+// when nothing is left, so "no hints" has one form.
+func sortedSet(names []string) []string {
+	names = slices.DeleteFunc(names, func(n string) bool { return n == "" })
+	if len(names) == 0 {
+		return nil
+	}
+	slices.Sort(names)
+	return slices.Compact(names)
 }
 
 // endpointsFor merges the slices of one service into the endpoints of one of its ports: ports are

@@ -277,3 +277,157 @@ func TestServiceChangeTracker(t *testing.T) {
 		})
 	}
 }
+
+func TestConvertServiceTrafficFields(t *testing.T) {
+	local := ptr(v1.ServiceInternalTrafficPolicyLocal)
+	tests := []struct {
+		name    string
+		mutate  func(*v1.Service)
+		want    string // rendered by describeTraffic
+		wantErr []string
+	}{
+		{
+			name: "defaults",
+			want: "etp=false itp=false hc=0 ranges=[] td=",
+		},
+		{
+			name: "external_local_on_node_port",
+			mutate: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeNodePort
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 32000 // only a LoadBalancer gets one
+			},
+			want: "etp=true itp=false hc=0 ranges=[] td=",
+		},
+		{
+			name: "external_local_meaningless_on_plain_cluster_ip",
+			mutate: func(s *v1.Service) {
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+			},
+			want: "etp=false itp=false hc=0 ranges=[] td=",
+		},
+		{
+			name: "external_local_on_cluster_ip_with_external_ips",
+			mutate: func(s *v1.Service) {
+				s.Spec.ExternalIPs = []string{"203.0.113.9"}
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+			},
+			want: "etp=true itp=false hc=0 ranges=[] td=",
+		},
+		{
+			name: "load_balancer_local_has_health_check_node_port",
+			mutate: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeLoadBalancer
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 32000
+				s.Spec.InternalTrafficPolicy = local
+			},
+			want: "etp=true itp=true hc=32000 ranges=[] td=",
+		},
+		{
+			name: "load_balancer_local_without_health_check_node_port_is_reported",
+			mutate: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeLoadBalancer
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+			},
+			want:    "etp=true itp=false hc=0 ranges=[] td=",
+			wantErr: []string{"service ns/t: healthCheckNodePort 0: load balancers cannot check this node's endpoints"},
+		},
+		{
+			name: "source_ranges_trimmed_masked_deduplicated_bad_one_skipped",
+			mutate: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeLoadBalancer
+				s.Spec.LoadBalancerSourceRanges = []string{" 192.0.2.0/24", "10.1.2.3/8", "bogus", "2001:db8::/32 ", "10.0.0.0/8", "10.0.0.0/33"}
+			},
+			want: "etp=false itp=false hc=0 ranges=[192.0.2.0/24 10.0.0.0/8 2001:db8::/32] td=",
+			wantErr: []string{
+				`service ns/t: loadBalancerSourceRanges[2] skipped: netip.ParsePrefix("bogus"): no '/'`,
+				`service ns/t: loadBalancerSourceRanges[5] skipped: netip.ParsePrefix("10.0.0.0/33"): prefix length out of range`,
+			},
+		},
+		{
+			name: "source_ranges_annotation_not_read_as_kube_proxy",
+			mutate: func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeLoadBalancer
+				s.Annotations = map[string]string{"service.beta.kubernetes.io/load-balancer-source-ranges": "192.0.2.0/24"}
+			},
+			want: "etp=false itp=false hc=0 ranges=[] td=",
+		},
+		{
+			name:   "traffic_distribution_verbatim",
+			mutate: func(s *v1.Service) { s.Spec.TrafficDistribution = ptr(v1.ServiceTrafficDistributionPreferSameNode) },
+			want:   "etp=false itp=false hc=0 ranges=[] td=PreferSameNode",
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			svc := makeService("ns", "t", "10.96.0.20", tc.mutate, tcpPort("a", 80), udpPort("b", 53))
+			ports, errs := convertService(svc)
+			if len(ports) != 2 {
+				t.Fatalf("got %d ports, want both kept", len(ports))
+			}
+			for _, p := range ports {
+				if got := describeTraffic(p); got != tc.want {
+					t.Errorf("port %s (-want +got):\n- %s\n+ %s", p.Name, tc.want, got)
+				}
+			}
+			var gotErr []string
+			for _, e := range errs {
+				gotErr = append(gotErr, e.Error())
+			}
+			if fmt.Sprint(gotErr) != fmt.Sprint(tc.wantErr) {
+				t.Errorf("errors (-want +got):\n- %q\n+ %q", tc.wantErr, gotErr)
+			}
+		})
+	}
+}
+
+func describeTraffic(p *service.Port) string {
+	ranges := p.LoadBalancerSourceRanges
+	if ranges == nil {
+		ranges = []netip.Prefix{}
+	}
+	return fmt.Sprintf("etp=%v itp=%v hc=%d ranges=%v td=%s", p.ExternalLocal, p.InternalLocal, p.HealthCheckNodePort, ranges, p.TrafficDistribution)
+}
+
+func TestConvertSliceTopology(t *testing.T) {
+	s := makeSlice("ns", "web", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("http", v1.ProtocolTCP, 8080)})
+	s.Endpoints = []discovery.Endpoint{
+		{
+			Addresses: []string{"10.244.1.2"}, NodeName: ptr("node-a"), Zone: ptr("zone-a"),
+			Hints: &discovery.EndpointHints{
+				ForZones: []discovery.ForZone{{Name: "zone-b"}, {Name: "zone-a"}, {Name: "zone-b"}, {Name: ""}},
+				ForNodes: []discovery.ForNode{{Name: "node-a"}},
+			},
+			TargetRef: &v1.ObjectReference{Kind: "Pod", Name: "web-0"}, // namespace defaults to the slice's
+		},
+		{
+			Addresses: []string{"10.244.2.2"}, Hints: &discovery.EndpointHints{},
+			TargetRef: &v1.ObjectReference{Kind: "Pod", Namespace: "other", Name: "web-1"},
+		},
+	}
+	got := convertSlice(s).endpoints
+	want := []service.Endpoint{
+		{Addr: netip.MustParseAddrPort("10.244.1.2:0"), Ready: true, Serving: true, NodeName: "node-a", Zone: "zone-a",
+			ZoneHints: []string{"zone-a", "zone-b"}, NodeHints: []string{"node-a"},
+			TargetRef: service.NamespacedName{Namespace: "ns", Name: "web-0"}},
+		{Addr: netip.MustParseAddrPort("10.244.2.2:0"), Ready: true, Serving: true,
+			TargetRef: service.NamespacedName{Namespace: "other", Name: "web-1"}},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("endpoints (-want +got):\n- %+v\n+ %+v", want, got)
+	}
+	for i := range want {
+		if !got[i].Equal(&want[i]) {
+			t.Errorf("endpoint %d (-want +got):\n- %+v\n+ %+v", i, want[i], got[i])
+		}
+	}
+
+	// The hints reach every port of the service through endpointsFor.
+	port := &service.Port{Name: service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}, Protocol: service.TCP,
+		ClusterIPs: addrs("10.96.0.10")}
+	eps := endpointsFor(port, []*slimSlice{convertSlice(s)})
+	if len(eps) != 2 || eps[0].Addr.Port() != 8080 || !eps[0].HasZoneHint("zone-a") || !eps[0].HasNodeHint("node-a") {
+		t.Errorf("endpointsFor lost the port or hints: %+v", eps)
+	}
+}

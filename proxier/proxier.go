@@ -194,7 +194,7 @@ func (p *Proxier) OnServiceDelete(svc *v1.Service) { p.onService(nsName(svc.Name
 func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	ports, errs := convertService(svc)
 	for _, err := range errs {
-		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Skipping service port")
+		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
 		if errors.Is(err, ErrUnsupportedProtocol) {
 			p.deps.Metrics.unsupportedPorts.Inc()
 		}

@@ -66,6 +66,18 @@ func (a Affinity) TTL() time.Duration {
 	return a.Timeout
 }
 
+// TrafficDistribution is spec.trafficDistribution of a Service. The proxy does not act on it
+// directly: like kube-proxy, it follows the topology hints the EndpointSlice controller derives
+// from it. It is kept to explain a selection (a distribution asked for but no hints published).
+type TrafficDistribution string
+
+// The values the API accepts. PreferClose is the deprecated name of PreferSameZone.
+const (
+	PreferClose    TrafficDistribution = "PreferClose"
+	PreferSameZone TrafficDistribution = "PreferSameZone"
+	PreferSameNode TrafficDistribution = "PreferSameNode"
+)
+
 // Port is everything the proxy needs to know about one service port.
 type Port struct {
 	Name     ServicePortName
@@ -79,25 +91,41 @@ type Port struct {
 	ExternalIPs     []netip.Addr
 	LoadBalancerIPs []netip.Addr
 	Affinity        Affinity
-	// ExternalLocal and InternalLocal record the traffic policies (externalTrafficPolicy: Local,
-	// internalTrafficPolicy: Local).
+	// ExternalLocal and InternalLocal record the traffic policies (externalTrafficPolicy: Local
+	// on a service reachable from outside, internalTrafficPolicy: Local).
 	ExternalLocal bool
 	InternalLocal bool
+	// HealthCheckNodePort is where a load balancer asks whether this node has local endpoints
+	// (type LoadBalancer with externalTrafficPolicy: Local); 0 when there is none.
+	HealthCheckNodePort uint16
+	// LoadBalancerSourceRanges are the client ranges allowed to reach the load-balancer IPs,
+	// masked, both families; empty allows every client.
+	LoadBalancerSourceRanges []netip.Prefix
+	// TrafficDistribution is spec.trafficDistribution, verbatim ("" when unset).
+	TrafficDistribution TrafficDistribution
 	// AccessLog asks for one log line per connection or UDP session of this port (an annotation).
 	AccessLog bool
 }
 
+// ExternallyAccessible reports whether the port takes traffic other than at its cluster IPs
+// (a node port, external IPs or load-balancer IPs).
+func (p *Port) ExternallyAccessible() bool {
+	return p.NodePort != 0 || len(p.ExternalIPs) > 0 || len(p.LoadBalancerIPs) > 0
+}
+
 // Equal reports whether two ports are the same in every field.
 func (p *Port) Equal(o *Port) bool {
-	return p.Name == o.Name && p.Protocol == o.Protocol && p.Port == o.Port && p.NodePort == o.NodePort &&
-		slices.Equal(p.ClusterIPs, o.ClusterIPs) && slices.Equal(p.ExternalIPs, o.ExternalIPs) &&
-		slices.Equal(p.LoadBalancerIPs, o.LoadBalancerIPs) && p.Affinity == o.Affinity &&
-		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal && p.AccessLog == o.AccessLog
+	return p.SocketEqual(o) && p.Name == o.Name && p.Affinity == o.Affinity &&
+		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal &&
+		p.HealthCheckNodePort == o.HealthCheckNodePort && p.TrafficDistribution == o.TrafficDistribution &&
+		slices.Equal(p.LoadBalancerSourceRanges, o.LoadBalancerSourceRanges)
 }
 
 // SocketEqual reports whether a proxy socket opened for p can serve o unchanged: protocol, the
-// portal addresses and the access log (a socket hook) match. Affinity and policies can change
-// under a live socket.
+// portal addresses and the access log (a socket hook) match. Affinity, traffic policies and
+// distribution (they change which endpoints are picked), the health check node port (served
+// elsewhere) and the source ranges (a filter in front of the socket) can change under a live
+// socket.
 func (p *Port) SocketEqual(o *Port) bool {
 	return p.Protocol == o.Protocol && p.Port == o.Port && p.NodePort == o.NodePort && p.AccessLog == o.AccessLog &&
 		slices.Equal(p.ClusterIPs, o.ClusterIPs) && slices.Equal(p.ExternalIPs, o.ExternalIPs) &&
@@ -116,4 +144,32 @@ type Endpoint struct {
 	Terminating bool
 	// NodeName is where the endpoint runs, if known (for traffic policies and the debug view).
 	NodeName string
+	// Zone is the endpoint's zone, if known (the debug view; selection uses ZoneHints).
+	Zone string
+	// ZoneHints and NodeHints are the topology hints the EndpointSlice controller published
+	// (hints.forZones, hints.forNodes): sorted, without duplicates, nil when there are none.
+	ZoneHints []string
+	NodeHints []string
+	// TargetRef names the object behind the endpoint (usually its Pod), if known.
+	TargetRef NamespacedName
+}
+
+// Equal reports whether two endpoints are the same in every field. (Endpoint holds slices, so
+// it is not comparable with ==.)
+func (e *Endpoint) Equal(o *Endpoint) bool {
+	return e.Addr == o.Addr && e.Ready == o.Ready && e.Serving == o.Serving && e.Terminating == o.Terminating &&
+		e.NodeName == o.NodeName && e.Zone == o.Zone && e.TargetRef == o.TargetRef &&
+		slices.Equal(e.ZoneHints, o.ZoneHints) && slices.Equal(e.NodeHints, o.NodeHints)
+}
+
+// HasZoneHint reports whether the endpoint is hinted for zone.
+func (e *Endpoint) HasZoneHint(zone string) bool {
+	_, ok := slices.BinarySearch(e.ZoneHints, zone)
+	return ok
+}
+
+// HasNodeHint reports whether the endpoint is hinted for node.
+func (e *Endpoint) HasNodeHint(node string) bool {
+	_, ok := slices.BinarySearch(e.NodeHints, node)
+	return ok
 }
