@@ -83,6 +83,33 @@ func TestGoldenRules(t *testing.T) {
 			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080, ClusterIPs: addrs("10.96.0.10"), ProxyPort: 34001},
 			{Name: spn("default", "syslog", ""), Protocol: service.UDP, Port: 514, ClusterIPs: addrs("10.96.0.11"), ProxyPort: 34002},
 		}},
+		// A service port without endpoints: every portal refused in the filter table, nothing steered.
+		{name: "reject_no_endpoints", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: nodeV4, IPv6: nodeV6}}, specs: []Spec{
+			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+				ClusterIPs: addrs("10.96.0.10", "fd00:96::10"), ExternalIPs: addrs("203.0.113.7"),
+				LoadBalancerIPs: addrs("198.51.100.20"), ProxyPort: 34001, RejectInternal: true, RejectExternal: true},
+			{Name: spn("default", "syslog", ""), Protocol: service.UDP, Port: 514, ClusterIPs: addrs("10.96.0.11", "fd00:96::11"),
+				ProxyPort: 34002, RejectInternal: true, RejectExternal: true},
+		}},
+		// externalTrafficPolicy: Local without a local endpoint: external traffic is refused, the
+		// node's own and cluster traffic still steered.
+		{name: "external_local_no_local_endpoints", cfg: v4Config(), specs: []Spec{
+			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+				ClusterIPs: addrs("10.96.0.10"), LoadBalancerIPs: addrs("198.51.100.20"), ProxyPort: 34001,
+				ExternalProxyPort: 34011, RejectExternal: true},
+		}},
+		// externalTrafficPolicy: Local with local endpoints: external portals go to their own socket.
+		{name: "external_local", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: nodeV4}, ProtectProxyPorts: true}, specs: []Spec{
+			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+				ClusterIPs: addrs("10.96.0.10"), ExternalIPs: addrs("203.0.113.7"), LoadBalancerIPs: addrs("198.51.100.20"),
+				ProxyPort: 34001, ExternalProxyPort: 34011},
+		}},
+		{name: "load_balancer_source_ranges", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: nodeV4, IPv6: nodeV6}}, specs: []Spec{
+			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, ClusterIPs: addrs("10.96.0.10"),
+				LoadBalancerIPs: addrs("198.51.100.20", "2001:db8::20"), ProxyPort: 34001,
+				SourceRanges: []netip.Prefix{netip.MustParsePrefix("10.100.0.0/24"), netip.MustParsePrefix("192.0.2.1/32"),
+					netip.MustParsePrefix("2001:db8:1::/48")}},
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

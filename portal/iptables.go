@@ -77,6 +77,7 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 	for i := range sorted { // the caller may reuse its slices
 		s := &sorted[i]
 		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
+		s.SourceRanges = slices.Clone(s.SourceRanges)
 	}
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
 		return nil
@@ -330,6 +331,8 @@ func (p *IPTables) Rules() string {
 
 func specEqual(a, b Spec) bool {
 	return a.Name == b.Name && a.Protocol == b.Protocol && a.Port == b.Port && a.NodePort == b.NodePort &&
-		a.ProxyPort == b.ProxyPort && slices.Equal(a.ClusterIPs, b.ClusterIPs) &&
-		slices.Equal(a.ExternalIPs, b.ExternalIPs) && slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs)
+		a.ProxyPort == b.ProxyPort && a.ExternalProxyPort == b.ExternalProxyPort &&
+		a.RejectInternal == b.RejectInternal && a.RejectExternal == b.RejectExternal &&
+		slices.Equal(a.ClusterIPs, b.ClusterIPs) && slices.Equal(a.ExternalIPs, b.ExternalIPs) &&
+		slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs) && slices.Equal(a.SourceRanges, b.SourceRanges)
 }

@@ -195,9 +195,10 @@ func TestSyncRepairsChangesMadeByOthers(t *testing.T) {
 		{"deleted_rule", [][]string{{"-t", "nat", "-D", ChainPortalsHost, "1"}}},
 		{"deleted_jump", [][]string{{"-t", "nat", "-D", "PREROUTING", "1"}}},
 		{"extra_rule", [][]string{{"-t", "nat", "-A", ChainPortalsHost, "-p", "tcp", "-j", "ACCEPT"}}},
-		{"deleted_chain", [][]string{{"-t", "filter", "-D", "INPUT", "1"}, {"-t", "filter", "-F", ChainGuard}, {"-t", "filter", "-X", ChainGuard}}},
-		// The guard must come before KUBE-NODEPORT-NON-LOCAL, which accepts.
-		{"jumps_reordered", [][]string{{"-t", "filter", "-D", "INPUT", "1"}, {"-t", "filter", "-A", "INPUT",
+		{"deleted_chain", [][]string{{"-t", "filter", "-D", "INPUT", "3"}, {"-t", "filter", "-F", ChainGuard}, {"-t", "filter", "-X", ChainGuard}}},
+		// The guard (third in INPUT, after the firewall and reject jumps) must come before
+		// KUBE-NODEPORT-NON-LOCAL, which accepts.
+		{"jumps_reordered", [][]string{{"-t", "filter", "-D", "INPUT", "3"}, {"-t", "filter", "-A", "INPUT",
 			"-m", "comment", "--comment", "new connections reach proxy ports only through a portal", "-j", ChainGuard}}},
 	}
 	for _, tt := range tests {

@@ -1,12 +1,16 @@
 package portal
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -258,4 +262,146 @@ func TestKernelTraffic(t *testing.T) {
 			}
 		})
 	}
+}
+
+// listenGreeter opens another TCP listener in the node namespace that greets like the lab's proxy
+// socket, for a second (external) proxy port.
+func (l *trafficLab) listenGreeter(t *testing.T) uint16 {
+	t.Helper()
+	var ln net.Listener
+	if err := l.node.Do(func() (err error) {
+		ln, err = net.Listen("tcp4", "0.0.0.0:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			fmt.Fprintf(c, "proxy socket, local %s", c.LocalAddr())
+			c.Close()
+		}
+	}()
+	return uint16(ln.Addr().(*net.TCPAddr).Port)
+}
+
+// udpRefused sends one datagram from ns to addr on a connected socket and reports whether the
+// reply was an ICMP port unreachable (ECONNREFUSED on the next read).
+func udpRefused(ns *netns.NS, addr string) (bool, error) {
+	refused := false
+	err := ns.Do(func() error {
+		c, err := net.Dial("udp", addr)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte("ping")); err != nil {
+			return err
+		}
+		_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		_, err = c.Read(make([]byte, 16))
+		refused = errors.Is(err, syscall.ECONNREFUSED)
+		if !refused && err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			return err
+		}
+		return nil
+	})
+	return refused, err
+}
+
+// TestKernelRefusalAndPolicies checks what the filter-table rules do to real connections: a
+// service port without endpoints is refused at once (ECONNREFUSED, ICMP port unreachable for UDP)
+// and steered again when it has endpoints; external traffic of an externalTrafficPolicy: Local
+// port reaches its own socket while the node's own traffic stays on the cluster socket; and
+// loadBalancerSourceRanges let only the listed clients reach the load-balancer IP.
+// Address plan: as newTrafficLab, plus load-balancer IP 10.96.1.20 (in the routed cluster range).
+func TestKernelRefusalAndPolicies(t *testing.T) {
+	l := newTrafficLab(t)
+	// A node forwards pod traffic; refusing a cluster IP (not a local address) happens in FORWARD.
+	// The lab routes cluster IPs back out of the interface they came in on, which makes the node
+	// send ICMP redirects; those use up the per-host ICMP rate limit that the port-unreachable
+	// answer needs, so the lab turns them off (a real node routes them elsewhere).
+	l.node.MustExec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0",
+		"net.ipv4.conf.n0.send_redirects=0")
+	ext := l.listenGreeter(t)
+	cfg := Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4}, ProtectProxyPorts: true}
+	base := Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+		ClusterIPs: addrs("10.96.0.10"), LoadBalancerIPs: addrs("10.96.1.20"), ProxyPort: l.proxyPort}
+	udpSpec := Spec{Name: spn("default", "dns", ""), Protocol: service.UDP, Port: 53,
+		ClusterIPs: addrs("10.96.0.53"), ProxyPort: 34999, RejectInternal: true, RejectExternal: true}
+	p := NewIPTables(cfg, &ExecRunner{Prefix: l.node.CommandPrefix()})
+	t.Cleanup(func() { p.Cleanup(context.Background()) })
+
+	t.Run("no_endpoints_is_refused_then_served", func(t *testing.T) {
+		refused := base
+		refused.RejectInternal, refused.RejectExternal = true, true
+		mustSync(t, p, []Spec{refused, udpSpec})
+		for _, c := range []struct {
+			from *netns.NS
+			addr string
+		}{{l.client, "10.96.0.10:80"}, {l.client, "10.100.0.1:30080"}, {l.client, "10.96.1.20:80"},
+			{l.node, "10.96.0.10:80"}, {l.node, "10.100.0.1:30080"}} {
+			start := time.Now()
+			_, err := dial(c.from, c.addr, 5*time.Second)
+			if !errors.Is(err, syscall.ECONNREFUSED) {
+				t.Errorf("%s from %s: %v, want ECONNREFUSED", c.addr, c.from.Name, err)
+			} else if d := time.Since(start); d > time.Second {
+				t.Errorf("%s from %s: refused after %v, want at once", c.addr, c.from.Name, d)
+			}
+		}
+		if ok, err := udpRefused(l.client, "10.96.0.53:53"); err != nil || !ok {
+			t.Errorf("UDP to 10.96.0.53:53 without endpoints: refused=%v err=%v, want ICMP port unreachable", ok, err)
+		}
+		mustSync(t, p, []Spec{base})
+		if got, err := dial(l.client, "10.96.0.10:80", 5*time.Second); err != nil || !strings.HasPrefix(got, "proxy socket") {
+			t.Errorf("cluster IP once endpoints exist: %q, %v", got, err)
+		}
+	})
+
+	t.Run("external_local_has_its_own_socket", func(t *testing.T) {
+		local := base
+		local.ExternalProxyPort = ext
+		mustSync(t, p, []Spec{local})
+		wantPort := func(from *netns.NS, addr string, port uint16) {
+			t.Helper()
+			got, err := dial(from, addr, 5*time.Second)
+			if err != nil || !strings.HasSuffix(got, fmt.Sprintf(":%d", port)) {
+				t.Errorf("%s from %s: %q, %v; want the socket on port %d", addr, from.Name, got, err, port)
+			}
+		}
+		wantPort(l.client, "10.100.0.1:30080", ext)
+		wantPort(l.client, "10.96.1.20:80", ext)
+		wantPort(l.client, "10.96.0.10:80", l.proxyPort)
+		wantPort(l.node, "10.100.0.1:30080", l.proxyPort)
+
+		local.RejectExternal = true // no local endpoint: outside traffic refused, cluster traffic served
+		mustSync(t, p, []Spec{local})
+		if _, err := dial(l.client, "10.100.0.1:30080", 5*time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Errorf("node port of an ETP=Local port without local endpoints: %v, want ECONNREFUSED", err)
+		}
+		wantPort(l.client, "10.96.0.10:80", l.proxyPort)
+		wantPort(l.node, "10.100.0.1:30080", l.proxyPort)
+	})
+
+	t.Run("source_ranges_admit_only_listed_clients", func(t *testing.T) {
+		ranged := base
+		ranged.SourceRanges = []netip.Prefix{netip.MustParsePrefix("10.100.0.2/32")}
+		mustSync(t, p, []Spec{ranged})
+		if got, err := dial(l.client, "10.96.1.20:80", 5*time.Second); err != nil || !strings.HasPrefix(got, "proxy socket") {
+			t.Errorf("allowed client to the LB IP: %q, %v", got, err)
+		}
+		ranged.SourceRanges = []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}
+		mustSync(t, p, []Spec{ranged})
+		got, err := dial(l.client, "10.96.1.20:80", 700*time.Millisecond)
+		if err == nil || errors.Is(err, syscall.ECONNREFUSED) {
+			t.Errorf("client outside the ranges to the LB IP: %q, %v; want the SYN dropped (timeout)", got, err)
+		}
+		if got, err := dial(l.client, "10.96.0.10:80", 5*time.Second); err != nil || !strings.HasPrefix(got, "proxy socket") {
+			t.Errorf("the same client to the cluster IP (no ranges there): %q, %v", got, err)
+		}
+	})
 }

@@ -25,6 +25,12 @@ const (
 	ChainNodePortHost      = "KUBE-NODEPORT-HOST"
 	ChainNodePortNonLocal  = "KUBE-NODEPORT-NON-LOCAL"
 	ChainGuard             = "KUBE-PORTALS-GUARD"
+	// ChainFirewall drops new connections to load-balancer IPs from clients outside the service's
+	// loadBalancerSourceRanges (the allowed ones were translated in nat, so they no longer match).
+	ChainFirewall = "KUBE-PORTALS-FIREWALL"
+	// ChainReject refuses new connections to portals of service ports that have no endpoint for
+	// that traffic (kube-proxy's "has no endpoints" REJECT rules).
+	ChainReject = "KUBE-PORTALS-REJECT"
 )
 
 // tables lists the tables in the order they are programmed. The filter table comes first: its
@@ -42,7 +48,7 @@ var natFirst = []string{tableNAT, tableFilter}
 // switching it off removes it.
 var ownedChains = map[string][]string{
 	tableNAT:    {ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost},
-	tableFilter: {ChainNodePortNonLocal, ChainGuard},
+	tableFilter: {ChainNodePortNonLocal, ChainGuard, ChainFirewall, ChainReject},
 }
 
 func isOwned(table, chain string) bool { return slices.Contains(ownedChains[table], chain) }
@@ -72,9 +78,25 @@ var (
 		`-m comment --comment "new connections reach proxy ports only through a portal" -j ` + ChainGuard}
 )
 
+// Filter-table jumps that see new connections whose destination is still a portal: in INPUT
+// (node ports, local external IPs), FORWARD (cluster IPs from pods, routed through the node) and
+// OUTPUT (the node's own connections). Traffic a portal translated no longer matches them. The
+// firewall comes first, so a client outside the source ranges is dropped, not refused.
+const (
+	jumpFirewallBody = `-m conntrack --ctstate NEW -m comment --comment "load-balancer source ranges" -j ` + ChainFirewall
+	jumpRejectBody   = `-m conntrack --ctstate NEW -m comment --comment "service ports without endpoints" -j ` + ChainReject
+)
+
+func filterJumps(chain string) []jump {
+	return []jump{{tableFilter, chain, true, jumpFirewallBody}, {tableFilter, chain, true, jumpRejectBody}}
+}
+
 // wantedJumps are the jump rules in the order they must appear in their built-in chains.
 func wantedJumps(protect bool) []jump {
 	js := []jump{jumpPortalsContainer, jumpNodePortContainer, jumpPortalsHost, jumpNodePortHost}
+	for _, chain := range []string{"INPUT", "FORWARD", "OUTPUT"} {
+		js = append(js, filterJumps(chain)...)
+	}
 	if protect {
 		js = append(js, jumpGuard)
 	}
@@ -134,8 +156,12 @@ type ruleBuilder struct {
 	// The parts of the current spec's rules that do not depend on the portal, built once per spec:
 	// at 10,000 service ports the rule text is most of a sync's CPU.
 	match     string // "-p tcp -m comment --comment \"ns/name:port\" -m tcp --dport "
-	container string // containerTarget
-	host      string // hostTarget
+	proto     string // "tcp" or "udp"
+	container string // containerTarget of the proxy port
+	host      string // hostTarget of the proxy port
+	external  string // containerTarget of the external proxy port
+	rejectInt bool
+	rejectExt bool
 }
 
 // buildRules is the pure function from specs to the wanted rules of one family. Specs come sorted
@@ -196,44 +222,114 @@ func validate(s *Spec) error {
 
 func (b *ruleBuilder) add(s *Spec) {
 	b.match = specMatch(s)
-	b.container, b.host = b.containerTarget(s), b.hostTarget(s)
+	b.proto = strings.ToLower(string(s.Protocol))
+	b.container, b.host = b.containerTarget(s.ProxyPort), b.hostTarget(s.ProxyPort)
+	b.external = b.container
+	if ext := s.externalPort(); ext != s.ProxyPort {
+		b.external = b.containerTarget(ext)
+	}
+	b.rejectInt, b.rejectExt = s.RejectInternal, s.RejectExternal
 	for _, ip := range b.ofFamily(s.ClusterIPs) {
-		b.internalPortal(s, ip)
+		b.clusterPortal(s, ip)
 	}
 	for _, ip := range b.ofFamily(s.ExternalIPs) {
 		b.externalPortal(s, ip)
 	}
 	for _, ip := range b.ofFamily(s.LoadBalancerIPs) {
-		b.internalPortal(s, ip)
+		b.loadBalancerPortal(s, ip)
 	}
 	if s.NodePort != 0 && len(b.npDsts) > 0 {
 		for _, d := range b.npDsts {
-			b.rule(tableNAT, ChainNodePortContainer, b.common(d, s.NodePort), b.container)
-			b.rule(tableNAT, ChainNodePortHost, b.common(d, s.NodePort), b.host)
+			np := b.common(d, s.NodePort)
+			b.steer(ChainNodePortContainer, np, b.external, b.rejectExt)
+			b.steer(ChainNodePortHost, np, b.host, b.rejectInt)
+			if b.rejectInt || b.rejectExt {
+				b.rule(tableFilter, ChainReject, np+" -m addrtype --dst-type LOCAL", b.rejectTarget())
+			}
 		}
 		// Legacy: accept new connections to the proxy port (the node port after translation).
-		b.rule(tableFilter, ChainNodePortNonLocal, b.common("", s.ProxyPort), "-m state --state NEW -j ACCEPT")
+		for _, pp := range s.proxyPorts() {
+			b.rule(tableFilter, ChainNodePortNonLocal, b.common("", pp), "-m state --state NEW -j ACCEPT")
+		}
 	}
 	if b.protect {
-		b.rule(tableFilter, ChainGuard, "! -i lo "+b.common("", s.ProxyPort),
-			"-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -j DROP")
+		for _, pp := range s.proxyPorts() {
+			b.rule(tableFilter, ChainGuard, "! -i lo "+b.common("", pp),
+				"-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -j DROP")
+		}
 	}
 }
 
-// internalPortal is the portal of a cluster IP or load-balancer IP: any packet to it is steered.
-func (b *ruleBuilder) internalPortal(s *Spec, ip netip.Addr) {
+// steer adds a nat portal rule, or nothing when its class of traffic is refused (the REJECT rule
+// for the same destination is added by the caller).
+func (b *ruleBuilder) steer(chain, match, target string, refused bool) {
+	if !refused {
+		b.rule(tableNAT, chain, match, target)
+	}
+}
+
+// reject refuses new connections to a portal destination; one rule serves both classes, since
+// translated traffic no longer matches it.
+func (b *ruleBuilder) reject(match string) {
+	if b.rejectInt || b.rejectExt {
+		b.rule(tableFilter, ChainReject, match, b.rejectTarget())
+	}
+}
+
+// rejectTarget answers TCP with a reset and UDP with ICMP port unreachable (iptables-save spelling).
+func (b *ruleBuilder) rejectTarget() string {
+	switch {
+	case b.proto == "tcp":
+		return "-j REJECT --reject-with tcp-reset"
+	case b.fam == IPv6:
+		return "-j REJECT --reject-with icmp6-port-unreachable"
+	}
+	return "-j REJECT --reject-with icmp-port-unreachable"
+}
+
+// clusterPortal is the portal of a cluster IP: any packet to it is cluster traffic.
+func (b *ruleBuilder) clusterPortal(s *Spec, ip netip.Addr) {
+	m := b.common(hostPrefix(ip), s.Port)
+	if b.rejectInt {
+		b.rule(tableFilter, ChainReject, m, b.rejectTarget())
+		return
+	}
+	b.rule(tableNAT, ChainPortalsContainer, m, b.container)
+	b.rule(tableNAT, ChainPortalsHost, m, b.host)
+}
+
+// loadBalancerPortal is the portal of a load-balancer IP: external traffic from pods and outside,
+// cluster traffic from the node. With source ranges only those clients are steered, and the
+// firewall chain drops the rest.
+func (b *ruleBuilder) loadBalancerPortal(s *Spec, ip netip.Addr) {
 	d := hostPrefix(ip)
-	b.rule(tableNAT, ChainPortalsContainer, b.common(d, s.Port), b.container)
-	b.rule(tableNAT, ChainPortalsHost, b.common(d, s.Port), b.host)
+	m := b.common(d, s.Port)
+	if len(s.SourceRanges) == 0 {
+		b.steer(ChainPortalsContainer, m, b.external, b.rejectExt)
+		b.steer(ChainPortalsHost, m, b.host, b.rejectInt)
+		b.reject(m)
+		return
+	}
+	for _, src := range s.SourceRanges {
+		if FamilyOf(src.Addr()) != b.fam {
+			continue
+		}
+		sm := "-s " + src.Masked().String() + " " + m
+		b.steer(ChainPortalsContainer, sm, b.external, b.rejectExt)
+		b.steer(ChainPortalsHost, sm, b.host, b.rejectInt)
+		b.reject(sm)
+	}
+	b.rule(tableFilter, ChainFirewall, m, "-j DROP")
 }
 
 // externalPortal is the portal of an external IP: pods reach it through the proxy only when the
 // packet did not come in on a bridge port or the IP is local; the host only when the IP is local.
 func (b *ruleBuilder) externalPortal(s *Spec, ip netip.Addr) {
-	d := hostPrefix(ip)
-	b.rule(tableNAT, ChainPortalsContainer, b.common(d, s.Port)+" -m physdev ! --physdev-is-in", b.container)
-	b.rule(tableNAT, ChainPortalsContainer, b.common(d, s.Port)+" -m addrtype --dst-type LOCAL", b.container)
-	b.rule(tableNAT, ChainPortalsHost, b.common(d, s.Port)+" -m addrtype --dst-type LOCAL", b.host)
+	m := b.common(hostPrefix(ip), s.Port)
+	b.steer(ChainPortalsContainer, m+" -m physdev ! --physdev-is-in", b.external, b.rejectExt)
+	b.steer(ChainPortalsContainer, m+" -m addrtype --dst-type LOCAL", b.external, b.rejectExt)
+	b.steer(ChainPortalsHost, m+" -m addrtype --dst-type LOCAL", b.host, b.rejectInt)
+	b.reject(m)
 }
 
 func (b *ruleBuilder) rule(table, chain, match, target string) {
@@ -244,21 +340,21 @@ func (b *ruleBuilder) rule(table, chain, match, target string) {
 // containerTarget: REDIRECT goes to the primary address of the incoming interface, so replies
 // leave the way the request came and un-NAT correctly (DNAT to the node IP from a bridge would
 // answer from the wrong address). A specific bind address is the only place the socket listens.
-func (b *ruleBuilder) containerTarget(s *Spec) string {
+func (b *ruleBuilder) containerTarget(port uint16) string {
 	if b.bind.IsUnspecified() {
-		return "-j REDIRECT --to-ports " + strconv.Itoa(int(s.ProxyPort))
+		return "-j REDIRECT --to-ports " + strconv.Itoa(int(port))
 	}
-	return "-j DNAT --to-destination " + netip.AddrPortFrom(b.bind, s.ProxyPort).String()
+	return "-j DNAT --to-destination " + netip.AddrPortFrom(b.bind, port).String()
 }
 
 // hostTarget: REDIRECT of locally generated packets goes to 127.0.0.1 while replies come from the
 // node IP, so host traffic is DNATed to a non-loopback node address instead.
-func (b *ruleBuilder) hostTarget(s *Spec) string {
+func (b *ruleBuilder) hostTarget(port uint16) string {
 	ip := b.hostIP
 	if !b.bind.IsUnspecified() {
 		ip = b.bind
 	}
-	return "-j DNAT --to-destination " + netip.AddrPortFrom(ip, s.ProxyPort).String()
+	return "-j DNAT --to-destination " + netip.AddrPortFrom(ip, port).String()
 }
 
 func (b *ruleBuilder) ofFamily(ips []netip.Addr) []netip.Addr {

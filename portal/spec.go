@@ -29,6 +29,40 @@ type Spec struct {
 
 	// ProxyPort is the port of the local proxy socket the portals lead to.
 	ProxyPort uint16
+	// ExternalProxyPort, when not 0, is the proxy socket for external traffic: node ports,
+	// external IPs and load-balancer IPs reached from outside the node. externalTrafficPolicy:
+	// Local gives that traffic its own (node-local) endpoints, so it needs its own socket; traffic
+	// from the node itself stays on ProxyPort, as kube-proxy short-circuits it to the cluster
+	// endpoints.
+	ExternalProxyPort uint16
+
+	// RejectInternal and RejectExternal say that the service port has no usable endpoint for that
+	// class of traffic (internal: cluster IPs, and anything from the node itself; external: the
+	// rest). Its portals of that class are then not steered but refused by a filter-table REJECT
+	// (TCP reset, ICMP port unreachable for UDP), so a client sees ECONNREFUSED at once instead of
+	// a connection that is accepted and reset.
+	RejectInternal bool
+	RejectExternal bool
+
+	// SourceRanges, when not empty, are the only client prefixes that reach the service through its
+	// load-balancer IPs (loadBalancerSourceRanges); everything else to those IPs is dropped.
+	SourceRanges []netip.Prefix
+}
+
+// proxyPorts lists the distinct proxy ports of the spec.
+func (s *Spec) proxyPorts() []uint16 {
+	if ext := s.externalPort(); ext != s.ProxyPort {
+		return []uint16{s.ProxyPort, ext}
+	}
+	return []uint16{s.ProxyPort}
+}
+
+// externalPort is the proxy port external traffic is steered to.
+func (s *Spec) externalPort() uint16 {
+	if s.ExternalProxyPort != 0 {
+		return s.ExternalProxyPort
+	}
+	return s.ProxyPort
 }
 
 // Portals is what the proxier needs from a portal implementation: make the portals match the
