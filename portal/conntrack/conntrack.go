@@ -1,14 +1,20 @@
-package udp
+// Package conntrack deletes the UDP conntrack entries of the NAT portals (portal/iptables): once
+// a service port or one of its addresses goes away, an entry that still maps a client to the old
+// proxy port must go, or the client keeps talking to nothing. Netlink does it over ctnetlink with
+// github.com/vishvananda/netlink; Fake records what it is asked, for the proxier's tests.
+package conntrack
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
-	"os/exec"
 	"slices"
-	"strconv"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -37,90 +43,128 @@ func FlowsOf(p *service.Port) Flows {
 	return Flows{Addrs: slices.Compact(addrs), Port: p.Port, NodePort: p.NodePort}
 }
 
-// Conntrack deletes conntrack entries.
-type Conntrack interface {
+// Interface deletes conntrack entries.
+type Interface interface {
 	ClearUDP(ctx context.Context, f Flows) error
 }
 
-// Runner runs a command and returns its combined output; the error is an *exec.ExitError when it
-// ran and failed.
-type Runner interface {
-	Run(ctx context.Context, name string, args ...string) ([]byte, error)
+var (
+	_ Interface = (*Netlink)(nil)
+	_ Interface = (*Fake)(nil)
+)
+
+// Netlink deletes entries over ctnetlink: per family one dump of the conntrack table, and one
+// delete request for each entry that matches a filter of f (the conntrack(8) tool did the same
+// per address, in a new process each time). The zero value is ready.
+type Netlink struct {
+	// Do, when set, runs each ClearUDP, e.g. on a thread switched into another network namespace
+	// (tests pass netns.NS.Do). Nil runs it on the calling goroutine.
+	Do func(func() error) error
 }
 
-// ExecRunner runs commands with os/exec.
-type ExecRunner struct{}
+// udpProto is IPPROTO_UDP as the conntrack filter takes it.
+const udpProto = unix.IPPROTO_UDP
 
-// Run implements Runner.
-func (ExecRunner) Run(ctx context.Context, name string, args ...string) ([]byte, error) {
-	return exec.CommandContext(ctx, name, args...).CombinedOutput()
-}
-
-// ExecConntrack deletes entries with the conntrack(8) tool, one command per address and per
-// node-port family.
-type ExecConntrack struct {
-	Runner Runner
-	// Path of the tool; "" means "conntrack" from PATH.
-	Path string
-}
-
-// noneDeleted is how conntrack reports, with exit status 1, that nothing matched: not a failure.
-var noneDeleted = []byte("0 flow entries have been deleted")
-
-// ClearUDP implements Conntrack. It runs every command even when one fails, and returns all
-// failures.
-func (c ExecConntrack) ClearUDP(ctx context.Context, f Flows) error {
-	var errs []error
-	for _, args := range conntrackArgs(f) {
-		if err := c.run(ctx, args); err != nil {
-			errs = append(errs, err)
+// ClearUDP implements Interface. It clears every family even when one fails, and returns all
+// failures; entries already gone are not a failure.
+func (n *Netlink) ClearUDP(ctx context.Context, f Flows) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	run := func(fn func() error) error { return fn() }
+	if n.Do != nil {
+		run = n.Do
+	}
+	byFamily, err := filters(f)
+	if err != nil {
+		return err
+	}
+	return run(func() error {
+		h, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
+		if err != nil {
+			return fmt.Errorf("conntrack: netlink handle: %w", err)
 		}
-	}
-	return errors.Join(errs...)
-}
-
-func (c ExecConntrack) run(ctx context.Context, args []string) error {
-	path := c.Path
-	if path == "" {
-		path = "conntrack"
-	}
-	out, err := c.Runner.Run(ctx, path, args...)
-	if err == nil {
-		return nil
-	}
-	if _, ok := errors.AsType[*exec.ExitError](err); ok && bytes.Contains(out, noneDeleted) {
-		return nil
-	}
-	return fmt.Errorf("conntrack %v: %w: %s", args, err, bytes.TrimSpace(out))
-}
-
-// conntrackArgs are the conntrack command lines that delete f.
-func conntrackArgs(f Flows) [][]string {
-	var cmds [][]string
-	families := map[string]bool{}
-	for _, a := range f.Addrs {
-		fam := familyName(a)
-		families[fam] = true
-		cmds = append(cmds, []string{"-D", "-f", fam, "-p", "udp",
-			"--orig-dst", a.Unmap().String(), "--orig-port-dst", strconv.Itoa(int(f.Port))})
-	}
-	if f.NodePort != 0 {
-		if len(families) == 0 {
-			families["ipv4"] = true
-		}
-		for _, fam := range []string{"ipv4", "ipv6"} {
-			if families[fam] {
-				cmds = append(cmds, []string{"-D", "-f", fam, "-p", "udp",
-					"--orig-port-dst", strconv.Itoa(int(f.NodePort))})
+		defer h.Close()
+		var errs []error
+		for _, fam := range []netlink.InetFamily{unix.AF_INET, unix.AF_INET6} {
+			fs := byFamily[fam]
+			if len(fs) == 0 {
+				continue
+			}
+			if _, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, fam, fs...); err != nil {
+				errs = append(errs, fmt.Errorf("conntrack %s: delete UDP entries of %s: %w", familyName(fam), describe(f), err))
 			}
 		}
-	}
-	return cmds
+		return errors.Join(errs...)
+	})
 }
 
-func familyName(a netip.Addr) string {
-	if a.Unmap().Is4() {
-		return "ipv4"
+// filters builds the conntrack filters of f by family: one per address (original destination
+// address and port) and one per family for the node port (original destination port).
+func filters(f Flows) (map[netlink.InetFamily][]netlink.CustomConntrackFilter, error) {
+	out := map[netlink.InetFamily][]netlink.CustomConntrackFilter{}
+	for _, a := range f.Addrs {
+		a = a.Unmap()
+		fam := familyOf(a)
+		cf, err := udpFilter(f.Port)
+		if err == nil {
+			err = cf.AddIP(netlink.ConntrackOrigDstIP, net.IP(a.AsSlice()))
+		}
+		if err != nil {
+			return nil, fmt.Errorf("conntrack: filter for %s: %w", netip.AddrPortFrom(a, f.Port), err)
+		}
+		out[fam] = append(out[fam], cf)
 	}
-	return "ipv6"
+	if f.NodePort != 0 {
+		fams := []netlink.InetFamily{unix.AF_INET, unix.AF_INET6}
+		for _, fam := range fams {
+			if len(out[fam]) == 0 && !(fam == unix.AF_INET && len(f.Addrs) == 0) {
+				continue
+			}
+			cf, err := udpFilter(f.NodePort)
+			if err != nil {
+				return nil, fmt.Errorf("conntrack: filter for node port %d: %w", f.NodePort, err)
+			}
+			out[fam] = append(out[fam], cf)
+		}
+	}
+	return out, nil
+}
+
+// udpFilter matches UDP entries with original destination port port.
+func udpFilter(port uint16) (*netlink.ConntrackFilter, error) {
+	cf := &netlink.ConntrackFilter{}
+	if err := cf.AddProtocol(udpProto); err != nil {
+		return nil, err
+	}
+	if err := cf.AddPort(netlink.ConntrackOrigDstPort, port); err != nil {
+		return nil, err
+	}
+	return cf, nil
+}
+
+func familyOf(a netip.Addr) netlink.InetFamily {
+	if a.Unmap().Is4() {
+		return unix.AF_INET
+	}
+	return unix.AF_INET6
+}
+
+func familyName(fam netlink.InetFamily) string {
+	if fam == unix.AF_INET6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+// describe names f in errors: "10.96.0.10:53 [fd00::a]:53 nodeport 30053".
+func describe(f Flows) string {
+	var parts []string
+	for _, a := range f.Addrs {
+		parts = append(parts, netip.AddrPortFrom(a, f.Port).String())
+	}
+	if f.NodePort != 0 {
+		parts = append(parts, fmt.Sprintf("nodeport %d", f.NodePort))
+	}
+	return strings.Join(parts, " ")
 }

@@ -1,44 +1,20 @@
-package udp
+package conntrack
 
 import (
 	"context"
-	"errors"
+	"net"
 	"net/netip"
-	"os/exec"
 	"reflect"
-	"strings"
 	"testing"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// fakeRunner records command lines and answers with canned results keyed by the joined line.
-type fakeRunner struct {
-	cmds    []string
-	results map[string]runResult
-}
-
-type runResult struct {
-	out []byte
-	err error
-}
-
-func (r *fakeRunner) Run(_ context.Context, name string, args ...string) ([]byte, error) {
-	line := strings.Join(append([]string{name}, args...), " ")
-	r.cmds = append(r.cmds, line)
-	res := r.results[line]
-	return res.out, res.err
-}
-
-// exitError returns a real *exec.ExitError with the given status.
-func exitError(t *testing.T, status string) error {
-	t.Helper()
-	err := exec.Command("sh", "-c", "exit "+status).Run()
-	if _, ok := errors.AsType[*exec.ExitError](err); !ok {
-		t.Fatalf("sh exit %s: %v", status, err)
-	}
-	return err
-}
+// Address plan: cluster IPs 10.96.0.10 and fd00::a, external IP 192.0.2.7, load-balancer IP
+// 198.51.100.1, node 192.168.1.10; DNS on port 53, node port 30053.
 
 func TestFlowsOf_allAddressesOfThePort(t *testing.T) {
 	p := &service.Port{
@@ -59,88 +35,99 @@ func TestFlowsOf_allAddressesOfThePort(t *testing.T) {
 	}
 }
 
-func TestExecConntrack_ClearUDP(t *testing.T) {
+// flow is a conntrack entry as the kernel dumps it: protocol, original destination.
+func flow(proto uint8, dst string) *netlink.ConntrackFlow {
+	ap := netip.MustParseAddrPort(dst)
+	fam := uint8(unix.AF_INET)
+	if ap.Addr().Is6() {
+		fam = unix.AF_INET6
+	}
+	f := &netlink.ConntrackFlow{FamilyType: fam}
+	f.Forward.Protocol = proto
+	f.Forward.DstIP = net.IP(ap.Addr().AsSlice())
+	f.Forward.DstPort = ap.Port()
+	f.Forward.SrcIP = net.IP(netip.MustParseAddr("10.100.0.2").AsSlice())
+	if ap.Addr().Is6() {
+		f.Forward.SrcIP = net.IP(netip.MustParseAddr("fd00:100::2").AsSlice())
+	}
+	f.Forward.SrcPort = 40000
+	return f
+}
+
+// TestFilters_deleteExactlyTheFlowsOfThePort checks which entries the filters of a Flows match,
+// per family, as ClearUDP hands them to the kernel dump.
+func TestFilters_deleteExactlyTheFlowsOfThePort(t *testing.T) {
 	v4, v6 := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00::a")
 	ext := netip.MustParseAddr("192.0.2.7")
 	tests := []struct {
 		name    string
 		flows   Flows
-		results map[string]runResult
-		want    []string
-		wantErr string
+		deleted []*netlink.ConntrackFlow
+		kept    []*netlink.ConntrackFlow
 	}{{
 		name:  "cluster and external IPs and a node port",
 		flows: Flows{Addrs: []netip.Addr{v4, ext}, Port: 53, NodePort: 30053},
-		want: []string{
-			"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53",
-			"conntrack -D -f ipv4 -p udp --orig-dst 192.0.2.7 --orig-port-dst 53",
-			"conntrack -D -f ipv4 -p udp --orig-port-dst 30053",
-		},
+		deleted: []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "10.96.0.10:53"), flow(unix.IPPROTO_UDP, "192.0.2.7:53"),
+			flow(unix.IPPROTO_UDP, "192.168.1.10:30053")},
+		kept: []*netlink.ConntrackFlow{flow(unix.IPPROTO_TCP, "10.96.0.10:53"), flow(unix.IPPROTO_UDP, "10.96.0.10:54"),
+			flow(unix.IPPROTO_UDP, "10.96.0.11:53"), flow(unix.IPPROTO_UDP, "192.168.1.10:53"),
+			flow(unix.IPPROTO_TCP, "192.168.1.10:30053"), flow(unix.IPPROTO_UDP, "[fd00::1]:30053")},
 	}, {
 		name:  "dual stack node port clears both families",
 		flows: Flows{Addrs: []netip.Addr{v4, v6}, Port: 53, NodePort: 30053},
-		want: []string{
-			"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53",
-			"conntrack -D -f ipv6 -p udp --orig-dst fd00::a --orig-port-dst 53",
-			"conntrack -D -f ipv4 -p udp --orig-port-dst 30053",
-			"conntrack -D -f ipv6 -p udp --orig-port-dst 30053",
-		},
+		deleted: []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "10.96.0.10:53"), flow(unix.IPPROTO_UDP, "[fd00::a]:53"),
+			flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), flow(unix.IPPROTO_UDP, "[fd00::1]:30053")},
+		kept: []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "[fd00::b]:53")},
 	}, {
-		name:  "node port alone defaults to IPv4",
-		flows: Flows{NodePort: 30053},
-		want:  []string{"conntrack -D -f ipv4 -p udp --orig-port-dst 30053"},
+		name:    "node port alone defaults to IPv4",
+		flows:   Flows{NodePort: 30053},
+		deleted: []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "192.168.1.10:30053")},
+		kept:    []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "[fd00::1]:30053")},
 	}, {
-		name:  "no matching entries is success",
-		flows: Flows{Addrs: []netip.Addr{v4}, Port: 53},
-		results: map[string]runResult{
-			"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53": {
-				out: []byte("conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.\n"),
-				err: exitError(t, "1"),
-			},
-		},
-		want: []string{"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53"},
-	}, {
-		name:  "a failure does not stop the other deletions",
-		flows: Flows{Addrs: []netip.Addr{v4, ext}, Port: 53},
-		results: map[string]runResult{
-			"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53": {
-				out: []byte("conntrack v1.4.7 (conntrack-tools): Operation failed: Operation not permitted\n"),
-				err: exitError(t, "1"),
-			},
-		},
-		want: []string{
-			"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53",
-			"conntrack -D -f ipv4 -p udp --orig-dst 192.0.2.7 --orig-port-dst 53",
-		},
-		wantErr: "Operation not permitted",
-	}, {
-		name:  "a missing tool is an error",
-		flows: Flows{Addrs: []netip.Addr{v4}, Port: 53},
-		results: map[string]runResult{
-			"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53": {err: exec.ErrNotFound},
-		},
-		want:    []string{"conntrack -D -f ipv4 -p udp --orig-dst 10.96.0.10 --orig-port-dst 53"},
-		wantErr: "executable file not found",
+		name:    "an IPv4-mapped address counts as IPv4",
+		flows:   Flows{Addrs: []netip.Addr{netip.MustParseAddr("::ffff:10.96.0.10")}, Port: 53},
+		deleted: []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "10.96.0.10:53")},
 	}}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := &fakeRunner{results: tt.results}
-			err := ExecConntrack{Runner: r}.ClearUDP(context.Background(), tt.flows)
-			if !reflect.DeepEqual(r.cmds, tt.want) {
-				t.Errorf("commands (-want +got):\n-%s\n+%s", strings.Join(tt.want, "\n-"), strings.Join(r.cmds, "\n+"))
+			byFamily, err := filters(tt.flows)
+			if err != nil {
+				t.Fatal(err)
 			}
-			switch {
-			case tt.wantErr == "" && err != nil:
-				t.Errorf("ClearUDP: %v, want nil", err)
-			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
-				t.Errorf("ClearUDP: %v, want an error containing %q", err, tt.wantErr)
+			matches := func(f *netlink.ConntrackFlow) bool {
+				for _, cf := range byFamily[netlink.InetFamily(f.FamilyType)] {
+					if cf.MatchConntrackFlow(f) {
+						return true
+					}
+				}
+				return false
+			}
+			for _, f := range tt.deleted {
+				if !matches(f) {
+					t.Errorf("entry to %s:%d (proto %d) is kept, want deleted", f.Forward.DstIP, f.Forward.DstPort, f.Forward.Protocol)
+				}
+			}
+			for _, f := range tt.kept {
+				if matches(f) {
+					t.Errorf("entry to %s:%d (proto %d) is deleted, want kept", f.Forward.DstIP, f.Forward.DstPort, f.Forward.Protocol)
+				}
 			}
 		})
 	}
 }
 
-func TestFakeConntrack_Dump(t *testing.T) {
-	f := &FakeConntrack{}
+func TestNetlink_ClearUDPWithADoneContextDoesNothing(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	ran := false
+	n := &Netlink{Do: func(fn func() error) error { ran = true; return fn() }}
+	if err := n.ClearUDP(ctx, Flows{NodePort: 30053}); err == nil || ran {
+		t.Errorf("ClearUDP(cancelled) = %v, ran %v; want the context's error and nothing run", err, ran)
+	}
+}
+
+func TestFake_Dump(t *testing.T) {
+	f := &Fake{}
 	f.ClearUDP(context.Background(), Flows{Addrs: []netip.Addr{netip.MustParseAddr("fd00::a"),
 		netip.MustParseAddr("10.96.0.10")}, Port: 53, NodePort: 30053})
 	want := "udp 10.96.0.10:53\nudp [fd00::a]:53\nudp nodeport 30053"

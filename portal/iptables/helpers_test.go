@@ -1,4 +1,4 @@
-package portal
+package iptables
 
 import (
 	"flag"
@@ -11,7 +11,7 @@ import (
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/portal")
 
 // goldenDir is the repository's testdata/portal.
-var goldenDir = filepath.Join("..", "testdata", "portal")
+var goldenDir = filepath.Join("..", "..", "testdata", "portal")
 
 // checkGolden compares got with testdata/portal/<name>.golden, or rewrites the file with -update.
 func checkGolden(t *testing.T, name, got string) {
@@ -25,7 +25,7 @@ func checkGolden(t *testing.T, name, got string) {
 	}
 	want, err := os.ReadFile(path)
 	if err != nil {
-		t.Fatalf("%v (run go test ./portal/ -update to create it)", err)
+		t.Fatalf("%v (run go test ./portal/iptables/ -update to create it)", err)
 	}
 	if d := lineDiff(string(want), got); d != "" {
 		t.Errorf("%s mismatch (-want +got):\n%s", path, d)

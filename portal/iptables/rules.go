@@ -1,7 +1,6 @@
-package portal
+package iptables
 
 import (
-	"cmp"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -9,6 +8,8 @@ import (
 	"strings"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
 // The tables we write to.
@@ -124,7 +125,7 @@ type familyRules map[string]*tableState
 
 // ruleBuilder turns specs into rules for one family.
 type ruleBuilder struct {
-	fam     Family
+	fam     portal.Family
 	bind    netip.Addr // unspecified or a specific address of fam
 	hostIP  netip.Addr
 	npDsts  []string // "-d" values for node port rules; "" means no -d (all local addresses)
@@ -139,9 +140,9 @@ type ruleBuilder struct {
 }
 
 // buildRules is the pure function from specs to the wanted rules of one family. Specs come sorted
-// by compareSpecs (Sync sorts them once for both families), and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
+// by portal.CompareSpecs (Sync sorts them once for both families), and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
 // IPs, node port), so the text is stable. Invalid specs are returned for the caller to report.
-func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
+func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules, []error) {
 	b := ruleBuilder{fam: fam, bind: cfg.BindAddress, hostIP: cfg.HostIPs[fam], protect: cfg.ProtectProxyPorts,
 		out: familyRules{}}
 	for _, table := range tables {
@@ -161,7 +162,7 @@ func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
 		b.npDsts = []string{""}
 	}
 	for _, p := range cfg.NodePortAddresses {
-		if FamilyOf(p.Addr()) == fam {
+		if portal.FamilyOf(p.Addr()) == fam {
 			b.npDsts = append(b.npDsts, p.Masked().String())
 		}
 	}
@@ -177,12 +178,7 @@ func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
 	return b.out, errs
 }
 
-func compareSpecs(a, b Spec) int {
-	return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
-		cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
-}
-
-func validate(s *Spec) error {
+func validate(s *portal.Spec) error {
 	switch {
 	case s.Protocol != service.TCP && s.Protocol != service.UDP:
 		return fmt.Errorf("portal %s: protocol %q is not supported", s.Name, s.Protocol)
@@ -194,7 +190,7 @@ func validate(s *Spec) error {
 	return nil
 }
 
-func (b *ruleBuilder) add(s *Spec) {
+func (b *ruleBuilder) add(s *portal.Spec) {
 	b.match = specMatch(s)
 	b.container, b.host = b.containerTarget(s), b.hostTarget(s)
 	for _, ip := range b.ofFamily(s.ClusterIPs) {
@@ -221,7 +217,7 @@ func (b *ruleBuilder) add(s *Spec) {
 }
 
 // internalPortal is the portal of a cluster IP or load-balancer IP: any packet to it is steered.
-func (b *ruleBuilder) internalPortal(s *Spec, ip netip.Addr) {
+func (b *ruleBuilder) internalPortal(s *portal.Spec, ip netip.Addr) {
 	d := hostPrefix(ip)
 	b.rule(tableNAT, ChainPortalsContainer, b.common(d, s.Port), b.container)
 	b.rule(tableNAT, ChainPortalsHost, b.common(d, s.Port), b.host)
@@ -229,7 +225,7 @@ func (b *ruleBuilder) internalPortal(s *Spec, ip netip.Addr) {
 
 // externalPortal is the portal of an external IP: pods reach it through the proxy only when the
 // packet did not come in on a bridge port or the IP is local; the host only when the IP is local.
-func (b *ruleBuilder) externalPortal(s *Spec, ip netip.Addr) {
+func (b *ruleBuilder) externalPortal(s *portal.Spec, ip netip.Addr) {
 	d := hostPrefix(ip)
 	b.rule(tableNAT, ChainPortalsContainer, b.common(d, s.Port)+" -m physdev ! --physdev-is-in", b.container)
 	b.rule(tableNAT, ChainPortalsContainer, b.common(d, s.Port)+" -m addrtype --dst-type LOCAL", b.container)
@@ -244,7 +240,7 @@ func (b *ruleBuilder) rule(table, chain, match, target string) {
 // containerTarget: REDIRECT goes to the primary address of the incoming interface, so replies
 // leave the way the request came and un-NAT correctly (DNAT to the node IP from a bridge would
 // answer from the wrong address). A specific bind address is the only place the socket listens.
-func (b *ruleBuilder) containerTarget(s *Spec) string {
+func (b *ruleBuilder) containerTarget(s *portal.Spec) string {
 	if b.bind.IsUnspecified() {
 		return "-j REDIRECT --to-ports " + strconv.Itoa(int(s.ProxyPort))
 	}
@@ -253,7 +249,7 @@ func (b *ruleBuilder) containerTarget(s *Spec) string {
 
 // hostTarget: REDIRECT of locally generated packets goes to 127.0.0.1 while replies come from the
 // node IP, so host traffic is DNATed to a non-loopback node address instead.
-func (b *ruleBuilder) hostTarget(s *Spec) string {
+func (b *ruleBuilder) hostTarget(s *portal.Spec) string {
 	ip := b.hostIP
 	if !b.bind.IsUnspecified() {
 		ip = b.bind
@@ -264,7 +260,7 @@ func (b *ruleBuilder) hostTarget(s *Spec) string {
 func (b *ruleBuilder) ofFamily(ips []netip.Addr) []netip.Addr {
 	var out []netip.Addr
 	for _, ip := range ips {
-		if ip.IsValid() && FamilyOf(ip) == b.fam {
+		if ip.IsValid() && portal.FamilyOf(ip) == b.fam {
 			out = append(out, ip.Unmap())
 		}
 	}
@@ -287,7 +283,7 @@ func (b *ruleBuilder) common(dst string, dport uint16) string {
 }
 
 // specMatch is the part of common that depends on the spec alone, up to the port number.
-func specMatch(s *Spec) string {
+func specMatch(s *portal.Spec) string {
 	proto := strings.ToLower(string(s.Protocol))
 	buf := make([]byte, 0, 64)
 	buf = append(append(append(buf, "-p "...), proto...), " -m comment --comment "...)

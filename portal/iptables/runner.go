@@ -1,4 +1,4 @@
-package portal
+package iptables
 
 import (
 	"bytes"
@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"os/exec"
 	"strings"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
 // Runner is the narrow seam over the iptables binaries. ExecRunner runs them; Fake keeps tables in
@@ -14,11 +16,11 @@ import (
 type Runner interface {
 	// Restore feeds data to `iptables-restore --noflush` (ip6tables-restore for IPv6): one
 	// transaction that applies entirely or not at all.
-	Restore(ctx context.Context, fam Family, data []byte) error
+	Restore(ctx context.Context, fam portal.Family, data []byte) error
 	// Save returns `iptables-save -t table`.
-	Save(ctx context.Context, fam Family, table string) ([]byte, error)
+	Save(ctx context.Context, fam portal.Family, table string) ([]byte, error)
 	// Command runs one `iptables` command (args follow the binary name, e.g. "-t", "nat", "-A", ...).
-	Command(ctx context.Context, fam Family, args ...string) error
+	Command(ctx context.Context, fam portal.Family, args ...string) error
 }
 
 // ErrUnavailable means the iptables binary of a family is not installed; the family is skipped.
@@ -49,9 +51,9 @@ type ExecRunner struct {
 
 var _ Runner = (*ExecRunner)(nil)
 
-func (r *ExecRunner) binary(fam Family, tool string) string {
+func (r *ExecRunner) binary(fam portal.Family, tool string) string {
 	name := "iptables"
-	if fam == IPv6 {
+	if fam == portal.IPv6 {
 		name = "ip6tables"
 	}
 	if r.Variant != "" {
@@ -71,18 +73,18 @@ func (r *ExecRunner) wait() string {
 }
 
 // Restore implements Runner.
-func (r *ExecRunner) Restore(ctx context.Context, fam Family, data []byte) error {
+func (r *ExecRunner) Restore(ctx context.Context, fam portal.Family, data []byte) error {
 	_, err := r.run(ctx, data, r.binary(fam, "restore"), "-w", r.wait(), "--noflush")
 	return err
 }
 
 // Save implements Runner.
-func (r *ExecRunner) Save(ctx context.Context, fam Family, table string) ([]byte, error) {
+func (r *ExecRunner) Save(ctx context.Context, fam portal.Family, table string) ([]byte, error) {
 	return r.run(ctx, nil, r.binary(fam, "save"), "-t", table)
 }
 
 // Command implements Runner.
-func (r *ExecRunner) Command(ctx context.Context, fam Family, args ...string) error {
+func (r *ExecRunner) Command(ctx context.Context, fam portal.Family, args ...string) error {
 	_, err := r.run(ctx, nil, r.binary(fam, ""), append([]string{"-w", r.wait()}, args...)...)
 	return err
 }
