@@ -104,32 +104,6 @@ func TestBenchmarkPortalSync(t *testing.T) {
 	}
 }
 
-// splitRule splits a rule body into argv, honouring double-quoted words.
-func splitRule(s string) []string {
-	var out []string
-	var cur strings.Builder
-	quoted, inWord := false, false
-	for _, r := range s {
-		switch {
-		case r == '"':
-			quoted, inWord = !quoted, true
-		case r == ' ' && !quoted:
-			if inWord {
-				out = append(out, cur.String())
-				cur.Reset()
-			}
-			inWord = false
-		default:
-			cur.WriteRune(r)
-			inWord = true
-		}
-	}
-	if inWord {
-		out = append(out, cur.String())
-	}
-	return out
-}
-
 // firstRestoreTimer notes when the first nat restore of a sync has returned.
 type firstRestoreTimer struct {
 	Runner

@@ -382,3 +382,79 @@ func (f *Fake) Dump() string {
 	}
 	return sb.String()
 }
+
+// Chains implements Runner: the go-iptables calls Cleanup makes, on the same in-memory tables.
+// Each call counts as a command.
+func (f *Fake) Chains(_ context.Context, fam portal.Family) (Chains, error) {
+	if err := f.check(fam, ""); err != nil {
+		return nil, err
+	}
+	return &fakeChains{f: f, fam: fam}, nil
+}
+
+type fakeChains struct {
+	f   *Fake
+	fam portal.Family
+}
+
+// table returns the table, counting the call; the caller holds f.mu.
+func (c *fakeChains) table(name string) (*fakeTable, error) {
+	c.f.commands++
+	t, ok := c.f.family(c.fam)[name]
+	if !ok {
+		return nil, &ExitError{Command: "iptables", Code: 1, Stderr: "table '" + name + "' does not exist"}
+	}
+	return t, nil
+}
+
+func (c *fakeChains) ListChains(table string) ([]string, error) {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	t, err := c.table(table)
+	if err != nil {
+		return nil, err
+	}
+	return t.chainOrder(table), nil
+}
+
+func (c *fakeChains) List(table, chain string) ([]string, error) {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	t, err := c.table(table)
+	if err != nil {
+		return nil, err
+	}
+	ch, ok := t.chains[chain]
+	if !ok {
+		return nil, &ExitError{Command: "iptables", Code: 1, Stderr: "No chain/target/match by that name."}
+	}
+	out := []string{"-N " + chain}
+	if ch.builtin {
+		out[0] = "-P " + chain + " ACCEPT"
+	}
+	for _, r := range ch.rules {
+		out = append(out, "-A "+chain+" "+r)
+	}
+	return out, nil
+}
+
+func (c *fakeChains) op(table, op, chain string, rulespec ...string) error {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	t, err := c.table(table)
+	if err != nil {
+		return err
+	}
+	if code, msg := t.apply(op, strings.TrimSpace(chain+" "+joinRule(rulespec))); code != 0 {
+		return &ExitError{Command: "iptables", Code: code, Stderr: msg}
+	}
+	return nil
+}
+
+func (c *fakeChains) Delete(table, chain string, rulespec ...string) error {
+	return c.op(table, "-D", chain, rulespec...)
+}
+
+func (c *fakeChains) ClearChain(table, chain string) error { return c.op(table, "-F", chain) }
+
+func (c *fakeChains) DeleteChain(table, chain string) error { return c.op(table, "-X", chain) }

@@ -250,38 +250,6 @@ func (p *Portals) natWorks(ctx context.Context, fam portal.Family) bool {
 	return p.runner.Restore(ctx, fam, fmt.Appendf(nil, natProbe, dst)) == nil
 }
 
-// Cleanup removes every chain and jump rule we own, in both families, whatever the configuration.
-// Nothing to remove is not an error; a family without iptables binaries is skipped.
-func (p *Portals) Cleanup(ctx context.Context) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var errs []error
-	for _, fam := range portal.Families {
-		for _, table := range natFirst {
-			live, err := p.readBack(ctx, fam, table)
-			if errors.Is(err, ErrUnavailable) {
-				p.cfg.Logger.WithField("family", fam.String()).Info("Skipping IP family for cleanup: " + err.Error())
-				break
-			}
-			if err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			// Nothing is wanted, so no chain gets incremental changes: apply is the whole job.
-			if data := restorePlan(table, live, newTableState(), false).apply; data != nil {
-				if err := p.restore(ctx, fam, table, data); err != nil {
-					errs = append(errs, err)
-				}
-			}
-		}
-		delete(p.live, fam)
-		p.publish(fam, nil)
-	}
-	p.lastVerify = time.Time{}
-	p.applied = nil
-	return errors.Join(errs...)
-}
-
 func (p *Portals) count(f func(*Stats)) {
 	p.viewMu.Lock()
 	f(&p.stats)

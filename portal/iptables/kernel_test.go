@@ -140,7 +140,7 @@ func TestKernelRules(t *testing.T) {
 
 	t.Run("cleanup_removes_every_chain", func(t *testing.T) {
 		mustSync(t, p, specs)
-		if err := New(Config{}, &ExecRunner{Prefix: node.CommandPrefix()}).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, &ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do}).Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
 		for _, fam := range portal.Families {
@@ -148,7 +148,7 @@ func TestKernelRules(t *testing.T) {
 				t.Errorf("%s after Cleanup:\n%s", fam, got)
 			}
 		}
-		if err := New(Config{}, &ExecRunner{Prefix: node.CommandPrefix()}).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, &ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do}).Cleanup(t.Context()); err != nil {
 			t.Errorf("second Cleanup with nothing left: %v", err)
 		}
 	})

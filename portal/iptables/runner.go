@@ -6,7 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"os/exec"
+	"strconv"
 	"strings"
+
+	goiptables "github.com/coreos/go-iptables/iptables"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
@@ -21,6 +24,21 @@ type Runner interface {
 	Save(ctx context.Context, fam portal.Family, table string) ([]byte, error)
 	// Command runs one `iptables` command (args follow the binary name, e.g. "-t", "nat", "-A", ...).
 	Command(ctx context.Context, fam portal.Family, args ...string) error
+	// Chains returns the one-command-at-a-time API of fam's iptables that Cleanup uses; an error
+	// wrapping ErrUnavailable when its binary is not installed.
+	Chains(ctx context.Context, fam portal.Family) (Chains, error)
+}
+
+// Chains is the part of github.com/coreos/go-iptables that Cleanup needs: list chains and rules,
+// delete a rule, flush and delete a chain. *goiptables.IPTables implements it; Fake does in memory.
+type Chains interface {
+	// ListChains lists the table's chains, built-in ones first.
+	ListChains(table string) ([]string, error)
+	// List prints a chain as `iptables -S` does: "-N CHAIN" or "-P CHAIN POLICY", then "-A CHAIN ..." lines.
+	List(table, chain string) ([]string, error)
+	Delete(table, chain string, rulespec ...string) error
+	ClearChain(table, chain string) error
+	DeleteChain(table, chain string) error
 }
 
 // ErrUnavailable means the iptables binary of a family is not installed; the family is skipped.
@@ -47,6 +65,10 @@ type ExecRunner struct {
 	Variant string
 	// WaitSeconds is passed as -w to wait for the xtables lock; 0 means 5.
 	WaitSeconds int
+	// Do, when set, runs each go-iptables call (Chains), e.g. on a thread switched into another
+	// network namespace: go-iptables runs the binary itself and knows nothing of Prefix. Tests
+	// that set Prefix set Do to the same namespace's NS.Do.
+	Do func(func() error) error
 }
 
 var _ Runner = (*ExecRunner)(nil)
@@ -87,6 +109,73 @@ func (r *ExecRunner) Save(ctx context.Context, fam portal.Family, table string) 
 func (r *ExecRunner) Command(ctx context.Context, fam portal.Family, args ...string) error {
 	_, err := r.run(ctx, nil, r.binary(fam, ""), append([]string{"-w", r.wait()}, args...)...)
 	return err
+}
+
+// Chains implements Runner with github.com/coreos/go-iptables, which finds the binary, reads its
+// version and adds --wait as the binary supports it.
+func (r *ExecRunner) Chains(ctx context.Context, fam portal.Family) (Chains, error) {
+	bin := r.binary(fam, "")
+	if _, err := exec.LookPath(bin); err != nil {
+		return nil, fmt.Errorf("%s: %w (%w)", bin, ErrUnavailable, err)
+	}
+	if len(r.Prefix) > 0 && r.Do == nil {
+		return nil, fmt.Errorf("%s: a command prefix needs Do for go-iptables", bin)
+	}
+	c := &goChains{do: r.Do}
+	proto := goiptables.ProtocolIPv4
+	if fam == portal.IPv6 {
+		proto = goiptables.ProtocolIPv6
+	}
+	wait, _ := strconv.Atoi(r.wait())
+	err := c.run(ctx, func() (err error) {
+		c.ipt, err = goiptables.New(goiptables.IPFamily(proto), goiptables.Path(bin), goiptables.Timeout(wait))
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", bin, err)
+	}
+	c.ctx = ctx
+	return c, nil
+}
+
+// goChains runs go-iptables calls, each under do when set. go-iptables takes no context: ctx is
+// checked before each call.
+type goChains struct {
+	ipt *goiptables.IPTables
+	do  func(func() error) error
+	ctx context.Context
+}
+
+func (c *goChains) run(ctx context.Context, fn func() error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if c.do != nil {
+		return c.do(fn)
+	}
+	return fn()
+}
+
+func (c *goChains) ListChains(table string) (out []string, err error) {
+	err = c.run(c.ctx, func() error { out, err = c.ipt.ListChains(table); return err })
+	return out, err
+}
+
+func (c *goChains) List(table, chain string) (out []string, err error) {
+	err = c.run(c.ctx, func() error { out, err = c.ipt.List(table, chain); return err })
+	return out, err
+}
+
+func (c *goChains) Delete(table, chain string, rulespec ...string) error {
+	return c.run(c.ctx, func() error { return c.ipt.Delete(table, chain, rulespec...) })
+}
+
+func (c *goChains) ClearChain(table, chain string) error {
+	return c.run(c.ctx, func() error { return c.ipt.ClearChain(table, chain) })
+}
+
+func (c *goChains) DeleteChain(table, chain string) error {
+	return c.run(c.ctx, func() error { return c.ipt.DeleteChain(table, chain) })
 }
 
 func (r *ExecRunner) run(ctx context.Context, stdin []byte, bin string, args ...string) ([]byte, error) {
