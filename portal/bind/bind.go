@@ -15,9 +15,8 @@ import (
 
 	"github.com/sirupsen/logrus"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // The defaults of the bind portals.

@@ -12,10 +12,9 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // BenchmarkPortalConnect measures what a portal costs per connection, iptables and bind in the

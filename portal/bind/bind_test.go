@@ -11,9 +11,8 @@ import (
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Address plan for the bind tests: cluster IPs 10.96.0.0/16 and fd00:96::/112, external IP

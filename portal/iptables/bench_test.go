@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 

@@ -4,9 +4,8 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Address plan for the rule tests: node 192.168.1.10 and fd00:1::10; cluster IPs 10.96.0.0/16 and

@@ -15,9 +15,8 @@ import (
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	clocktesting "k8s.io/utils/clock/testing"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Address plan: as in golden_test.go (node 192.168.1.10 / fd00:1::10, cluster IPs 10.96.0.0/16).

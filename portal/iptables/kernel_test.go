@@ -13,9 +13,8 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Address plan for the kernel tests (all inside namespaces the test creates):

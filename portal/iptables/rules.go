@@ -7,9 +7,8 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // The tables we write to.
