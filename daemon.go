@@ -29,7 +29,8 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
-	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
@@ -293,19 +294,19 @@ func nodeAddresses(ctx context.Context, c kubernetes.Interface, o *options, log 
 func cleanup(ctx context.Context, o *options, log logrus.FieldLogger) error {
 	var errs []error
 	if _, err := exec.LookPath(iptablesTool(o, "iptables-restore")); err == nil {
-		rules := portal.NewIPTables(portal.Config{Logger: log}, &portal.ExecRunner{Variant: o.iptablesVariant})
+		rules := iptables.New(iptables.Config{Logger: log}, &iptables.ExecRunner{Variant: o.iptablesVariant})
 		errs = append(errs, rules.Cleanup(ctx))
 	} else {
 		log.Info("No iptables on this node: no portal rules to remove")
 	}
-	nl := &portal.Netlink{}
+	nl := &bind.Netlink{}
 	defer nl.Close()
-	errs = append(errs, portal.NewBind(portal.BindConfig{Interface: o.portalInterface, Logger: log}, nl).Cleanup(ctx))
+	errs = append(errs, bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl).Cleanup(ctx))
 	return errors.Join(errs...)
 }
 
 // portalCollector exports the iptables portal counters, with kube-proxy's name for restore failures.
-func portalCollector(rules *portal.IPTables) prometheus.Collector {
+func portalCollector(rules *iptables.Portals) prometheus.Collector {
 	failures := prometheus.NewDesc("kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
 		"Cumulative proxy iptables restore failures", nil, nil)
 	restores := prometheus.NewDesc("kube_portal_proxy_iptables_restores_total", "iptables-restore runs.", nil, nil)

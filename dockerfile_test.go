@@ -225,7 +225,7 @@ func TestImagePackagesProvideTheTools(t *testing.T) {
 	for _, fam := range []string{"iptables", "ip6tables"} {
 		for _, variant := range []string{"-nft", "-legacy"} {
 			for _, tool := range []string{"", "-save", "-restore"} {
-				tools = append(tools, "/usr/sbin/"+fam+variant+tool) // portal.ExecRunner's names
+				tools = append(tools, "/usr/sbin/"+fam+variant+tool) // iptables.ExecRunner's names
 			}
 		}
 	}

@@ -8,7 +8,7 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
@@ -101,7 +101,7 @@ func newFlagSet(o *options) *pflag.FlagSet {
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 0, "Close TCP connections idle in both directions for this long; 0 never does.")
 	fs.StringVar(&o.iptablesVariant, "iptables-variant", "", "Which iptables binaries to run: empty for the system's, nft or legacy.")
 	fs.StringVar(&o.portalMode, "portal-mode", "iptables", "How service traffic reaches the proxy: iptables (the legacy KUBE-PORTALS NAT rules) or bind (service IPs on a local interface, sockets listen on them; no NAT needed).")
-	fs.StringVar(&o.portalInterface, "portal-interface", portal.DefaultBindInterface, "Interface that carries the service IPs in --portal-mode=bind.")
+	fs.StringVar(&o.portalInterface, "portal-interface", bind.DefaultInterface, "Interface that carries the service IPs in --portal-mode=bind.")
 	fs.BoolVar(&o.accessLog, "access-log", false, "Log one line per TCP connection and UDP session when it ends, for every service (per Service: annotation portal-proxy.kubernetes.io/access-log: \"true\").")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
 	fs.Int32Var(&o.oomScoreAdj, "oom-score-adj", -999, "The oom_score_adj of this process, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE).")

@@ -12,16 +12,18 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // portalMode is what differs between --portal-mode=iptables and --portal-mode=bind; everything
 // else (balancer, sockets, sources, metrics) is shared and does not know which one runs.
 type portalMode struct {
 	portals   portal.Portals
-	conntrack udp.Conntrack                        // nil: no NAT, no conntrack entries to clear
+	conntrack conntrack.Interface                  // nil: no NAT, no conntrack entries to clear
 	plan      func(*service.Port) []netip.AddrPort // nil: one proxy socket per port, on a local port
 	freeBind  bool                                 // sockets bind service IPs before they are local
 	collector prometheus.Collector                 // mode-specific metrics, or nil
@@ -31,8 +33,8 @@ type portalMode struct {
 
 func newPortalMode(ctx context.Context, o *options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
 	if o.portalMode == "bind" {
-		nl := &portal.Netlink{}
-		b := portal.NewBind(portal.BindConfig{Interface: o.portalInterface, Logger: log}, nl)
+		nl := &bind.Netlink{}
+		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)
 		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil).InterfaceAddrs
 		return &portalMode{
 			portals:  b,
@@ -49,20 +51,20 @@ func newPortalMode(ctx context.Context, o *options, hostIPs map[portal.Family]ne
 			close: func() { _ = nl.Close() },
 		}, nil
 	}
-	runner := &portal.ExecRunner{Variant: o.iptablesVariant}
-	if err := portal.CheckNAT(ctx, runner, portal.IPv4); errors.Is(err, portal.ErrNATUnavailable) {
+	runner := &iptables.ExecRunner{Variant: o.iptablesVariant}
+	if err := iptables.CheckNAT(ctx, runner, portal.IPv4); errors.Is(err, iptables.ErrNATUnavailable) {
 		return nil, fmt.Errorf("this node cannot NAT, which iptables portals need; run with --portal-mode=bind: %w", err)
 	} else if err != nil {
 		log.WithError(err).Warn("Could not check for NAT support")
 	}
-	rules := portal.NewIPTables(portal.Config{
+	rules := iptables.New(iptables.Config{
 		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts,
 		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
 	}, runner)
 	return &portalMode{
 		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log,
 			OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }},
-		conntrack: udp.ExecConntrack{Runner: udp.ExecRunner{}},
+		conntrack: &conntrack.Netlink{},
 		collector: portalCollector(rules),
 		describe:  rules.Rules,
 		close:     func() {},

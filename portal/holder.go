@@ -65,7 +65,7 @@ func NewPortHolder(cfg HolderConfig) *PortHolder {
 		cfg.Listen = listenHold
 	}
 	if cfg.Logger == nil {
-		cfg.Logger = Config{}.withDefaults().Logger
+		cfg.Logger = DiscardLogger()
 	}
 	return &PortHolder{cfg: cfg, held: map[holdKey]holding{}}
 }
@@ -81,7 +81,7 @@ func (h *PortHolder) Sync(specs []Spec) map[service.ServicePortName]error {
 	failed := map[service.ServicePortName]error{}
 
 	sorted := slices.Clone(specs)
-	slices.SortFunc(sorted, compareSpecs)
+	slices.SortFunc(sorted, CompareSpecs)
 	claims := map[holdKey][]service.ServicePortName{}
 	var order []holdKey
 	for i := range sorted {

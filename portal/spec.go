@@ -1,16 +1,16 @@
-// Package portal steers service traffic into the proxy sockets: the legacy userspace KUBE-PORTALS
-// and KUBE-NODEPORT iptables chains, written atomically with one iptables-restore per table, and
-// the sockets that hold node ports so no other process can take them. See README.md for the
-// packet path.
+// Package portal is the vocabulary the portal modes share: a Spec per service port, the Portals
+// interface the proxier drives, IP families, and the sockets that hold node ports so no other
+// process can take them. The modes live beside it: portal/iptables (NAT rules, the default) and
+// portal/bind (service IPs on a local link, no NAT); portal/conntrack clears the NAT's UDP
+// conntrack entries. See README.md for the packet paths.
 package portal
 
 import (
+	"cmp"
 	"context"
 	"net/netip"
-	"time"
 
 	"github.com/sirupsen/logrus"
-	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -49,31 +49,35 @@ type Spec struct {
 	SourceRanges []netip.Prefix
 }
 
-// proxyPorts lists the distinct proxy ports of the spec.
-func (s *Spec) proxyPorts() []uint16 {
-	if ext := s.externalPort(); ext != s.ProxyPort {
+// ProxyPorts lists the distinct proxy ports of the spec.
+func (s *Spec) ProxyPorts() []uint16 {
+	if ext := s.ExternalPort(); ext != s.ProxyPort {
 		return []uint16{s.ProxyPort, ext}
 	}
 	return []uint16{s.ProxyPort}
 }
 
-// externalPort is the proxy port external traffic is steered to.
-func (s *Spec) externalPort() uint16 {
+// ExternalPort is the proxy port external traffic is steered to.
+func (s *Spec) ExternalPort() uint16 {
 	if s.ExternalProxyPort != 0 {
 		return s.ExternalProxyPort
 	}
 	return s.ProxyPort
 }
 
+// CompareSpecs orders specs by service port name, then protocol: the order the proxier passes
+// them in and the modes program them in.
+func CompareSpecs(a, b Spec) int {
+	return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
+		cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
+}
+
 // Portals is what the proxier needs from a portal implementation: make the portals match the
-// specs, and remove everything at --cleanup. The iptables portals (IPTables) and the bind mode
-// satisfy it.
+// specs, and remove everything at --cleanup. iptables.Portals and bind.Portals satisfy it.
 type Portals interface {
 	Sync(ctx context.Context, specs []Spec) error
 	Cleanup(ctx context.Context) error
 }
-
-var _ Portals = (*IPTables)(nil)
 
 // Family is an IP family: IPv4 rules go to iptables, IPv6 rules to ip6tables.
 type Family uint8
@@ -102,48 +106,11 @@ func FamilyOf(a netip.Addr) Family {
 	return IPv6
 }
 
-// DefaultVerifyPeriod is how often Sync reads the live chains back to repair changes made by others.
-const DefaultVerifyPeriod = time.Minute
-
-// Config is the node-level configuration of the iptables portals.
-type Config struct {
-	// BindAddress is --bind-address. Unspecified (0.0.0.0 or ::, or the zero Addr): CONTAINER rules
-	// REDIRECT to the proxy port and HOST rules DNAT to the node's HostIP. Specific: both DNAT to it,
-	// and only its family is programmed.
-	BindAddress netip.Addr
-	// HostIPs is the node IP per family, the target of HOST DNAT rules. With an unspecified bind
-	// address a family without a host IP is skipped (one log line).
-	HostIPs map[Family]netip.Addr
-	// NodePortAddresses is --nodeport-addresses; empty means every local address.
-	NodePortAddresses []netip.Prefix
-	// ProtectProxyPorts adds the KUBE-PORTALS-GUARD filter chain: a new connection from outside the
-	// node reaches a proxy port only when a portal rule translated it (conntrack state DNAT).
-	ProtectProxyPorts bool
-	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
-	// repairs them; 0 means DefaultVerifyPeriod.
-	VerifyPeriod time.Duration
-	// Clock drives VerifyPeriod; nil means the real clock.
-	Clock  clock.PassiveClock
-	Logger logrus.FieldLogger
-}
-
-func (c Config) withDefaults() Config {
-	if !c.BindAddress.IsValid() {
-		c.BindAddress = netip.IPv4Unspecified()
-	}
-	c.BindAddress = c.BindAddress.Unmap()
-	if c.VerifyPeriod <= 0 {
-		c.VerifyPeriod = DefaultVerifyPeriod
-	}
-	if c.Clock == nil {
-		c.Clock = clock.RealClock{}
-	}
-	if c.Logger == nil {
-		l := logrus.New()
-		l.Out = discard{}
-		c.Logger = l
-	}
-	return c
+// DiscardLogger is the logger of a mode whose configuration names none.
+func DiscardLogger() logrus.FieldLogger {
+	l := logrus.New()
+	l.Out = discard{}
+	return l
 }
 
 type discard struct{}

@@ -17,8 +17,8 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // ProxySocket is one service port's proxy socket: a TCP listener or a UDP socket with its sessions.
@@ -67,7 +67,7 @@ type Deps struct {
 	Sockets  SocketFactory
 	Portals  portal.Portals
 	// Conntrack clears UDP flows of removed service ports; nil when the portal mode uses no NAT.
-	Conntrack udp.Conntrack
+	Conntrack conntrack.Interface
 	Metrics   *Metrics
 	Health    *Health
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes

@@ -13,8 +13,8 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // maxListenTries bounds how many range ports one service port tries when others are taken by
@@ -241,7 +241,7 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	}
 	if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
 		// Conntrack would keep steering a chatty client (a resolver) to the closed proxy port.
-		if err := p.deps.Conntrack.ClearUDP(p.runCtx, udp.FlowsOf(a.port)); err != nil {
+		if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(a.port)); err != nil {
 			p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 		}
 	}

@@ -22,8 +22,8 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // fakeSocket records its life; ports are handed out from a counter like a kernel would.
@@ -104,7 +104,7 @@ type fakeEnv struct {
 	p           *Proxier
 	lb          *loadbalancer.LoadBalancer
 	portals     *recordingPortals
-	conntrack   *udp.FakeConntrack
+	conntrack   *conntrack.Fake
 	clk         *clocktesting.FakeClock
 	mu          sync.Mutex
 	open        map[service.ServicePortName]*fakeSocket
@@ -116,7 +116,7 @@ type fakeEnv struct {
 
 func newFakeEnv(t *testing.T, mutate func(*Config)) *fakeEnv {
 	t.Helper()
-	e := &fakeEnv{t: t, portals: &recordingPortals{}, conntrack: &udp.FakeConntrack{},
+	e := &fakeEnv{t: t, portals: &recordingPortals{}, conntrack: &conntrack.Fake{},
 		clk: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)), open: map[service.ServicePortName]*fakeSocket{},
 		failListen: map[service.ServicePortName]error{}, nextPort: 40000}
 	e.lb = loadbalancer.New(e.clk)

@@ -1,4 +1,4 @@
-package portal
+package bind
 
 import (
 	"context"
@@ -16,10 +16,13 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -89,20 +92,20 @@ func sortedStrings(ps []netip.Prefix) []string {
 
 // addrWatch receives the namespace's address notifications. The kernel queues them while it
 // handles a request, before it acks, so once a Sync returns every event it caused is waiting.
-type addrWatch struct{ c *nlConn }
+type addrWatch struct{ s *nl.NetlinkSocket }
 
 func watchAddrs(t *testing.T, ns *netns.NS) *addrWatch {
 	t.Helper()
-	var c *nlConn
+	var s *nl.NetlinkSocket
 	if err := ns.Do(func() error {
 		var err error
-		c, err = dialNetlink(t.Context(), unix.RTMGRP_IPV4_IFADDR|unix.RTMGRP_IPV6_IFADDR)
+		s, err = nl.Subscribe(unix.NETLINK_ROUTE, unix.RTNLGRP_IPV4_IFADDR, unix.RTNLGRP_IPV6_IFADDR)
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.Close() })
-	return &addrWatch{c: c}
+	t.Cleanup(s.Close)
+	return &addrWatch{s: s}
 }
 
 // drain returns the queued events in order, "add 10.96.0.10/32" or "del ...", without IPv6
@@ -110,20 +113,25 @@ func watchAddrs(t *testing.T, ns *netns.NS) *addrWatch {
 func (w *addrWatch) drain(t *testing.T) []string {
 	t.Helper()
 	var out []string
+	buf := make([]byte, 1<<16)
 	for {
-		msgs, err := w.c.recv(unix.MSG_DONTWAIT)
+		n, _, err := unix.Recvfrom(w.s.GetFd(), buf, unix.MSG_DONTWAIT)
 		if errors.Is(err, unix.EAGAIN) {
 			return out
 		}
 		if err != nil {
 			t.Fatal(err)
 		}
+		msgs, err := syscall.ParseNetlinkMessage(buf[:n])
+		if err != nil {
+			t.Fatal(err)
+		}
 		for _, m := range msgs {
-			p, _, ok := parseIfAddr(m.data)
+			p, ok := parseIfAddr(m.Data)
 			if !ok || (p.Addr().Is6() && p.Addr().IsLinkLocalUnicast()) {
 				continue
 			}
-			switch m.hdr.Type {
+			switch m.Header.Type {
 			case unix.RTM_NEWADDR:
 				out = append(out, "add "+p.String())
 			case unix.RTM_DELADDR:
@@ -133,7 +141,28 @@ func (w *addrWatch) drain(t *testing.T) []string {
 	}
 }
 
-func mustBindSync(t *testing.T, b *Bind, specs []Spec) {
+// parseIfAddr reads an address notification: IFA_LOCAL when present, else IFA_ADDRESS.
+func parseIfAddr(b []byte) (netip.Prefix, bool) {
+	if len(b) < unix.SizeofIfAddrmsg {
+		return netip.Prefix{}, false
+	}
+	msg := nl.DeserializeIfAddrmsg(b)
+	attrs, err := nl.ParseRouteAttrAsMap(b[unix.SizeofIfAddrmsg:])
+	if err != nil {
+		return netip.Prefix{}, false
+	}
+	raw, ok := attrs[unix.IFA_LOCAL]
+	if !ok {
+		raw = attrs[unix.IFA_ADDRESS]
+	}
+	a, ok := netip.AddrFromSlice(raw.Value)
+	if !ok {
+		return netip.Prefix{}, false
+	}
+	return netip.PrefixFrom(a, int(msg.Prefixlen)), true
+}
+
+func mustBindSync(t *testing.T, b *Portals, specs []portal.Spec) {
 	t.Helper()
 	if err := b.Sync(t.Context(), specs); err != nil {
 		t.Fatal(err)
@@ -147,12 +176,12 @@ func TestBindKernel(t *testing.T) {
 	lab := netns.NewTestLab(t)
 	node := lab.MustAdd(t, "node")
 	logger, hook := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, nsNetlink(t, node))
+	b := New(Config{Logger: logger}, nsNetlink(t, node))
 	web, dns := bindSpecs()[0], bindSpecs()[1]
-	mustBindSync(t, b, []Spec{web, dns})
+	mustBindSync(t, b, []portal.Spec{web, dns})
 
 	t.Run("the_link_exists_up_with_the_kind_Bind_reports", func(t *testing.T) {
-		out := node.MustExec(t, "ip", "-d", "-o", "link", "show", "dev", DefaultBindInterface)
+		out := node.MustExec(t, "ip", "-d", "-o", "link", "show", "dev", DefaultInterface)
 		if !strings.Contains(out, ",UP") {
 			t.Errorf("link is not up: %s", out)
 		}
@@ -178,10 +207,10 @@ func TestBindKernel(t *testing.T) {
 	})
 	t.Run("exactly_the_service_addresses_appear_none_tentative", func(t *testing.T) {
 		want := []string{"10.96.0.10/32", "10.96.0.53/32", "198.51.100.20/32", "203.0.113.7/32", "fd00:96::10/128"}
-		if d := cmp.Diff(want, ipAddrs(t, node, DefaultBindInterface)); d != "" {
+		if d := cmp.Diff(want, ipAddrs(t, node, DefaultInterface)); d != "" {
 			t.Errorf("ip addr (-want +got):\n%s", d)
 		}
-		got, err := nsNetlink(t, node).Addrs(t.Context(), DefaultBindInterface)
+		got, err := nsNetlink(t, node).Addrs(t.Context(), DefaultInterface)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -191,7 +220,7 @@ func TestBindKernel(t *testing.T) {
 		}
 	})
 	t.Run("the_addresses_are_local_routes", func(t *testing.T) {
-		out := node.MustExec(t, "ip", "route", "show", "table", "local", "dev", DefaultBindInterface)
+		out := node.MustExec(t, "ip", "route", "show", "table", "local", "dev", DefaultInterface)
 		for _, a := range []string{"10.96.0.10", "10.96.0.53", "198.51.100.20", "203.0.113.7"} {
 			if !strings.Contains(out, "local "+a+" ") {
 				t.Errorf("no local route for %s:\n%s", a, out)
@@ -200,8 +229,8 @@ func TestBindKernel(t *testing.T) {
 	})
 	t.Run("removing_a_service_removes_exactly_its_addresses", func(t *testing.T) {
 		w := watchAddrs(t, node)
-		mustBindSync(t, b, []Spec{dns})
-		if d := cmp.Diff([]string{"10.96.0.53/32"}, ipAddrs(t, node, DefaultBindInterface)); d != "" {
+		mustBindSync(t, b, []portal.Spec{dns})
+		if d := cmp.Diff([]string{"10.96.0.53/32"}, ipAddrs(t, node, DefaultInterface)); d != "" {
 			t.Errorf("ip addr (-want +got):\n%s", d)
 		}
 		want := []string{"del 10.96.0.10/32", "del 198.51.100.20/32", "del 203.0.113.7/32", "del fd00:96::10/128"}
@@ -211,42 +240,42 @@ func TestBindKernel(t *testing.T) {
 	})
 	t.Run("an_unchanged_sync_changes_nothing", func(t *testing.T) {
 		w := watchAddrs(t, node)
-		mustBindSync(t, b, []Spec{dns})
+		mustBindSync(t, b, []portal.Spec{dns})
 		if got := w.drain(t); len(got) != 0 {
 			t.Errorf("address events = %v, want none", got)
 		}
 	})
 	t.Run("a_restart_keeps_wanted_addresses_throughout", func(t *testing.T) {
-		mustBindSync(t, b, []Spec{web, dns})
+		mustBindSync(t, b, []portal.Spec{web, dns})
 		w := watchAddrs(t, node)
-		restarted := NewBind(BindConfig{Logger: logger}, nsNetlink(t, node))
+		restarted := New(Config{Logger: logger}, nsNetlink(t, node))
 		moved := dns
 		moved.ClusterIPs = addrs("10.96.0.54")
-		mustBindSync(t, restarted, []Spec{web, moved})
+		mustBindSync(t, restarted, []portal.Spec{web, moved})
 		// No event at all for the addresses that stay; the new one before the old one goes.
 		want := []string{"add 10.96.0.54/32", "del 10.96.0.53/32"}
 		if d := cmp.Diff(want, w.drain(t)); d != "" {
 			t.Errorf("address events during the restart (-want +got):\n%s", d)
 		}
 		wantAddrs := []string{"10.96.0.10/32", "10.96.0.54/32", "198.51.100.20/32", "203.0.113.7/32", "fd00:96::10/128"}
-		if d := cmp.Diff(wantAddrs, ipAddrs(t, node, DefaultBindInterface)); d != "" {
+		if d := cmp.Diff(wantAddrs, ipAddrs(t, node, DefaultInterface)); d != "" {
 			t.Errorf("ip addr (-want +got):\n%s", d)
 		}
 	})
 	t.Run("addresses_added_by_hand_are_removed_and_a_wrong_prefix_length_fixed", func(t *testing.T) {
-		node.MustExec(t, "ip", "addr", "add", "10.96.7.7/32", "dev", DefaultBindInterface)
-		node.MustExec(t, "ip", "addr", "del", "10.96.0.10/32", "dev", DefaultBindInterface)
-		node.MustExec(t, "ip", "addr", "add", "10.96.0.10/24", "dev", DefaultBindInterface)
-		mustBindSync(t, b, []Spec{web})
+		node.MustExec(t, "ip", "addr", "add", "10.96.7.7/32", "dev", DefaultInterface)
+		node.MustExec(t, "ip", "addr", "del", "10.96.0.10/32", "dev", DefaultInterface)
+		node.MustExec(t, "ip", "addr", "add", "10.96.0.10/24", "dev", DefaultInterface)
+		mustBindSync(t, b, []portal.Spec{web})
 		want := []string{"10.96.0.10/32", "198.51.100.20/32", "203.0.113.7/32", "fd00:96::10/128"}
-		if d := cmp.Diff(want, ipAddrs(t, node, DefaultBindInterface)); d != "" {
+		if d := cmp.Diff(want, ipAddrs(t, node, DefaultInterface)); d != "" {
 			t.Errorf("ip addr (-want +got):\n%s", d)
 		}
 	})
 	t.Run("a_link_set_down_by_someone_is_brought_up", func(t *testing.T) {
-		node.MustExec(t, "ip", "link", "set", DefaultBindInterface, "down")
-		mustBindSync(t, b, []Spec{web})
-		if out := node.MustExec(t, "ip", "-o", "link", "show", "dev", DefaultBindInterface); !strings.Contains(out, ",UP") {
+		node.MustExec(t, "ip", "link", "set", DefaultInterface, "down")
+		mustBindSync(t, b, []portal.Spec{web})
+		if out := node.MustExec(t, "ip", "-o", "link", "show", "dev", DefaultInterface); !strings.Contains(out, ",UP") {
 			t.Errorf("link is not up: %s", out)
 		}
 	})
@@ -254,23 +283,23 @@ func TestBindKernel(t *testing.T) {
 		if err := b.Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := node.Exec(t.Context(), "ip", "link", "show", "dev", DefaultBindInterface); err == nil {
-			t.Errorf("%s still exists after Cleanup", DefaultBindInterface)
+		if _, err := node.Exec(t.Context(), "ip", "link", "show", "dev", DefaultInterface); err == nil {
+			t.Errorf("%s still exists after Cleanup", DefaultInterface)
 		}
 		if err := b.Cleanup(t.Context()); err != nil {
 			t.Errorf("second Cleanup: %v", err)
 		}
 	})
 	t.Run("a_foreign_link_of_that_name_is_left_alone", func(t *testing.T) {
-		node.MustExec(t, "ip", "link", "add", DefaultBindInterface, "type", "veth", "peer", "name", "kpp-peer")
-		if err := b.Sync(t.Context(), []Spec{web}); err == nil || !strings.Contains(err.Error(), `kind "veth"`) {
+		node.MustExec(t, "ip", "link", "add", DefaultInterface, "type", "veth", "peer", "name", "kpp-peer")
+		if err := b.Sync(t.Context(), []portal.Spec{web}); err == nil || !strings.Contains(err.Error(), `kind "veth"`) {
 			t.Errorf("Sync error = %v, want one about the veth", err)
 		}
 		if err := b.Cleanup(t.Context()); err == nil {
 			t.Errorf("Cleanup deleted or accepted a veth")
 		}
-		node.MustExec(t, "ip", "link", "show", "dev", DefaultBindInterface)
-		if got := ipAddrs(t, node, DefaultBindInterface); len(got) != 0 {
+		node.MustExec(t, "ip", "link", "show", "dev", DefaultInterface)
+		if got := ipAddrs(t, node, DefaultInterface); len(got) != 0 {
 			t.Errorf("addresses on the foreign link: %v", got)
 		}
 	})
@@ -318,25 +347,16 @@ func TestNetlink(t *testing.T) {
 		if err := nl.AddAddr(ctx, "kpp-br", v6); err != nil {
 			t.Fatal(err)
 		}
-		var out []byte
+		var routes []netlink.Route
 		if err := node.Do(func() error {
-			c, err := dialNetlink(ctx, 0)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			b := make([]byte, unix.SizeofRtMsg)
-			b[0], b[1] = unix.AF_INET6, 128
-			msgs, err := c.request("RTM_GETROUTE", unix.RTM_GETROUTE, 0, append(b, attr(unix.RTA_DST, v6.Addr().AsSlice())...))
-			if err == nil && len(msgs) > 0 {
-				out = msgs[0]
-			}
+			var err error
+			routes, err = netlink.RouteGet(v6.Addr().AsSlice())
 			return err
 		}); err != nil {
 			t.Fatal(err)
 		}
-		if len(out) < unix.SizeofRtMsg || out[7] != unix.RTN_LOCAL {
-			t.Errorf("route to %s right after AddAddr is not local (rtm_type %v)", v6.Addr(), out[7:8])
+		if len(routes) == 0 || routes[0].Type != unix.RTN_LOCAL {
+			t.Errorf("route to %s right after AddAddr is not local: %v", v6.Addr(), routes)
 		}
 	}
 	if err := nl.EnsureLink(ctx, "kpp-br", LinkTypeDummy); err == nil {
@@ -415,11 +435,11 @@ func TestBindKernelTraffic(t *testing.T) {
 	vip := netip.AddrPortFrom(netip.MustParseAddr("10.96.0.10"), 80)
 	serveBound(t, bed.Node, vip)
 	logger, _ := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, nsNetlink(t, bed.Node))
-	spec := Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80,
+	b := New(Config{Logger: logger}, nsNetlink(t, bed.Node))
+	spec := portal.Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80,
 		ClusterIPs: []netip.Addr{vip.Addr(), netip.MustParseAddr("fd00:96::10")}, ProxyPort: 80}
 	start := time.Now()
-	mustBindSync(t, b, []Spec{spec, {Name: spn("default", "web", "udp"), Protocol: service.UDP, Port: 80,
+	mustBindSync(t, b, []portal.Spec{spec, {Name: spn("default", "web", "udp"), Protocol: service.UDP, Port: 80,
 		ClusterIPs: spec.ClusterIPs, ProxyPort: 80}})
 	t.Logf("first Sync (sysctls, link, 2 addresses): %v", time.Since(start))
 
@@ -500,14 +520,14 @@ func BenchmarkBindKernelSync(b *testing.B) {
 	node := lab.MustAdd(b, "node")
 	logger, _ := quietLogger()
 	for _, n := range []int{100, 1000, 10000} {
-		specs := make([]Spec, n)
+		specs := make([]portal.Spec, n)
 		for i := range specs {
-			specs[i] = Spec{Name: spn("bench", fmt.Sprintf("svc%d", i), ""), Protocol: service.TCP, Port: 80,
+			specs[i] = portal.Spec{Name: spn("bench", fmt.Sprintf("svc%d", i), ""), Protocol: service.TCP, Port: 80,
 				ClusterIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i / 250), byte(i%250 + 1)})}}
 		}
 		nl := &Netlink{} // used only inside node.Do below
 		b.Cleanup(func() { nl.Close() })
-		bind := NewBind(BindConfig{Logger: logger}, nl)
+		bind := New(Config{Logger: logger}, nl)
 		inNode := func(b *testing.B, fn func() error) {
 			b.Helper()
 			if err := node.Do(func() error {

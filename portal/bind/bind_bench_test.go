@@ -1,4 +1,4 @@
-package portal
+package bind
 
 import (
 	"errors"
@@ -12,6 +12,8 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -21,18 +23,18 @@ import (
 // for every packet). bind: the listener is on 10.96.0.10:80 itself. Each mode gets its own
 // testbed, so conntrack runs only where NAT does. No proxying: this is the portal alone.
 //
-//	go test -run XXX -bench BenchmarkPortalConnect -benchtime 3000x ./portal/
+//	go test -run XXX -bench BenchmarkPortalConnect -benchtime 3000x ./portal/bind/
 func BenchmarkPortalConnect(b *testing.B) {
 	vip := netip.AddrPortFrom(netip.MustParseAddr("10.96.0.10"), 80)
-	spec := Spec{Name: spn("bench", "web", ""), Protocol: service.TCP, Port: 80,
+	spec := portal.Spec{Name: spn("bench", "web", ""), Protocol: service.TCP, Port: 80,
 		ClusterIPs: []netip.Addr{vip.Addr()}, ProxyPort: 34001}
 
 	b.Run("iptables", func(b *testing.B) {
 		bed := newBenchBed(b)
 		serveOneByte(b, bed.Node, netip.AddrPortFrom(netip.IPv4Unspecified(), spec.ProxyPort))
-		p := NewIPTables(Config{HostIPs: map[Family]netip.Addr{IPv4: testbed.NodeClientIP}},
-			&ExecRunner{Prefix: bed.Node.CommandPrefix()})
-		if err := p.Sync(b.Context(), []Spec{spec}); err != nil {
+		p := iptables.New(iptables.Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: testbed.NodeClientIP}},
+			&iptables.ExecRunner{Prefix: bed.Node.CommandPrefix()})
+		if err := p.Sync(b.Context(), []portal.Spec{spec}); err != nil {
 			b.Fatal(err)
 		}
 		connectLoop(b, bed.Client, vip)
@@ -43,7 +45,7 @@ func BenchmarkPortalConnect(b *testing.B) {
 		nl := &Netlink{Do: bed.Node.Do}
 		b.Cleanup(func() { nl.Close() })
 		logger, _ := quietLogger()
-		if err := NewBind(BindConfig{Logger: logger}, nl).Sync(b.Context(), []Spec{spec}); err != nil {
+		if err := New(Config{Logger: logger}, nl).Sync(b.Context(), []portal.Spec{spec}); err != nil {
 			b.Fatal(err)
 		}
 		connectLoop(b, bed.Client, vip)

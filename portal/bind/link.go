@@ -1,4 +1,4 @@
-package portal
+package bind
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package udp
+package conntrack
 
 import (
 	"context"
@@ -9,19 +9,17 @@ import (
 	"sync"
 )
 
-// FakeConntrack records what it is asked to clear. It lives outside the test files so that other
+// Fake records what it is asked to clear. It lives outside the test files so that other
 // packages' tests can check what a service change clears.
-type FakeConntrack struct {
+type Fake struct {
 	mu      sync.Mutex
 	cleared []Flows
 	// Err, if set, is returned by every ClearUDP (after recording the call).
 	Err error
 }
 
-var _ Conntrack = (*FakeConntrack)(nil)
-
-// ClearUDP implements Conntrack.
-func (f *FakeConntrack) ClearUDP(_ context.Context, flows Flows) error {
+// ClearUDP implements Interface.
+func (f *Fake) ClearUDP(_ context.Context, flows Flows) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	flows.Addrs = slices.Clone(flows.Addrs)
@@ -31,7 +29,7 @@ func (f *FakeConntrack) ClearUDP(_ context.Context, flows Flows) error {
 
 // Dump lists the cleared entries one per line, sorted: "udp <ip>:<port>" for an address and
 // "udp nodeport <port>" for a node port.
-func (f *FakeConntrack) Dump() string {
+func (f *Fake) Dump() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var lines []string
@@ -48,7 +46,7 @@ func (f *FakeConntrack) Dump() string {
 }
 
 // Reset forgets the recorded calls.
-func (f *FakeConntrack) Reset() {
+func (f *Fake) Reset() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.cleared = nil

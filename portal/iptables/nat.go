@@ -1,9 +1,11 @@
-package portal
+package iptables
 
 import (
 	"context"
 	"errors"
 	"fmt"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
 // CheckNAT tells whether the iptables portals can work on this node for fam: it adds a REDIRECT
@@ -12,9 +14,9 @@ import (
 // ErrNATUnavailable means it does not (the restore failed, or there is no iptables binary at
 // all): the bind mode is the answer. Any other error (a cancelled ctx) says nothing either way.
 // Call it at start-up in iptables mode, e.g. CheckNAT(ctx, &ExecRunner{}, IPv4).
-func CheckNAT(ctx context.Context, runner Runner, fam Family) error {
+func CheckNAT(ctx context.Context, runner Runner, fam portal.Family) error {
 	dst := "127.0.0.1:1"
-	if fam == IPv6 {
+	if fam == portal.IPv6 {
 		dst = "[::1]:1"
 	}
 	err := runner.Restore(ctx, fam, fmt.Appendf(nil, natProbe, dst))

@@ -1,7 +1,6 @@
-package portal
+package bind
 
 import (
-	"context"
 	"errors"
 	"net/netip"
 	"slices"
@@ -12,14 +11,15 @@ import (
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Address plan for the bind tests: cluster IPs 10.96.0.0/16 and fd00:96::/112, external IP
 // 203.0.113.7, load-balancer IP 198.51.100.20, all put on kube-portal0 as host prefixes.
 
-func bindSpecs() []Spec {
-	return []Spec{
+func bindSpecs() []portal.Spec {
+	return []portal.Spec{
 		{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
 			ClusterIPs: addrs("10.96.0.10", "fd00:96::10"), ExternalIPs: addrs("203.0.113.7"),
 			LoadBalancerIPs: addrs("198.51.100.20"), ProxyPort: 80},
@@ -47,9 +47,9 @@ const strictSysctls = "sysctl net/ipv4/conf/all/arp_announce=2\nsysctl net/ipv4/
 func TestBindSync(t *testing.T) {
 	tests := []struct {
 		name    string
-		cfg     BindConfig
+		cfg     Config
 		setup   func(f *FakeLink)
-		specs   []Spec
+		specs   []portal.Spec
 		wantErr string
 		// wantDump is FakeLink.Dump after the Sync; wantOps the changes, in order.
 		wantDump string
@@ -85,7 +85,7 @@ func TestBindSync(t *testing.T) {
 		},
 		{
 			name:     "an_explicit_link_type_has_no_fallback",
-			cfg:      BindConfig{LinkType: "vrf"},
+			cfg:      Config{LinkType: "vrf"},
 			setup:    func(f *FakeLink) { f.Unsupported = map[string]bool{"vrf": true} },
 			specs:    bindSpecs()[1:],
 			wantErr:  "portal bind kube-portal0: create link: link kube-portal0: link type not supported by the kernel: vrf",
@@ -97,7 +97,7 @@ func TestBindSync(t *testing.T) {
 		},
 		{
 			name:     "custom_interface_name",
-			cfg:      BindConfig{Interface: "svc0"},
+			cfg:      Config{Interface: "svc0"},
 			specs:    bindSpecs()[1:],
 			wantDump: "link svc0 dummy up\n  10.96.0.53/32\n" + strictSysctls,
 			wantOps: []string{
@@ -113,7 +113,7 @@ func TestBindSync(t *testing.T) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
 			},
-			specs: []Spec{
+			specs: []portal.Spec{
 				{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, ClusterIPs: addrs("10.96.0.10")},
 				{Name: spn("default", "web", "https"), Protocol: service.TCP, Port: 443, ClusterIPs: addrs("10.96.0.10")},
 				{Name: spn("default", "web", "quic"), Protocol: service.UDP, Port: 443, ClusterIPs: addrs("10.96.0.10"),
@@ -128,7 +128,7 @@ func TestBindSync(t *testing.T) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
 			},
-			specs: []Spec{{Name: spn("default", "odd", ""), Protocol: service.TCP, Port: 80,
+			specs: []portal.Spec{{Name: spn("default", "odd", ""), Protocol: service.TCP, Port: 80,
 				ClusterIPs:  []netip.Addr{{}, netip.MustParseAddr("::ffff:10.96.0.7")},
 				ExternalIPs: addrs("0.0.0.0", "127.0.0.1", "::1", "fe80::1", "169.254.0.1", "224.0.0.1", "ff02::1")}},
 			wantDump: "link kube-portal0 dummy up\n  10.96.0.7/32\n" + strictSysctls,
@@ -158,7 +158,7 @@ func TestBindSync(t *testing.T) {
 		},
 		{
 			name:     "LeaveARPSysctls_touches_no_sysctl",
-			cfg:      BindConfig{LeaveARPSysctls: true},
+			cfg:      Config{LeaveARPSysctls: true},
 			specs:    bindSpecs()[1:],
 			wantDump: "link kube-portal0 dummy up\n  10.96.0.53/32\nsysctl net/ipv4/conf/all/arp_announce=0\nsysctl net/ipv4/conf/all/arp_ignore=0\n",
 			wantOps:  []string{"add-link kube-portal0 dummy", "add-addr kube-portal0 10.96.0.53/32"},
@@ -182,7 +182,7 @@ func TestBindSync(t *testing.T) {
 			setup: func(f *FakeLink) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
-				f.AddLink(DefaultBindInterface, LinkTypeDummy, true,
+				f.AddLink(DefaultInterface, LinkTypeDummy, true,
 					prefixes("10.96.0.53/32", "10.96.0.99/32", "fd00:96::99/128", "fe80::1/64")...)
 			},
 			specs:    bindSpecs()[1:],
@@ -194,7 +194,7 @@ func TestBindSync(t *testing.T) {
 			setup: func(f *FakeLink) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
-				f.AddLink(DefaultBindInterface, LinkTypeBridge, true, prefixes("10.96.0.53/32")...)
+				f.AddLink(DefaultInterface, LinkTypeBridge, true, prefixes("10.96.0.53/32")...)
 			},
 			specs:    bindSpecs()[1:],
 			wantDump: "link kube-portal0 bridge up\n  10.96.0.53/32\n" + strictSysctls,
@@ -204,7 +204,7 @@ func TestBindSync(t *testing.T) {
 			setup: func(f *FakeLink) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
-				f.AddLink(DefaultBindInterface, LinkTypeDummy, false)
+				f.AddLink(DefaultInterface, LinkTypeDummy, false)
 			},
 			specs:    bindSpecs()[1:],
 			wantDump: "link kube-portal0 dummy up\n  10.96.0.53/32\n" + strictSysctls,
@@ -215,7 +215,7 @@ func TestBindSync(t *testing.T) {
 			setup: func(f *FakeLink) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
-				f.AddLink(DefaultBindInterface, "veth", false, prefixes("192.168.7.1/24")...)
+				f.AddLink(DefaultInterface, "veth", false, prefixes("192.168.7.1/24")...)
 			},
 			specs:    bindSpecs()[1:],
 			wantErr:  `portal bind kube-portal0: a link of that name and kind "veth" exists and is not ours (we create [dummy bridge]); remove it or choose another interface name`,
@@ -226,7 +226,7 @@ func TestBindSync(t *testing.T) {
 			setup: func(f *FakeLink) {
 				f.SetSysctlValue(sysctlARPIgnore, "1")
 				f.SetSysctlValue(sysctlARPAnnounce, "2")
-				f.AddLink(DefaultBindInterface, LinkTypeDummy, true, prefixes("10.96.0.1/32", "10.96.0.53/24")...)
+				f.AddLink(DefaultInterface, LinkTypeDummy, true, prefixes("10.96.0.1/32", "10.96.0.53/24")...)
 			},
 			specs:    bindSpecs()[1:],
 			wantDump: "link kube-portal0 dummy up\n  10.96.0.53/32\n" + strictSysctls,
@@ -245,9 +245,9 @@ func TestBindSync(t *testing.T) {
 			}
 			cfg := tt.cfg
 			cfg.Logger, _ = quietLogger()
-			b := NewBind(cfg, f)
+			b := New(cfg, f)
 			if ops := f.Ops(); len(ops) != 0 {
-				t.Fatalf("NewBind changed something: %v", ops)
+				t.Fatalf("New changed something: %v", ops)
 			}
 			err := b.Sync(t.Context(), tt.specs)
 			gotErr := ""
@@ -257,7 +257,7 @@ func TestBindSync(t *testing.T) {
 			if gotErr != tt.wantErr {
 				t.Errorf("Sync error:\n got %q\nwant %q", gotErr, tt.wantErr)
 			}
-			if d := lineDiff(tt.wantDump, f.Dump()); d != "" {
+			if d := cmp.Diff(tt.wantDump, f.Dump()); d != "" {
 				t.Errorf("link state (-want +got):\n%s", d)
 			}
 			if d := cmp.Diff(tt.wantOps, f.Ops()); d != "" {
@@ -271,7 +271,7 @@ func TestBindFallbackLogsOnce(t *testing.T) {
 	f := NewFakeLink()
 	f.Unsupported = map[string]bool{LinkTypeDummy: true}
 	logger, hook := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, f)
+	b := New(Config{Logger: logger}, f)
 	for range 3 {
 		if err := b.Sync(t.Context(), bindSpecs()); err != nil {
 			t.Fatal(err)
@@ -299,19 +299,19 @@ func TestBindSyncDiff(t *testing.T) {
 	moved.ClusterIPs = addrs("10.96.0.54")
 	steps := []struct {
 		name    string
-		specs   []Spec
+		specs   []portal.Spec
 		wantOps []string
 		want    []netip.Addr
 	}{
 		{
 			name:    "one_service",
-			specs:   []Spec{dns},
+			specs:   []portal.Spec{dns},
 			wantOps: []string{"add-addr kube-portal0 10.96.0.53/32"},
 			want:    addrs("10.96.0.53"),
 		},
 		{
 			name:  "adding_a_service_adds_only_its_addresses",
-			specs: []Spec{dns, web},
+			specs: []portal.Spec{dns, web},
 			wantOps: []string{
 				"add-addr kube-portal0 10.96.0.10/32",
 				"add-addr kube-portal0 198.51.100.20/32",
@@ -322,19 +322,19 @@ func TestBindSyncDiff(t *testing.T) {
 		},
 		{
 			name:    "nothing_changed_changes_nothing",
-			specs:   []Spec{web, dns},
+			specs:   []portal.Spec{web, dns},
 			wantOps: nil,
 			want:    addrs("10.96.0.10", "10.96.0.53", "198.51.100.20", "203.0.113.7", "fd00:96::10"),
 		},
 		{
 			name:    "a_changed_address_is_added_before_the_old_one_is_removed",
-			specs:   []Spec{web, moved},
+			specs:   []portal.Spec{web, moved},
 			wantOps: []string{"add-addr kube-portal0 10.96.0.54/32", "del-addr kube-portal0 10.96.0.53/32"},
 			want:    addrs("10.96.0.10", "10.96.0.54", "198.51.100.20", "203.0.113.7", "fd00:96::10"),
 		},
 		{
 			name:  "removing_a_service_removes_only_its_addresses",
-			specs: []Spec{moved},
+			specs: []portal.Spec{moved},
 			wantOps: []string{
 				"del-addr kube-portal0 10.96.0.10/32",
 				"del-addr kube-portal0 198.51.100.20/32",
@@ -352,7 +352,7 @@ func TestBindSyncDiff(t *testing.T) {
 	}
 	f := NewFakeLink()
 	logger, _ := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, f)
+	b := New(Config{Logger: logger}, f)
 	if err := b.Sync(t.Context(), nil); err != nil {
 		t.Fatal(err)
 	}
@@ -376,18 +376,18 @@ func TestBindSyncDiff(t *testing.T) {
 func TestBindRestartReconciles(t *testing.T) {
 	f := NewFakeLink()
 	logger, _ := quietLogger()
-	if err := NewBind(BindConfig{Logger: logger}, f).Sync(t.Context(), bindSpecs()); err != nil {
+	if err := New(Config{Logger: logger}, f).Sync(t.Context(), bindSpecs()); err != nil {
 		t.Fatal(err)
 	}
 	f.ResetOps()
 
-	restarted := NewBind(BindConfig{Logger: logger}, f)
+	restarted := New(Config{Logger: logger}, f)
 	if got := restarted.Addresses(); len(got) != 0 {
 		t.Errorf("Addresses() before the first Sync = %v, want none", got)
 	}
 	kept := bindSpecs()[0]
 	kept.ExternalIPs = nil
-	if err := restarted.Sync(t.Context(), []Spec{kept}); err != nil {
+	if err := restarted.Sync(t.Context(), []portal.Spec{kept}); err != nil {
 		t.Fatal(err)
 	}
 	want := []string{"del-addr kube-portal0 10.96.0.53/32", "del-addr kube-portal0 203.0.113.7/32"}
@@ -410,7 +410,7 @@ func TestBindPartialFailure(t *testing.T) {
 		return nil
 	}
 	logger, _ := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, f)
+	b := New(Config{Logger: logger}, f)
 	err := b.Sync(t.Context(), bindSpecs())
 	want := "portal kube-system/dns:dns: bind kube-portal0: add address 10.96.0.53/32: fake add-addr kube-portal0 10.96.0.53/32: no buffer space available"
 	if err == nil || err.Error() != want {
@@ -460,11 +460,11 @@ func TestBindPartialFailure(t *testing.T) {
 func TestBindRecreatesADeletedLink(t *testing.T) {
 	f := NewFakeLink()
 	logger, _ := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, f)
+	b := New(Config{Logger: logger}, f)
 	if err := b.Sync(t.Context(), bindSpecs()[1:]); err != nil {
 		t.Fatal(err)
 	}
-	if err := f.DeleteLink(t.Context(), DefaultBindInterface); err != nil {
+	if err := f.DeleteLink(t.Context(), DefaultInterface); err != nil {
 		t.Fatal(err)
 	}
 	f.ResetOps()
@@ -487,13 +487,13 @@ func TestBindCleanup(t *testing.T) {
 	}{
 		{
 			name:     "deletes_our_link",
-			setup:    func(f *FakeLink) { f.AddLink(DefaultBindInterface, LinkTypeDummy, true, prefixes("10.96.0.10/32")...) },
+			setup:    func(f *FakeLink) { f.AddLink(DefaultInterface, LinkTypeDummy, true, prefixes("10.96.0.10/32")...) },
 			wantDump: "sysctl net/ipv4/conf/all/arp_announce=0\nsysctl net/ipv4/conf/all/arp_ignore=0\n",
 			wantOps:  []string{"del-link kube-portal0"},
 		},
 		{
 			name:     "deletes_a_bridge_left_by_the_fallback",
-			setup:    func(f *FakeLink) { f.AddLink(DefaultBindInterface, LinkTypeBridge, true) },
+			setup:    func(f *FakeLink) { f.AddLink(DefaultInterface, LinkTypeBridge, true) },
 			wantDump: "sysctl net/ipv4/conf/all/arp_announce=0\nsysctl net/ipv4/conf/all/arp_ignore=0\n",
 			wantOps:  []string{"del-link kube-portal0"},
 		},
@@ -503,7 +503,7 @@ func TestBindCleanup(t *testing.T) {
 		},
 		{
 			name:     "a_foreign_link_is_left_alone",
-			setup:    func(f *FakeLink) { f.AddLink(DefaultBindInterface, "", true) },
+			setup:    func(f *FakeLink) { f.AddLink(DefaultInterface, "", true) },
 			wantErr:  `portal bind kube-portal0: cleanup: the link has kind "", not one of ours ([dummy bridge]); left alone`,
 			wantDump: "link kube-portal0  up\nsysctl net/ipv4/conf/all/arp_announce=0\nsysctl net/ipv4/conf/all/arp_ignore=0\n",
 		},
@@ -515,7 +515,7 @@ func TestBindCleanup(t *testing.T) {
 				tt.setup(f)
 			}
 			logger, _ := quietLogger()
-			b := NewBind(BindConfig{Logger: logger}, f)
+			b := New(Config{Logger: logger}, f)
 			err := b.Cleanup(t.Context())
 			gotErr := ""
 			if err != nil {
@@ -524,7 +524,7 @@ func TestBindCleanup(t *testing.T) {
 			if gotErr != tt.wantErr {
 				t.Errorf("Cleanup error:\n got %q\nwant %q", gotErr, tt.wantErr)
 			}
-			if d := lineDiff(tt.wantDump, f.Dump()); d != "" {
+			if d := cmp.Diff(tt.wantDump, f.Dump()); d != "" {
 				t.Errorf("state after Cleanup (-want +got):\n%s", d)
 			}
 			if d := cmp.Diff(tt.wantOps, f.Ops()); d != "" {
@@ -537,7 +537,7 @@ func TestBindCleanup(t *testing.T) {
 func TestBindCleanupAfterSyncForgetsAddresses(t *testing.T) {
 	f := NewFakeLink()
 	logger, _ := quietLogger()
-	b := NewBind(BindConfig{Logger: logger}, f)
+	b := New(Config{Logger: logger}, f)
 	if err := b.Sync(t.Context(), bindSpecs()); err != nil {
 		t.Fatal(err)
 	}
@@ -550,42 +550,4 @@ func TestBindCleanupAfterSyncForgetsAddresses(t *testing.T) {
 	if got := b.Kind(); got != "" {
 		t.Errorf("Kind() after Cleanup = %q, want none", got)
 	}
-}
-
-func TestCheckNAT(t *testing.T) {
-	tests := []struct {
-		name        string
-		fake        *Fake
-		fam         Family
-		wantNoNAT   bool
-		wantMissing bool
-	}{
-		{name: "nat_works", fake: NewFake(), fam: IPv4},
-		{name: "nat_works_IPv6", fake: NewFake(), fam: IPv6},
-		{name: "no_nat_table", fake: &Fake{NoNAT: true}, fam: IPv4, wantNoNAT: true},
-		{name: "no_iptables_binary", fake: &Fake{Unavailable: map[Family]bool{IPv4: true}}, fam: IPv4,
-			wantNoNAT: true, wantMissing: true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			err := CheckNAT(t.Context(), tt.fake, tt.fam)
-			if got := errors.Is(err, ErrNATUnavailable); got != tt.wantNoNAT {
-				t.Errorf("CheckNAT() = %v; errors.Is(ErrNATUnavailable) = %v, want %v", err, got, tt.wantNoNAT)
-			}
-			if got := errors.Is(err, ErrUnavailable); got != tt.wantMissing {
-				t.Errorf("CheckNAT() = %v; errors.Is(ErrUnavailable) = %v, want %v", err, got, tt.wantMissing)
-			}
-			if d := tt.fake.Dump(); d != "" {
-				t.Errorf("the probe left rules behind:\n%s", d)
-			}
-		})
-	}
-	t.Run("a_cancelled_context_says_nothing_about_NAT", func(t *testing.T) {
-		ctx, cancel := context.WithCancel(t.Context())
-		cancel()
-		err := CheckNAT(ctx, &Fake{RestoreHook: func(Family, []byte) error { return ctx.Err() }}, IPv4)
-		if !errors.Is(err, context.Canceled) || errors.Is(err, ErrNATUnavailable) {
-			t.Errorf("CheckNAT() = %v, want context.Canceled and not ErrNATUnavailable", err)
-		}
-	})
 }

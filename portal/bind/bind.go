@@ -1,4 +1,8 @@
-package portal
+// Package bind is the portal mode for nodes without NAT: every service IP becomes a local
+// address on one link (kube-portal0), so the proxy sockets listen on the service IPs and ports
+// themselves. The link and its addresses are reconciled by diff through the narrow LinkManager
+// seam; Netlink implements it with github.com/vishvananda/netlink, FakeLink in memory.
+package bind
 
 import (
 	"context"
@@ -11,13 +15,14 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // The defaults of the bind portals.
 const (
-	DefaultBindInterface = "kube-portal0"
-	LinkTypeDummy        = "dummy"
+	DefaultInterface = "kube-portal0"
+	LinkTypeDummy    = "dummy"
 	// LinkTypeBridge is the stand-in for kernels built without the dummy driver: a bridge that
 	// never gets a port carries local addresses just as well.
 	LinkTypeBridge = "bridge"
@@ -44,9 +49,9 @@ var arpSysctls = []struct {
 	{sysctlARPAnnounce, "2", []string{"2"}},
 }
 
-// BindConfig configures the bind portals.
-type BindConfig struct {
-	// Interface is the link that carries the service addresses; "" means DefaultBindInterface.
+// Config configures the bind portals.
+type Config struct {
+	// Interface is the link that carries the service addresses; "" means DefaultInterface.
 	Interface string
 	// LinkType is the kind of link to create. "" means LinkTypeDummy, which falls back to
 	// LinkTypeBridge (with one log line) when the kernel has no dummy driver; any other kind is
@@ -58,25 +63,25 @@ type BindConfig struct {
 	Logger          logrus.FieldLogger
 }
 
-func (c BindConfig) withDefaults() BindConfig {
+func (c Config) withDefaults() Config {
 	if c.Interface == "" {
-		c.Interface = DefaultBindInterface
+		c.Interface = DefaultInterface
 	}
 	if c.LinkType == "" {
 		c.LinkType = LinkTypeDummy
 	}
 	if c.Logger == nil {
-		c.Logger = Config{}.withDefaults().Logger
+		c.Logger = portal.DiscardLogger()
 	}
 	return c
 }
 
-// Bind is the portal implementation for nodes without NAT: every cluster IP, external IP and
+// Portals is the portal implementation for nodes without NAT: every cluster IP, external IP and
 // load-balancer IP becomes a /32 (/128) address on one link, so the proxy sockets listen on the
 // service addresses and ports themselves and no iptables rule is needed. Sync reconciles the
 // link's addresses by diff; the link belongs to us, and any other address on it is removed.
-type Bind struct {
-	cfg  BindConfig
+type Portals struct {
+	cfg  Config
 	link LinkManager
 
 	mu      sync.Mutex // serialises Sync and Cleanup
@@ -87,12 +92,12 @@ type Bind struct {
 	kind   string
 }
 
-var _ Portals = (*Bind)(nil)
+var _ portal.Portals = (*Portals)(nil)
 
-// NewBind returns the bind portals. It touches nothing: the first Sync sets the sysctls, creates
+// New returns the bind portals. It touches nothing: the first Sync sets the sysctls, creates
 // the link and adds the addresses.
-func NewBind(cfg BindConfig, link LinkManager) *Bind {
-	return &Bind{cfg: cfg.withDefaults(), link: link, skipped: map[netip.Addr]bool{}}
+func New(cfg Config, link LinkManager) *Portals {
+	return &Portals{cfg: cfg.withDefaults(), link: link, skipped: map[netip.Addr]bool{}}
 }
 
 // Sync makes the link carry exactly the service addresses of specs (ProxyPort is not used: the
@@ -100,7 +105,7 @@ func NewBind(cfg BindConfig, link LinkManager) *Bind {
 // addresses: new ones are added before stale ones are removed, so an address that stays wanted is
 // never missing, across restarts too. A failed address is named in the error and retried by the
 // next Sync, which reads the link back.
-func (b *Bind) Sync(ctx context.Context, specs []Spec) error {
+func (b *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	want := b.wanted(specs)
@@ -134,9 +139,9 @@ func (b *Bind) Sync(ctx context.Context, specs []Spec) error {
 
 // wanted maps each service address (as a host prefix) to the first service port that has it.
 // Addresses no service IP can be are skipped, with one log line each.
-func (b *Bind) wanted(specs []Spec) map[netip.Prefix]service.ServicePortName {
+func (b *Portals) wanted(specs []portal.Spec) map[netip.Prefix]service.ServicePortName {
 	sorted := slices.Clone(specs)
-	slices.SortFunc(sorted, compareSpecs)
+	slices.SortFunc(sorted, portal.CompareSpecs)
 	want := map[netip.Prefix]service.ServicePortName{}
 	for _, s := range sorted {
 		for _, ips := range [][]netip.Addr{s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs} {
@@ -168,7 +173,7 @@ func usableServiceIP(ip netip.Addr) bool {
 
 // ensureSysctls checks the ARP sysctls on every Sync (someone may reset them) and sets those that
 // do not already keep service IPs off the LAN.
-func (b *Bind) ensureSysctls() error {
+func (b *Portals) ensureSysctls() error {
 	if b.cfg.LeaveARPSysctls {
 		return nil
 	}
@@ -190,7 +195,7 @@ func (b *Bind) ensureSysctls() error {
 }
 
 // kinds is the link kinds we create, in order of preference; a link of any of them is ours.
-func (b *Bind) kinds() []string {
+func (b *Portals) kinds() []string {
 	if b.cfg.LinkType == LinkTypeDummy {
 		return []string{LinkTypeDummy, LinkTypeBridge}
 	}
@@ -199,7 +204,7 @@ func (b *Bind) kinds() []string {
 
 // ensureLink creates the link when it is missing and brings it up; it refuses a link of that name
 // that is not of our kinds, which is someone else's.
-func (b *Bind) ensureLink(ctx context.Context) (string, error) {
+func (b *Portals) ensureLink(ctx context.Context) (string, error) {
 	name := b.cfg.Interface
 	kind, err := b.link.LinkKind(ctx, name)
 	switch {
@@ -216,7 +221,7 @@ func (b *Bind) ensureLink(ctx context.Context) (string, error) {
 	return kind, nil
 }
 
-func (b *Bind) createLink(ctx context.Context) (string, error) {
+func (b *Portals) createLink(ctx context.Context) (string, error) {
 	name := b.cfg.Interface
 	kinds := b.kinds()
 	var errs []error
@@ -276,7 +281,7 @@ func planAddrs(want map[netip.Prefix]service.ServicePortName, have []netip.Prefi
 }
 
 // apply carries out the plan, trying every address; it returns one error per failed address.
-func (b *Bind) apply(ctx context.Context, plan addrPlan, want map[netip.Prefix]service.ServicePortName) []error {
+func (b *Portals) apply(ctx context.Context, plan addrPlan, want map[netip.Prefix]service.ServicePortName) []error {
 	name := b.cfg.Interface
 	var errs []error
 	del := func(p netip.Prefix) {
@@ -301,7 +306,7 @@ func (b *Bind) apply(ctx context.Context, plan addrPlan, want map[netip.Prefix]s
 // Cleanup deletes the link and with it every address; a missing link is fine. A link of that name
 // that is not of our kinds is left alone (and reported). The ARP sysctls stay as they are: other
 // software (IPVS, MetalLB) may rely on them too.
-func (b *Bind) Cleanup(ctx context.Context) error {
+func (b *Portals) Cleanup(ctx context.Context) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	name := b.cfg.Interface
@@ -322,7 +327,7 @@ func (b *Bind) Cleanup(ctx context.Context) error {
 	return nil
 }
 
-func (b *Bind) publish(kind string, prefixes []netip.Prefix) {
+func (b *Portals) publish(kind string, prefixes []netip.Prefix) {
 	addrs := make([]netip.Addr, 0, len(prefixes))
 	for _, p := range prefixes {
 		if !(p.Addr().Is6() && p.Addr().IsLinkLocalUnicast()) {
@@ -338,7 +343,7 @@ func (b *Bind) publish(kind string, prefixes []netip.Prefix) {
 
 // Addresses lists the service addresses on the link after the last Sync, sorted, for a debug
 // view.
-func (b *Bind) Addresses() []netip.Addr {
+func (b *Portals) Addresses() []netip.Addr {
 	b.viewMu.Lock()
 	defer b.viewMu.Unlock()
 	return slices.Clone(b.addrs)
@@ -346,7 +351,7 @@ func (b *Bind) Addresses() []netip.Addr {
 
 // Kind is the kind of the link after the last Sync ("dummy", or "bridge" after the fallback); ""
 // before the first Sync and after Cleanup.
-func (b *Bind) Kind() string {
+func (b *Portals) Kind() string {
 	b.viewMu.Lock()
 	defer b.viewMu.Unlock()
 	return b.kind

@@ -1,4 +1,4 @@
-package portal
+package iptables
 
 import (
 	"bytes"
@@ -15,16 +15,17 @@ import (
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Address plan: as in golden_test.go (node 192.168.1.10 / fd00:1::10, cluster IPs 10.96.0.0/16).
 
 // manySpecs returns n TCP service ports with cluster IPs 10.96.x.y and proxy ports from base.
-func manySpecs(n int, base uint16) []Spec {
-	specs := make([]Spec, n)
+func manySpecs(n int, base uint16) []portal.Spec {
+	specs := make([]portal.Spec, n)
 	for i := range specs {
-		specs[i] = Spec{
+		specs[i] = portal.Spec{
 			Name:       spn(fmt.Sprintf("ns%d", i), fmt.Sprintf("svc%d", i), "http"),
 			Protocol:   service.TCP,
 			Port:       80,
@@ -35,17 +36,17 @@ func manySpecs(n int, base uint16) []Spec {
 	return specs
 }
 
-func mustSync(t *testing.T, p *IPTables, specs []Spec) {
+func mustSync(t *testing.T, p *Portals, specs []portal.Spec) {
 	t.Helper()
 	if err := p.Sync(t.Context(), specs); err != nil {
 		t.Fatal(err)
 	}
 }
 
-func freshDump(t *testing.T, cfg Config, specs []Spec) string {
+func freshDump(t *testing.T, cfg Config, specs []portal.Spec) string {
 	t.Helper()
 	fake := NewFake()
-	mustSync(t, NewIPTables(cfg, fake), specs)
+	mustSync(t, New(cfg, fake), specs)
 	return fake.Dump()
 }
 
@@ -57,7 +58,7 @@ func sortedLines(s string) string {
 
 func TestSyncUnchangedRunsNothing(t *testing.T) {
 	fake := NewFake()
-	p := NewIPTables(v4Config(), fake)
+	p := New(v4Config(), fake)
 	mustSync(t, p, manySpecs(3, 34000))
 	before := fake.Counts()
 	mustSync(t, p, manySpecs(3, 34000))
@@ -70,7 +71,7 @@ func TestSyncRemovalLeavesNoTrace(t *testing.T) {
 	cfg := v4Config()
 	cfg.ProtectProxyPorts = true
 	fake := NewFake()
-	p := NewIPTables(cfg, fake)
+	p := New(cfg, fake)
 	specs := manySpecs(5, 34000)
 	specs[0].NodePort = 30080
 	specs[1].ExternalIPs = addrs("203.0.113.7")
@@ -85,8 +86,8 @@ func TestSyncRemovalLeavesNoTrace(t *testing.T) {
 // the rules must be those of the final state alone (order within a chain may differ, since small
 // changes append).
 func TestSyncReplayInAnyOrder(t *testing.T) {
-	cfg := Config{HostIPs: map[Family]netip.Addr{IPv4: nodeV4, IPv6: nodeV6}, ProtectProxyPorts: true}
-	states := make([][]Spec, 8)
+	cfg := Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: nodeV4, portal.IPv6: nodeV6}, ProtectProxyPorts: true}
+	states := make([][]portal.Spec, 8)
 	for i := range states {
 		specs := manySpecs(20+i*3, 34000+uint16(i*7))
 		for j := range specs {
@@ -108,7 +109,7 @@ func TestSyncReplayInAnyOrder(t *testing.T) {
 		t.Run(fmt.Sprintf("seed_%d", seed), func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(seed, 1))
 			fake := NewFake()
-			p := NewIPTables(cfg, fake)
+			p := New(cfg, fake)
 			for _, i := range rng.Perm(len(states)) {
 				mustSync(t, p, states[i])
 			}
@@ -126,13 +127,13 @@ func TestSyncReplayInAnyOrder(t *testing.T) {
 func TestSyncSmallChangeIsIncremental(t *testing.T) {
 	fake := NewFake()
 	var nat []string
-	fake.RestoreHook = func(_ Family, data []byte) error {
+	fake.RestoreHook = func(_ portal.Family, data []byte) error {
 		if bytes.HasPrefix(data, []byte("*nat")) {
 			nat = append(nat, string(data))
 		}
 		return nil
 	}
-	p := NewIPTables(v4Config(), fake)
+	p := New(v4Config(), fake)
 	specs := manySpecs(500, 34000)
 	mustSync(t, p, specs)
 	nat = nil
@@ -169,8 +170,8 @@ COMMIT
 func TestSyncMassChangeRewritesChains(t *testing.T) {
 	fake := NewFake()
 	var last []byte
-	fake.RestoreHook = func(_ Family, data []byte) error { last = data; return nil }
-	p := NewIPTables(v4Config(), fake)
+	fake.RestoreHook = func(_ portal.Family, data []byte) error { last = data; return nil }
+	p := New(v4Config(), fake)
 	mustSync(t, p, manySpecs(500, 34000))
 	mustSync(t, p, manySpecs(500, 35000))
 	if !bytes.Contains(last, []byte(":KUBE-PORTALS-CONTAINER - [0:0]\n")) || bytes.Contains(last, []byte("-D ")) {
@@ -208,10 +209,10 @@ func TestSyncRepairsChangesMadeByOthers(t *testing.T) {
 			cfg.Clock = clk
 			cfg.VerifyPeriod = time.Minute
 			fake := NewFake()
-			p := NewIPTables(cfg, fake)
+			p := New(cfg, fake)
 			mustSync(t, p, specs)
 			for _, args := range tt.damage {
-				if err := fake.Command(t.Context(), IPv4, args...); err != nil {
+				if err := fake.Command(t.Context(), portal.IPv4, args...); err != nil {
 					t.Fatalf("damage %v: %v", args, err)
 				}
 			}
@@ -235,13 +236,13 @@ func TestSyncRepairsChangesMadeByOthers(t *testing.T) {
 func TestSyncFailedRestoreIsCountedAndRetried(t *testing.T) {
 	fake := NewFake()
 	fail := true
-	fake.RestoreHook = func(Family, []byte) error {
+	fake.RestoreHook = func(portal.Family, []byte) error {
 		if fail {
 			return &ExitError{Command: "iptables-restore", Code: 4, Stderr: "Another app is currently holding the xtables lock"}
 		}
 		return nil
 	}
-	p := NewIPTables(v4Config(), fake)
+	p := New(v4Config(), fake)
 	err := p.Sync(t.Context(), manySpecs(2, 34000))
 	var ee *ExitError
 	if !errors.As(err, &ee) || ee.Code != 4 {
@@ -260,7 +261,7 @@ func TestSyncFailedRestoreIsCountedAndRetried(t *testing.T) {
 func TestSyncWithoutNATPointsToBindMode(t *testing.T) {
 	fake := NewFake()
 	fake.NoNAT = true
-	err := NewIPTables(v4Config(), fake).Sync(t.Context(), manySpecs(1, 34000))
+	err := New(v4Config(), fake).Sync(t.Context(), manySpecs(1, 34000))
 	if !errors.Is(err, ErrNATUnavailable) || !strings.Contains(err.Error(), "--portal-mode=bind") {
 		t.Errorf("Sync error = %v, want ErrNATUnavailable naming --portal-mode=bind", err)
 	}
@@ -270,10 +271,10 @@ func TestSyncSkipsFamilyOnce(t *testing.T) {
 	tests := []struct {
 		name        string
 		cfg         Config
-		unavailable map[Family]bool
+		unavailable map[portal.Family]bool
 		wantLog     string
 	}{
-		{"no_ip6tables", Config{HostIPs: map[Family]netip.Addr{IPv4: nodeV4, IPv6: nodeV6}}, map[Family]bool{IPv6: true}, "iptables binary not available"},
+		{"no_ip6tables", Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: nodeV4, portal.IPv6: nodeV6}}, map[portal.Family]bool{portal.IPv6: true}, "iptables binary not available"},
 		{"no_ipv6_node_ip", v4Config(), nil, "the node has no IP address of this family"},
 		{"bind_address_ipv4", Config{BindAddress: nodeV4}, nil, "bind address 192.168.1.10 is not of this family"},
 	}
@@ -283,8 +284,8 @@ func TestSyncSkipsFamilyOnce(t *testing.T) {
 			tt.cfg.Logger = logger
 			fake := NewFake()
 			fake.Unavailable = tt.unavailable
-			p := NewIPTables(tt.cfg, fake)
-			specs := []Spec{{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80,
+			p := New(tt.cfg, fake)
+			specs := []portal.Spec{{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80,
 				ClusterIPs: addrs("10.96.0.10", "fd00:96::10"), ProxyPort: 34001}}
 			mustSync(t, p, specs)
 			mustSync(t, p, specs)
@@ -307,11 +308,11 @@ func TestSyncSkipsInvalidSpec(t *testing.T) {
 	cfg := v4Config()
 	cfg.Logger = logger
 	fake := NewFake()
-	specs := []Spec{webSpec(), {Name: spn("default", "sctp", ""), Protocol: service.SCTP, Port: 9, ClusterIPs: addrs("10.96.0.9"), ProxyPort: 34009}}
-	p := NewIPTables(cfg, fake)
+	specs := []portal.Spec{webSpec(), {Name: spn("default", "sctp", ""), Protocol: service.SCTP, Port: 9, ClusterIPs: addrs("10.96.0.9"), ProxyPort: 34009}}
+	p := New(cfg, fake)
 	mustSync(t, p, specs)
 	mustSync(t, p, specs)
-	if d := lineDiff(freshDump(t, v4Config(), []Spec{webSpec()}), fake.Dump()); d != "" {
+	if d := lineDiff(freshDump(t, v4Config(), []portal.Spec{webSpec()}), fake.Dump()); d != "" {
 		t.Errorf("rules (-want +got):\n%s", d)
 	}
 	var warnings []string
@@ -329,15 +330,15 @@ func TestRestartSwapsRulesInOneRestorePerTable(t *testing.T) {
 	cfg := v4Config()
 	cfg.ProtectProxyPorts = true
 	fake := NewFake()
-	mustSync(t, NewIPTables(cfg, fake), manySpecs(300, 34000))
+	mustSync(t, New(cfg, fake), manySpecs(300, 34000))
 	var restores []string
-	fake.RestoreHook = func(_ Family, data []byte) error {
+	fake.RestoreHook = func(_ portal.Family, data []byte) error {
 		restores = append(restores, strings.SplitN(string(data), "\n", 2)[0])
 		return nil
 	}
 	// A restarted proxy has new proxy ports for every service; the old rules stay in force until
 	// the one restore per table replaces them.
-	mustSync(t, NewIPTables(cfg, fake), manySpecs(300, 36000))
+	mustSync(t, New(cfg, fake), manySpecs(300, 36000))
 	// filter first: the new proxy ports are accepted and guarded before nat steers traffic to them.
 	if !slices.Equal(restores, []string{"*filter", "*nat"}) {
 		t.Errorf("restores on restart = %q, want one for filter, then one for nat", restores)
@@ -351,27 +352,27 @@ func TestSwitchingProtectionOffRemovesGuard(t *testing.T) {
 	cfg := v4Config()
 	cfg.ProtectProxyPorts = true
 	fake := NewFake()
-	mustSync(t, NewIPTables(cfg, fake), manySpecs(3, 34000))
+	mustSync(t, New(cfg, fake), manySpecs(3, 34000))
 	cfg.ProtectProxyPorts = false
-	mustSync(t, NewIPTables(cfg, fake), manySpecs(3, 34000))
+	mustSync(t, New(cfg, fake), manySpecs(3, 34000))
 	if d := lineDiff(freshDump(t, cfg, manySpecs(3, 34000)), fake.Dump()); d != "" {
 		t.Errorf("rules (-want +got):\n%s", d)
 	}
 }
 
 func TestCleanup(t *testing.T) {
-	dual := Config{HostIPs: map[Family]netip.Addr{IPv4: nodeV4, IPv6: nodeV6}, ProtectProxyPorts: true}
+	dual := Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: nodeV4, portal.IPv6: nodeV6}, ProtectProxyPorts: true}
 	t.Run("removes_every_chain_and_jump", func(t *testing.T) {
 		fake := NewFake()
 		specs := manySpecs(3, 34000)
 		specs[0].ClusterIPs = append(specs[0].ClusterIPs, netip.MustParseAddr("fd00:96::1"))
-		mustSync(t, NewIPTables(dual, fake), specs)
+		mustSync(t, New(dual, fake), specs)
 		// A foreign rule in a built-in chain survives.
-		if err := fake.Command(t.Context(), IPv4, "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "-j", "ACCEPT"); err != nil {
+		if err := fake.Command(t.Context(), portal.IPv4, "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "-j", "ACCEPT"); err != nil {
 			t.Fatal(err)
 		}
 		// Cleanup runs from a fresh process with a default config (--cleanup).
-		if err := NewIPTables(Config{}, fake).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, fake).Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
 		if got := fake.Dump(); strings.Contains(got, "KUBE-") || !strings.Contains(got, "-A PREROUTING -p tcp -j ACCEPT") {
@@ -380,7 +381,7 @@ func TestCleanup(t *testing.T) {
 	})
 	t.Run("nothing_to_remove", func(t *testing.T) {
 		fake := NewFake()
-		if err := NewIPTables(Config{}, fake).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, fake).Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
 		if n := fake.Counts().Restores; n != 0 {
@@ -389,9 +390,9 @@ func TestCleanup(t *testing.T) {
 	})
 	t.Run("family_without_binaries", func(t *testing.T) {
 		fake := NewFake()
-		fake.Unavailable = map[Family]bool{IPv6: true}
-		mustSync(t, NewIPTables(v4Config(), fake), manySpecs(1, 34000))
-		if err := NewIPTables(Config{}, fake).Cleanup(t.Context()); err != nil {
+		fake.Unavailable = map[portal.Family]bool{portal.IPv6: true}
+		mustSync(t, New(v4Config(), fake), manySpecs(1, 34000))
+		if err := New(Config{}, fake).Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
 		if got := fake.Dump(); got != "" {
@@ -402,8 +403,8 @@ func TestCleanup(t *testing.T) {
 
 func TestRulesAndStats(t *testing.T) {
 	fake := NewFake()
-	p := NewIPTables(v4Config(), fake)
-	mustSync(t, p, []Spec{webSpec()})
+	p := New(v4Config(), fake)
+	mustSync(t, p, []portal.Spec{webSpec()})
 	got := p.Rules()
 	for _, want := range []string{
 		"# IPv4\n*nat\n",

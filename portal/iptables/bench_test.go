@@ -1,4 +1,4 @@
-package portal
+package iptables
 
 import (
 	"context"
@@ -9,13 +9,14 @@ import (
 	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
 // TestBenchmarkPortalSync measures programming real iptables in a throwaway namespace, against
 // the legacy method (one `iptables -C` plus one `iptables -A` per rule, as EnsureRule did). It
 // is slow and noisy, so it runs only with KPP_BENCH=1:
 //
-//	KPP_BENCH=1 go test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/
+//	KPP_BENCH=1 go test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/iptables/
 //
 // KPP_BENCH_VARIANT=legacy (or nft) picks iptables-legacy* / iptables-nft* binaries.
 func TestBenchmarkPortalSync(t *testing.T) {
@@ -31,9 +32,9 @@ func TestBenchmarkPortalSync(t *testing.T) {
 		lab := netns.NewTestLab(t)
 		node := lab.MustAdd(t, "bench")
 		runner := &ExecRunner{Prefix: node.CommandPrefix(), Variant: variant}
-		p := NewIPTables(v4Config(), runner)
+		p := New(v4Config(), runner)
 		specs := manySpecs(n, 20000)
-		slices.SortFunc(specs, compareSpecs) // as the proxier passes them
+		slices.SortFunc(specs, portal.CompareSpecs) // as the proxier passes them
 		rules := 2 * n
 
 		start := time.Now()
@@ -64,7 +65,7 @@ func TestBenchmarkPortalSync(t *testing.T) {
 		// Legacy: EnsureRule = -C (fails) then -A, per rule, into chains already holding n ports.
 		extra := manySpecs(n+1+legacySample, 20000)[n+1:]
 		fake := NewFake()
-		mustSync(t, NewIPTables(v4Config(), fake), extra)
+		mustSync(t, New(v4Config(), fake), extra)
 		var legacyRules [][]string
 		for _, l := range strings.Split(fake.Dump(), "\n") {
 			if strings.HasPrefix(l, "-A KUBE-PORTALS-") {
@@ -73,17 +74,17 @@ func TestBenchmarkPortalSync(t *testing.T) {
 		}
 		start = time.Now()
 		for _, r := range legacyRules {
-			if err := runner.Command(t.Context(), IPv4, append([]string{"-t", "nat", "-C"}, r...)...); err == nil {
+			if err := runner.Command(t.Context(), portal.IPv4, append([]string{"-t", "nat", "-C"}, r...)...); err == nil {
 				t.Fatalf("legacy -C found a rule that should not exist: %v", r)
 			}
-			if err := runner.Command(t.Context(), IPv4, append([]string{"-t", "nat", "-A"}, r...)...); err != nil {
+			if err := runner.Command(t.Context(), portal.IPv4, append([]string{"-t", "nat", "-A"}, r...)...); err != nil {
 				t.Fatal(err)
 			}
 		}
 		perRule := time.Since(start) / time.Duration(len(legacyRules))
 		start = time.Now()
 		for _, r := range legacyRules {
-			if err := runner.Command(t.Context(), IPv4, append([]string{"-t", "nat", "-C"}, r...)...); err != nil {
+			if err := runner.Command(t.Context(), portal.IPv4, append([]string{"-t", "nat", "-C"}, r...)...); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -102,32 +103,6 @@ func TestBenchmarkPortalSync(t *testing.T) {
 	}
 }
 
-// splitRule splits a rule body into argv, honouring double-quoted words.
-func splitRule(s string) []string {
-	var out []string
-	var cur strings.Builder
-	quoted, inWord := false, false
-	for _, r := range s {
-		switch {
-		case r == '"':
-			quoted, inWord = !quoted, true
-		case r == ' ' && !quoted:
-			if inWord {
-				out = append(out, cur.String())
-				cur.Reset()
-			}
-			inWord = false
-		default:
-			cur.WriteRune(r)
-			inWord = true
-		}
-	}
-	if inWord {
-		out = append(out, cur.String())
-	}
-	return out
-}
-
 // firstRestoreTimer notes when the first nat restore of a sync has returned.
 type firstRestoreTimer struct {
 	Runner
@@ -135,7 +110,7 @@ type firstRestoreTimer struct {
 	natApplied time.Duration
 }
 
-func (r *firstRestoreTimer) Restore(ctx context.Context, fam Family, data []byte) error {
+func (r *firstRestoreTimer) Restore(ctx context.Context, fam portal.Family, data []byte) error {
 	err := r.Runner.Restore(ctx, fam, data)
 	if r.natApplied == 0 && strings.HasPrefix(string(data), "*nat") {
 		r.natApplied = time.Since(r.start)

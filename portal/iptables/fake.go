@@ -1,4 +1,4 @@
-package portal
+package iptables
 
 import (
 	"bufio"
@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
 // Fake is an in-memory Runner: iptables tables per family that understand the subset of
@@ -17,14 +19,14 @@ import (
 // operation, 2 for a bad parameter). It lives in a non-test file so other packages' tests can use it.
 type Fake struct {
 	// RestoreHook, when set, runs before each restore; an error fails that restore unapplied.
-	RestoreHook func(fam Family, data []byte) error
+	RestoreHook func(fam portal.Family, data []byte) error
 	// NoNAT makes every restore that touches the nat table fail, as on a kernel without NAT.
 	NoNAT bool
 	// Unavailable marks families whose binaries are "not installed".
-	Unavailable map[Family]bool
+	Unavailable map[portal.Family]bool
 
 	mu       sync.Mutex
-	fams     map[Family]map[string]*fakeTable
+	fams     map[portal.Family]map[string]*fakeTable
 	restores int
 	saves    int
 	commands int
@@ -61,9 +63,9 @@ func (f *Fake) Counts() FakeCounts {
 	return FakeCounts{Restores: f.restores, Saves: f.saves, Commands: f.commands}
 }
 
-func (f *Fake) family(fam Family) map[string]*fakeTable {
+func (f *Fake) family(fam portal.Family) map[string]*fakeTable {
 	if f.fams == nil {
-		f.fams = map[Family]map[string]*fakeTable{}
+		f.fams = map[portal.Family]map[string]*fakeTable{}
 	}
 	ts, ok := f.fams[fam]
 	if !ok {
@@ -80,7 +82,7 @@ func (f *Fake) family(fam Family) map[string]*fakeTable {
 	return ts
 }
 
-func (f *Fake) check(fam Family, tool string) error {
+func (f *Fake) check(fam portal.Family, tool string) error {
 	if f.Unavailable[fam] {
 		return fmt.Errorf("fake %s%s: %w", fam, tool, ErrUnavailable)
 	}
@@ -88,7 +90,7 @@ func (f *Fake) check(fam Family, tool string) error {
 }
 
 // Restore implements Runner: each table section is one transaction, applied at COMMIT.
-func (f *Fake) Restore(_ context.Context, fam Family, data []byte) error {
+func (f *Fake) Restore(_ context.Context, fam portal.Family, data []byte) error {
 	if err := f.check(fam, " restore"); err != nil {
 		return err
 	}
@@ -150,7 +152,7 @@ func (f *Fake) Restore(_ context.Context, fam Family, data []byte) error {
 }
 
 // Save implements Runner.
-func (f *Fake) Save(_ context.Context, fam Family, table string) ([]byte, error) {
+func (f *Fake) Save(_ context.Context, fam portal.Family, table string) ([]byte, error) {
 	if err := f.check(fam, " save"); err != nil {
 		return nil, err
 	}
@@ -165,7 +167,7 @@ func (f *Fake) Save(_ context.Context, fam Family, table string) ([]byte, error)
 }
 
 // Command implements Runner for -A, -I, -D, -C, -N, -F and -X (with -t TABLE, default filter).
-func (f *Fake) Command(_ context.Context, fam Family, args ...string) error {
+func (f *Fake) Command(_ context.Context, fam portal.Family, args ...string) error {
 	if err := f.check(fam, ""); err != nil {
 		return err
 	}
@@ -364,7 +366,7 @@ func (f *Fake) Dump() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var sb strings.Builder
-	for _, fam := range Families {
+	for _, fam := range portal.Families {
 		ts, ok := f.fams[fam]
 		if !ok {
 			continue
@@ -380,3 +382,79 @@ func (f *Fake) Dump() string {
 	}
 	return sb.String()
 }
+
+// Chains implements Runner: the go-iptables calls Cleanup makes, on the same in-memory tables.
+// Each call counts as a command.
+func (f *Fake) Chains(_ context.Context, fam portal.Family) (Chains, error) {
+	if err := f.check(fam, ""); err != nil {
+		return nil, err
+	}
+	return &fakeChains{f: f, fam: fam}, nil
+}
+
+type fakeChains struct {
+	f   *Fake
+	fam portal.Family
+}
+
+// table returns the table, counting the call; the caller holds f.mu.
+func (c *fakeChains) table(name string) (*fakeTable, error) {
+	c.f.commands++
+	t, ok := c.f.family(c.fam)[name]
+	if !ok {
+		return nil, &ExitError{Command: "iptables", Code: 1, Stderr: "table '" + name + "' does not exist"}
+	}
+	return t, nil
+}
+
+func (c *fakeChains) ListChains(table string) ([]string, error) {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	t, err := c.table(table)
+	if err != nil {
+		return nil, err
+	}
+	return t.chainOrder(table), nil
+}
+
+func (c *fakeChains) List(table, chain string) ([]string, error) {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	t, err := c.table(table)
+	if err != nil {
+		return nil, err
+	}
+	ch, ok := t.chains[chain]
+	if !ok {
+		return nil, &ExitError{Command: "iptables", Code: 1, Stderr: "No chain/target/match by that name."}
+	}
+	out := []string{"-N " + chain}
+	if ch.builtin {
+		out[0] = "-P " + chain + " ACCEPT"
+	}
+	for _, r := range ch.rules {
+		out = append(out, "-A "+chain+" "+r)
+	}
+	return out, nil
+}
+
+func (c *fakeChains) op(table, op, chain string, rulespec ...string) error {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	t, err := c.table(table)
+	if err != nil {
+		return err
+	}
+	if code, msg := t.apply(op, strings.TrimSpace(chain+" "+joinRule(rulespec))); code != 0 {
+		return &ExitError{Command: "iptables", Code: code, Stderr: msg}
+	}
+	return nil
+}
+
+func (c *fakeChains) Delete(table, chain string, rulespec ...string) error {
+	return c.op(table, "-D", chain, rulespec...)
+}
+
+func (c *fakeChains) ClearChain(table, chain string) error { return c.op(table, "-F", chain) }
+
+func (c *fakeChains) DeleteChain(table, chain string) error { return c.op(table, "-X", chain) }

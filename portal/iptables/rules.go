@@ -1,13 +1,13 @@
-package portal
+package iptables
 
 import (
-	"cmp"
 	"fmt"
 	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -146,7 +146,7 @@ type familyRules map[string]*tableState
 
 // ruleBuilder turns specs into rules for one family.
 type ruleBuilder struct {
-	fam     Family
+	fam     portal.Family
 	bind    netip.Addr // unspecified or a specific address of fam
 	hostIP  netip.Addr
 	npDsts  []string // "-d" values for node port rules; "" means no -d (all local addresses)
@@ -165,9 +165,9 @@ type ruleBuilder struct {
 }
 
 // buildRules is the pure function from specs to the wanted rules of one family. Specs come sorted
-// by compareSpecs (Sync sorts them once for both families), and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
+// by portal.CompareSpecs (Sync sorts them once for both families), and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
 // IPs, node port), so the text is stable. Invalid specs are returned for the caller to report.
-func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
+func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules, []error) {
 	b := ruleBuilder{fam: fam, bind: cfg.BindAddress, hostIP: cfg.HostIPs[fam], protect: cfg.ProtectProxyPorts,
 		out: familyRules{}}
 	for _, table := range tables {
@@ -187,7 +187,7 @@ func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
 		b.npDsts = []string{""}
 	}
 	for _, p := range cfg.NodePortAddresses {
-		if FamilyOf(p.Addr()) == fam {
+		if portal.FamilyOf(p.Addr()) == fam {
 			b.npDsts = append(b.npDsts, p.Masked().String())
 		}
 	}
@@ -203,12 +203,7 @@ func buildRules(cfg Config, fam Family, specs []Spec) (familyRules, []error) {
 	return b.out, errs
 }
 
-func compareSpecs(a, b Spec) int {
-	return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
-		cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
-}
-
-func validate(s *Spec) error {
+func validate(s *portal.Spec) error {
 	switch {
 	case s.Protocol != service.TCP && s.Protocol != service.UDP:
 		return fmt.Errorf("portal %s: protocol %q is not supported", s.Name, s.Protocol)
@@ -220,12 +215,12 @@ func validate(s *Spec) error {
 	return nil
 }
 
-func (b *ruleBuilder) add(s *Spec) {
+func (b *ruleBuilder) add(s *portal.Spec) {
 	b.match = specMatch(s)
 	b.proto = strings.ToLower(string(s.Protocol))
 	b.container, b.host = b.containerTarget(s.ProxyPort), b.hostTarget(s.ProxyPort)
 	b.external = b.container
-	if ext := s.externalPort(); ext != s.ProxyPort {
+	if ext := s.ExternalPort(); ext != s.ProxyPort {
 		b.external = b.containerTarget(ext)
 	}
 	b.rejectInt, b.rejectExt = s.RejectInternal, s.RejectExternal
@@ -248,12 +243,12 @@ func (b *ruleBuilder) add(s *Spec) {
 			}
 		}
 		// Legacy: accept new connections to the proxy port (the node port after translation).
-		for _, pp := range s.proxyPorts() {
+		for _, pp := range s.ProxyPorts() {
 			b.rule(tableFilter, ChainNodePortNonLocal, b.common("", pp), "-m state --state NEW -j ACCEPT")
 		}
 	}
 	if b.protect {
-		for _, pp := range s.proxyPorts() {
+		for _, pp := range s.ProxyPorts() {
 			b.rule(tableFilter, ChainGuard, "! -i lo "+b.common("", pp),
 				"-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -j DROP")
 		}
@@ -281,14 +276,14 @@ func (b *ruleBuilder) rejectTarget() string {
 	switch {
 	case b.proto == "tcp":
 		return "-j REJECT --reject-with tcp-reset"
-	case b.fam == IPv6:
+	case b.fam == portal.IPv6:
 		return "-j REJECT --reject-with icmp6-port-unreachable"
 	}
 	return "-j REJECT --reject-with icmp-port-unreachable"
 }
 
 // clusterPortal is the portal of a cluster IP: any packet to it is cluster traffic.
-func (b *ruleBuilder) clusterPortal(s *Spec, ip netip.Addr) {
+func (b *ruleBuilder) clusterPortal(s *portal.Spec, ip netip.Addr) {
 	m := b.common(hostPrefix(ip), s.Port)
 	if b.rejectInt {
 		b.rule(tableFilter, ChainReject, m, b.rejectTarget())
@@ -301,7 +296,7 @@ func (b *ruleBuilder) clusterPortal(s *Spec, ip netip.Addr) {
 // loadBalancerPortal is the portal of a load-balancer IP: external traffic from pods and outside,
 // cluster traffic from the node. With source ranges only those clients are steered, and the
 // firewall chain drops the rest.
-func (b *ruleBuilder) loadBalancerPortal(s *Spec, ip netip.Addr) {
+func (b *ruleBuilder) loadBalancerPortal(s *portal.Spec, ip netip.Addr) {
 	d := hostPrefix(ip)
 	m := b.common(d, s.Port)
 	if len(s.SourceRanges) == 0 {
@@ -311,7 +306,7 @@ func (b *ruleBuilder) loadBalancerPortal(s *Spec, ip netip.Addr) {
 		return
 	}
 	for _, src := range s.SourceRanges {
-		if FamilyOf(src.Addr()) != b.fam {
+		if portal.FamilyOf(src.Addr()) != b.fam {
 			continue
 		}
 		sm := "-s " + src.Masked().String() + " " + m
@@ -324,7 +319,7 @@ func (b *ruleBuilder) loadBalancerPortal(s *Spec, ip netip.Addr) {
 
 // externalPortal is the portal of an external IP: pods reach it through the proxy only when the
 // packet did not come in on a bridge port or the IP is local; the host only when the IP is local.
-func (b *ruleBuilder) externalPortal(s *Spec, ip netip.Addr) {
+func (b *ruleBuilder) externalPortal(s *portal.Spec, ip netip.Addr) {
 	m := b.common(hostPrefix(ip), s.Port)
 	b.steer(ChainPortalsContainer, m+" -m physdev ! --physdev-is-in", b.external, b.rejectExt)
 	b.steer(ChainPortalsContainer, m+" -m addrtype --dst-type LOCAL", b.external, b.rejectExt)
@@ -360,7 +355,7 @@ func (b *ruleBuilder) hostTarget(port uint16) string {
 func (b *ruleBuilder) ofFamily(ips []netip.Addr) []netip.Addr {
 	var out []netip.Addr
 	for _, ip := range ips {
-		if ip.IsValid() && FamilyOf(ip) == b.fam {
+		if ip.IsValid() && portal.FamilyOf(ip) == b.fam {
 			out = append(out, ip.Unmap())
 		}
 	}
@@ -383,7 +378,7 @@ func (b *ruleBuilder) common(dst string, dport uint16) string {
 }
 
 // specMatch is the part of common that depends on the spec alone, up to the port number.
-func specMatch(s *Spec) string {
+func specMatch(s *portal.Spec) string {
 	proto := strings.ToLower(string(s.Protocol))
 	buf := make([]byte, 0, 64)
 	buf = append(append(append(buf, "-p "...), proto...), " -m comment --comment "...)

@@ -1,6 +1,10 @@
-package portal
+package iptables
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+)
 
 // BenchmarkBuildRules is the pure rule generation of a full sync at 10,000 service ports, the
 // part of a sync that grows with the cluster.
@@ -15,7 +19,7 @@ func BenchmarkBuildRules(b *testing.B) {
 	}
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, errs := buildRules(cfg, IPv4, specs); len(errs) > 0 {
+		if _, errs := buildRules(cfg, portal.IPv4, specs); len(errs) > 0 {
 			b.Fatal(errs)
 		}
 	}

@@ -1,4 +1,13 @@
-package portal
+// Package iptables is the default portal mode: the legacy userspace KUBE-PORTALS and
+// KUBE-NODEPORT chains in the nat (and filter) table steer service traffic to the proxy sockets.
+//
+// Reading state and one-off commands (finding the binaries, nft or legacy, whether a chain
+// exists, --cleanup's deletions) go through github.com/coreos/go-iptables. Every Sync writes
+// its changes with `iptables-restore --noflush` instead, one transaction per table: go-iptables
+// has no API for an atomic batch, and one command per rule is what made the legacy proxy take
+// minutes at scale and leave half-applied states behind. The Runner interface is the seam both
+// go through; Fake keeps the tables in memory so the rule-building code runs in tests.
+package iptables
 
 import (
 	"context"
@@ -8,6 +17,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
 // ErrNATUnavailable means this node's iptables cannot REDIRECT/DNAT (no nat table, or its targets
@@ -27,52 +38,52 @@ type Stats struct {
 	Rules int
 }
 
-// IPTables programs the portal chains with iptables-restore. Each Sync computes the wanted rules
+// Portals programs the portal chains with iptables-restore. Each Sync computes the wanted rules
 // of every family and table, diffs them against what it believes is live, and sends the
 // difference in one `iptables-restore --noflush` per table (nothing when nothing changed). Every
 // VerifyPeriod it first reads the live chains back, so changes made by others are repaired.
-type IPTables struct {
+type Portals struct {
 	cfg    Config
 	runner Runner
 
 	mu         sync.Mutex // serialises Sync and Cleanup
-	live       map[Family]map[string]*tableState
-	skipped    map[Family]string // families skipped, with the reason already logged
+	live       map[portal.Family]map[string]*tableState
+	skipped    map[portal.Family]string // families skipped, with the reason already logged
 	lastVerify time.Time
 	invalid    map[string]bool
 	// applied is the sorted specs of the last Sync that left every table known and as wanted, so a
 	// repeat Sync with the same specs returns without rebuilding 10,000s of rule strings.
-	applied []Spec
+	applied []portal.Spec
 
 	viewMu sync.Mutex // guards stats and view; never held while running a command
 	stats  Stats
-	view   map[Family]map[string]*tableState
+	view   map[portal.Family]map[string]*tableState
 }
 
-// NewIPTables returns the iptables portals. It runs nothing: the first Sync reads the live tables
+// New returns the iptables portals. It runs nothing: the first Sync reads the live tables
 // and programs them.
-func NewIPTables(cfg Config, runner Runner) *IPTables {
-	return &IPTables{
+func New(cfg Config, runner Runner) *Portals {
+	return &Portals{
 		cfg:     cfg.withDefaults(),
 		runner:  runner,
-		live:    map[Family]map[string]*tableState{},
-		skipped: map[Family]string{},
+		live:    map[portal.Family]map[string]*tableState{},
+		skipped: map[portal.Family]string{},
 		invalid: map[string]bool{},
-		view:    map[Family]map[string]*tableState{},
+		view:    map[portal.Family]map[string]*tableState{},
 	}
 }
 
 // Sync makes the portal chains of every family match specs. A failed restore leaves the other
 // tables and families applied; it is counted, returned, and retried by the next Sync (the failed
 // table is read back first, since its state is then unknown).
-func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
+func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := p.cfg.Clock.Now()
 	verify := p.lastVerify.IsZero() || now.Sub(p.lastVerify) >= p.cfg.VerifyPeriod
 	sorted := slices.Clone(specs)
-	if !slices.IsSortedFunc(sorted, compareSpecs) { // the proxier passes them sorted
-		slices.SortFunc(sorted, compareSpecs)
+	if !slices.IsSortedFunc(sorted, portal.CompareSpecs) { // the proxier passes them sorted
+		slices.SortFunc(sorted, portal.CompareSpecs)
 	}
 	for i := range sorted { // the caller may reuse its slices
 		s := &sorted[i]
@@ -86,7 +97,7 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 	verified := true
 	var errs []error
 	invalid := map[string]bool{}
-	for _, fam := range Families {
+	for _, fam := range portal.Families {
 		if !p.familyEnabled(fam) {
 			continue
 		}
@@ -114,12 +125,12 @@ func (p *IPTables) Sync(ctx context.Context, specs []Spec) error {
 }
 
 // familyEnabled reports whether fam is programmed, logging once why it is not.
-func (p *IPTables) familyEnabled(fam Family) bool {
+func (p *Portals) familyEnabled(fam portal.Family) bool {
 	reason := p.skipped[fam]
 	if reason == "" {
 		bind := p.cfg.BindAddress
 		switch {
-		case !bind.IsUnspecified() && FamilyOf(bind) != fam:
+		case !bind.IsUnspecified() && portal.FamilyOf(bind) != fam:
 			reason = "bind address " + bind.String() + " is not of this family"
 		case bind.IsUnspecified() && !p.cfg.HostIPs[fam].IsValid():
 			reason = "the node has no IP address of this family"
@@ -131,7 +142,7 @@ func (p *IPTables) familyEnabled(fam Family) bool {
 	return reason == ""
 }
 
-func (p *IPTables) skip(fam Family, reason string) {
+func (p *Portals) skip(fam portal.Family, reason string) {
 	if p.skipped[fam] != "" {
 		return
 	}
@@ -141,7 +152,7 @@ func (p *IPTables) skip(fam Family, reason string) {
 
 // syncFamily reads back what needs reading and restores each table that differs. ok reports
 // whether every read-back worked (so the verify clock may restart).
-func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules, verify bool) (ok bool, err error) {
+func (p *Portals) syncFamily(ctx context.Context, fam portal.Family, want familyRules, verify bool) (ok bool, err error) {
 	live := p.live[fam]
 	if live == nil {
 		live = map[string]*tableState{}
@@ -182,7 +193,7 @@ func (p *IPTables) syncFamily(ctx context.Context, fam Family, want familyRules,
 	return ok, errors.Join(errs...)
 }
 
-func (p *IPTables) readBack(ctx context.Context, fam Family, table string) (*tableState, error) {
+func (p *Portals) readBack(ctx context.Context, fam portal.Family, table string) (*tableState, error) {
 	p.count(func(s *Stats) { s.ReadBacks++ })
 	data, err := p.runner.Save(ctx, fam, table)
 	if err != nil {
@@ -196,7 +207,7 @@ func (p *IPTables) readBack(ctx context.Context, fam Family, table string) (*tab
 }
 
 // restoreAll runs the non-nil inputs in order and stops at the first failure.
-func (p *IPTables) restoreAll(ctx context.Context, fam Family, table string, inputs ...[]byte) error {
+func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, table string, inputs ...[]byte) error {
 	for _, data := range inputs {
 		if data == nil {
 			continue
@@ -208,7 +219,7 @@ func (p *IPTables) restoreAll(ctx context.Context, fam Family, table string, inp
 	return nil
 }
 
-func (p *IPTables) restore(ctx context.Context, fam Family, table string, data []byte) error {
+func (p *Portals) restore(ctx context.Context, fam portal.Family, table string, data []byte) error {
 	p.count(func(s *Stats) { s.Restores++ })
 	err := p.runner.Restore(ctx, fam, data)
 	if err == nil {
@@ -232,47 +243,15 @@ const natProbe = `*nat
 COMMIT
 `
 
-func (p *IPTables) natWorks(ctx context.Context, fam Family) bool {
+func (p *Portals) natWorks(ctx context.Context, fam portal.Family) bool {
 	dst := "127.0.0.1:1"
-	if fam == IPv6 {
+	if fam == portal.IPv6 {
 		dst = "[::1]:1"
 	}
 	return p.runner.Restore(ctx, fam, fmt.Appendf(nil, natProbe, dst)) == nil
 }
 
-// Cleanup removes every chain and jump rule we own, in both families, whatever the configuration.
-// Nothing to remove is not an error; a family without iptables binaries is skipped.
-func (p *IPTables) Cleanup(ctx context.Context) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var errs []error
-	for _, fam := range Families {
-		for _, table := range natFirst {
-			live, err := p.readBack(ctx, fam, table)
-			if errors.Is(err, ErrUnavailable) {
-				p.cfg.Logger.WithField("family", fam.String()).Info("Skipping IP family for cleanup: " + err.Error())
-				break
-			}
-			if err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			// Nothing is wanted, so no chain gets incremental changes: apply is the whole job.
-			if data := restorePlan(table, live, newTableState(), false).apply; data != nil {
-				if err := p.restore(ctx, fam, table, data); err != nil {
-					errs = append(errs, err)
-				}
-			}
-		}
-		delete(p.live, fam)
-		p.publish(fam, nil)
-	}
-	p.lastVerify = time.Time{}
-	p.applied = nil
-	return errors.Join(errs...)
-}
-
-func (p *IPTables) count(f func(*Stats)) {
+func (p *Portals) count(f func(*Stats)) {
 	p.viewMu.Lock()
 	f(&p.stats)
 	p.viewMu.Unlock()
@@ -280,7 +259,7 @@ func (p *IPTables) count(f func(*Stats)) {
 
 // publish records the believed-live state for Rules and Stats. Table states are never modified
 // once built, so sharing them is safe.
-func (p *IPTables) publish(fam Family, live map[string]*tableState) {
+func (p *Portals) publish(fam portal.Family, live map[string]*tableState) {
 	snap := map[string]*tableState{}
 	for t, st := range live {
 		snap[t] = st
@@ -300,7 +279,7 @@ func (p *IPTables) publish(fam Family, live map[string]*tableState) {
 }
 
 // Stats returns the counters.
-func (p *IPTables) Stats() Stats {
+func (p *Portals) Stats() Stats {
 	p.viewMu.Lock()
 	defer p.viewMu.Unlock()
 	return p.stats
@@ -308,11 +287,11 @@ func (p *IPTables) Stats() Stats {
 
 // Rules returns our chains and jump rules as last applied, per family, in iptables-save format,
 // for a debug view.
-func (p *IPTables) Rules() string {
+func (p *Portals) Rules() string {
 	p.viewMu.Lock()
 	defer p.viewMu.Unlock()
 	var sb strings.Builder
-	for _, fam := range Families {
+	for _, fam := range portal.Families {
 		ts := p.view[fam]
 		if len(ts) == 0 {
 			continue
@@ -329,7 +308,7 @@ func (p *IPTables) Rules() string {
 	return sb.String()
 }
 
-func specEqual(a, b Spec) bool {
+func specEqual(a, b portal.Spec) bool {
 	return a.Name == b.Name && a.Protocol == b.Protocol && a.Port == b.Port && a.NodePort == b.NodePort &&
 		a.ProxyPort == b.ProxyPort && a.ExternalProxyPort == b.ExternalProxyPort &&
 		a.RejectInternal == b.RejectInternal && a.RejectExternal == b.RejectExternal &&

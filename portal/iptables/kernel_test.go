@@ -1,4 +1,4 @@
-package portal
+package iptables
 
 import (
 	"context"
@@ -17,6 +17,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -46,10 +47,10 @@ func kubeLines(save string) []string {
 	return out
 }
 
-func kernelSave(t *testing.T, node *netns.NS, fam Family) string {
+func kernelSave(t *testing.T, node *netns.NS, fam portal.Family) string {
 	t.Helper()
 	bin := "iptables-save"
-	if fam == IPv6 {
+	if fam == portal.IPv6 {
 		bin = "ip6tables-save"
 	}
 	return node.MustExec(t, bin, "-t", "filter") + node.MustExec(t, bin, "-t", "nat")
@@ -60,22 +61,22 @@ func TestKernelRules(t *testing.T) {
 	lab := netns.NewTestLab(t)
 	node := lab.MustAdd(t, "node")
 	clk := clocktesting.NewFakePassiveClock(time.Unix(1000, 0))
-	cfg := Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4, IPv6: labNodeV6}, ProtectProxyPorts: true,
+	cfg := Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: labNodeV4, portal.IPv6: labNodeV6}, ProtectProxyPorts: true,
 		NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.100.0.0/24")},
 		Clock:             clk, VerifyPeriod: time.Minute}
-	specs := []Spec{
+	specs := []portal.Spec{
 		{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
 			ClusterIPs: addrs("10.96.0.10", "fd00:96::10"), ExternalIPs: addrs("203.0.113.7", "2001:db8::7"),
 			LoadBalancerIPs: addrs("198.51.100.20"), ProxyPort: 34001},
 		{Name: spn("kube-system", "dns", ""), Protocol: service.UDP, Port: 53, ClusterIPs: addrs("10.96.0.53"), ProxyPort: 34002},
 	}
-	p := NewIPTables(cfg, &ExecRunner{Prefix: node.CommandPrefix()})
+	p := New(cfg, &ExecRunner{Prefix: node.CommandPrefix()})
 	mustSync(t, p, specs)
 
 	t.Run("iptables-save_shows_exactly_the_generated_rules", func(t *testing.T) {
 		fake := NewFake()
-		mustSync(t, NewIPTables(cfg, fake), specs)
-		for _, fam := range Families {
+		mustSync(t, New(cfg, fake), specs)
+		for _, fam := range portal.Families {
 			want := ""
 			for _, table := range []string{tableFilter, tableNAT} {
 				b, _ := fake.Save(t.Context(), fam, table)
@@ -107,12 +108,12 @@ func TestKernelRules(t *testing.T) {
 	})
 
 	t.Run("repairs_a_flushed_chain", func(t *testing.T) {
-		want := kernelSave(t, node, IPv4)
+		want := kernelSave(t, node, portal.IPv4)
 		node.MustExec(t, "iptables", "-t", "nat", "-F", ChainPortalsContainer)
 		node.MustExec(t, "iptables", "-t", "filter", "-D", "INPUT", "1")
 		clk.SetTime(clk.Now().Add(time.Minute))
 		mustSync(t, p, specs)
-		if d := lineDiff(strings.Join(kubeLines(want), "\n"), strings.Join(kubeLines(kernelSave(t, node, IPv4)), "\n")); d != "" {
+		if d := lineDiff(strings.Join(kubeLines(want), "\n"), strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n")); d != "" {
 			t.Errorf("rules after repair (-want +got):\n%s", d)
 		}
 		if got := p.Stats().Repairs; got != 2 {
@@ -124,14 +125,14 @@ func TestKernelRules(t *testing.T) {
 		changed := slices.Clone(specs)
 		changed[1].ProxyPort = 34099
 		mustSync(t, p, changed)
-		if got := kernelSave(t, node, IPv4); !strings.Contains(got, "--dport 53 -j REDIRECT --to-ports 34099") || strings.Contains(got, "34002") {
+		if got := kernelSave(t, node, portal.IPv4); !strings.Contains(got, "--dport 53 -j REDIRECT --to-ports 34099") || strings.Contains(got, "34002") {
 			t.Errorf("after changing the dns proxy port to 34099 the kernel has:\n%s", got)
 		}
 	})
 
 	t.Run("removal_leaves_no_trace", func(t *testing.T) {
 		mustSync(t, p, nil)
-		for _, fam := range Families {
+		for _, fam := range portal.Families {
 			for _, l := range kubeLines(kernelSave(t, node, fam)) {
 				if strings.Contains(l, "--comment \"default/") || strings.Contains(l, "--comment \"kube-system/") {
 					t.Errorf("%s: rule left after removing every service: %s", fam, l)
@@ -142,15 +143,15 @@ func TestKernelRules(t *testing.T) {
 
 	t.Run("cleanup_removes_every_chain", func(t *testing.T) {
 		mustSync(t, p, specs)
-		if err := NewIPTables(Config{}, &ExecRunner{Prefix: node.CommandPrefix()}).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, &ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do}).Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
-		for _, fam := range Families {
+		for _, fam := range portal.Families {
 			if got := kernelSave(t, node, fam); strings.Contains(got, "KUBE-PORTALS") || strings.Contains(got, "KUBE-NODEPORT") {
 				t.Errorf("%s after Cleanup:\n%s", fam, got)
 			}
 		}
-		if err := NewIPTables(Config{}, &ExecRunner{Prefix: node.CommandPrefix()}).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, &ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do}).Cleanup(t.Context()); err != nil {
 			t.Errorf("second Cleanup with nothing left: %v", err)
 		}
 	})
@@ -221,7 +222,7 @@ func dial(ns *netns.NS, addr string, timeout time.Duration) (string, error) {
 // the CONTAINER chains) and from the node itself (OUTPUT, the HOST chains).
 func TestKernelTraffic(t *testing.T) {
 	l := newTrafficLab(t)
-	spec := Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+	spec := portal.Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
 		ClusterIPs: addrs("10.96.0.10"), ProxyPort: l.proxyPort}
 	direct := netip.AddrPortFrom(labNodeV4, l.proxyPort).String()
 	tests := []struct {
@@ -229,14 +230,14 @@ func TestKernelTraffic(t *testing.T) {
 		cfg     Config
 		protect bool
 	}{
-		{name: "bind_any_REDIRECT_and_HOST_DNAT", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4}}},
+		{name: "bind_any_REDIRECT_and_HOST_DNAT", cfg: Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: labNodeV4}}},
 		{name: "bind_specific_DNAT", cfg: Config{BindAddress: labNodeV4}},
-		{name: "guarded_proxy_port", cfg: Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4}, ProtectProxyPorts: true}},
+		{name: "guarded_proxy_port", cfg: Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: labNodeV4}, ProtectProxyPorts: true}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p := NewIPTables(tt.cfg, &ExecRunner{Prefix: l.node.CommandPrefix()})
-			mustSync(t, p, []Spec{spec})
+			p := New(tt.cfg, &ExecRunner{Prefix: l.node.CommandPrefix()})
+			mustSync(t, p, []portal.Spec{spec})
 			t.Cleanup(func() { p.Cleanup(t.Context()) })
 			for _, c := range []struct {
 				what string
@@ -328,18 +329,18 @@ func TestKernelRefusalAndPolicies(t *testing.T) {
 	l.node.MustExec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0",
 		"net.ipv4.conf.n0.send_redirects=0")
 	ext := l.listenGreeter(t)
-	cfg := Config{HostIPs: map[Family]netip.Addr{IPv4: labNodeV4}, ProtectProxyPorts: true}
-	base := Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+	cfg := Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: labNodeV4}, ProtectProxyPorts: true}
+	base := portal.Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
 		ClusterIPs: addrs("10.96.0.10"), LoadBalancerIPs: addrs("10.96.1.20"), ProxyPort: l.proxyPort}
-	udpSpec := Spec{Name: spn("default", "dns", ""), Protocol: service.UDP, Port: 53,
+	udpSpec := portal.Spec{Name: spn("default", "dns", ""), Protocol: service.UDP, Port: 53,
 		ClusterIPs: addrs("10.96.0.53"), ProxyPort: 34999, RejectInternal: true, RejectExternal: true}
-	p := NewIPTables(cfg, &ExecRunner{Prefix: l.node.CommandPrefix()})
+	p := New(cfg, &ExecRunner{Prefix: l.node.CommandPrefix(), Do: l.node.Do})
 	t.Cleanup(func() { p.Cleanup(context.Background()) })
 
 	t.Run("no_endpoints_is_refused_then_served", func(t *testing.T) {
 		refused := base
 		refused.RejectInternal, refused.RejectExternal = true, true
-		mustSync(t, p, []Spec{refused, udpSpec})
+		mustSync(t, p, []portal.Spec{refused, udpSpec})
 		for _, c := range []struct {
 			from *netns.NS
 			addr string
@@ -356,7 +357,7 @@ func TestKernelRefusalAndPolicies(t *testing.T) {
 		if ok, err := udpRefused(l.client, "10.96.0.53:53"); err != nil || !ok {
 			t.Errorf("UDP to 10.96.0.53:53 without endpoints: refused=%v err=%v, want ICMP port unreachable", ok, err)
 		}
-		mustSync(t, p, []Spec{base})
+		mustSync(t, p, []portal.Spec{base})
 		if got, err := dial(l.client, "10.96.0.10:80", 5*time.Second); err != nil || !strings.HasPrefix(got, "proxy socket") {
 			t.Errorf("cluster IP once endpoints exist: %q, %v", got, err)
 		}
@@ -365,7 +366,7 @@ func TestKernelRefusalAndPolicies(t *testing.T) {
 	t.Run("external_local_has_its_own_socket", func(t *testing.T) {
 		local := base
 		local.ExternalProxyPort = ext
-		mustSync(t, p, []Spec{local})
+		mustSync(t, p, []portal.Spec{local})
 		wantPort := func(from *netns.NS, addr string, port uint16) {
 			t.Helper()
 			got, err := dial(from, addr, 5*time.Second)
@@ -379,7 +380,7 @@ func TestKernelRefusalAndPolicies(t *testing.T) {
 		wantPort(l.node, "10.100.0.1:30080", l.proxyPort)
 
 		local.RejectExternal = true // no local endpoint: outside traffic refused, cluster traffic served
-		mustSync(t, p, []Spec{local})
+		mustSync(t, p, []portal.Spec{local})
 		if _, err := dial(l.client, "10.100.0.1:30080", 5*time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
 			t.Errorf("node port of an ETP=Local port without local endpoints: %v, want ECONNREFUSED", err)
 		}
@@ -390,12 +391,12 @@ func TestKernelRefusalAndPolicies(t *testing.T) {
 	t.Run("source_ranges_admit_only_listed_clients", func(t *testing.T) {
 		ranged := base
 		ranged.SourceRanges = []netip.Prefix{netip.MustParsePrefix("10.100.0.2/32")}
-		mustSync(t, p, []Spec{ranged})
+		mustSync(t, p, []portal.Spec{ranged})
 		if got, err := dial(l.client, "10.96.1.20:80", 5*time.Second); err != nil || !strings.HasPrefix(got, "proxy socket") {
 			t.Errorf("allowed client to the LB IP: %q, %v", got, err)
 		}
 		ranged.SourceRanges = []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}
-		mustSync(t, p, []Spec{ranged})
+		mustSync(t, p, []portal.Spec{ranged})
 		got, err := dial(l.client, "10.96.1.20:80", 700*time.Millisecond)
 		if err == nil || errors.Is(err, syscall.ECONNREFUSED) {
 			t.Errorf("client outside the ranges to the LB IP: %q, %v; want the SYN dropped (timeout)", got, err)

@@ -1,0 +1,371 @@
+package bind
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// nlTimeout bounds each netlink request; the kernel answers at once, this only bounds a
+	// broken socket.
+	nlTimeout = 10 * time.Second
+	// dumpRetries bounds how often an address dump that a concurrent change interrupted is
+	// repeated.
+	dumpRetries = 5
+	// localRouteWait bounds how long an IPv6 address add waits for the address's local route.
+	localRouteWait = 2 * time.Second
+)
+
+// Netlink is the LinkManager of the node: rtnetlink requests through
+// github.com/vishvananda/netlink (the library kube-proxy uses) for links and addresses, and files
+// under /proc/sys for sysctls. It keeps one netlink handle open between operations (opening a
+// socket costs more than a request); Close releases it. Safe for concurrent use; the zero value is
+// ready.
+type Netlink struct {
+	// Do, when set, runs each operation, e.g. on a thread switched into another network namespace
+	// (tests pass netns.NS.Do: the handle, opened inside, stays in that namespace, and /proc/sys/net
+	// is that of the calling thread's namespace). Nil runs it on the calling goroutine.
+	Do func(func() error) error
+
+	mu sync.Mutex
+	h  *netlink.Handle
+}
+
+// Close closes the handle, if one is open. The next operation opens a new one.
+func (n *Netlink) Close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.h != nil {
+		n.h.Close()
+		n.h = nil
+	}
+	return nil
+}
+
+// run runs fn with the shared handle, opening it first if needed. A handle whose socket failed
+// (not an answer from the kernel) is dropped, so the next operation starts clean.
+func (n *Netlink) run(ctx context.Context, fn func(h *netlink.Handle) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.runPlain(func() error {
+		if n.h == nil {
+			h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+			if err != nil {
+				return fmt.Errorf("netlink handle: %w", err)
+			}
+			if err := h.SetSocketTimeout(nlTimeout); err != nil {
+				h.Close()
+				return fmt.Errorf("netlink handle: %w", err)
+			}
+			n.h = h
+		}
+		err := fn(n.h)
+		if socketFailed(err) {
+			n.h.Close()
+			n.h = nil
+		}
+		return err
+	})
+}
+
+// socketFailed tells whether err is a failure of the socket itself rather than the kernel's
+// answer to a request: a timeout or a closed socket.
+func socketFailed(err error) bool {
+	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EBADF) || errors.Is(err, unix.ENOTSOCK)
+}
+
+func (n *Netlink) runPlain(fn func() error) error {
+	if n.Do != nil {
+		return n.Do(fn)
+	}
+	return fn()
+}
+
+// linkByName returns the link, or an error wrapping ErrLinkNotFound.
+func linkByName(h *netlink.Handle, name string) (netlink.Link, error) {
+	l, err := h.LinkByName(name)
+	if _, ok := errors.AsType[netlink.LinkNotFoundError](err); ok || errors.Is(err, unix.ENODEV) {
+		return nil, fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("link %s: %w", name, err)
+	}
+	return l, nil
+}
+
+// kindOf is the IFLA_INFO_KIND of l; "" for a plain device (the library calls it "device").
+func kindOf(l netlink.Link) string {
+	if _, ok := l.(*netlink.Device); ok {
+		return ""
+	}
+	return l.Type()
+}
+
+// LinkKind implements LinkManager.
+func (n *Netlink) LinkKind(ctx context.Context, name string) (string, error) {
+	var kind string
+	err := n.run(ctx, func(h *netlink.Handle) error {
+		l, err := linkByName(h, name)
+		if err == nil {
+			kind = kindOf(l)
+		}
+		return err
+	})
+	return kind, err
+}
+
+// newLink is the link to create for kind.
+func newLink(name, kind string) netlink.Link {
+	attrs := netlink.LinkAttrs{Name: name, Flags: net.FlagUp}
+	switch kind {
+	case LinkTypeDummy:
+		return &netlink.Dummy{LinkAttrs: attrs}
+	case LinkTypeBridge:
+		return &netlink.Bridge{LinkAttrs: attrs}
+	default:
+		return &netlink.GenericLink{LinkAttrs: attrs, LinkType: kind}
+	}
+}
+
+// EnsureLink implements LinkManager.
+func (n *Netlink) EnsureLink(ctx context.Context, name, kind string) error {
+	return n.run(ctx, func(h *netlink.Handle) error {
+		l, err := linkByName(h, name)
+		if errors.Is(err, ErrLinkNotFound) {
+			if err := h.LinkAdd(newLink(name, kind)); errors.Is(err, unix.EOPNOTSUPP) {
+				return fmt.Errorf("link %s: %w: %s: %w", name, ErrKindUnsupported, kind, err)
+			} else if err != nil {
+				return fmt.Errorf("link %s: add %s: %w", name, kind, err)
+			}
+			l, err = linkByName(h, name)
+		}
+		if err != nil {
+			return err
+		}
+		if k := kindOf(l); k != kind {
+			return fmt.Errorf("link %s: exists with kind %q, not %q", name, k, kind)
+		}
+		if l.Attrs().Flags&net.FlagUp == 0 {
+			if err := h.LinkSetUp(l); err != nil {
+				return fmt.Errorf("link %s: set up: %w", name, err)
+			}
+		}
+		return nil
+	})
+}
+
+// DeleteLink implements LinkManager.
+func (n *Netlink) DeleteLink(ctx context.Context, name string) error {
+	return n.run(ctx, func(h *netlink.Handle) error {
+		l, err := linkByName(h, name)
+		if err != nil {
+			return err
+		}
+		if err := h.LinkDel(l); errors.Is(err, unix.ENODEV) {
+			return fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+		} else if err != nil {
+			return fmt.Errorf("link %s: delete: %w", name, err)
+		}
+		return nil
+	})
+}
+
+// Addrs implements LinkManager. The library dumps every address of the namespace and keeps those
+// of the link; a dump that a concurrent change made inconsistent is repeated.
+func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	err := n.run(ctx, func(h *netlink.Handle) error {
+		l, err := linkByName(h, name)
+		if err != nil {
+			return err
+		}
+		var list []netlink.Addr
+		for range dumpRetries {
+			list, err = h.AddrList(l, netlink.FAMILY_ALL)
+			if !errors.Is(err, netlink.ErrDumpInterrupted) {
+				break
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("link %s: list addresses: %w", name, err)
+		}
+		for _, a := range list {
+			if p, ok := prefixOf(a.IPNet); ok {
+				out = append(out, p)
+			}
+		}
+		return nil
+	})
+	return out, err
+}
+
+// prefixOf converts the library's net.IPNet (IFA_LOCAL when present: on a point-to-point link
+// IFA_ADDRESS is the peer).
+func prefixOf(n *net.IPNet) (netip.Prefix, bool) {
+	if n == nil {
+		return netip.Prefix{}, false
+	}
+	a, ok := netip.AddrFromSlice(n.IP)
+	if !ok {
+		return netip.Prefix{}, false
+	}
+	a = a.Unmap()
+	bits, _ := n.Mask.Size()
+	return netip.PrefixFrom(a, bits), true
+}
+
+// addrOf is the library's form of p. IPv6 addresses skip duplicate address detection: a
+// tentative address is not local yet (no local route, bind fails without IP_FREEBIND), and on a
+// link without carrier, like a bridge without ports, it would stay tentative for good.
+func addrOf(p netip.Prefix) *netlink.Addr {
+	a := p.Addr().Unmap()
+	bits := 32
+	if a.Is6() {
+		bits = 128
+	}
+	addr := &netlink.Addr{IPNet: &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(p.Bits(), bits)}}
+	if a.Is6() {
+		addr.Flags = unix.IFA_F_NODAD
+	}
+	return addr
+}
+
+// AddAddr implements LinkManager.
+func (n *Netlink) AddAddr(ctx context.Context, name string, addr netip.Prefix) error {
+	return n.run(ctx, func(h *netlink.Handle) error {
+		l, err := linkByName(h, name)
+		if err != nil {
+			return err
+		}
+		if addr.Addr().Unmap().Is6() {
+			err = addAddr6(h, l, addr)
+		} else {
+			err = h.AddrAdd(l, addrOf(addr))
+		}
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("link %s: add address %s: %w", name, addr, err)
+		}
+		return nil
+	})
+}
+
+// addAddr6 adds an IPv6 address and returns once the kernel routes it locally. The kernel inserts
+// an IPv6 address's local route from a work item after it acks RTM_NEWADDR (even with nodad);
+// until then the address's /128 prefix route in the main table sends its packets into the link,
+// and a TCP socket that connects in that window caches that route and never gets through. So a
+// socket subscribed to IPv6 route notifications before the add waits for that local route. The
+// subscription is opened on the calling thread, so it is in the same namespace as the handle.
+func addAddr6(h *netlink.Handle, l netlink.Link, p netip.Prefix) error {
+	s, err := nl.Subscribe(unix.NETLINK_ROUTE, unix.RTNLGRP_IPV6_ROUTE)
+	if err != nil {
+		return fmt.Errorf("subscribe to route notifications: %w", err)
+	}
+	defer s.Close()
+	if err := h.AddrAdd(l, addrOf(p)); err != nil {
+		return err // EEXIST included: an address already there has had its route for a while
+	}
+	deadline := time.Now().Add(localRouteWait)
+	for {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return fmt.Errorf("the kernel did not route the address locally within %v", localRouteWait)
+		}
+		tv := unix.NsecToTimeval(left.Nanoseconds())
+		if err := s.SetReceiveTimeout(&tv); err != nil {
+			return fmt.Errorf("route notifications: %w", err)
+		}
+		msgs, _, err := s.Receive()
+		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("route notifications: %w", err)
+		}
+		for _, m := range msgs {
+			if m.Header.Type == unix.RTM_NEWROUTE && isLocalRoute6(m.Data, p.Addr()) {
+				return nil
+			}
+		}
+	}
+}
+
+// isLocalRoute6 tells whether an RTM_NEWROUTE payload announces the local route (type local,
+// /128) of a.
+func isLocalRoute6(data []byte, a netip.Addr) bool {
+	if len(data) < unix.SizeofRtMsg {
+		return false
+	}
+	rt := nl.DeserializeRtMsg(data)
+	if rt.Family != unix.AF_INET6 || rt.Dst_len != 128 || rt.Type != unix.RTN_LOCAL {
+		return false
+	}
+	attrs, err := nl.ParseRouteAttr(data[unix.SizeofRtMsg:])
+	if err != nil {
+		return false
+	}
+	for _, at := range attrs {
+		if at.Attr.Type == unix.RTA_DST {
+			dst, ok := netip.AddrFromSlice(at.Value)
+			return ok && dst == a
+		}
+	}
+	return false
+}
+
+// DelAddr implements LinkManager.
+func (n *Netlink) DelAddr(ctx context.Context, name string, addr netip.Prefix) error {
+	return n.run(ctx, func(h *netlink.Handle) error {
+		l, err := linkByName(h, name)
+		if err != nil {
+			return err
+		}
+		if err := h.AddrDel(l, addrOf(addr)); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+			return fmt.Errorf("link %s: delete address %s: %w", name, addr, err)
+		}
+		return nil
+	})
+}
+
+// Sysctl implements LinkManager.
+func (n *Netlink) Sysctl(key string) (string, error) {
+	var val string
+	err := n.runPlain(func() error {
+		b, err := os.ReadFile(sysctlPath(key))
+		val = strings.TrimSpace(string(b))
+		return err
+	})
+	if err != nil {
+		return "", fmt.Errorf("sysctl %s: %w", key, err)
+	}
+	return val, nil
+}
+
+// SetSysctl implements LinkManager.
+func (n *Netlink) SetSysctl(key, value string) error {
+	err := n.runPlain(func() error {
+		return os.WriteFile(sysctlPath(key), []byte(value+"\n"), 0o644)
+	})
+	if err != nil {
+		return fmt.Errorf("sysctl %s=%s: %w", key, value, err)
+	}
+	return nil
+}
+
+func sysctlPath(key string) string {
+	return filepath.Join("/proc/sys", filepath.Clean("/"+key))
+}

@@ -1,0 +1,170 @@
+// Package conntrack deletes the UDP conntrack entries of the NAT portals (portal/iptables): once
+// a service port or one of its addresses goes away, an entry that still maps a client to the old
+// proxy port must go, or the client keeps talking to nothing. Netlink does it over ctnetlink with
+// github.com/vishvananda/netlink; Fake records what it is asked, for the proxier's tests.
+package conntrack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// Flows names the UDP conntrack entries of one service port. When the port (or one of its
+// addresses) goes away they must be deleted: conntrack keeps steering a client that keeps sending
+// (DNS resolvers do) to the old proxy socket for as long as its entry lives. The legacy proxy
+// cleared only the cluster IP; external, load-balancer and node-port entries lingered.
+type Flows struct {
+	// Addrs are the cluster, external and load-balancer IPs: entries whose original destination is
+	// one of them at Port are deleted.
+	Addrs []netip.Addr
+	Port  uint16
+	// NodePort, unless 0: entries whose original destination port is NodePort, on any address of
+	// the families in Addrs (IPv4 when Addrs is empty).
+	NodePort uint16
+}
+
+// FlowsOf returns the flows of a service port.
+func FlowsOf(p *service.Port) Flows {
+	var addrs []netip.Addr
+	addrs = append(addrs, p.ClusterIPs...)
+	addrs = append(addrs, p.ExternalIPs...)
+	addrs = append(addrs, p.LoadBalancerIPs...)
+	slices.SortFunc(addrs, netip.Addr.Compare)
+	return Flows{Addrs: slices.Compact(addrs), Port: p.Port, NodePort: p.NodePort}
+}
+
+// Interface deletes conntrack entries.
+type Interface interface {
+	ClearUDP(ctx context.Context, f Flows) error
+}
+
+var (
+	_ Interface = (*Netlink)(nil)
+	_ Interface = (*Fake)(nil)
+)
+
+// Netlink deletes entries over ctnetlink: per family one dump of the conntrack table, and one
+// delete request for each entry that matches a filter of f (the conntrack(8) tool did the same
+// per address, in a new process each time). The zero value is ready.
+type Netlink struct {
+	// Do, when set, runs each ClearUDP, e.g. on a thread switched into another network namespace
+	// (tests pass netns.NS.Do). Nil runs it on the calling goroutine.
+	Do func(func() error) error
+}
+
+// udpProto is IPPROTO_UDP as the conntrack filter takes it.
+const udpProto = unix.IPPROTO_UDP
+
+// ClearUDP implements Interface. It clears every family even when one fails, and returns all
+// failures; entries already gone are not a failure.
+func (n *Netlink) ClearUDP(ctx context.Context, f Flows) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	run := func(fn func() error) error { return fn() }
+	if n.Do != nil {
+		run = n.Do
+	}
+	byFamily, err := filters(f)
+	if err != nil {
+		return err
+	}
+	return run(func() error {
+		h, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
+		if err != nil {
+			return fmt.Errorf("conntrack: netlink handle: %w", err)
+		}
+		defer h.Close()
+		var errs []error
+		for _, fam := range []netlink.InetFamily{unix.AF_INET, unix.AF_INET6} {
+			fs := byFamily[fam]
+			if len(fs) == 0 {
+				continue
+			}
+			if _, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, fam, fs...); err != nil {
+				errs = append(errs, fmt.Errorf("conntrack %s: delete UDP entries of %s: %w", familyName(fam), describe(f), err))
+			}
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// filters builds the conntrack filters of f by family: one per address (original destination
+// address and port) and one per family for the node port (original destination port).
+func filters(f Flows) (map[netlink.InetFamily][]netlink.CustomConntrackFilter, error) {
+	out := map[netlink.InetFamily][]netlink.CustomConntrackFilter{}
+	for _, a := range f.Addrs {
+		a = a.Unmap()
+		fam := familyOf(a)
+		cf, err := udpFilter(f.Port)
+		if err == nil {
+			err = cf.AddIP(netlink.ConntrackOrigDstIP, net.IP(a.AsSlice()))
+		}
+		if err != nil {
+			return nil, fmt.Errorf("conntrack: filter for %s: %w", netip.AddrPortFrom(a, f.Port), err)
+		}
+		out[fam] = append(out[fam], cf)
+	}
+	if f.NodePort != 0 {
+		fams := []netlink.InetFamily{unix.AF_INET, unix.AF_INET6}
+		for _, fam := range fams {
+			if len(out[fam]) == 0 && !(fam == unix.AF_INET && len(f.Addrs) == 0) {
+				continue
+			}
+			cf, err := udpFilter(f.NodePort)
+			if err != nil {
+				return nil, fmt.Errorf("conntrack: filter for node port %d: %w", f.NodePort, err)
+			}
+			out[fam] = append(out[fam], cf)
+		}
+	}
+	return out, nil
+}
+
+// udpFilter matches UDP entries with original destination port port.
+func udpFilter(port uint16) (*netlink.ConntrackFilter, error) {
+	cf := &netlink.ConntrackFilter{}
+	if err := cf.AddProtocol(udpProto); err != nil {
+		return nil, err
+	}
+	if err := cf.AddPort(netlink.ConntrackOrigDstPort, port); err != nil {
+		return nil, err
+	}
+	return cf, nil
+}
+
+func familyOf(a netip.Addr) netlink.InetFamily {
+	if a.Unmap().Is4() {
+		return unix.AF_INET
+	}
+	return unix.AF_INET6
+}
+
+func familyName(fam netlink.InetFamily) string {
+	if fam == unix.AF_INET6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+// describe names f in errors: "10.96.0.10:53 [fd00::a]:53 nodeport 30053".
+func describe(f Flows) string {
+	var parts []string
+	for _, a := range f.Addrs {
+		parts = append(parts, netip.AddrPortFrom(a, f.Port).String())
+	}
+	if f.NodePort != 0 {
+		parts = append(parts, fmt.Sprintf("nodeport %d", f.NodePort))
+	}
+	return strings.Join(parts, " ")
+}

@@ -1,0 +1,53 @@
+package iptables
+
+import (
+	"net/netip"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+)
+
+// DefaultVerifyPeriod is how often Sync reads the live chains back to repair changes made by others.
+const DefaultVerifyPeriod = time.Minute
+
+// Config is the node-level configuration of the iptables portals.
+type Config struct {
+	// BindAddress is --bind-address. Unspecified (0.0.0.0 or ::, or the zero Addr): CONTAINER rules
+	// REDIRECT to the proxy port and HOST rules DNAT to the node's HostIP. Specific: both DNAT to it,
+	// and only its family is programmed.
+	BindAddress netip.Addr
+	// HostIPs is the node IP per family, the target of HOST DNAT rules. With an unspecified bind
+	// address a family without a host IP is skipped (one log line).
+	HostIPs map[portal.Family]netip.Addr
+	// NodePortAddresses is --nodeport-addresses; empty means every local address.
+	NodePortAddresses []netip.Prefix
+	// ProtectProxyPorts adds the KUBE-PORTALS-GUARD filter chain: a new connection from outside the
+	// node reaches a proxy port only when a portal rule translated it (conntrack state DNAT).
+	ProtectProxyPorts bool
+	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
+	// repairs them; 0 means DefaultVerifyPeriod.
+	VerifyPeriod time.Duration
+	// Clock drives VerifyPeriod; nil means the real clock.
+	Clock  clock.PassiveClock
+	Logger logrus.FieldLogger
+}
+
+func (c Config) withDefaults() Config {
+	if !c.BindAddress.IsValid() {
+		c.BindAddress = netip.IPv4Unspecified()
+	}
+	c.BindAddress = c.BindAddress.Unmap()
+	if c.VerifyPeriod <= 0 {
+		c.VerifyPeriod = DefaultVerifyPeriod
+	}
+	if c.Clock == nil {
+		c.Clock = clock.RealClock{}
+	}
+	if c.Logger == nil {
+		c.Logger = portal.DiscardLogger()
+	}
+	return c
+}
