@@ -57,8 +57,10 @@ type Config struct {
 	// portal IP at the service port, node addresses at the node port). Nil means one socket on
 	// ListenIP at a port from PortRange, for the portal rules to redirect to (iptables mode).
 	ListenPlan func(p *service.Port) []netip.AddrPort
-	Clock      clock.Clock
-	Logger     logrus.FieldLogger
+	// Node is this node's name and zone, for traffic policies and topology hints.
+	Node   NodeTopology
+	Clock  clock.Clock
+	Logger logrus.FieldLogger
 }
 
 // Deps are the proxier's collaborators, each behind a narrow seam.
@@ -91,9 +93,15 @@ type Proxier struct {
 	servicesSynced  bool
 	endpointsSynced bool
 	firstChange     map[service.NamespacedName]time.Time // for the network programming latency
+	node            NodeTopology
 
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
 	epMu sync.Mutex
+
+	// selMu guards sels, the endpoint selection of every service port, written by applyEndpoints
+	// and read by the sync (portal refusals) and the debug view.
+	selMu sync.RWMutex
+	sels  map[service.ServicePortName]*portSelection
 
 	// activeMu guards active for readers outside the sync goroutine (debug view, drains);
 	// only the sync goroutine writes it.
@@ -103,9 +111,11 @@ type Proxier struct {
 	// Owned by the sync goroutine.
 	services map[service.NamespacedName][]*service.Port
 	failed   map[service.ServicePortName]*service.Port
-	ports    *portAllocator
-	socketWG sync.WaitGroup
-	runCtx   context.Context
+	// extFailed: ports whose external-traffic socket failed to open (logged once).
+	extFailed map[service.ServicePortName]bool
+	ports     *portAllocator
+	socketWG  sync.WaitGroup
+	runCtx    context.Context
 }
 
 // activePort is a service port with an open proxy socket.
@@ -115,6 +125,8 @@ type activePort struct {
 	proxyPort uint16
 	cancel    context.CancelFunc
 	done      chan struct{}
+	// ext is the socket of the port's external traffic when it has its own (splitsExternal).
+	ext *activePort
 }
 
 // New builds a proxier. It opens nothing and starts nothing: call Run.
@@ -142,9 +154,12 @@ func New(cfg Config, deps Deps) *Proxier {
 		slices:      newEndpointSliceCache(),
 		latest:      make(map[service.NamespacedName][]*service.Port),
 		firstChange: make(map[service.NamespacedName]time.Time),
+		node:        cfg.Node,
+		sels:        make(map[service.ServicePortName]*portSelection),
 		active:      make(map[service.ServicePortName]*activePort),
 		services:    make(map[service.NamespacedName][]*service.Port),
 		failed:      make(map[service.ServicePortName]*service.Port),
+		extFailed:   make(map[service.ServicePortName]bool),
 		ports:       newPortAllocator(cfg.PortRange),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock)
@@ -164,11 +179,16 @@ func (p *Proxier) Run(ctx context.Context) {
 func (p *Proxier) shutdown() {
 	p.activeMu.Lock()
 	for _, a := range p.active {
-		a.cancel()
-		if s, ok := a.sock.(shutdowner); ok {
-			s.Shutdown() // the process is going away: end established connections too
-		} else {
-			_ = a.sock.Close()
+		for _, sock := range []*activePort{a, a.ext} {
+			if sock == nil {
+				continue
+			}
+			sock.cancel()
+			if s, ok := sock.sock.(shutdowner); ok {
+				s.Shutdown() // the process is going away: end established connections too
+			} else {
+				_ = sock.sock.Close()
+			}
 		}
 	}
 	p.activeMu.Unlock()
@@ -283,41 +303,69 @@ func triggerTime(s *discovery.EndpointSlice, arrived time.Time) time.Time {
 	return arrived
 }
 
-// applyEndpoints recomputes the endpoints of every port of a Service and hands them to the
-// balancer. Connections or sessions on endpoints that disappeared are dropped where that is
-// the policy (UDP always; TCP with DrainTCP).
+// applyEndpoints recomputes the endpoints of every port of a Service, selects the ones each class
+// of traffic uses on this node (traffic policies, topology hints, terminating fallback) and hands
+// them to the balancer. Connections or sessions on endpoints that disappeared are dropped where that
+// is the policy (UDP always; TCP with DrainTCP). When a port's refusals or socket split change, the
+// portals must change too, so a sync is asked for.
 func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	p.mu.Lock()
 	ports := p.latest[name]
+	node := p.node
+	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
 	sl := p.slices.get(name)
 
 	p.epMu.Lock()
 	defer p.epMu.Unlock()
+	rulesChanged := false
 	for _, port := range ports {
-		usable := usableEndpoints(endpointsFor(port, sl))
-		p.deps.Balancer.SetAffinity(port.Name, port.Affinity)
-		sock := p.drainable(port)
-		var before []netip.AddrPort
-		if sock != nil { // only then is the old list needed
-			before = p.deps.Balancer.Service(port.Name).Endpoints()
+		sel := newPortSelection(port, selectEndpoints(port, endpointsFor(port, sl), node))
+		p.setBalancer(port, port.Name, sel.Internal.Endpoints, false)
+		if sel.split {
+			p.setBalancer(port, externalName(port.Name), sel.External.Endpoints, true)
 		}
-		p.deps.Balancer.SetEndpoints(port.Name, usable)
-		if sock != nil {
-			p.dropRemoved(sock, port, before, usable)
+		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) {
+			rulesChanged = true
+			if old != nil && old.split && !sel.split {
+				p.deps.Balancer.DeleteService(externalName(port.Name))
+			}
 		}
+	}
+	if rulesChanged && synced {
+		p.deps.Health.QueuedUpdate()
+		p.runner.Trigger()
+	}
+}
+
+// setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
+// traffic) its endpoints, ending what used removed endpoints where that is the policy.
+func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool) {
+	p.deps.Balancer.SetAffinity(key, port.Affinity)
+	sock := p.drainable(port, external)
+	var before []netip.AddrPort
+	if sock != nil { // only then is the old list needed
+		before = p.deps.Balancer.Service(key).Endpoints()
+	}
+	p.deps.Balancer.SetEndpoints(key, usable)
+	if sock != nil {
+		p.dropRemoved(sock, port, before, usable)
 	}
 }
 
 // drainable returns the open socket of a port whose connections to removed endpoints must end
 // (UDP always, TCP with DrainTCP), or nil.
-func (p *Proxier) drainable(port *service.Port) ProxySocket {
+func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
 	if port.Protocol == service.TCP && !p.cfg.DrainTCP {
 		return nil
 	}
 	p.activeMu.RLock()
 	defer p.activeMu.RUnlock()
-	if a := p.active[port.Name]; a != nil {
+	a := p.active[port.Name]
+	if a != nil && external {
+		a = a.ext
+	}
+	if a != nil {
 		return a.sock
 	}
 	return nil

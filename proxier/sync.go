@@ -45,6 +45,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		p.reconcileService(ch.previous, ch.current)
 	}
 	p.retryFailed()
+	p.reconcileSplits()
 
 	err := p.deps.Portals.Sync(ctx, p.specs())
 	end := p.cfg.Clock.Now()
@@ -109,7 +110,7 @@ func (p *Proxier) retryFailed() {
 // startPort opens a proxy socket for a service port and starts serving it.
 func (p *Proxier) startPort(port *service.Port) {
 	log := p.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
-	sock, proxyPort, err := p.open(port)
+	sock, proxyPort, err := p.open(port, false)
 	if err != nil {
 		if _, already := p.failed[port.Name]; !already {
 			log.WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
@@ -126,11 +127,18 @@ func (p *Proxier) startPort(port *service.Port) {
 		return
 	}
 	delete(p.failed, port.Name)
-	ctx, cancel := context.WithCancel(p.runCtx)
-	a := &activePort{port: port, sock: sock, proxyPort: proxyPort, cancel: cancel, done: make(chan struct{})}
+	a := p.serve(port, sock, proxyPort, log)
 	p.activeMu.Lock()
 	p.active[port.Name] = a
 	p.activeMu.Unlock()
+	log.WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
+	p.reconcileSplit(a)
+}
+
+// serve runs an opened socket in a goroutine the socket WaitGroup tracks.
+func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16, log logrus.FieldLogger) *activePort {
+	ctx, cancel := context.WithCancel(p.runCtx)
+	a := &activePort{port: port, sock: sock, proxyPort: proxyPort, cancel: cancel, done: make(chan struct{})}
 	p.socketWG.Add(1)
 	go func() {
 		defer p.socketWG.Done()
@@ -139,16 +147,81 @@ func (p *Proxier) startPort(port *service.Port) {
 			log.WithError(err).Error("Proxy socket stopped")
 		}
 	}()
-	log.WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
+	return a
 }
 
-// open allocates a proxy port and opens the socket on it. With a port range, a port that another
-// process holds is skipped.
-func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
+// reconcileSplits gives every open port whose external traffic needs its own socket that socket,
+// and closes the ones no longer needed (a policy changed under a live port). A socket that failed
+// to open is tried again here at every sync.
+func (p *Proxier) reconcileSplits() {
+	p.activeMu.RLock()
+	var todo []*activePort
+	for _, a := range p.active {
+		if splitsExternal(a.port) != (a.ext != nil) {
+			todo = append(todo, a)
+		}
+	}
+	p.activeMu.RUnlock()
+	for _, a := range todo {
+		p.reconcileSplit(a)
+	}
+}
+
+// reconcileSplit opens or closes the external socket of one open port as its policies need.
+func (p *Proxier) reconcileSplit(a *activePort) {
+	want := splitsExternal(a.port)
+	if want == (a.ext != nil) {
+		return
+	}
+	log := p.log.WithFields(logrus.Fields{"service": a.port.Name.String(), "protocol": string(a.port.Protocol)})
+	if !want {
+		p.activeMu.Lock()
+		ext := a.ext
+		a.ext = nil
+		p.activeMu.Unlock()
+		p.closeSocket(ext)
+		p.deps.Balancer.DeleteService(externalName(a.port.Name))
+		return
+	}
+	sock, proxyPort, err := p.open(a.port, true)
+	if err != nil {
+		if !p.extFailed[a.port.Name] {
+			log.WithError(err).Error("Cannot open the external-traffic socket; external traffic is refused until it can")
+			p.extFailed[a.port.Name] = true
+		}
+		p.deps.Metrics.socketFailures.Inc()
+		return
+	}
+	delete(p.extFailed, a.port.Name)
+	ext := p.serve(a.port, sock, proxyPort, log)
+	p.activeMu.Lock()
+	a.ext = ext
+	p.activeMu.Unlock()
+	log.WithField("proxyPort", proxyPort).Debug("Opened external-traffic socket")
+}
+
+// open allocates a proxy port and opens the socket on it, for the port's cluster traffic or, when
+// external is true, for its external traffic. With a port range, a port that another process holds
+// is skipped.
+func (p *Proxier) open(port *service.Port, external bool) (ProxySocket, uint16, error) {
+	key := port.Name
+	if external {
+		key = externalName(port.Name)
+	}
+	build := func() ProxySocket { return p.deps.Sockets(port, p.deps.Balancer.Service(key)) }
 	if p.cfg.ListenPlan != nil {
-		m, err := openAll(p.cfg.ListenPlan(port), func() ProxySocket {
-			return p.deps.Sockets(port, p.deps.Balancer.Service(port.Name))
-		})
+		plan := p.cfg.ListenPlan(port)
+		if splitsExternal(port) {
+			internal, ext := splitPlan(port, plan)
+			plan = internal
+			if external {
+				plan = ext
+			}
+		}
+		if len(plan) == 0 {
+			return nil, 0, fmt.Errorf("service port %s: no address to listen on", port.Name)
+		}
+		m, err := openAll(plan, build)
 		if err != nil {
 			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
 		}
@@ -160,7 +233,7 @@ func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
 		if err != nil {
 			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
 		}
-		sock, err := p.listenFamilies(port, pp)
+		sock, err := p.listenFamilies(port, pp, build)
 		if err == nil {
 			return sock, sock.Addr().Port(), nil
 		}
@@ -176,12 +249,11 @@ func (p *Proxier) open(port *service.Port) (ProxySocket, uint16, error) {
 // listenFamilies opens the proxy socket on --bind-address, or, when that is unspecified, on the
 // wildcard of each family the port's portals use (the sockets are single-family), all on one port
 // number so one set of portal rules per family leads to them.
-func (p *Proxier) listenFamilies(port *service.Port, pp uint16) (ProxySocket, error) {
+func (p *Proxier) listenFamilies(port *service.Port, pp uint16, build func() ProxySocket) (ProxySocket, error) {
 	ips := []netip.Addr{p.cfg.ListenIP}
 	if p.cfg.ListenIP.IsUnspecified() {
 		ips = wildcards(port)
 	}
-	build := func() ProxySocket { return p.deps.Sockets(port, p.deps.Balancer.Service(port.Name)) }
 	first := build()
 	if err := first.Listen(netip.AddrPortFrom(ips[0], pp)); err != nil {
 		return nil, err
@@ -219,25 +291,26 @@ func wildcards(port *service.Port) []netip.Addr {
 	}
 }
 
-// stopPort closes a service port's socket. gone means the port no longer exists at all, so its
-// balancer state goes too; a changed port keeps it (endpoints and affinity survive, as in legacy).
+// stopPort closes a service port's sockets. gone means the port no longer exists at all, so its
+// balancer state and endpoint selection go too; a changed port keeps them (endpoints and affinity
+// survive, as in legacy).
 func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	p.activeMu.Lock()
 	a := p.active[name]
 	delete(p.active, name)
 	p.activeMu.Unlock()
+	delete(p.extFailed, name)
 	if gone {
 		p.deps.Balancer.DeleteService(name)
+		p.deps.Balancer.DeleteService(externalName(name))
+		p.setSelection(name, nil)
 	}
 	if a == nil {
 		return
 	}
-	a.cancel()
-	if err := a.sock.Close(); err != nil {
-		p.log.WithField("service", name.String()).WithError(err).Warn("Closing proxy socket")
-	}
-	if p.cfg.ListenPlan == nil {
-		p.ports.release(a.proxyPort)
+	p.closeSocket(a)
+	if a.ext != nil {
+		p.closeSocket(a.ext)
 	}
 	if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
 		// Conntrack would keep steering a chatty client (a resolver) to the closed proxy port.
@@ -247,17 +320,41 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	}
 }
 
-// specs lists the portal specs of every open socket, sorted by name for stable rule output.
+// closeSocket stops one socket and gives its proxy port back.
+func (p *Proxier) closeSocket(a *activePort) {
+	a.cancel()
+	if err := a.sock.Close(); err != nil {
+		p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Closing proxy socket")
+	}
+	if p.cfg.ListenPlan == nil {
+		p.ports.release(a.proxyPort)
+	}
+}
+
+// specs lists the portal specs of every open socket, sorted by name for stable rule output. A port
+// refuses the traffic it has no endpoint for; a split port whose external socket is not open
+// refuses external traffic rather than send it to the cluster socket's endpoints.
 func (p *Proxier) specs() []portal.Spec {
 	p.activeMu.RLock()
+	p.selMu.RLock()
 	out := make([]portal.Spec, 0, len(p.active))
 	for _, a := range p.active {
-		out = append(out, portal.Spec{
+		s := portal.Spec{
 			Name: a.port.Name, Protocol: a.port.Protocol, Port: a.port.Port, NodePort: a.port.NodePort,
 			ClusterIPs: a.port.ClusterIPs, ExternalIPs: a.port.ExternalIPs, LoadBalancerIPs: a.port.LoadBalancerIPs,
-			ProxyPort: a.proxyPort,
-		})
+			ProxyPort: a.proxyPort, SourceRanges: a.port.LoadBalancerSourceRanges,
+		}
+		if sel := p.sels[a.port.Name]; sel != nil {
+			s.RejectInternal, s.RejectExternal = sel.rejectInternal, sel.rejectExternal
+		}
+		if a.ext != nil {
+			s.ExternalProxyPort = a.ext.proxyPort
+		} else if splitsExternal(a.port) {
+			s.RejectExternal = true
+		}
+		out = append(out, s)
 	}
+	p.selMu.RUnlock()
 	p.activeMu.RUnlock()
 	slices.SortFunc(out, func(a, b portal.Spec) int {
 		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
