@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -17,21 +17,32 @@ import (
 // repeats and rate-limits per object, so a flapping failure cannot flood the API server. Without
 // a cluster (--services-file) events only reach the log, which the callers already wrote.
 type serviceEvents struct {
+	client kubernetes.Interface // nil: no cluster
+	node   string
+	log    logrus.FieldLogger
+
+	// recorder is set by start, before the proxier runs; nil until then and without a cluster.
 	recorder record.EventRecorder
 }
 
-// newServiceEvents starts the broadcaster; it stops when ctx is done.
-func newServiceEvents(ctx context.Context, c kubernetes.Interface, node string, log logrus.FieldLogger) *serviceEvents {
-	if c == nil {
-		return &serviceEvents{}
+// newServiceEvents builds the recorder's owner; start starts it.
+func newServiceEvents(c kubernetes.Interface, node string, log logrus.FieldLogger) *serviceEvents {
+	return &serviceEvents{client: c, node: node, log: log}
+}
+
+// start begins sending events to the API server; stop ends it and waits for the broadcaster's
+// goroutines. Without a cluster both do nothing.
+func (e *serviceEvents) start(ctx context.Context) (stop func()) {
+	if e.client == nil {
+		return func() {}
 	}
 	b := record.NewBroadcaster(record.WithContext(ctx))
-	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.CoreV1().Events("")})
-	b.StartEventWatcher(func(e *v1.Event) {
-		log.WithFields(logrus.Fields{"reason": e.Reason, "object": e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name}).Debug("Event recorded")
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: e.client.CoreV1().Events("")})
+	b.StartEventWatcher(func(ev *v1.Event) {
+		e.log.WithFields(logrus.Fields{"reason": ev.Reason, "object": ev.InvolvedObject.Namespace + "/" + ev.InvolvedObject.Name}).Debug("Event recorded")
 	})
-	go func() { <-ctx.Done(); b.Shutdown() }()
-	return &serviceEvents{recorder: b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: node})}
+	e.recorder = b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: e.node})
+	return b.Shutdown
 }
 
 // Warning records a Warning event on the Service of a service port.

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -29,7 +29,7 @@ type portalMode struct {
 	close     func()
 }
 
-func newPortalMode(ctx context.Context, o *options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
+func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
 	if o.portalMode == "bind" {
 		nl := &portal.Netlink{}
 		b := portal.NewBind(portal.BindConfig{Interface: o.portalInterface, Logger: log}, nl)
