@@ -8,6 +8,7 @@ package daemon
 // the clock are fakes.
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -21,9 +22,11 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	"k8s.io/client-go/kubernetes"
@@ -97,11 +100,13 @@ func (r *recordingPortals) waitProxyPort(t *testing.T, name service.ServicePortN
 
 // harness is a daemon built from a command line with fakes for everything root-only.
 type harness struct {
-	d       *Daemon
-	host    *fakeHost
-	portals *recordingPortals
-	hup     chan chan<- os.Signal // the daemon's reload channel, once it listens for SIGHUP
-	log     *logtest.Hook
+	d        *Daemon
+	host     *fakeHost
+	portals  *recordingPortals
+	iptables *portal.Fake
+	clk      *clocktesting.FakeClock
+	hup      chan chan<- os.Signal // the daemon's reload channel, once it listens for SIGHUP
+	log      *logtest.Hook
 
 	mu    sync.Mutex
 	addrs map[string]string // requested HTTP address -> bound address
@@ -116,8 +121,9 @@ func newHarness(t *testing.T, args ...string) *harness {
 	o.bind = netip.MustParseAddr("127.0.0.1")
 	log, hook := logtest.NewNullLogger()
 	log.SetLevel(logrus.DebugLevel)
-	h := &harness{host: &fakeHost{}, log: hook, hup: make(chan chan<- os.Signal, 1), addrs: map[string]string{}}
-	rules := portal.NewIPTables(portal.Config{BindAddress: o.bind, Logger: log}, portal.NewFake())
+	h := &harness{host: &fakeHost{}, iptables: portal.NewFake(), clk: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)),
+		log: hook, hup: make(chan chan<- os.Signal, 1), addrs: map[string]string{}}
+	rules := portal.NewIPTables(portal.Config{BindAddress: o.bind, Logger: log}, h.iptables)
 	h.portals = &recordingPortals{next: rules, changed: make(chan struct{}, 1)}
 	h.d = &Daemon{o: o, version: "test", log: log, deps: deps{
 		host: h.host,
@@ -137,7 +143,7 @@ func newHarness(t *testing.T, args ...string) *harness {
 			return ln, err
 		},
 		notifyReload: func(c chan<- os.Signal) func() { h.hup <- c; return func() {} },
-		clock:        clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)),
+		clock:        h.clk,
 	}}
 	return h
 }
@@ -236,23 +242,28 @@ ports:
 // echo sends a line through addr and returns what comes back.
 func echo(t *testing.T, addr string) string {
 	t.Helper()
+	got, err := tryEcho(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+func tryEcho(addr string) (string, error) {
 	c, err := net.DialTimeout("tcp", addr, waitFor)
 	if err != nil {
-		t.Fatalf("dial %s: %v", addr, err)
+		return "", err
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(waitFor))
 	if _, err := io.WriteString(c, "hello through the proxy\n"); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	b, err := io.ReadAll(c)
-	if err != nil {
-		t.Fatalf("read from %s: %v", addr, err)
-	}
-	return string(b)
+	return string(b), err
 }
 
 var httpClient = &http.Client{Timeout: waitFor, Transport: &http.Transport{DisableKeepAlives: true}}
@@ -354,8 +365,19 @@ func TestDaemonServesAServicesFile(t *testing.T) {
 		}
 		second := service.ServicePortName{Namespace: "default", Name: "second", Port: "tcp"}
 		port := h.portals.waitProxyPort(t, second)
-		if got := echo(t, fmt.Sprintf("127.0.0.1:%d", port)); got != "hello through the proxy\n" {
-			t.Errorf("echo through the reloaded service = %q", got)
+		// The socket may open between the Service and its EndpointSlice: until the endpoint
+		// arrives, connections are reset (no endpoints). Wait for it.
+		addr := fmt.Sprintf("127.0.0.1:%d", port)
+		deadline := time.Now().Add(waitFor)
+		for {
+			got, err := tryEcho(addr)
+			if err == nil && got == "hello through the proxy\n" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("echo through the reloaded service = %q, %v", got, err)
+			}
+			time.Sleep(10 * time.Millisecond) // polling a condition with a deadline
 		}
 	})
 
@@ -449,5 +471,62 @@ func TestRunAllBoundsTheShutdown(t *testing.T) {
 		}
 	case <-time.After(waitFor):
 		t.Fatal("runAll did not return after the shutdown timeout")
+	}
+}
+
+// TestDaemonLogsAFailingSyncOnce checks that an iptables-restore failure is logged with what
+// failed when it starts and when it ends, not on every retry.
+func TestDaemonLogsAFailingSyncOnce(t *testing.T) {
+	dir := t.TempDir()
+	writeService(t, dir, "echo", "10.96.0.10", echoServer(t))
+	h := newHarness(t, "--services-file="+dir, "--healthz-bind-address=", "--metrics-bind-address=")
+	var broken atomic.Bool
+	broken.Store(true)
+	h.iptables.RestoreHook = func(_ portal.Family, data []byte) error {
+		if broken.Load() && bytes.HasPrefix(data, []byte("*filter")) {
+			return &portal.ExitError{Command: "iptables-restore", Code: 4, Stderr: "Another app is currently holding the xtables lock."}
+		}
+		return nil
+	}
+	h.start(t)
+	for attempt := 1; attempt <= 3; attempt++ {
+		h.portals.waitSync(t)
+		if attempt == 3 {
+			broken.Store(false)
+		}
+		h.clk.Step(time.Second) // the retry interval: the run started before the step, so it is due
+	}
+	h.portals.waitProxyPort(t, service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"})
+	deadline := time.Now().Add(waitFor)
+	var got []string
+	for {
+		got = got[:0]
+		for _, e := range h.log.AllEntries() {
+			if strings.HasPrefix(e.Message, "Sync ") && e.Level <= logrus.InfoLevel {
+				got = append(got, fmt.Sprintf("%s: %s %v", e.Level, e.Message, e.Data["error"]))
+			}
+		}
+		if len(got) >= 2 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond) // polling a condition with a deadline
+	}
+	want := []string{
+		"error: Sync failed sync portals of 1 service ports (changed since the last good sync: default/echo:tcp): " +
+			"portal IPv4 filter: restore: iptables-restore: exit status 4: Another app is currently holding the xtables lock.",
+		"info: Sync recovered <nil>",
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("sync log lines (-want +got):\n%s", diff)
+	}
+}
+
+// waitSync waits for the next portal sync.
+func (r *recordingPortals) waitSync(t *testing.T) {
+	t.Helper()
+	select {
+	case <-r.changed:
+	case <-time.After(waitFor):
+		t.Fatal("no portal sync")
 	}
 }

@@ -103,6 +103,9 @@ type Proxier struct {
 	// Owned by the sync goroutine.
 	services map[service.NamespacedName][]*service.Port
 	failed   map[service.ServicePortName]*service.Port
+	// unsynced names the service ports whose portal spec changed (socket opened or closed)
+	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
+	unsynced map[service.ServicePortName]struct{}
 	ports    *portAllocator
 	socketWG sync.WaitGroup
 	runCtx   context.Context
@@ -147,7 +150,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		failed:      make(map[service.ServicePortName]*service.Port),
 		ports:       newPortAllocator(cfg.PortRange),
 	}
-	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock)
+	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	return p
 }
 

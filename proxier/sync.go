@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -46,7 +47,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 	}
 	p.retryFailed()
 
-	err := p.deps.Portals.Sync(ctx, p.specs())
+	specs := p.specs()
+	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
 	m.syncDuration.Observe(end.Sub(start).Seconds())
@@ -55,8 +57,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 	m.failedPorts.Set(float64(len(p.failed)))
 	if err != nil {
 		m.syncFailures.Inc()
-		return fmt.Errorf("sync portals: %w", err)
+		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
+			len(specs), p.unsyncedNames(5), err)
 	}
+	p.unsynced = nil
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
 	for _, t := range first {
 		m.observeProgramming(end, t)
@@ -126,6 +130,7 @@ func (p *Proxier) startPort(port *service.Port) {
 		return
 	}
 	delete(p.failed, port.Name)
+	p.markUnsynced(port.Name)
 	ctx, cancel := context.WithCancel(p.runCtx)
 	a := &activePort{port: port, sock: sock, proxyPort: proxyPort, cancel: cancel, done: make(chan struct{})}
 	p.activeMu.Lock()
@@ -232,6 +237,7 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	if a == nil {
 		return
 	}
+	p.markUnsynced(name)
 	a.cancel()
 	if err := a.sock.Close(); err != nil {
 		p.log.WithField("service", name.String()).WithError(err).Warn("Closing proxy socket")
@@ -270,4 +276,29 @@ func (p *Proxier) activeCount() int {
 	p.activeMu.RLock()
 	defer p.activeMu.RUnlock()
 	return len(p.active)
+}
+
+// markUnsynced records that a service port's portal spec changed.
+func (p *Proxier) markUnsynced(name service.ServicePortName) {
+	if p.unsynced == nil {
+		p.unsynced = make(map[service.ServicePortName]struct{})
+	}
+	p.unsynced[name] = struct{}{}
+}
+
+// unsyncedNames lists the service ports changed since the last good portal sync, sorted, at most
+// limit of them and how many more.
+func (p *Proxier) unsyncedNames(limit int) string {
+	if len(p.unsynced) == 0 {
+		return "none"
+	}
+	names := make([]string, 0, len(p.unsynced))
+	for n := range p.unsynced {
+		names = append(names, n.String())
+	}
+	slices.Sort(names)
+	if len(names) <= limit {
+		return strings.Join(names, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:limit], ", "), len(names)-limit)
 }

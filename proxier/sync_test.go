@@ -327,6 +327,41 @@ func TestSyncPortalFailureIsRetried(t *testing.T) {
 	}
 }
 
+// TestSyncPortalFailureNamesTheServicePorts checks that a failed portal sync says which service
+// ports it could not apply (those changed since the last good sync) and wraps the portals' error.
+func TestSyncPortalFailureNamesTheServicePorts(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.p.OnServiceAdd(makeService("ns", "dns", "10.96.0.53", nil, tcpPort("dns-tcp", 53)))
+	e.sync()
+
+	restoreErr := errors.New("portal IPv4 nat: restore: iptables-restore: exit status 1: line 3 failed")
+	e.portals.err = restoreErr
+	e.p.OnServiceAdd(webService(nil))
+	err := e.p.sync(context.Background())
+	want := "sync portals of 2 service ports (changed since the last good sync: ns/web:http): " + restoreErr.Error()
+	if err == nil || err.Error() != want || !errors.Is(err, restoreErr) {
+		t.Fatalf("sync error = %v,\nwant %s (wrapping the portals' error)", err, want)
+	}
+	if err2 := e.p.sync(context.Background()); err2 == nil || err2.Error() != err.Error() {
+		t.Errorf("the retry failed with %v, want the same error (so the runner logs it once)", err2)
+	}
+
+	e.portals.err = nil
+	e.sync()
+	e.portals.err = restoreErr
+	if err := e.p.sync(context.Background()); err == nil || !strings.Contains(err.Error(), "changed since the last good sync: none") {
+		t.Errorf("a failed periodic sync after a good one = %v, want it to say nothing changed", err)
+	}
+
+	for i := range 7 {
+		e.p.markUnsynced(service.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("svc-%d", i), Port: "http"})
+	}
+	if got, want := e.p.unsyncedNames(5), "ns/svc-0:http, ns/svc-1:http, ns/svc-2:http, ns/svc-3:http, ns/svc-4:http and 2 more"; got != want {
+		t.Errorf("unsyncedNames(5) = %q, want %q", got, want)
+	}
+}
+
 func TestSyncPortRangeExhaustion(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.PortRange = PortRange{Base: 41000, Size: 1} })
 	e.synced()
