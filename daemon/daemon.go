@@ -136,9 +136,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	for _, s := range servers {
-		tasks = append(tasks, s)
-	}
+	tasks = append(tasks, servers...)
 	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, tasks...)
 }
 
