@@ -29,8 +29,14 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
 	clocktesting "k8s.io/utils/clock/testing"
+	"k8s.io/utils/ptr"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -78,22 +84,28 @@ func (r *recordingPortals) Cleanup(ctx context.Context) error { return r.next.Cl
 // waitProxyPort waits until the portals were given a spec for name with a proxy port.
 func (r *recordingPortals) waitProxyPort(t *testing.T, name service.ServicePortName) uint16 {
 	t.Helper()
+	return r.waitSpec(t, name.String(), func(s portal.Spec) bool { return s.Name == name }).ProxyPort
+}
+
+// waitSpec waits until the portals were given a spec with a proxy port that match accepts.
+func (r *recordingPortals) waitSpec(t *testing.T, what string, match func(portal.Spec) bool) portal.Spec {
+	t.Helper()
 	deadline := time.After(waitFor)
 	for {
 		r.mu.Lock()
-		i := slices.IndexFunc(r.specs, func(s portal.Spec) bool { return s.Name == name && s.ProxyPort != 0 })
-		var port uint16
+		i := slices.IndexFunc(r.specs, func(s portal.Spec) bool { return s.ProxyPort != 0 && match(s) })
+		var spec portal.Spec
 		if i >= 0 {
-			port = r.specs[i].ProxyPort
+			spec = r.specs[i]
 		}
 		r.mu.Unlock()
-		if port != 0 {
-			return port
+		if i >= 0 {
+			return spec
 		}
 		select {
 		case <-r.changed:
 		case <-deadline:
-			t.Fatalf("portals never got a spec for %s with a proxy port; last specs %+v", name, r.specs)
+			t.Fatalf("portals never got a spec for %s with a proxy port; last specs %+v", what, r.specs)
 		}
 	}
 }
@@ -528,5 +540,85 @@ func (r *recordingPortals) waitSync(t *testing.T) {
 	case <-r.changed:
 	case <-time.After(waitFor):
 		t.Fatal("no portal sync")
+	}
+}
+
+// TestDaemonServesFromTheAPIServer runs the cluster mode against a fake API server: the Node's
+// addresses are read, Services and EndpointSlices come from informers, and a service port that
+// finds the proxy port range exhausted gets a Warning event on its Service.
+func TestDaemonServesFromTheAPIServer(t *testing.T) {
+	backend := echoServer(t)
+	// One proxy port for two services: the second finds the range exhausted.
+	hold, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	onlyPort := netip.MustParseAddrPort(hold.Addr().String()).Port()
+	hold.Close()
+
+	objects := []k8sruntime.Object{
+		&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}, Status: v1.NodeStatus{Addresses: []v1.NodeAddress{
+			{Type: v1.NodeInternalIP, Address: "192.0.2.10"}}}},
+	}
+	for _, name := range []string{"echo", "second"} {
+		objects = append(objects,
+			&v1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name}, Spec: v1.ServiceSpec{
+				ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"}, Type: v1.ServiceTypeClusterIP,
+				Ports: []v1.ServicePort{{Name: "tcp", Port: 80, Protocol: v1.ProtocolTCP}}}},
+			&discovery.EndpointSlice{
+				ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name + "-1",
+					Labels: map[string]string{discovery.LabelServiceName: name}},
+				AddressType: discovery.AddressTypeIPv4,
+				Endpoints: []discovery.Endpoint{{Addresses: []string{backend.Addr().String()},
+					Conditions: discovery.EndpointConditions{Ready: ptr.To(true)}}},
+				Ports: []discovery.EndpointPort{{Name: ptr.To("tcp"), Port: ptr.To(int32(backend.Port())), Protocol: ptr.To(v1.ProtocolTCP)}},
+			})
+	}
+	client := fake.NewClientset(objects...)
+	before := runtime.NumGoroutine()
+
+	h := newHarness(t, "--hostname-override=node-1", fmt.Sprintf("--proxy-port-range=%d", onlyPort),
+		"--healthz-bind-address=", "--metrics-bind-address=")
+	var gotHostIPs map[portal.Family]netip.Addr
+	portals := h.d.deps.portals
+	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
+		gotHostIPs = hostIPs
+		return portals(ctx, o, hostIPs, ev, log)
+	}
+	h.d.deps.client = func(*Options, string) (kubernetes.Interface, error) { return client, nil }
+	stop := h.start(t)
+
+	// Which service wins the one port depends on the order of the sync.
+	spec := h.portals.waitSpec(t, "either service", func(portal.Spec) bool { return true })
+	if spec.ProxyPort != onlyPort {
+		t.Errorf("%s got proxy port %d, want the range's only port %d", spec.Name, spec.ProxyPort, onlyPort)
+	}
+	if got := echo(t, fmt.Sprintf("127.0.0.1:%d", spec.ProxyPort)); got != "hello through the proxy\n" {
+		t.Errorf("echo through the proxy port = %q", got)
+	}
+	deadline := time.Now().Add(waitFor)
+	for {
+		evs, err := client.CoreV1().Events("default").List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i := slices.IndexFunc(evs.Items, func(e v1.Event) bool { return e.Reason == "ProxyPortRangeExhausted" }); i >= 0 {
+			e := evs.Items[i]
+			if e.Type != v1.EventTypeWarning || e.InvolvedObject.Kind != "Service" || e.Source.Host != "node-1" {
+				t.Errorf("event %+v: want a Warning on the Service from node-1", e)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no ProxyPortRangeExhausted event; events: %+v", evs.Items)
+		}
+		time.Sleep(10 * time.Millisecond) // polling a condition with a deadline
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	waitGoroutines(t, before)
+	if want := netip.MustParseAddr("192.0.2.10"); gotHostIPs[portal.IPv4] != want {
+		t.Errorf("host IPs %v, want the Node's InternalIP %v first", gotHostIPs, want)
 	}
 }
