@@ -100,7 +100,7 @@ func (r *recordingPortals) Sync(_ context.Context, specs []portal.Spec) error {
 func (r *recordingPortals) Cleanup(context.Context) error { return nil }
 
 type fakeEnv struct {
-	t           *testing.T
+	t           testing.TB
 	p           *Proxier
 	lb          *loadbalancer.LoadBalancer
 	portals     *recordingPortals
@@ -114,7 +114,7 @@ type fakeEnv struct {
 	listens     []netip.AddrPort
 }
 
-func newFakeEnv(t *testing.T, mutate func(*Config)) *fakeEnv {
+func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
 	t.Helper()
 	e := &fakeEnv{t: t, portals: &recordingPortals{}, conntrack: &udp.FakeConntrack{},
 		clk: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)), open: map[service.ServicePortName]*fakeSocket{},
