@@ -29,6 +29,8 @@ type portalMode struct {
 	close     func()
 }
 
+// newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
+// first checks, with one iptables-restore, that the node can NAT.
 func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
 	if o.portalMode == "bind" {
 		nl := &portal.Netlink{}
