@@ -23,7 +23,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/sirupsen/logrus"
-	"github.com/spf13/pflag"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -253,22 +252,6 @@ func (d *Daemon) reloadOnSignal(reload func()) func(context.Context) {
 			}
 		}
 	}
-}
-
-// changedFlags lists the flags given on the command line, for the startup line.
-func changedFlags(fs *pflag.FlagSet) string {
-	var parts []string
-	fs.Visit(func(f *pflag.Flag) { parts = append(parts, "--"+f.Name+"="+f.Value.String()) })
-	return strings.Join(parts, " ")
-}
-
-// nodeName is --hostname-override, or the host name.
-func nodeName(o *Options) string {
-	if o.hostnameOverride != "" {
-		return o.hostnameOverride
-	}
-	name, _ := os.Hostname()
-	return name
 }
 
 // iptablesTool names a tool of the chosen variant the way Debian installs them:

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
 	"strings"
 	"time"
 
@@ -261,4 +262,20 @@ func parseLevel(s string) (logrus.Level, error) {
 		return logrus.ParseLevel(s)
 	}
 	return 0, fmt.Errorf("%q: want debug, info, warn or error", s)
+}
+
+// changedFlags lists the flags given on the command line, for the startup line.
+func changedFlags(fs *pflag.FlagSet) string {
+	var parts []string
+	fs.Visit(func(f *pflag.Flag) { parts = append(parts, "--"+f.Name+"="+f.Value.String()) })
+	return strings.Join(parts, " ")
+}
+
+// nodeName is --hostname-override, or the host name.
+func nodeName(o *Options) string {
+	if o.hostnameOverride != "" {
+		return o.hostnameOverride
+	}
+	name, _ := os.Hostname()
+	return name
 }
