@@ -112,8 +112,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	log.WithField("nodeIPs", fmt.Sprint(hostIPs)).Info("Node IPs")
 
-	events := newServiceEvents(client, node, log)
-	defer events.start(ctx)()
+	events, stopEvents := newServiceEvents(ctx, client, node, log)
+	defer stopEvents()
 	pm, err := d.deps.portals(ctx, o, hostIPs, events, log)
 	if err != nil {
 		return err

@@ -17,32 +17,21 @@ import (
 // repeats and rate-limits per object, so a flapping failure cannot flood the API server. Without
 // a cluster (--services-file) events only reach the log, which the callers already wrote.
 type serviceEvents struct {
-	client kubernetes.Interface // nil: no cluster
-	node   string
-	log    logrus.FieldLogger
-
-	// recorder is set by start, before the proxier runs; nil until then and without a cluster.
 	recorder record.EventRecorder
 }
 
-// newServiceEvents builds the recorder's owner; start starts it.
-func newServiceEvents(c kubernetes.Interface, node string, log logrus.FieldLogger) *serviceEvents {
-	return &serviceEvents{client: c, node: node, log: log}
-}
-
-// start begins sending events to the API server; stop ends it and waits for the broadcaster's
-// goroutines. Without a cluster both do nothing.
-func (e *serviceEvents) start(ctx context.Context) (stop func()) {
-	if e.client == nil {
-		return func() {}
+// newServiceEvents starts the broadcaster (Run calls it); stop shuts it down. Without a cluster
+// (c nil) neither does anything.
+func newServiceEvents(ctx context.Context, c kubernetes.Interface, node string, log logrus.FieldLogger) (events *serviceEvents, stop func()) {
+	if c == nil {
+		return &serviceEvents{}, func() {}
 	}
 	b := record.NewBroadcaster(record.WithContext(ctx))
-	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: e.client.CoreV1().Events("")})
-	b.StartEventWatcher(func(ev *v1.Event) {
-		e.log.WithFields(logrus.Fields{"reason": ev.Reason, "object": ev.InvolvedObject.Namespace + "/" + ev.InvolvedObject.Name}).Debug("Event recorded")
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.CoreV1().Events("")})
+	b.StartEventWatcher(func(e *v1.Event) {
+		log.WithFields(logrus.Fields{"reason": e.Reason, "object": e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name}).Debug("Event recorded")
 	})
-	e.recorder = b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: e.node})
-	return b.Shutdown
+	return &serviceEvents{recorder: b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: node})}, b.Shutdown
 }
 
 // Warning records a Warning event on the Service of a service port.
