@@ -7,16 +7,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
 	"os"
 	"os/exec"
-	"os/signal"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -45,35 +42,10 @@ type Daemon struct {
 	deps    deps
 }
 
-// deps are the daemon's side effects on the process, the node and the network, each behind a
-// narrow seam so that tests run the real wiring without root.
-type deps struct {
-	host host
-	// client builds the API client (cluster mode only).
-	client func(o *Options, version string) (kubernetes.Interface, error)
-	// portals builds what --portal-mode needs: rules or addresses, conntrack, listen plan.
-	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error)
-	// listen opens the listener of an HTTP server (--healthz-bind-address, --metrics-bind-address).
-	listen func(addr string) (net.Listener, error)
-	// notifyReload relays the reload signal (SIGHUP) to c until stop is called.
-	notifyReload func(c chan<- os.Signal) (stop func())
-	clock        clock.Clock
-}
-
 // New builds the daemon for o with the real node, API client, portals and sockets. version names
 // the build (startup line, API user agent). It opens nothing and starts nothing: Run does.
 func New(o *Options, version string, log logrus.FieldLogger) *Daemon {
-	return &Daemon{o: o, version: version, log: log, deps: deps{
-		host:    systemHost{},
-		client:  newClient,
-		portals: newPortalMode,
-		listen:  func(addr string) (net.Listener, error) { return net.Listen("tcp", addr) },
-		notifyReload: func(c chan<- os.Signal) func() {
-			signal.Notify(c, syscall.SIGHUP)
-			return func() { signal.Stop(c) }
-		},
-		clock: clock.RealClock{},
-	}}
+	return &Daemon{o: o, version: version, log: log, deps: systemDeps()}
 }
 
 // source is where Services and EndpointSlices come from.

@@ -1,16 +1,57 @@
 package daemon
 
+// seams.go: the daemon's side effects on the process, the node and the network, each behind a
+// narrow seam, and their real implementations.
+
 import (
+	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"os"
 	"os/exec"
+	"os/signal"
 	"runtime/debug"
+	"syscall"
 
 	"github.com/sirupsen/logrus"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 )
+
+// deps are the daemon's side effects on the process, the node and the network, each behind a
+// narrow seam so that tests run the real wiring without root.
+type deps struct {
+	host host
+	// client builds the API client (cluster mode only).
+	client func(o *Options, version string) (kubernetes.Interface, error)
+	// portals builds what --portal-mode needs: rules or addresses, conntrack, listen plan.
+	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error)
+	// listen opens the listener of an HTTP server (--healthz-bind-address, --metrics-bind-address).
+	listen func(addr string) (net.Listener, error)
+	// notifyReload relays the reload signal (SIGHUP) to c until stop is called.
+	notifyReload func(c chan<- os.Signal) (stop func())
+	clock        clock.Clock
+}
+
+// systemDeps are the real process, node, API server and network.
+func systemDeps() deps {
+	return deps{
+		host:    systemHost{},
+		client:  newClient,
+		portals: newPortalMode,
+		listen:  func(addr string) (net.Listener, error) { return net.Listen("tcp", addr) },
+		notifyReload: func(c chan<- os.Signal) func() {
+			signal.Notify(c, syscall.SIGHUP)
+			return func() { signal.Stop(c) }
+		},
+		clock: clock.RealClock{},
+	}
+}
 
 // wantNoFile is the descriptor limit we ask for: two per proxied TCP connection.
 const wantNoFile = 1 << 20
