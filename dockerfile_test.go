@@ -14,6 +14,8 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/deploy"
 )
 
 // The image cannot be built here (no container engine); these tests check everything around
@@ -294,5 +296,23 @@ func TestImageBuildCommand(t *testing.T) {
 		if settings[k] != want {
 			t.Errorf("build setting %s = %q, want %q", k, settings[k], want)
 		}
+	}
+}
+
+// TestDeployRunsTheImage checks that the DaemonSet in deploy/ runs this image's binary.
+func TestDeployRunsTheImage(t *testing.T) {
+	m, err := deploy.Load("deploy")
+	if err != nil {
+		t.Fatalf("deploy.Load: %v", err)
+	}
+	c, err := m.Container()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(c.Image, "ghcr.io/kube-portal-proxy/kube-portal-proxy:") {
+		t.Errorf("image = %q", c.Image)
+	}
+	if diff := cmp.Diff([]string{imageEntrypoint(t)}, c.Command); diff != "" {
+		t.Errorf("command (-want +got), as the Dockerfile's ENTRYPOINT:\n%s", diff)
 	}
 }

@@ -1,7 +1,7 @@
 // Command kube-portal-proxy is a node-level Kubernetes service proxy that revives kube-proxy's
 // userspace ("portal") mode: a visible proxy socket per service port, fed by portal rules.
 //
-// main parses flags, builds clients, wires the packages together and runs them; it is the only
+// main parses the command line, builds the daemon (package daemon) and runs it; it is the only
 // place that exits.
 package main
 
@@ -12,11 +12,11 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 
-	"github.com/sirupsen/logrus"
 	"github.com/spf13/pflag"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/daemon"
 )
 
 // version is set at build time (-ldflags "-X main.version=...").
@@ -28,7 +28,7 @@ func main() {
 
 // run is main without the exit, for tests. Exit codes: 0 done, 1 failed, 2 bad command line.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	o, fs, err := parseOptions(args)
+	o, err := daemon.ParseOptions(args)
 	if errors.Is(err, pflag.ErrHelp) {
 		return 0
 	}
@@ -36,63 +36,32 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kube-portal-proxy: %v\n", err)
 		return 2
 	}
-	if o.version {
+	switch o.Action() {
+	case daemon.ActionVersion:
 		fmt.Fprintf(stdout, "kube-portal-proxy %s\n", version)
 		return 0
-	}
-	if o.writeConfigTo != "" {
-		if err := writeConfigFile(o, fs); err != nil {
+	case daemon.ActionWriteConfig:
+		if err := o.WriteConfig(version); err != nil {
 			fmt.Fprintf(stderr, "kube-portal-proxy: %v\n", err)
 			return 1
 		}
 		return 0
 	}
-	log := newLogger(o, stderr)
+	log := daemon.NewLogger(o, stderr)
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if o.cleanup {
-		if err := cleanup(ctx, o, log); err != nil {
+	if o.Action() == daemon.ActionCleanup {
+		if err := daemon.Cleanup(ctx, o, log); err != nil {
 			log.WithError(err).Error("Cleanup failed")
 			return 1
 		}
 		log.Info("Cleanup done")
 		return 0
 	}
-	log.WithFields(logrus.Fields{"version": version, "mode": "userspace", "portal": o.portalMode, "config": o.configFile,
-		"flags": changedFlags(fs)}).Info("Starting kube-portal-proxy")
-	logConfigNotes(log, o)
-	if err := serve(ctx, o, log); err != nil {
+	if err := daemon.New(o, version, log).Run(ctx); err != nil {
 		log.WithError(err).Error("Exiting")
 		return 1
 	}
 	log.Info("Stopped")
 	return 0
-}
-
-func newLogger(o *options, out io.Writer) *logrus.Logger {
-	log := logrus.New()
-	log.SetOutput(out)
-	level, _ := parseLevel(o.logLevel)
-	log.SetLevel(level)
-	if o.logFormat == "json" {
-		log.SetFormatter(&logrus.JSONFormatter{})
-	} else {
-		log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true})
-	}
-	return log
-}
-
-func parseLevel(s string) (logrus.Level, error) {
-	switch strings.ToLower(s) {
-	case "debug", "info", "warn", "warning", "error":
-		return logrus.ParseLevel(s)
-	}
-	return 0, fmt.Errorf("%q: want debug, info, warn or error", s)
-}
-
-// changedFlags lists the flags given on the command line, for the startup line.
-func changedFlags(fs *pflag.FlagSet) string {
-	var parts []string
-	fs.Visit(func(f *pflag.Flag) { parts = append(parts, "--"+f.Name+"="+f.Value.String()) })
-	return strings.Join(parts, " ")
 }

@@ -113,9 +113,12 @@ type Proxier struct {
 	failed   map[service.ServicePortName]*service.Port
 	// extFailed: ports whose external-traffic socket failed to open (logged once).
 	extFailed map[service.ServicePortName]bool
-	ports     *portAllocator
-	socketWG  sync.WaitGroup
-	runCtx    context.Context
+	// unsynced names the service ports whose portal spec changed (socket opened or closed)
+	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
+	unsynced map[service.ServicePortName]struct{}
+	ports    *portAllocator
+	socketWG sync.WaitGroup
+	runCtx   context.Context
 }
 
 // activePort is a service port with an open proxy socket.
@@ -162,7 +165,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		extFailed:   make(map[service.ServicePortName]bool),
 		ports:       newPortAllocator(cfg.PortRange),
 	}
-	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock)
+	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	return p
 }
 

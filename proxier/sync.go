@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -47,7 +48,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 	p.retryFailed()
 	p.reconcileSplits()
 
-	err := p.deps.Portals.Sync(ctx, p.specs())
+	specs := p.specs()
+	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
 	m.syncDuration.Observe(end.Sub(start).Seconds())
@@ -56,8 +58,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 	m.failedPorts.Set(float64(len(p.failed)))
 	if err != nil {
 		m.syncFailures.Inc()
-		return fmt.Errorf("sync portals: %w", err)
+		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
+			len(specs), p.unsyncedNames(5), err)
 	}
+	p.unsynced = nil
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
 	for _, t := range first {
 		m.observeProgramming(end, t)
@@ -127,6 +131,7 @@ func (p *Proxier) startPort(port *service.Port) {
 		return
 	}
 	delete(p.failed, port.Name)
+	p.markUnsynced(port.Name)
 	a := p.serve(port, sock, proxyPort, log)
 	p.activeMu.Lock()
 	p.active[port.Name] = a
@@ -174,6 +179,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 		return
 	}
 	log := p.log.WithFields(logrus.Fields{"service": a.port.Name.String(), "protocol": string(a.port.Protocol)})
+	p.markUnsynced(a.port.Name)
 	if !want {
 		p.activeMu.Lock()
 		ext := a.ext
@@ -308,6 +314,7 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	if a == nil {
 		return
 	}
+	p.markUnsynced(name)
 	p.closeSocket(a)
 	if a.ext != nil {
 		p.closeSocket(a.ext)
@@ -367,4 +374,29 @@ func (p *Proxier) activeCount() int {
 	p.activeMu.RLock()
 	defer p.activeMu.RUnlock()
 	return len(p.active)
+}
+
+// markUnsynced records that a service port's portal spec changed.
+func (p *Proxier) markUnsynced(name service.ServicePortName) {
+	if p.unsynced == nil {
+		p.unsynced = make(map[service.ServicePortName]struct{})
+	}
+	p.unsynced[name] = struct{}{}
+}
+
+// unsyncedNames lists the service ports changed since the last good portal sync, sorted, at most
+// limit of them and how many more.
+func (p *Proxier) unsyncedNames(limit int) string {
+	if len(p.unsynced) == 0 {
+		return "none"
+	}
+	names := make([]string, 0, len(p.unsynced))
+	for n := range p.unsynced {
+		names = append(names, n.String())
+	}
+	slices.Sort(names)
+	if len(names) <= limit {
+		return strings.Join(names, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:limit], ", "), len(names)-limit)
 }

@@ -100,7 +100,7 @@ func (r *recordingPortals) Sync(_ context.Context, specs []portal.Spec) error {
 func (r *recordingPortals) Cleanup(context.Context) error { return nil }
 
 type fakeEnv struct {
-	t           *testing.T
+	t           testing.TB
 	p           *Proxier
 	lb          *loadbalancer.LoadBalancer
 	portals     *recordingPortals
@@ -114,7 +114,7 @@ type fakeEnv struct {
 	listens     []netip.AddrPort
 }
 
-func newFakeEnv(t *testing.T, mutate func(*Config)) *fakeEnv {
+func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
 	t.Helper()
 	e := &fakeEnv{t: t, portals: &recordingPortals{}, conntrack: &conntrack.Fake{},
 		clk: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)), open: map[service.ServicePortName]*fakeSocket{},
@@ -324,6 +324,41 @@ func TestSyncPortalFailureIsRetried(t *testing.T) {
 	e.sync()
 	if e.state() == "" {
 		t.Errorf("portals not programmed after the retry")
+	}
+}
+
+// TestSyncPortalFailureNamesTheServicePorts checks that a failed portal sync says which service
+// ports it could not apply (those changed since the last good sync) and wraps the portals' error.
+func TestSyncPortalFailureNamesTheServicePorts(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.p.OnServiceAdd(makeService("ns", "dns", "10.96.0.53", nil, tcpPort("dns-tcp", 53)))
+	e.sync()
+
+	restoreErr := errors.New("portal IPv4 nat: restore: iptables-restore: exit status 1: line 3 failed")
+	e.portals.err = restoreErr
+	e.p.OnServiceAdd(webService(nil))
+	err := e.p.sync(context.Background())
+	want := "sync portals of 2 service ports (changed since the last good sync: ns/web:http): " + restoreErr.Error()
+	if err == nil || err.Error() != want || !errors.Is(err, restoreErr) {
+		t.Fatalf("sync error = %v,\nwant %s (wrapping the portals' error)", err, want)
+	}
+	if err2 := e.p.sync(context.Background()); err2 == nil || err2.Error() != err.Error() {
+		t.Errorf("the retry failed with %v, want the same error (so the runner logs it once)", err2)
+	}
+
+	e.portals.err = nil
+	e.sync()
+	e.portals.err = restoreErr
+	if err := e.p.sync(context.Background()); err == nil || !strings.Contains(err.Error(), "changed since the last good sync: none") {
+		t.Errorf("a failed periodic sync after a good one = %v, want it to say nothing changed", err)
+	}
+
+	for i := range 7 {
+		e.p.markUnsynced(service.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("svc-%d", i), Port: "http"})
+	}
+	if got, want := e.p.unsyncedNames(5), "ns/svc-0:http, ns/svc-1:http, ns/svc-2:http, ns/svc-3:http, ns/svc-4:http and 2 more"; got != want {
+		t.Errorf("unsyncedNames(5) = %q, want %q", got, want)
 	}
 }
 

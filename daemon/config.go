@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // config.go reads kube-proxy's configuration file (--config, a KubeProxyConfiguration of
 // kubeproxy.config.k8s.io/v1alpha1) onto the options, and writes the effective configuration back
@@ -65,7 +65,7 @@ type fileSetting struct {
 	// set says the file gives a value. As in kube-proxy, a zero value means "default" (kubeadm
 	// writes every field, mostly zeros); pointer fields are set when not null.
 	set   bool
-	apply func(o *options)
+	apply func(o *Options)
 }
 
 // settings lists every field that means something here, in the order of kube-proxy's type.
@@ -74,32 +74,32 @@ func (c *proxyConfig) settings() []fileSetting {
 	cc := &k.ClientConnection
 	ct := &k.Conntrack
 	return []fileSetting{
-		{"clientConnection.kubeconfig", "kubeconfig", cc.Kubeconfig != "", func(o *options) { o.kubeconfig = cc.Kubeconfig }},
-		{"clientConnection.qps", "kube-api-qps", cc.QPS != 0, func(o *options) { o.apiQPS = cc.QPS }},
-		{"clientConnection.burst", "kube-api-burst", cc.Burst != 0, func(o *options) { o.apiBurst = int(cc.Burst) }},
-		{"logging.format", "log-format", k.Logging.Format != "", func(o *options) { o.logFormat = k.Logging.Format }},
-		{"hostnameOverride", "hostname-override", k.HostnameOverride != "", func(o *options) { o.hostnameOverride = strings.TrimSpace(k.HostnameOverride) }},
-		{"bindAddress", "bind-address", k.BindAddress != "", func(o *options) { o.bindAddress = k.BindAddress }},
-		{"healthzBindAddress", "healthz-bind-address", k.HealthzBindAddress != "", func(o *options) {
+		{"clientConnection.kubeconfig", "kubeconfig", cc.Kubeconfig != "", func(o *Options) { o.kubeconfig = cc.Kubeconfig }},
+		{"clientConnection.qps", "kube-api-qps", cc.QPS != 0, func(o *Options) { o.apiQPS = cc.QPS }},
+		{"clientConnection.burst", "kube-api-burst", cc.Burst != 0, func(o *Options) { o.apiBurst = int(cc.Burst) }},
+		{"logging.format", "log-format", k.Logging.Format != "", func(o *Options) { o.logFormat = k.Logging.Format }},
+		{"hostnameOverride", "hostname-override", k.HostnameOverride != "", func(o *Options) { o.hostnameOverride = strings.TrimSpace(k.HostnameOverride) }},
+		{"bindAddress", "bind-address", k.BindAddress != "", func(o *Options) { o.bindAddress = k.BindAddress }},
+		{"healthzBindAddress", "healthz-bind-address", k.HealthzBindAddress != "", func(o *Options) {
 			o.healthzBindAddress = withDefaultPort(k.HealthzBindAddress, defaultHealthzPort)
 		}},
-		{"metricsBindAddress", "metrics-bind-address", k.MetricsBindAddress != "", func(o *options) {
+		{"metricsBindAddress", "metrics-bind-address", k.MetricsBindAddress != "", func(o *Options) {
 			o.metricsBindAddress = withDefaultPort(k.MetricsBindAddress, defaultMetricsPort)
 		}},
-		{"iptables.syncPeriod", "iptables-sync-period", k.IPTables.SyncPeriod.Duration != 0, func(o *options) { o.syncPeriod = k.IPTables.SyncPeriod.Duration }},
-		{"iptables.minSyncPeriod", "iptables-min-sync-period", k.IPTables.MinSyncPeriod.Duration != 0, func(o *options) { o.minSyncPeriod = k.IPTables.MinSyncPeriod.Duration }},
-		{"nodePortAddresses", "nodeport-addresses", len(k.NodePortAddresses) > 0, func(o *options) { o.nodePortAddresses = slices.Clone(k.NodePortAddresses) }},
-		{"oomScoreAdj", "oom-score-adj", k.OOMScoreAdj != nil, func(o *options) { o.oomScoreAdj = *k.OOMScoreAdj }},
-		{"conntrack.maxPerCore", "conntrack-max-per-core", ct.MaxPerCore != nil, func(o *options) { o.conntrackMaxPerCore = *ct.MaxPerCore }},
-		{"conntrack.min", "conntrack-min", ct.Min != nil, func(o *options) { o.conntrackMin = *ct.Min }},
-		{"conntrack.tcpEstablishedTimeout", "conntrack-tcp-timeout-established", ct.TCPEstablishedTimeout != nil, func(o *options) { o.conntrackTCPEstablished = ct.TCPEstablishedTimeout.Duration }},
-		{"conntrack.tcpCloseWaitTimeout", "conntrack-tcp-timeout-close-wait", ct.TCPCloseWaitTimeout != nil, func(o *options) { o.conntrackTCPCloseWait = ct.TCPCloseWaitTimeout.Duration }},
-		{"conntrack.tcpBeLiberal", "conntrack-tcp-be-liberal", ct.TCPBeLiberal, func(o *options) { o.conntrackTCPBeLiberal = true }},
-		{"conntrack.udpTimeout", "conntrack-udp-timeout", ct.UDPTimeout.Duration != 0, func(o *options) { o.conntrackUDPTimeout = ct.UDPTimeout.Duration }},
-		{"conntrack.udpStreamTimeout", "conntrack-udp-timeout-stream", ct.UDPStreamTimeout.Duration != 0, func(o *options) { o.conntrackUDPStreamTimeout = ct.UDPStreamTimeout.Duration }},
-		{"configSyncPeriod", "config-sync-period", k.ConfigSyncPeriod.Duration != 0, func(o *options) { o.configSyncPeriod = k.ConfigSyncPeriod.Duration }},
-		{"portRange", "proxy-port-range", k.PortRange != "", func(o *options) { o.proxyPortRange = k.PortRange }},
-		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *options) { o.udpTimeout = c.udpIdleTimeout }},
+		{"iptables.syncPeriod", "iptables-sync-period", k.IPTables.SyncPeriod.Duration != 0, func(o *Options) { o.syncPeriod = k.IPTables.SyncPeriod.Duration }},
+		{"iptables.minSyncPeriod", "iptables-min-sync-period", k.IPTables.MinSyncPeriod.Duration != 0, func(o *Options) { o.minSyncPeriod = k.IPTables.MinSyncPeriod.Duration }},
+		{"nodePortAddresses", "nodeport-addresses", len(k.NodePortAddresses) > 0, func(o *Options) { o.nodePortAddresses = slices.Clone(k.NodePortAddresses) }},
+		{"oomScoreAdj", "oom-score-adj", k.OOMScoreAdj != nil, func(o *Options) { o.oomScoreAdj = *k.OOMScoreAdj }},
+		{"conntrack.maxPerCore", "conntrack-max-per-core", ct.MaxPerCore != nil, func(o *Options) { o.conntrackMaxPerCore = *ct.MaxPerCore }},
+		{"conntrack.min", "conntrack-min", ct.Min != nil, func(o *Options) { o.conntrackMin = *ct.Min }},
+		{"conntrack.tcpEstablishedTimeout", "conntrack-tcp-timeout-established", ct.TCPEstablishedTimeout != nil, func(o *Options) { o.conntrackTCPEstablished = ct.TCPEstablishedTimeout.Duration }},
+		{"conntrack.tcpCloseWaitTimeout", "conntrack-tcp-timeout-close-wait", ct.TCPCloseWaitTimeout != nil, func(o *Options) { o.conntrackTCPCloseWait = ct.TCPCloseWaitTimeout.Duration }},
+		{"conntrack.tcpBeLiberal", "conntrack-tcp-be-liberal", ct.TCPBeLiberal, func(o *Options) { o.conntrackTCPBeLiberal = true }},
+		{"conntrack.udpTimeout", "conntrack-udp-timeout", ct.UDPTimeout.Duration != 0, func(o *Options) { o.conntrackUDPTimeout = ct.UDPTimeout.Duration }},
+		{"conntrack.udpStreamTimeout", "conntrack-udp-timeout-stream", ct.UDPStreamTimeout.Duration != 0, func(o *Options) { o.conntrackUDPStreamTimeout = ct.UDPStreamTimeout.Duration }},
+		{"configSyncPeriod", "config-sync-period", k.ConfigSyncPeriod.Duration != 0, func(o *Options) { o.configSyncPeriod = k.ConfigSyncPeriod.Duration }},
+		{"portRange", "proxy-port-range", k.PortRange != "", func(o *Options) { o.proxyPortRange = k.PortRange }},
+		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *Options) { o.udpTimeout = c.udpIdleTimeout }},
 	}
 }
 
@@ -109,7 +109,7 @@ var honoured = map[string]bool{"bindAddressHardFail": true, "enableProfiling": t
 
 // loadConfigFile applies --config to o, except for the flags given explicitly (fs.Changed),
 // which override the file as in kube-proxy.
-func (o *options) loadConfigFile(fs *pflag.FlagSet) error {
+func (o *Options) loadConfigFile(fs *pflag.FlagSet) error {
 	data, err := os.ReadFile(o.configFile)
 	if err != nil {
 		return fmt.Errorf("--config: %w", err)
@@ -123,7 +123,7 @@ func (o *options) loadConfigFile(fs *pflag.FlagSet) error {
 }
 
 // applyConfig copies the file's settings into o, skipping flags set on the command line.
-func (o *options) applyConfig(c *proxyConfig, fs *pflag.FlagSet) {
+func (o *Options) applyConfig(c *proxyConfig, fs *pflag.FlagSet) {
 	o.configFields = map[string]string{}
 	for _, s := range c.settings() {
 		if !s.set || fs.Changed(s.flag) {
@@ -140,7 +140,7 @@ func (o *options) applyConfig(c *proxyConfig, fs *pflag.FlagSet) {
 }
 
 // setting names a flag in errors: the flag itself, or the --config field that gave its value.
-func (o *options) setting(flag string) string {
+func (o *Options) setting(flag string) string {
 	if field, ok := o.configFields[strings.TrimPrefix(flag, "--")]; ok {
 		return fmt.Sprintf("%s (field %s of --config %s)", flag, field, o.configFile)
 	}
@@ -342,7 +342,7 @@ func withDefaultPort(addr, port string) string {
 
 // logConfigNotes reports once, at startup, what --config set that this proxy ignores, and
 // values worth a second look.
-func logConfigNotes(log logrus.FieldLogger, o *options) {
+func logConfigNotes(log logrus.FieldLogger, o *Options) {
 	if len(o.configIgnored) > 0 {
 		log.WithFields(logrus.Fields{"config": o.configFile, "fields": strings.Join(o.configIgnored, ",")}).
 			Info("Ignoring configuration fields that mean nothing to the userspace proxy")
@@ -352,9 +352,10 @@ func logConfigNotes(log logrus.FieldLogger, o *options) {
 	}
 }
 
-// writeConfigFile writes the effective configuration to --write-config-to.
-func writeConfigFile(o *options, fs *pflag.FlagSet) error {
-	data, err := encodeConfig(o, fs)
+// WriteConfig writes the effective configuration to --write-config-to; version goes in its
+// header.
+func (o *Options) WriteConfig(version string) error {
+	data, err := encodeConfig(o, o.flags, version)
 	if err != nil {
 		return fmt.Errorf("--write-config-to: %w", err)
 	}
@@ -368,7 +369,7 @@ func writeConfigFile(o *options, fs *pflag.FlagSet) error {
 // to the same options. A header comment lists, as flags, what the file cannot carry: settings
 // kube-proxy has no field for, and values kube-proxy reads as "default" (such as an empty
 // healthzBindAddress, which disables the server here).
-func encodeConfig(o *options, fs *pflag.FlagSet) ([]byte, error) {
+func encodeConfig(o *Options, fs *pflag.FlagSet, version string) ([]byte, error) {
 	body, err := marshalConfig(o)
 	if err != nil {
 		return nil, err
@@ -382,7 +383,7 @@ func encodeConfig(o *options, fs *pflag.FlagSet) ([]byte, error) {
 		fields[s.flag] = true
 	}
 	// What the file alone gives: defaults, then the file's settings.
-	fromFile := &options{}
+	fromFile := &Options{}
 	fileFlags := newFlagSet(fromFile)
 	fromFile.applyConfig(back, fileFlags)
 
@@ -416,7 +417,7 @@ func encodeConfig(o *options, fs *pflag.FlagSet) ([]byte, error) {
 }
 
 // marshalConfig renders the options' KubeProxyConfiguration, plus the legacy udpIdleTimeout.
-func marshalConfig(o *options) ([]byte, error) {
+func marshalConfig(o *Options) ([]byte, error) {
 	js, err := json.Marshal(o.kubeProxyConfiguration())
 	if err != nil {
 		return nil, err
@@ -430,7 +431,7 @@ func marshalConfig(o *options) ([]byte, error) {
 }
 
 // kubeProxyConfiguration is the options as kube-proxy's configuration type.
-func (o *options) kubeProxyConfiguration() *kubeproxyconfig.KubeProxyConfiguration {
+func (o *Options) kubeProxyConfiguration() *kubeproxyconfig.KubeProxyConfiguration {
 	dur := func(d time.Duration) metav1.Duration { return metav1.Duration{Duration: d} }
 	c := &kubeproxyconfig.KubeProxyConfiguration{
 		TypeMeta:           metav1.TypeMeta{APIVersion: kubeproxyconfig.SchemeGroupVersion.String(), Kind: configKind},

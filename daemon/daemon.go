@@ -1,20 +1,19 @@
-package main
+// Package daemon is the kube-portal-proxy node agent behind the command: its options and
+// kube-proxy configuration file, the node tuning done at start, and the wiring of sources,
+// proxier, portals and HTTP servers. New builds a Daemon without side effects; Run does the work.
+package daemon
 
 import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
 	"os"
 	"os/exec"
-	"os/signal"
-	"runtime/debug"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -32,47 +31,53 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
-// wantNoFile is the descriptor limit we ask for: two per proxied TCP connection.
-const wantNoFile = 1 << 20
+// Daemon is the service proxy of one node. New builds it; Run serves until its context ends.
+type Daemon struct {
+	o       *Options
+	version string
+	log     logrus.FieldLogger
+	deps    deps
+}
+
+// New builds the daemon for o with the real node, API client, portals and sockets. version names
+// the build (startup line, API user agent). It opens nothing and starts nothing: Run does.
+func New(o *Options, version string, log logrus.FieldLogger) *Daemon {
+	return &Daemon{o: o, version: version, log: log, deps: systemDeps()}
+}
 
 // source is where Services and EndpointSlices come from.
 type source interface {
 	Run(ctx context.Context) error
 }
 
-// serve runs the daemon until ctx is done.
-func serve(ctx context.Context, o *options, log *logrus.Logger) error {
-	if os.Getenv("GOGC") == "" {
-		// A node agent's live heap is small and its allocation rate low, so a tighter GC target
-		// costs little CPU and keeps RSS near the live heap: at 10,000 service ports the default
-		// (heap may double before a collection) left ~90 MB of garbage resident. GOGC overrides.
-		debug.SetGCPercent(50)
-	}
-	applyOOMScoreAdj(o, log)
-	applyConntrackSysctls(o, log)
-	if res, err := rlimit.RaiseNoFile(wantNoFile); err != nil {
-		log.WithError(err).Warn("Cannot raise the open-file limit")
-	} else if res.Short() {
-		log.WithField("limit", res.After.Cur).Warn("Open-file limit is below what a busy proxy may need; raise the hard limit (LimitNOFILE)")
-	}
-	if err := checkTools(o); err != nil {
+// Run tunes the node, builds the portals, opens the HTTP servers and serves until ctx is done.
+// Then it closes the proxy sockets and servers and waits, at most --shutdown-timeout, for every
+// goroutine it started. Portal rules stay in place, so a restart does not black-hole services.
+// An error means the daemon could not start or did not stop in time.
+func (d *Daemon) Run(ctx context.Context) error {
+	o, log := d.o, d.log
+	log.WithFields(logrus.Fields{"version": d.version, "mode": "userspace", "portal": o.portalMode, "config": o.configFile,
+		"flags": changedFlags(o.flags)}).Info("Starting kube-portal-proxy")
+	logConfigNotes(log, o)
+	d.deps.host.tune(o, log)
+	if err := d.deps.host.check(o); err != nil {
 		return err
 	}
 
+	node := nodeName(o)
 	var client kubernetes.Interface
 	var nodeAddrs []netip.Addr
 	if o.servicesFile == "" {
-		c, err := newClient(o)
+		c, err := d.deps.client(o, d.version)
 		if err != nil {
 			return err
 		}
 		client = c
-		nodeAddrs = nodeAddresses(ctx, c, o, log)
+		nodeAddrs = nodeAddresses(ctx, c, node, log)
 	}
 	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddrs))
 	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
@@ -80,52 +85,93 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 	}
 	log.WithField("nodeIPs", fmt.Sprint(hostIPs)).Info("Node IPs")
 
-	clk := clock.RealClock{}
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	metrics := proxier.NewMetrics()
-	if err := metrics.Register(reg); err != nil {
-		return fmt.Errorf("register metrics: %w", err)
-	}
-	health := proxier.NewHealth(clk, 2*o.syncPeriod)
-
-	nodeName := o.hostnameOverride
-	if nodeName == "" {
-		nodeName, _ = os.Hostname()
-	}
-	events := newServiceEvents(ctx, client, nodeName, log)
-	pm, err := newPortalMode(ctx, o, hostIPs, events, log)
+	events, stopEvents := newServiceEvents(ctx, client, node, log)
+	defer stopEvents()
+	pm, err := d.deps.portals(ctx, o, hostIPs, events, log)
 	if err != nil {
 		return err
 	}
 	defer pm.close()
+	w, err := d.wire(client, pm, events)
+	if err != nil {
+		return err
+	}
+	tasks := []func(context.Context){w.proxier.Run, func(ctx context.Context) {
+		if err := w.source.Run(ctx); err != nil && ctx.Err() == nil {
+			log.WithError(err).Error("Source stopped")
+		}
+	}}
+	if w.reload != nil {
+		tasks = append(tasks, d.reloadOnSignal(w.reload))
+	}
+	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}})
+	if err != nil {
+		return err
+	}
+	tasks = append(tasks, servers...)
+	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, tasks...)
+}
 
-	lb := loadbalancer.New(clk)
+// wiring is the daemon's pieces, connected: the proxier, its source, and the HTTP handlers.
+type wiring struct {
+	proxier *proxier.Proxier
+	source  source
+	reload  func() // reloads the services file; nil in cluster mode
+	healthz http.Handler
+	metrics http.Handler
+}
+
+// wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
+func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents) (*wiring, error) {
+	o, log, clk := d.o, d.log, d.deps.clock
+	reg := prometheus.NewRegistry()
+	metrics := proxier.NewMetrics()
+	if err := metrics.Register(reg); err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	health := proxier.NewHealth(clk, 2*o.syncPeriod)
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
 	}, proxier.Deps{
-		Balancer: lb, Portals: pm.portals, Conntrack: pm.conntrack,
+		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: metrics, Health: health, Event: events.Warning,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind},
 		})),
 	})
-	reg.MustRegister(proxier.NewTrafficCollector(px))
+	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		proxier.NewTrafficCollector(px)}
 	if pm.collector != nil {
-		reg.MustRegister(pm.collector)
+		collectors = append(collectors, pm.collector)
+	}
+	for _, c := range collectors {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("register metrics: %w", err)
+		}
 	}
 
-	var src source
+	w := &wiring{proxier: px, healthz: healthMux(health), metrics: metricsMux(reg, health, px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := proxier.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
-		src = fsrc
-		go reloadOnHUP(ctx, fsrc, log)
+		w.source, w.reload = fsrc, fsrc.Reload
 	} else {
-		src = proxier.NewInformerSource(client, o.configSyncPeriod, px, log)
+		w.source = proxier.NewInformerSource(client, o.configSyncPeriod, px, log)
 	}
+	return w, nil
+}
 
+// healthMux serves --healthz-bind-address.
+func healthMux(health http.Handler) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", health)
+	mux.Handle("/livez", health)
+	return mux
+}
+
+// metricsMux serves --metrics-bind-address: metrics, the debug pages and pprof.
+func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxier, rules func() string) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "userspace") })
@@ -138,107 +184,60 @@ func serve(ctx context.Context, o *options, log *logrus.Logger) error {
 	px.RegisterDebug(mux)
 	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-		fmt.Fprint(w, pm.describe())
+		fmt.Fprint(w, rules())
 	}))
-	healthMux := http.NewServeMux()
-	healthMux.Handle("/healthz", health)
-	healthMux.Handle("/livez", health)
-
-	var servers []*http.Server
-	for _, s := range []struct {
-		addr string
-		h    http.Handler
-	}{{o.healthzBindAddress, healthMux}, {o.metricsBindAddress, mux}} {
-		if s.addr == "" {
-			continue
-		}
-		ln, err := net.Listen("tcp", s.addr)
-		if err != nil {
-			return fmt.Errorf("listen %s: %w", s.addr, err)
-		}
-		srv := &http.Server{Handler: s.h, ReadHeaderTimeout: 10 * time.Second}
-		servers = append(servers, srv)
-		go func() {
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				log.WithError(err).WithField("address", s.addr).Error("HTTP server stopped")
-			}
-		}()
-	}
-
-	return runAll(ctx, o.shutdownTimeout, log, px.Run, func(ctx context.Context) {
-		if err := src.Run(ctx); err != nil && ctx.Err() == nil {
-			log.WithError(err).Error("Source stopped")
-		}
-	}, func(ctx context.Context) {
-		<-ctx.Done()
-		for _, s := range servers {
-			sctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			_ = s.Shutdown(sctx)
-			cancel()
-		}
-	})
+	return mux
 }
 
-// runAll runs each function in its own goroutine until ctx is done, then waits for all of them,
-// at most timeout.
-func runAll(ctx context.Context, timeout time.Duration, log logrus.FieldLogger, fns ...func(context.Context)) error {
+// runAll runs each task in its own goroutine until ctx is done, then waits for all of them, at
+// most timeout.
+func runAll(ctx context.Context, clk clock.Clock, timeout time.Duration, log logrus.FieldLogger, tasks ...func(context.Context)) error {
 	var wg sync.WaitGroup
-	for _, fn := range fns {
-		wg.Go(func() { fn(ctx) })
+	for _, task := range tasks {
+		wg.Go(func() { task(ctx) })
 	}
 	<-ctx.Done()
 	log.Info("Shutting down; portal rules stay in place so a restart does not black-hole services")
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
+	timer := clk.NewTimer(timeout)
+	defer timer.Stop()
 	select {
 	case <-done:
 		return nil
-	case <-time.After(timeout):
+	case <-timer.C():
 		return fmt.Errorf("shutdown took longer than --shutdown-timeout=%v", timeout)
 	}
 }
 
-func reloadOnHUP(ctx context.Context, f *proxier.FileSource, log logrus.FieldLogger) {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-hup:
-			log.Info("SIGHUP: reloading the services file")
-			f.Reload()
+// reloadOnSignal reloads the services file on SIGHUP until ctx is done.
+func (d *Daemon) reloadOnSignal(reload func()) func(context.Context) {
+	return func(ctx context.Context) {
+		hup := make(chan os.Signal, 1)
+		defer d.deps.notifyReload(hup)()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-hup:
+				d.log.Info("SIGHUP: reloading the services file")
+				reload()
+			}
 		}
 	}
 }
 
 // iptablesTool names a tool of the chosen variant the way Debian installs them:
 // iptables-nft-restore, iptables-legacy-save, ...
-func iptablesTool(o *options, tool string) string {
+func iptablesTool(o *Options, tool string) string {
 	if o.iptablesVariant == "" {
 		return tool
 	}
 	return strings.Replace(tool, "iptables", "iptables-"+o.iptablesVariant, 1)
 }
 
-// checkTools fails fast, with the fix, when a tool the portals exec is missing.
-func checkTools(o *options) error {
-	for _, tool := range []string{"iptables", "iptables-restore", "iptables-save"} {
-		if o.portalMode != "iptables" {
-			break
-		}
-		if _, err := exec.LookPath(iptablesTool(o, tool)); err != nil {
-			return fmt.Errorf("%s not found in PATH: install the iptables package (Debian/Ubuntu: apt-get install iptables), or run with --portal-mode=bind: %w", iptablesTool(o, tool), err)
-		}
-	}
-	if os.Geteuid() != 0 {
-		return errors.New("portal rules need root or CAP_NET_ADMIN: run as root (or with CAP_NET_ADMIN and CAP_NET_BIND_SERVICE)")
-	}
-	return nil
-}
-
-func newClient(o *options) (kubernetes.Interface, error) {
+// newClient builds the API client from --kubeconfig and --master, or in-cluster.
+func newClient(o *Options, version string) (kubernetes.Interface, error) {
 	var cfg *rest.Config
 	var err error
 	if o.kubeconfig == "" && o.master == "" {
@@ -264,11 +263,7 @@ func newClient(o *options) (kubernetes.Interface, error) {
 
 // nodeAddresses reads this node's InternalIP and ExternalIP addresses from its Node object. A
 // missing Node is not fatal: the interfaces decide then.
-func nodeAddresses(ctx context.Context, c kubernetes.Interface, o *options, log logrus.FieldLogger) []netip.Addr {
-	name := o.hostnameOverride
-	if name == "" {
-		name, _ = os.Hostname()
-	}
+func nodeAddresses(ctx context.Context, c kubernetes.Interface, name string, log logrus.FieldLogger) []netip.Addr {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	node, err := c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
@@ -289,9 +284,9 @@ func nodeAddresses(ctx context.Context, c kubernetes.Interface, o *options, log 
 	return out
 }
 
-// cleanup removes every chain and rule this proxy owns, for both families, and the bind mode's
-// portal interface. Either may be absent: that is not an error.
-func cleanup(ctx context.Context, o *options, log logrus.FieldLogger) error {
+// Cleanup removes every chain and rule this proxy owns, for both families, and the bind mode's
+// portal interface (--cleanup). Either may be absent: that is not an error.
+func Cleanup(ctx context.Context, o *Options, log logrus.FieldLogger) error {
 	var errs []error
 	if _, err := exec.LookPath(iptablesTool(o, "iptables-restore")); err == nil {
 		rules := iptables.New(iptables.Config{Logger: log}, &iptables.ExecRunner{Variant: o.iptablesVariant})

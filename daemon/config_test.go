@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"os"
@@ -26,7 +26,7 @@ type effective struct {
 	Ignored, Warnings                                                  []string
 }
 
-func effectiveOf(o *options) effective {
+func effectiveOf(o *Options) effective {
 	return effective{
 		Kubeconfig: o.kubeconfig, Hostname: o.hostnameOverride, Bind: o.bindAddress,
 		Healthz: o.healthzBindAddress, Metrics: o.metricsBindAddress, PortRange: o.proxyPortRange, LogFormat: o.logFormat,
@@ -276,12 +276,12 @@ func TestWriteConfigReadsBack(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			out := filepath.Join(t.TempDir(), "effective.yaml")
-			o, fs, err := parseOptions(append(tt.args, "--write-config-to="+out))
+			o, _, err := parseOptions(append(tt.args, "--write-config-to="+out))
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := writeConfigFile(o, fs); err != nil {
-				t.Fatalf("writeConfigFile: %v", err)
+			if err := o.WriteConfig("test"); err != nil {
+				t.Fatalf("WriteConfig: %v", err)
 			}
 			data, err := os.ReadFile(out)
 			if err != nil {
@@ -335,11 +335,11 @@ func headerFlags(t *testing.T, data string) []string {
 }
 
 func TestWriteConfigFileErrorNamesTheFlag(t *testing.T) {
-	o, fs, err := parseOptions([]string{"--write-config-to=" + filepath.Join(t.TempDir(), "missing-dir", "x.yaml")})
+	o, _, err := parseOptions([]string{"--write-config-to=" + filepath.Join(t.TempDir(), "missing-dir", "x.yaml")})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := writeConfigFile(o, fs); err == nil || !strings.HasPrefix(err.Error(), "--write-config-to: ") {
+	if err := o.WriteConfig("test"); err == nil || !strings.HasPrefix(err.Error(), "--write-config-to: ") {
 		t.Errorf("error = %v, want one starting with --write-config-to", err)
 	}
 }

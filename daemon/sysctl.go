@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // sysctl.go applies kube-proxy's start-up tuning of the node and the process: the conntrack
 // sysctls (--conntrack-*) and the OOM score (--oom-score-adj). Failures are logged, never fatal:
@@ -25,7 +25,7 @@ type sysctlValue struct {
 
 // conntrackSysctls is what kube-proxy writes for the conntrack options on a node with cpus CPUs.
 // A zero option leaves its sysctl as it is.
-func conntrackSysctls(o *options, cpus int) []sysctlValue {
+func conntrackSysctls(o *Options, cpus int) []sysctlValue {
 	var out []sysctlValue
 	add := func(name string, v int) { out = append(out, sysctlValue{"net/netfilter/" + name, v}) }
 	if o.conntrackMaxPerCore > 0 {
@@ -107,13 +107,13 @@ func sysctlHint(err error) string {
 }
 
 // applyConntrackSysctls sets the conntrack sysctls as kube-proxy does at start.
-func applyConntrackSysctls(o *options, log logrus.FieldLogger) {
+func applyConntrackSysctls(o *Options, log logrus.FieldLogger) {
 	applySysctls(procSys("/proc/sys"), conntrackSysctls(o, runtime.NumCPU()), log)
 }
 
 // applyOOMScoreAdj sets this process's oom_score_adj (--oom-score-adj, kube-proxy's -999 by
 // default) so the kernel kills the node's service proxy last.
-func applyOOMScoreAdj(o *options, log logrus.FieldLogger) {
+func applyOOMScoreAdj(o *Options, log logrus.FieldLogger) {
 	setOOMScoreAdj("/proc/self/oom_score_adj", o.oomScoreAdj, log)
 }
 

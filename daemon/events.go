@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -20,18 +20,18 @@ type serviceEvents struct {
 	recorder record.EventRecorder
 }
 
-// newServiceEvents starts the broadcaster; it stops when ctx is done.
-func newServiceEvents(ctx context.Context, c kubernetes.Interface, node string, log logrus.FieldLogger) *serviceEvents {
+// newServiceEvents starts the broadcaster (Run calls it); stop shuts it down. Without a cluster
+// (c nil) neither does anything.
+func newServiceEvents(ctx context.Context, c kubernetes.Interface, node string, log logrus.FieldLogger) (events *serviceEvents, stop func()) {
 	if c == nil {
-		return &serviceEvents{}
+		return &serviceEvents{}, func() {}
 	}
 	b := record.NewBroadcaster(record.WithContext(ctx))
 	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.CoreV1().Events("")})
 	b.StartEventWatcher(func(e *v1.Event) {
 		log.WithFields(logrus.Fields{"reason": e.Reason, "object": e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name}).Debug("Event recorded")
 	})
-	go func() { <-ctx.Done(); b.Shutdown() }()
-	return &serviceEvents{recorder: b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: node})}
+	return &serviceEvents{recorder: b.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-portal-proxy", Host: node})}, b.Shutdown
 }
 
 // Warning records a Warning event on the Service of a service port.

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -31,7 +31,9 @@ type portalMode struct {
 	close     func()
 }
 
-func newPortalMode(ctx context.Context, o *options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
+// newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
+// first checks, with one iptables-restore, that the node can NAT.
+func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
 	if o.portalMode == "bind" {
 		nl := &bind.Netlink{}
 		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)

@@ -1,11 +1,14 @@
-package main
+package daemon
 
 import (
 	"fmt"
+	"io"
 	"net/netip"
+	"os"
 	"strings"
 	"time"
 
+	"github.com/sirupsen/logrus"
 	"github.com/spf13/pflag"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
@@ -13,9 +16,9 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
-// options are the command-line flags. Names follow kube-proxy wherever it has the same setting,
-// so a kube-proxy command line carries over.
-type options struct {
+// Options are the command-line flags. Names follow kube-proxy wherever it has the same setting,
+// so a kube-proxy command line carries over. ParseOptions fills and validates them.
+type Options struct {
 	kubeconfig         string
 	master             string
 	hostnameOverride   string
@@ -68,9 +71,45 @@ type options struct {
 	bind      netip.Addr
 	portRange proxier.PortRange
 	nodePorts []netip.Prefix
+
+	// flags is the command line they came from: --write-config-to and the startup line need
+	// to know which flags were given.
+	flags *pflag.FlagSet
 }
 
-func newFlagSet(o *options) *pflag.FlagSet {
+// Action is what a command line asks for.
+type Action int
+
+// The actions, in the order they are checked.
+const (
+	ActionServe       Action = iota // run the proxy until stopped
+	ActionVersion                   // --version
+	ActionWriteConfig               // --write-config-to
+	ActionCleanup                   // --cleanup
+)
+
+// Action says what the command line asks for.
+func (o *Options) Action() Action {
+	switch {
+	case o.version:
+		return ActionVersion
+	case o.writeConfigTo != "":
+		return ActionWriteConfig
+	case o.cleanup:
+		return ActionCleanup
+	}
+	return ActionServe
+}
+
+// ParseOptions parses and validates a command line (without the program name). The --config
+// file applies first, then the flags given explicitly, then validation. Errors name the flag or
+// the file's field; --help gives pflag.ErrHelp after printing the usage.
+func ParseOptions(args []string) (*Options, error) {
+	o, _, err := parseOptions(args)
+	return o, err
+}
+
+func newFlagSet(o *Options) *pflag.FlagSet {
 	fs := pflag.NewFlagSet("kube-portal-proxy", pflag.ContinueOnError)
 	fs.SortFlags = false
 	fs.StringVar(&o.configFile, "config", "", "Path to a KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly override its values.")
@@ -115,11 +154,11 @@ func newFlagSet(o *options) *pflag.FlagSet {
 	return fs
 }
 
-// parseOptions parses and validates a command line. The --config file applies first, then the
-// flags given explicitly, then validation. Errors name the flag or the file's field.
-func parseOptions(args []string) (*options, *pflag.FlagSet, error) {
-	o := &options{}
+// parseOptions is ParseOptions, also returning the flag set.
+func parseOptions(args []string) (*Options, *pflag.FlagSet, error) {
+	o := &Options{}
 	fs := newFlagSet(o)
+	o.flags = fs
 	if err := fs.Parse(args); err != nil {
 		return nil, fs, err
 	}
@@ -134,7 +173,7 @@ func parseOptions(args []string) (*options, *pflag.FlagSet, error) {
 	return o, fs, o.validate()
 }
 
-func (o *options) validate() error {
+func (o *Options) validate() error {
 	var err error
 	if o.bind, err = netip.ParseAddr(o.bindAddress); err != nil {
 		return fmt.Errorf("%s %q: %w", o.setting("--bind-address"), o.bindAddress, err)
@@ -201,4 +240,42 @@ func (o *options) validate() error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	return nil
+}
+
+// NewLogger is the logger --log-level and --log-format ask for, writing to out.
+func NewLogger(o *Options, out io.Writer) *logrus.Logger {
+	log := logrus.New()
+	log.SetOutput(out)
+	level, _ := parseLevel(o.logLevel)
+	log.SetLevel(level)
+	if o.logFormat == "json" {
+		log.SetFormatter(&logrus.JSONFormatter{})
+	} else {
+		log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true})
+	}
+	return log
+}
+
+func parseLevel(s string) (logrus.Level, error) {
+	switch strings.ToLower(s) {
+	case "debug", "info", "warn", "warning", "error":
+		return logrus.ParseLevel(s)
+	}
+	return 0, fmt.Errorf("%q: want debug, info, warn or error", s)
+}
+
+// changedFlags lists the flags given on the command line, for the startup line.
+func changedFlags(fs *pflag.FlagSet) string {
+	var parts []string
+	fs.Visit(func(f *pflag.Flag) { parts = append(parts, "--"+f.Name+"="+f.Value.String()) })
+	return strings.Join(parts, " ")
+}
+
+// nodeName is --hostname-override, or the host name.
+func nodeName(o *Options) string {
+	if o.hostnameOverride != "" {
+		return o.hostnameOverride
+	}
+	name, _ := os.Hostname()
+	return name
 }

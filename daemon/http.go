@@ -1,0 +1,63 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/sirupsen/logrus"
+)
+
+// httpServer is one HTTP address and what it serves; an empty address disables it.
+type httpServer struct {
+	addr    string
+	handler http.Handler
+}
+
+// listenHTTP opens every server's listener, so an address in use fails the start, and returns
+// the tasks that serve them until their context ends.
+func (d *Daemon) listenHTTP(servers []httpServer) ([]func(context.Context), error) {
+	var tasks []func(context.Context)
+	var opened []net.Listener
+	for _, s := range servers {
+		if s.addr == "" {
+			continue
+		}
+		ln, err := d.deps.listen(s.addr)
+		if err != nil {
+			for _, l := range opened {
+				_ = l.Close()
+			}
+			return nil, fmt.Errorf("listen %s: %w", s.addr, err)
+		}
+		opened = append(opened, ln)
+		tasks = append(tasks, serveHTTP(ln, s.handler, d.log.WithField("address", s.addr)))
+	}
+	return tasks, nil
+}
+
+// serveHTTP serves h on ln until ctx is done, then shuts the server down: a second for requests
+// in flight, then connections are closed.
+func serveHTTP(ln net.Listener, h http.Handler, log logrus.FieldLogger) func(context.Context) {
+	return func(ctx context.Context) {
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		stopped := make(chan struct{})
+		stop := context.AfterFunc(ctx, func() {
+			defer close(stopped)
+			sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			if srv.Shutdown(sctx) != nil {
+				_ = srv.Close()
+			}
+		})
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.WithError(err).Error("HTTP server stopped")
+		}
+		if !stop() {
+			<-stopped
+		}
+	}
+}

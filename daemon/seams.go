@@ -1,0 +1,106 @@
+package daemon
+
+// seams.go: the daemon's side effects on the process, the node and the network, each behind a
+// narrow seam, and their real implementations.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"os/signal"
+	"runtime/debug"
+	"syscall"
+
+	"github.com/sirupsen/logrus"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
+)
+
+// deps are the daemon's side effects on the process, the node and the network, each behind a
+// narrow seam so that tests run the real wiring without root.
+type deps struct {
+	host host
+	// client builds the API client (cluster mode only).
+	client func(o *Options, version string) (kubernetes.Interface, error)
+	// portals builds what --portal-mode needs: rules or addresses, conntrack, listen plan.
+	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error)
+	// listen opens the listener of an HTTP server (--healthz-bind-address, --metrics-bind-address).
+	listen func(addr string) (net.Listener, error)
+	// notifyReload relays the reload signal (SIGHUP) to c until stop is called.
+	notifyReload func(c chan<- os.Signal) (stop func())
+	clock        clock.Clock
+}
+
+// systemDeps are the real process, node, API server and network.
+func systemDeps() deps {
+	return deps{
+		host:    systemHost{},
+		client:  newClient,
+		portals: newPortalMode,
+		listen:  func(addr string) (net.Listener, error) { return net.Listen("tcp", addr) },
+		notifyReload: func(c chan<- os.Signal) func() {
+			signal.Notify(c, syscall.SIGHUP)
+			return func() { signal.Stop(c) }
+		},
+		clock: clock.RealClock{},
+	}
+}
+
+// wantNoFile is the descriptor limit we ask for: two per proxied TCP connection.
+const wantNoFile = 1 << 20
+
+// host is what the daemon changes on the process and the node before it serves, and what it
+// checks there: root-only side effects, so tests of the wiring fake them.
+type host interface {
+	// tune sets the GC target, the OOM score, the conntrack sysctls and the open-file limit.
+	// Failures are logged, never fatal: an unprivileged container still proxies.
+	tune(o *Options, log logrus.FieldLogger)
+	// check fails, with the fix, when a tool or a privilege the portals need is missing.
+	check(o *Options) error
+}
+
+// systemHost is the real process and node.
+type systemHost struct{}
+
+var _ host = systemHost{}
+
+func (systemHost) tune(o *Options, log logrus.FieldLogger) {
+	if os.Getenv("GOGC") == "" {
+		// A node agent's live heap is small and its allocation rate low, so a tighter GC target
+		// costs little CPU and keeps RSS near the live heap: at 10,000 service ports the default
+		// (heap may double before a collection) left ~90 MB of garbage resident. GOGC overrides.
+		debug.SetGCPercent(50)
+	}
+	applyOOMScoreAdj(o, log)
+	applyConntrackSysctls(o, log)
+	if res, err := rlimit.RaiseNoFile(wantNoFile); err != nil {
+		log.WithError(err).Warn("Cannot raise the open-file limit")
+	} else if res.Short() {
+		log.WithField("limit", res.After.Cur).Warn("Open-file limit is below what a busy proxy may need; raise the hard limit (LimitNOFILE)")
+	}
+}
+
+func (systemHost) check(o *Options) error { return checkTools(o) }
+
+// checkTools fails fast, with the fix, when a tool the portals exec is missing.
+func checkTools(o *Options) error {
+	for _, tool := range []string{"iptables", "iptables-restore", "iptables-save"} {
+		if o.portalMode != "iptables" {
+			break
+		}
+		if _, err := exec.LookPath(iptablesTool(o, tool)); err != nil {
+			return fmt.Errorf("%s not found in PATH: install the iptables package (Debian/Ubuntu: apt-get install iptables), or run with --portal-mode=bind: %w", iptablesTool(o, tool), err)
+		}
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("portal rules need root or CAP_NET_ADMIN: run as root (or with CAP_NET_ADMIN and CAP_NET_BIND_SERVICE)")
+	}
+	return nil
+}
