@@ -27,11 +27,13 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
@@ -71,13 +73,15 @@ func (d *Daemon) Run(ctx context.Context) error {
 	node := nodeName(o)
 	var client kubernetes.Interface
 	var nodeAddrs []netip.Addr
+	var nodeObj *v1.Node
 	if o.servicesFile == "" {
 		c, err := d.deps.client(o, d.version)
 		if err != nil {
 			return err
 		}
 		client = c
-		nodeAddrs = nodeAddresses(ctx, c, node, log)
+		nodeObj = getNode(ctx, c, node, log)
+		nodeAddrs = nodeAddresses(nodeObj)
 	}
 	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddrs))
 	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
@@ -96,13 +100,18 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	tasks := []func(context.Context){w.proxier.Run, func(ctx context.Context) {
+	target := nodeTarget{health: w.health, proxier: w.proxier}
+	target.apply(node, nodeObj) // the zone is known before the first sync
+	tasks := []func(context.Context){w.proxier.Run, w.svcHealth.Run, func(ctx context.Context) {
 		if err := w.source.Run(ctx); err != nil && ctx.Err() == nil {
 			log.WithError(err).Error("Source stopped")
 		}
 	}}
 	if w.reload != nil {
 		tasks = append(tasks, d.reloadOnSignal(w.reload))
+	}
+	if client != nil {
+		tasks = append(tasks, watchNode(client, node, o.configSyncPeriod, target, log))
 	}
 	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}})
 	if err != nil {
@@ -114,11 +123,13 @@ func (d *Daemon) Run(ctx context.Context) error {
 
 // wiring is the daemon's pieces, connected: the proxier, its source, and the HTTP handlers.
 type wiring struct {
-	proxier *proxier.Proxier
-	source  source
-	reload  func() // reloads the services file; nil in cluster mode
-	healthz http.Handler
-	metrics http.Handler
+	proxier   *proxier.Proxier
+	svcHealth *healthcheck.ServiceHealthServer
+	health    *healthcheck.ProxyHealth
+	source    source
+	reload    func() // reloads the services file; nil in cluster mode
+	healthz   http.Handler
+	metrics   http.Handler
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
@@ -129,13 +140,21 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	if err := metrics.Register(reg); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	health := proxier.NewHealth(clk, 2*o.syncPeriod)
+	health := healthcheck.NewProxyHealth(clk, 2*o.syncPeriod)
+	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceConfig{
+		NodePortAddresses: o.nodePorts, Proxier: health, Logger: log,
+		OnListenError: func(svc service.NamespacedName, port uint16, err error) {
+			log.WithFields(logrus.Fields{"service": svc.String(), "port": port}).WithError(err).Warn("Cannot open health check node port")
+			events.ServiceWarning(svc, healthcheck.ReasonFailedToStart, err.Error())
+		},
+	})
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
+		Node: proxier.NodeTopology{Name: nodeName(o)},
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
-		Metrics: metrics, Health: health, Event: events.Warning,
+		Metrics: metrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind},
@@ -152,7 +171,8 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		}
 	}
 
-	w := &wiring{proxier: px, healthz: healthMux(health), metrics: metricsMux(reg, health, px, pm.describe)}
+	events.uid = px.ServiceUID
+	w := &wiring{proxier: px, health: health, svcHealth: svcHealth, healthz: healthMux(health), metrics: metricsMux(reg, health.Healthz(), px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := proxier.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload
@@ -162,11 +182,13 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	return w, nil
 }
 
-// healthMux serves --healthz-bind-address.
-func healthMux(health http.Handler) http.Handler {
+// healthMux serves --healthz-bind-address: /healthz fails when syncs stall or the node is being
+// deleted (so load balancers drain it), /livez only when syncs stall (KEP-3836: a node being
+// drained must not get its proxy restarted, which would drop every proxied connection).
+func healthMux(health *healthcheck.ProxyHealth) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/healthz", health)
-	mux.Handle("/livez", health)
+	mux.Handle("/healthz", health.Healthz())
+	mux.Handle("/livez", health.Livez())
 	return mux
 }
 
@@ -261,14 +283,22 @@ func newClient(o *Options, version string) (kubernetes.Interface, error) {
 	return c, nil
 }
 
-// nodeAddresses reads this node's InternalIP and ExternalIP addresses from its Node object. A
-// missing Node is not fatal: the interfaces decide then.
-func nodeAddresses(ctx context.Context, c kubernetes.Interface, name string, log logrus.FieldLogger) []netip.Addr {
+// getNode reads this node's Node object. A missing Node is not fatal: the interfaces decide the
+// node IPs then, and the zone is unknown until the watch sees the Node.
+func getNode(ctx context.Context, c kubernetes.Interface, name string, log logrus.FieldLogger) *v1.Node {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	node, err := c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		log.WithError(err).WithField("node", name).Warn("Cannot read the Node object; node IPs come from the interfaces")
+		return nil
+	}
+	return node
+}
+
+// nodeAddresses lists a Node's InternalIP and ExternalIP addresses (none for a nil Node).
+func nodeAddresses(node *v1.Node) []netip.Addr {
+	if node == nil {
 		return nil
 	}
 	var out []netip.Addr

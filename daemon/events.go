@@ -5,6 +5,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -18,6 +19,9 @@ import (
 // a cluster (--services-file) events only reach the log, which the callers already wrote.
 type serviceEvents struct {
 	recorder record.EventRecorder
+	// uid finds a Service's UID, so that the event's object reference is complete and `kubectl
+	// describe service` shows it (it selects events by UID). Nil or "" leaves the UID out.
+	uid func(service.NamespacedName) string
 }
 
 // newServiceEvents starts the broadcaster (Run calls it); stop shuts it down. Without a cluster
@@ -36,9 +40,21 @@ func newServiceEvents(ctx context.Context, c kubernetes.Interface, node string, 
 
 // Warning records a Warning event on the Service of a service port.
 func (e *serviceEvents) Warning(name service.ServicePortName, reason, message string) {
+	e.record(name.ServiceName(), reason, "service port "+name.String()+": "+message)
+}
+
+// ServiceWarning records a Warning event on a Service.
+func (e *serviceEvents) ServiceWarning(name service.NamespacedName, reason, message string) {
+	e.record(name, reason, message)
+}
+
+func (e *serviceEvents) record(name service.NamespacedName, reason, message string) {
 	if e.recorder == nil {
 		return
 	}
 	ref := &v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: name.Namespace, Name: name.Name}
-	e.recorder.Eventf(ref, v1.EventTypeWarning, reason, "service port %s: %s", name, message)
+	if e.uid != nil {
+		ref.UID = types.UID(e.uid(name))
+	}
+	e.recorder.Event(ref, v1.EventTypeWarning, reason, message)
 }

@@ -41,6 +41,7 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 		return nil, []error{fmt.Errorf("service %s/%s: no valid cluster IP in %q", svc.Namespace, svc.Name, svc.Spec.ClusterIP)}
 	}
 	common := service.Port{
+		UID:             string(svc.UID),
 		ClusterIPs:      clusterIPs,
 		ExternalIPs:     parseIPs(svc.Spec.ExternalIPs),
 		LoadBalancerIPs: loadBalancerIPs(svc),

@@ -169,3 +169,13 @@ func addrStrings(a []netip.Addr) []string {
 	}
 	return out
 }
+
+// ServiceUID is the UID of a Service the proxier serves, or "" (for events).
+func (p *Proxier) ServiceUID(name service.NamespacedName) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, port := range p.latest[name] {
+		return port.UID
+	}
+	return ""
+}

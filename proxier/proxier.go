@@ -6,6 +6,7 @@ package proxier
 import (
 	"context"
 	"errors"
+	"maps"
 	"net/netip"
 	"sync"
 	"time"
@@ -15,6 +16,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
@@ -71,10 +73,28 @@ type Deps struct {
 	// Conntrack clears UDP flows of removed service ports; nil when the portal mode uses no NAT.
 	Conntrack conntrack.Interface
 	Metrics   *Metrics
-	Health    *Health
+	// Health learns when changes wait and when a sync applied them (/healthz, /livez).
+	Health HealthTracker
+	// ServiceHealth, if set, serves the health check node ports of externalTrafficPolicy: Local
+	// load balancers: it is told the ports after each sync and the local ready endpoints per
+	// Service whenever they change.
+	ServiceHealth ServiceHealth
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
+}
+
+// HealthTracker is the proxier's side of the proxy health (a *healthcheck.ProxyHealth).
+type HealthTracker interface {
+	QueuedUpdate()
+	Updated()
+}
+
+// ServiceHealth is the proxier's side of the health check node ports (a
+// *healthcheck.ServiceHealthServer).
+type ServiceHealth interface {
+	SyncServices(map[service.NamespacedName]uint16)
+	SyncEndpoints(map[service.NamespacedName]int)
 }
 
 // Proxier is the node proxy's control loop.
@@ -102,6 +122,8 @@ type Proxier struct {
 	// and read by the sync (portal refusals) and the debug view.
 	selMu sync.RWMutex
 	sels  map[service.ServicePortName]*portSelection
+	// hcLocal counts, per Service with a health check node port, its ready endpoints on this node.
+	hcLocal map[service.NamespacedName]int
 
 	// activeMu guards active for readers outside the sync goroutine (debug view, drains);
 	// only the sync goroutine writes it.
@@ -147,7 +169,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		deps.Metrics = NewMetrics()
 	}
 	if deps.Health == nil {
-		deps.Health = NewHealth(cfg.Clock, 2*cfg.SyncPeriod)
+		deps.Health = healthcheck.NewProxyHealth(cfg.Clock, 2*cfg.SyncPeriod)
 	}
 	p := &Proxier{
 		cfg:         cfg,
@@ -159,6 +181,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		firstChange: make(map[service.NamespacedName]time.Time),
 		node:        cfg.Node,
 		sels:        make(map[service.ServicePortName]*portSelection),
+		hcLocal:     make(map[service.NamespacedName]int),
 		active:      make(map[service.ServicePortName]*activePort),
 		services:    make(map[service.NamespacedName][]*service.Port),
 		failed:      make(map[service.ServicePortName]*service.Port),
@@ -335,9 +358,40 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 			}
 		}
 	}
+	p.updateLocalCount(name, ports, sl, node.Name)
 	if rulesChanged && synced {
 		p.deps.Health.QueuedUpdate()
 		p.runner.Trigger()
+	}
+}
+
+// updateLocalCount recounts a Service's ready endpoints on this node when it has a health check
+// node port, and tells the health check server when the count changed.
+func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service.Port, sl []*slimSlice, node string) {
+	if p.deps.ServiceHealth == nil {
+		return
+	}
+	eps := map[service.ServicePortName][]service.Endpoint{}
+	for _, port := range ports {
+		if port.HealthCheckNodePort != 0 {
+			eps[port.Name] = endpointsFor(port, sl)
+		}
+	}
+	n, has := healthcheck.LocalReadyEndpoints(node, eps)[name]
+	p.selMu.Lock()
+	old, had := p.hcLocal[name]
+	if has {
+		p.hcLocal[name] = n
+	} else {
+		delete(p.hcLocal, name)
+	}
+	var snapshot map[service.NamespacedName]int
+	if old != n || had != has {
+		snapshot = maps.Clone(p.hcLocal)
+	}
+	p.selMu.Unlock()
+	if snapshot != nil {
+		p.deps.ServiceHealth.SyncEndpoints(snapshot)
 	}
 }
 

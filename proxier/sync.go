@@ -67,6 +67,9 @@ func (p *Proxier) sync(ctx context.Context) error {
 		m.observeProgramming(end, t)
 	}
 	p.deps.Health.Updated()
+	if p.deps.ServiceHealth != nil {
+		p.deps.ServiceHealth.SyncServices(p.healthCheckPorts())
+	}
 	if n := p.deps.Balancer.CleanupStaleAffinity(); n > 0 {
 		p.log.WithField("count", n).Debug("Removed expired affinity entries")
 	}
@@ -399,4 +402,17 @@ func (p *Proxier) unsyncedNames(limit int) string {
 		return strings.Join(names, ", ")
 	}
 	return fmt.Sprintf("%s and %d more", strings.Join(names[:limit], ", "), len(names)-limit)
+}
+
+// healthCheckPorts lists the health check node port of every Service that has one.
+func (p *Proxier) healthCheckPorts() map[service.NamespacedName]uint16 {
+	out := map[service.NamespacedName]uint16{}
+	for name, ports := range p.services {
+		for _, port := range ports {
+			if port.HealthCheckNodePort != 0 {
+				out[name] = port.HealthCheckNodePort
+			}
+		}
+	}
+	return out
 }

@@ -80,7 +80,9 @@ const (
 
 // Port is everything the proxy needs to know about one service port.
 type Port struct {
-	Name     ServicePortName
+	Name ServicePortName
+	// UID is the Service object's UID (for events that `kubectl describe service` shows).
+	UID      string
 	Protocol Protocol
 	// Port is the service port (spec.ports[].port).
 	Port uint16
