@@ -3,7 +3,7 @@ package proxier
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
