@@ -189,8 +189,8 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 	c.Close()
 	waitFor(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
 	entry := hook.AllEntries()[0]
-	if entry.Data["access"] != "tcp" || entry.Data["client"] != client || entry.Data["reason"] != "client closed" ||
-		entry.Data["bytes_to_endpoint"] != int64(5) || entry.Data["bytes_to_client"] != int64(5) {
+	if entry.Data["access"] != "tcp" || entry.Data["client"] != client || entry.Data["reason"] != "client-closed" ||
+		entry.Data["bytes_to_endpoint"] != uint64(5) || entry.Data["bytes_to_client"] != uint64(5) {
 		t.Errorf("access log = %v %v, want tcp client closed 5/5 bytes from %s", entry.Message, entry.Data, client)
 	}
 
