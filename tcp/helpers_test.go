@@ -230,18 +230,6 @@ func roundTrip(t *testing.T, c *net.TCPConn, msg string) {
 	}
 }
 
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 // modes runs a subtest with directions kept on goroutines and with directions parked in the idle
 // watcher after 1ms, so both data paths see every behaviour.
 var modes = []struct {

@@ -21,6 +21,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/wait"
 )
 
 func TestProxy_echoRoundTrip(t *testing.T) {
@@ -36,7 +37,7 @@ func TestProxy_echoRoundTrip(t *testing.T) {
 	}
 	// The counters of a reply are updated once its sendmmsg returns, which may be after the client
 	// has it.
-	waitFor(t, "reply counters", func() bool { return p.Stats().PacketsToClient == 3 })
+	wait.For(t, "reply counters", func() bool { return p.Stats().PacketsToClient == 3 })
 	st := p.Stats()
 	want := flow.Stats{Active: 1, Total: 1, PacketsToEndpoint: 3, BytesToEndpoint: 21,
 		PacketsToClient: 3, BytesToClient: 30}
@@ -106,9 +107,9 @@ func TestProxy_largestDatagramIntact(t *testing.T) {
 // re-armed, i.e. the sweep for the new time is done.
 func stepAndSweep(t *testing.T, fc *clocktesting.FakeClock, d time.Duration) {
 	t.Helper()
-	waitFor(t, "expiry timer armed", fc.HasWaiters)
+	wait.For(t, "expiry timer armed", fc.HasWaiters)
 	fc.Step(d)
-	waitFor(t, "expiry sweep", fc.HasWaiters)
+	wait.For(t, "expiry sweep", fc.HasWaiters)
 }
 
 func TestProxy_idleExpirySlidesOnTrafficBothWays(t *testing.T) {
@@ -273,7 +274,7 @@ func TestProxy_sessionCapBoundsSpoofedFlood(t *testing.T) {
 		c := newClient(t, fmt.Sprintf("127.0.%d.%d", 10+i/250, 1+i%250), p.Addr())
 		c.send([]byte("flood"))
 		c.conn.Close()
-		waitFor(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().Total == uint64(i+1) })
+		wait.For(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().Total == uint64(i+1) })
 	}
 	st := p.Stats()
 	if st.Active != maxSessions || st.Ended[flow.Evicted] != sources-maxSessions {
@@ -323,7 +324,7 @@ func TestProxy_refusedEndpointFailsOver(t *testing.T) {
 	c := newClient(t, "127.0.0.1", p.Addr())
 
 	c.send([]byte("lost")) // to the dead endpoint: ICMP port unreachable
-	waitFor(t, "the refusal", func() bool { return p.Stats().Ended[flow.EndpointRefused] == 1 })
+	wait.For(t, "the refusal", func() bool { return p.Stats().Ended[flow.EndpointRefused] == 1 })
 	if got, want := c.roundTrip("retry"), "live:retry"; got != want {
 		t.Errorf("after the refusal: got %q, want %q", got, want)
 	}
@@ -342,7 +343,7 @@ func TestProxy_noEndpointDropsDatagram(t *testing.T) {
 	p := startProxy(t, newFakePicker(), Config{})
 	c := newClient(t, "127.0.0.1", p.Addr())
 	c.send([]byte("nobody home"))
-	waitFor(t, "the drop", func() bool { return p.Stats().NoEndpoint == 1 })
+	wait.For(t, "the drop", func() bool { return p.Stats().NoEndpoint == 1 })
 	if n := len(p.Live()); n != 0 {
 		t.Errorf("%d sessions, want 0", n)
 	}
@@ -401,8 +402,8 @@ func TestProxy_closeLeaksNothing(t *testing.T) {
 			if got := p.Stats(); got.Active != 0 || got.Ended[flow.Shutdown] != 20 {
 				t.Errorf("Stats() = %+v, want Active 0, Ended[shutdown] 20", got)
 			}
-			waitFor(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
-			waitFor(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
+			wait.For(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
+			wait.For(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
 				return runtime.NumGoroutine() <= goroutines
 			})
 			if err := p.Close(); err != nil {
