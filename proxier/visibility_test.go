@@ -26,7 +26,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/clock"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/wait"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 )
 
@@ -177,7 +177,7 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 	}
 
 	c.Close()
-	wait.For(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
+	testenv.WaitFor(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
 	entry := hook.AllEntries()[0]
 	if entry.Data["access"] != "tcp" || entry.Data["client"] != client || entry.Data["reason"] != "client-closed" ||
 		entry.Data["bytes_to_endpoint"] != uint64(5) || entry.Data["bytes_to_client"] != uint64(5) {
@@ -194,7 +194,7 @@ kube_portal_proxy_tcp_bytes_total{direction="to_endpoint",service_port="ns/echo:
 kube_portal_proxy_udp_packets_total{direction="to_client",service_port="ns/echo:udp"} 1
 kube_portal_proxy_udp_packets_total{direction="to_endpoint",service_port="ns/echo:udp"} 1
 `
-	wait.For(t, "tcp counters to settle", func() bool {
+	testenv.WaitFor(t, "tcp counters to settle", func() bool {
 		return testutil.GatherAndCompare(reg, strings.NewReader(want), "kube_portal_proxy_tcp_bytes_total", "kube_portal_proxy_udp_packets_total") == nil
 	})
 

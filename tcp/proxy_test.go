@@ -19,7 +19,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/wait"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 func TestRoundTrip(t *testing.T) {
@@ -106,7 +106,7 @@ func TestManyConcurrentClients(t *testing.T) {
 	for err := range errs {
 		t.Error(err)
 	}
-	wait.For(t, "all connections to end", func() bool { return p.Stats().Active == 0 })
+	testenv.WaitFor(t, "all connections to end", func() bool { return p.Stats().Active == 0 })
 	if got := p.Stats().Total; got != clients {
 		t.Errorf("Total = %d, want %d", got, clients)
 	}
@@ -326,7 +326,7 @@ func TestCloseConnsTo(t *testing.T) {
 	roundTrip(t, c2, "still here")
 	// The client->endpoint counter is bumped after the write, which can be after the echo came
 	// back: wait for it. "one" and "two" have one length, so the count does not depend on the swap.
-	wait.For(t, "the survivor's bytes in", func() bool {
+	testenv.WaitFor(t, "the survivor's bytes in", func() bool {
 		conns := p.Live()
 		return len(conns) == 1 && conns[0].BytesToEndpoint == uint64(len("twostill here"))
 	})
@@ -347,7 +347,7 @@ func TestIdleTimeout(t *testing.T) {
 				Config{IdleTimeout: 10 * time.Second, Clock: clk, ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 			c := dial(t, p)
 			roundTrip(t, c, "active")
-			wait.For(t, "the idle sweeper to start", clk.HasWaiters)
+			testenv.WaitFor(t, "the idle sweeper to start", clk.HasWaiters)
 			clk.Step(5 * time.Second)
 			roundTrip(t, c, "still active") // moves the last-activity mark to t+5s
 			clk.Step(5 * time.Second)       // 5s idle: kept
@@ -377,7 +377,7 @@ func TestIdleConnectionsNeedNoGoroutine(t *testing.T) {
 		cs[i] = dial(t, p)
 		roundTrip(t, cs[i], "warm")
 	}
-	wait.For(t, "every direction to park", func() bool { return directionGoroutines() == 0 })
+	testenv.WaitFor(t, "every direction to park", func() bool { return directionGoroutines() == 0 })
 	if got := len(p.Live()); got != conns {
 		t.Fatalf("live connections = %d, want %d", got, conns)
 	}
@@ -415,7 +415,7 @@ func TestNoGoroutineLeakAfterShutdown(t *testing.T) {
 	for _, c := range cs {
 		c.Close()
 	}
-	wait.For(t, "goroutines to return to the baseline (+1 for the endpoint's listener)", func() bool {
+	testenv.WaitFor(t, "goroutines to return to the baseline (+1 for the endpoint's listener)", func() bool {
 		return runtime.NumGoroutine() <= before+1
 	})
 	if st := p.Stats(); st.Active != 0 {
@@ -523,7 +523,7 @@ func TestKeepAliveOnBothLegs(t *testing.T) {
 func TestIPv6(t *testing.T) {
 	ln, err := net.ListenTCP("tcp6", &net.TCPAddr{IP: net.IPv6loopback})
 	if err != nil {
-		t.Skipf("no IPv6 loopback here: %v", err)
+		testenv.Unavailable(t, "no IPv6 loopback here: %v", err)
 	}
 	ln.Close()
 	ep := serve(t, "::1", echo)

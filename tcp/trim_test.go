@@ -7,7 +7,7 @@ import (
 
 	clocktesting "k8s.io/utils/clock/testing"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/wait"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // testTrimmer counts releases instead of returning memory; every is an hour. It runs on a fake
@@ -38,7 +38,7 @@ func TestTrimmerReleasesAfterAWaveOfParking(t *testing.T) {
 		t.Fatal("the trim fired before the wave had been quiet for 20ms")
 	}
 	clk.Step(time.Millisecond)
-	wait.For(t, "the trim after the wave", func() bool { return released.Load() == 1 })
+	testenv.WaitFor(t, "the trim after the wave", func() bool { return released.Load() == 1 })
 
 	// A second wave within `every` is held back: when its timer fires, the trim is put off to the
 	// end of the interval (a pending timer again) instead of releasing.
@@ -52,12 +52,12 @@ func TestTrimmerReleasesAfterAWaveOfParking(t *testing.T) {
 		t.Fatal("the second wave did not schedule a trim")
 	}
 	clk.Step(20 * time.Millisecond)
-	wait.For(t, "the held-back trim to be rescheduled", clk.HasWaiters)
+	testenv.WaitFor(t, "the held-back trim to be rescheduled", clk.HasWaiters)
 	if n := released.Load(); n != 1 {
 		t.Fatalf("%d releases within the rate limit, want 1", n)
 	}
 	clk.Step(time.Hour)
-	wait.For(t, "the held-back trim once the interval passed", func() bool { return released.Load() == 2 })
+	testenv.WaitFor(t, "the held-back trim once the interval passed", func() bool { return released.Load() == 2 })
 }
 
 func TestTrimmerWaitsForTheWaveToEnd(t *testing.T) {
@@ -71,7 +71,7 @@ func TestTrimmerWaitsForTheWaveToEnd(t *testing.T) {
 		}
 	}
 	clk.Step(40 * time.Millisecond)
-	wait.For(t, "the trim once parking paused", func() bool { return released.Load() == 1 })
+	testenv.WaitFor(t, "the trim once parking paused", func() bool { return released.Load() == 1 })
 }
 
 func TestTrimmerMaxDelay(t *testing.T) {
@@ -83,5 +83,5 @@ func TestTrimmerMaxDelay(t *testing.T) {
 		tr.parked()
 		clk.Step(5 * time.Millisecond)
 	}
-	wait.For(t, "a trim while parking went on past maxDelay", func() bool { return released.Load() == 1 })
+	testenv.WaitFor(t, "a trim while parking went on past maxDelay", func() bool { return released.Load() == 1 })
 }

@@ -21,7 +21,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/wait"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 func TestProxy_echoRoundTrip(t *testing.T) {
@@ -37,7 +37,7 @@ func TestProxy_echoRoundTrip(t *testing.T) {
 	}
 	// The counters of a reply are updated once its sendmmsg returns, which may be after the client
 	// has it.
-	wait.For(t, "reply counters", func() bool { return p.Stats().PacketsToClient == 3 })
+	testenv.WaitFor(t, "reply counters", func() bool { return p.Stats().PacketsToClient == 3 })
 	st := p.Stats()
 	want := flow.Stats{Active: 1, Total: 1, PacketsToEndpoint: 3, BytesToEndpoint: 21,
 		PacketsToClient: 3, BytesToClient: 30}
@@ -107,9 +107,9 @@ func TestProxy_largestDatagramIntact(t *testing.T) {
 // re-armed, i.e. the sweep for the new time is done.
 func stepAndSweep(t *testing.T, fc *clocktesting.FakeClock, d time.Duration) {
 	t.Helper()
-	wait.For(t, "expiry timer armed", fc.HasWaiters)
+	testenv.WaitFor(t, "expiry timer armed", fc.HasWaiters)
 	fc.Step(d)
-	wait.For(t, "expiry sweep", fc.HasWaiters)
+	testenv.WaitFor(t, "expiry sweep", fc.HasWaiters)
 }
 
 func TestProxy_idleExpirySlidesOnTrafficBothWays(t *testing.T) {
@@ -274,7 +274,7 @@ func TestProxy_sessionCapBoundsSpoofedFlood(t *testing.T) {
 		c := newClient(t, fmt.Sprintf("127.0.%d.%d", 10+i/250, 1+i%250), p.Addr())
 		c.send([]byte("flood"))
 		c.conn.Close()
-		wait.For(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().Total == uint64(i+1) })
+		testenv.WaitFor(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().Total == uint64(i+1) })
 	}
 	st := p.Stats()
 	if st.Active != maxSessions || st.Ended[flow.Evicted] != sources-maxSessions {
@@ -324,7 +324,7 @@ func TestProxy_refusedEndpointFailsOver(t *testing.T) {
 	c := newClient(t, "127.0.0.1", p.Addr())
 
 	c.send([]byte("lost")) // to the dead endpoint: ICMP port unreachable
-	wait.For(t, "the refusal", func() bool { return p.Stats().Ended[flow.EndpointRefused] == 1 })
+	testenv.WaitFor(t, "the refusal", func() bool { return p.Stats().Ended[flow.EndpointRefused] == 1 })
 	if got, want := c.roundTrip("retry"), "live:retry"; got != want {
 		t.Errorf("after the refusal: got %q, want %q", got, want)
 	}
@@ -343,7 +343,7 @@ func TestProxy_noEndpointDropsDatagram(t *testing.T) {
 	p := startProxy(t, newFakePicker(), Config{})
 	c := newClient(t, "127.0.0.1", p.Addr())
 	c.send([]byte("nobody home"))
-	wait.For(t, "the drop", func() bool { return p.Stats().NoEndpoint == 1 })
+	testenv.WaitFor(t, "the drop", func() bool { return p.Stats().NoEndpoint == 1 })
 	if n := len(p.Live()); n != 0 {
 		t.Errorf("%d sessions, want 0", n)
 	}
@@ -402,8 +402,8 @@ func TestProxy_closeLeaksNothing(t *testing.T) {
 			if got := p.Stats(); got.Active != 0 || got.Ended[flow.Shutdown] != 20 {
 				t.Errorf("Stats() = %+v, want Active 0, Ended[shutdown] 20", got)
 			}
-			wait.For(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
-			wait.For(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
+			testenv.WaitFor(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
+			testenv.WaitFor(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
 				return runtime.NumGoroutine() <= goroutines
 			})
 			if err := p.Close(); err != nil {
@@ -436,7 +436,7 @@ func TestProxy_closeWithoutRun(t *testing.T) {
 func TestProxy_ipv6RoundTrip(t *testing.T) {
 	backendConn, err := net.ListenUDP("udp6", &net.UDPAddr{IP: net.IPv6loopback})
 	if err != nil {
-		t.Skipf("no IPv6 loopback: %v", err)
+		testenv.Unavailable(t, "no IPv6 loopback: %v", err)
 	}
 	defer backendConn.Close()
 	go func() {

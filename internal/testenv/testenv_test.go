@@ -1,0 +1,26 @@
+package testenv
+
+import (
+	"sync/atomic"
+	"testing"
+)
+
+func TestWaitForReturnsOnceTheConditionHolds(t *testing.T) {
+	var calls atomic.Int32
+	WaitFor(t, "the third call", func() bool { return calls.Add(1) == 3 })
+	if n := calls.Load(); n != 3 {
+		t.Errorf("cond called %d times, want 3 (polling stops once it holds)", n)
+	}
+}
+
+func TestRequired(t *testing.T) {
+	for _, tt := range []struct {
+		value string
+		want  bool
+	}{{"", false}, {"0", false}, {"1", true}, {"yes", true}} {
+		t.Setenv(EnvRequire, tt.value)
+		if got := Required(); got != tt.want {
+			t.Errorf("Required() with %s=%q = %v, want %v", EnvRequire, tt.value, got, tt.want)
+		}
+	}
+}
