@@ -80,7 +80,6 @@ type Stats struct {
 
 	// TCP only.
 	DialAttempts, DialFailures, DialRetries uint64
-	AcceptErrors                            uint64
 
 	// UDP only: datagrams dropped.
 	DropsSessionSetup uint64 // an endpoint socket could not be opened (EMFILE, ...)
@@ -104,7 +103,6 @@ func (s *Stats) Add(b Stats) {
 	s.DialAttempts += b.DialAttempts
 	s.DialFailures += b.DialFailures
 	s.DialRetries += b.DialRetries
-	s.AcceptErrors += b.AcceptErrors
 	s.DropsSessionSetup += b.DropsSessionSetup
 	s.DropsToEndpoint += b.DropsToEndpoint
 	s.DropsToClient += b.DropsToClient

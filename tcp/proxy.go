@@ -326,7 +326,6 @@ func (p *Proxy) Stats() flow.Stats { return p.stats.snapshot() }
 type counters struct {
 	active, total, bytesIn, bytesOut                     atomic.Int64
 	dialAttempts, dialFailures, dialRetries, noEndpoints atomic.Int64
-	acceptErrors                                         atomic.Int64
 	ended                                                [flow.NumEndReasons]atomic.Uint64
 }
 
@@ -336,7 +335,6 @@ func (c *counters) snapshot() flow.Stats {
 		BytesToEndpoint: uint64(c.bytesIn.Load()), BytesToClient: uint64(c.bytesOut.Load()),
 		DialAttempts: uint64(c.dialAttempts.Load()), DialFailures: uint64(c.dialFailures.Load()),
 		DialRetries: uint64(c.dialRetries.Load()), NoEndpoint: uint64(c.noEndpoints.Load()),
-		AcceptErrors: uint64(c.acceptErrors.Load()),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()

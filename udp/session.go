@@ -61,7 +61,6 @@ func (s *session) info(end time.Time, reason flow.EndReason) flow.Info {
 // every datagram is three pointer writes, and expiry only ever looks at the back.
 type lru struct {
 	front, back *session
-	len         int
 }
 
 func (l *lru) pushFront(s *session) {
@@ -72,7 +71,6 @@ func (l *lru) pushFront(s *session) {
 		l.back = s
 	}
 	l.front = s
-	l.len++
 }
 
 func (l *lru) remove(s *session) {
@@ -87,7 +85,6 @@ func (l *lru) remove(s *session) {
 		l.back = s.lruPrev
 	}
 	s.lruPrev, s.lruNext = nil, nil
-	l.len--
 }
 
 func (l *lru) moveToFront(s *session) {
