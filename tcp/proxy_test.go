@@ -305,7 +305,7 @@ func TestCloseKeepsEstablishedConnections(t *testing.T) {
 	}
 }
 
-func TestCloseConnsTo(t *testing.T) {
+func TestDropEndpointResetsOnlyItsConnections(t *testing.T) {
 	ep1, ep2 := serve(t, "127.0.0.3", echo), serve(t, "127.0.0.4", echo)
 	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep1, ep2}}, Config{})
 	c1, c2 := dial(t, p), dial(t, p)
