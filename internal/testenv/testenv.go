@@ -44,6 +44,7 @@ func Unavailable(t testing.TB, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	if Required() {
 		t.Fatalf("%s, and %s is set", msg, EnvRequire)
+		return
 	}
 	t.Skipf("%s (set %s=1 to fail instead)", msg, EnvRequire)
 }

@@ -24,3 +24,26 @@ func TestRequired(t *testing.T) {
 		}
 	}
 }
+
+// recorder is a testing.TB that records how a test ended instead of ending it.
+type recorder struct {
+	testing.TB
+	ended string
+}
+
+func (r *recorder) Helper()               {}
+func (r *recorder) Fatalf(string, ...any) { r.ended = "fail" }
+func (r *recorder) Skipf(string, ...any)  { r.ended = "skip" }
+
+func TestUnavailableSkipsOrFailsWhenRequired(t *testing.T) {
+	for _, tt := range []struct {
+		require, want string
+	}{{"", "skip"}, {"0", "skip"}, {"1", "fail"}} {
+		t.Setenv(EnvRequire, tt.require)
+		r := &recorder{}
+		Unavailable(r, "no %s here", "IPv6")
+		if r.ended != tt.want {
+			t.Errorf("Unavailable with %s=%q: the test would %s, want %s", EnvRequire, tt.require, r.ended, tt.want)
+		}
+	}
+}
