@@ -32,8 +32,8 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 

@@ -6,8 +6,9 @@ import (
 
 	"github.com/sirupsen/logrus"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
@@ -22,49 +23,43 @@ type AccessLog struct {
 
 func (a AccessLog) on(p *service.Port) bool { return a.Log != nil && (a.All || p.AccessLog) }
 
-// TCP returns the OnClose hook for a service port, or nil when its access log is off.
-func (a AccessLog) TCP(p *service.Port) func(tcp.ConnInfo) {
+// OnEnd returns the end hook of a service port's proxy socket (TCP or UDP, after p.Protocol), or
+// nil when its access log is off.
+func (a AccessLog) OnEnd(p *service.Port) func(flow.Info) {
 	if !a.on(p) {
 		return nil
 	}
-	name := p.Name.String()
-	return func(c tcp.ConnInfo) {
-		f := logrus.Fields{
-			"access": "tcp", "service": name, "client": c.Client.String(), "endpoint": addrOrNone(c.Endpoint),
-			"bytes_to_endpoint": c.BytesIn, "bytes_to_client": c.BytesOut, "duration": c.Duration.String(),
-			"reason": c.End.String(), "dial_attempts": c.DialAttempts,
-		}
-		if c.Err != nil {
-			f["error"] = c.Err.Error()
-		}
-		a.Log.WithFields(f).Info("connection closed")
+	name, udpPort := p.Name.String(), p.Protocol == service.UDP
+	proto, msg := "tcp", "connection closed"
+	if udpPort {
+		proto, msg = "udp", "session ended"
 	}
-}
-
-// UDP returns the OnSessionEnd hook for a service port, or nil when its access log is off.
-func (a AccessLog) UDP(p *service.Port) func(udp.SessionInfo) {
-	if !a.on(p) {
-		return nil
-	}
-	name := p.Name.String()
-	return func(s udp.SessionInfo) {
-		a.Log.WithFields(logrus.Fields{
-			"access": "udp", "service": name, "client": s.Client.String(), "endpoint": addrOrNone(s.Endpoint),
-			"packets_to_endpoint": s.PacketsToEndpoint, "bytes_to_endpoint": s.BytesToEndpoint,
-			"packets_to_client": s.PacketsFromEndpoint, "bytes_to_client": s.BytesFromEndpoint,
-			"duration": s.Duration.String(), "reason": string(s.Reason),
-		}).Info("session ended")
+	return func(f flow.Info) {
+		fields := logrus.Fields{
+			"access": proto, "service": name, "client": f.Client.String(), "endpoint": addrOrNone(f.Endpoint),
+			"bytes_to_endpoint": f.BytesToEndpoint, "bytes_to_client": f.BytesToClient,
+			"duration": f.Duration.String(), "reason": f.End.String(),
+		}
+		if udpPort {
+			fields["packets_to_endpoint"], fields["packets_to_client"] = f.PacketsToEndpoint, f.PacketsToClient
+		} else {
+			fields["dial_attempts"] = f.DialAttempts
+		}
+		if f.Err != nil {
+			fields["error"] = f.Err.Error()
+		}
+		a.Log.WithFields(fields).Info(msg)
 	}
 }
 
 // SocketConfigs applies the access log to a SocketConfig's per-port hooks.
 func (a AccessLog) SocketConfigs(cfg SocketConfig) SocketConfig {
 	cfg.TCPConfigFor = func(p *service.Port, c tcp.Config) tcp.Config {
-		c.OnClose = a.TCP(p)
+		c.OnEnd = a.OnEnd(p)
 		return c
 	}
 	cfg.UDPConfigFor = func(p *service.Port, c udp.Config) udp.Config {
-		c.OnSessionEnd = a.UDP(p)
+		c.OnEnd = a.OnEnd(p)
 		return c
 	}
 	return cfg

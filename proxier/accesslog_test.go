@@ -10,9 +10,9 @@ import (
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
 type onePicker struct{ ep netip.AddrPort }
@@ -33,7 +33,7 @@ func BenchmarkAccessLogCost(b *testing.B) {
 			log := logrus.New()
 			log.SetOutput(io.Discard)
 			log.SetFormatter(&logrus.JSONFormatter{})
-			cfg.OnClose = AccessLog{Log: log}.TCP(port)
+			cfg.OnEnd = AccessLog{Log: log}.OnEnd(port)
 		}
 		b.Run(name, func(b *testing.B) {
 			p := tcp.New(port.Name, onePicker{backend}, cfg)
@@ -66,35 +66,40 @@ func BenchmarkAccessLogCost(b *testing.B) {
 // the reason, with the client, endpoint and byte counts.
 func TestAccessLogLinePerEndReason(t *testing.T) {
 	logger, hook := logtest.NewNullLogger()
-	port := &service.Port{Name: service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}, AccessLog: true}
+	tcpPort := &service.Port{Name: service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}, Protocol: service.TCP, AccessLog: true}
+	udpPort := &service.Port{Name: service.ServicePortName{Namespace: "ns", Name: "web", Port: "dns"}, Protocol: service.UDP, AccessLog: true}
 	al := AccessLog{Log: logger}
 	client := netip.MustParseAddrPort("10.244.9.9:40000")
 	ep := netip.MustParseAddrPort("10.244.1.10:8080")
-	tcpReasons := map[tcp.EndReason]string{
-		tcp.EndClientClosed: "client closed", tcp.EndEndpointClosed: "endpoint closed", tcp.EndClientReset: "client reset",
-		tcp.EndEndpointReset: "endpoint reset", tcp.EndIdleTimeout: "idle timeout", tcp.EndDialFailed: "dial failed",
-		tcp.EndNoEndpoints: "no endpoints", tcp.EndDrained: "drained", tcp.EndShutdown: "shutdown",
+	tcpReasons := map[flow.EndReason]string{
+		flow.ClientClosed: "client-closed", flow.EndpointClosed: "endpoint-closed", flow.ClientReset: "client-reset",
+		flow.EndpointReset: "endpoint-reset", flow.IdleTimeout: "idle-timeout", flow.DialFailed: "dial-failed",
+		flow.NoEndpoints: "no-endpoints", flow.EndpointRemoved: "endpoint-removed", flow.Shutdown: "shutdown",
 	}
 	for reason, want := range tcpReasons {
 		hook.Reset()
-		al.TCP(port)(tcp.ConnInfo{Client: client, Endpoint: ep, BytesIn: 3, BytesOut: 7, End: reason, DialAttempts: 2})
+		al.OnEnd(tcpPort)(flow.Info{Client: client, Endpoint: ep, BytesToEndpoint: 3, BytesToClient: 7, End: reason, DialAttempts: 2})
 		e := hook.LastEntry()
-		if e == nil || e.Data["reason"] != want || e.Data["client"] != client.String() || e.Data["endpoint"] != ep.String() ||
-			e.Data["bytes_to_endpoint"] != int64(3) || e.Data["bytes_to_client"] != int64(7) || e.Data["service"] != "ns/web:http" {
+		if e == nil || e.Data["access"] != "tcp" || e.Data["reason"] != want || e.Data["client"] != client.String() || e.Data["endpoint"] != ep.String() ||
+			e.Data["bytes_to_endpoint"] != uint64(3) || e.Data["bytes_to_client"] != uint64(7) || e.Data["service"] != "ns/web:http" {
 			t.Errorf("TCP %v: entry %+v, want reason %q with client, endpoint and bytes", reason, e, want)
 		}
 	}
-	for _, reason := range []udp.EndReason{udp.EndIdle, udp.EndEvicted, udp.EndBackendRefused, udp.EndBackendError, udp.EndEndpointRemoved, udp.EndClosed} {
+	udpReasons := map[flow.EndReason]string{
+		flow.IdleTimeout: "idle-timeout", flow.Evicted: "evicted", flow.EndpointRefused: "endpoint-refused",
+		flow.EndpointError: "endpoint-error", flow.EndpointRemoved: "endpoint-removed", flow.Shutdown: "shutdown",
+	}
+	for reason, want := range udpReasons {
 		hook.Reset()
-		al.UDP(port)(udp.SessionInfo{Client: client, Endpoint: ep, PacketsToEndpoint: 1, BytesToEndpoint: 64, Reason: reason})
+		al.OnEnd(udpPort)(flow.Info{Client: client, Endpoint: ep, PacketsToEndpoint: 1, BytesToEndpoint: 64, End: reason})
 		e := hook.LastEntry()
-		if e == nil || e.Data["reason"] != string(reason) || e.Data["bytes_to_endpoint"] != uint64(64) {
-			t.Errorf("UDP %v: entry %+v", reason, e)
+		if e == nil || e.Data["access"] != "udp" || e.Data["reason"] != want || e.Data["bytes_to_endpoint"] != uint64(64) {
+			t.Errorf("UDP %v: entry %+v, want reason %q", reason, e, want)
 		}
 	}
 	hook.Reset()
 	off := AccessLog{Log: logger}
-	if off.TCP(&service.Port{}) != nil || (AccessLog{}).UDP(port) != nil {
+	if off.OnEnd(&service.Port{}) != nil || (AccessLog{}).OnEnd(udpPort) != nil {
 		t.Error("access log hooks exist for a port that did not ask for them")
 	}
 }

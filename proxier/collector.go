@@ -3,8 +3,8 @@ package proxier
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // trafficCollector exports the data-path counters of every open proxy socket. The sockets keep
@@ -63,84 +63,37 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 		if b := c.p.deps.Balancer.Lookup(a.port.Name); b != nil {
 			gauge(c.endpoints, float64(len(b.Endpoints())))
 		}
-		ts, us := socketStats(a.sock)
-		if ts != nil {
-			gauge(c.tcpActive, float64(ts.ActiveConns))
-			counter(c.tcpTotal, float64(ts.TotalConns))
-			counter(c.tcpBytes, float64(ts.BytesIn), "to_endpoint")
-			counter(c.tcpBytes, float64(ts.BytesOut), "to_client")
-			counter(c.dialAttempts, float64(ts.DialAttempts))
-			counter(c.dialFailures, float64(ts.DialFailures))
-			counter(c.dialRetries, float64(ts.DialRetries))
-			counter(c.rejects, float64(ts.NoEndpoints), "tcp")
+		st, ok := socketStats(a.sock)
+		switch {
+		case !ok:
+		case a.port.Protocol == service.UDP:
+			gauge(c.udpActive, float64(st.Active))
+			counter(c.udpSessions, float64(st.Total), "created")
+			counter(c.udpSessions, float64(st.Ended[flow.IdleTimeout]), "expired")
+			counter(c.udpSessions, float64(st.Ended[flow.Evicted]), "evicted")
+			counter(c.udpSessions, float64(st.Ended[flow.EndpointRefused]), "refused")
+			counter(c.udpSessions, float64(st.Ended[flow.EndpointRemoved]+st.Ended[flow.EndpointError]+st.Ended[flow.Shutdown]), "closed")
+			counter(c.udpPackets, float64(st.PacketsToEndpoint), "to_endpoint")
+			counter(c.udpPackets, float64(st.PacketsToClient), "to_client")
+			counter(c.udpBytes, float64(st.BytesToEndpoint), "to_endpoint")
+			counter(c.udpBytes, float64(st.BytesToClient), "to_client")
+			counter(c.rejects, float64(st.NoEndpoint), "udp")
+			counter(c.udpDrops, float64(st.NoEndpoint), "no_endpoint")
+			counter(c.udpDrops, float64(st.DropsSessionSetup), "session_setup")
+			counter(c.udpDrops, float64(st.DropsToEndpoint), "to_endpoint")
+			counter(c.udpDrops, float64(st.DropsToClient), "to_client")
+			counter(c.udpDrops, float64(st.DropsTruncated), "truncated")
+		default:
+			gauge(c.tcpActive, float64(st.Active))
+			counter(c.tcpTotal, float64(st.Total))
+			counter(c.tcpBytes, float64(st.BytesToEndpoint), "to_endpoint")
+			counter(c.tcpBytes, float64(st.BytesToClient), "to_client")
+			counter(c.dialAttempts, float64(st.DialAttempts))
+			counter(c.dialFailures, float64(st.DialFailures))
+			counter(c.dialRetries, float64(st.DialRetries))
+			counter(c.rejects, float64(st.NoEndpoint), "tcp")
 		}
-		if us != nil {
-			gauge(c.udpActive, float64(us.SessionsActive))
-			counter(c.udpSessions, float64(us.SessionsCreated), "created")
-			counter(c.udpSessions, float64(us.SessionsExpired), "expired")
-			counter(c.udpSessions, float64(us.SessionsEvicted), "evicted")
-			counter(c.udpSessions, float64(us.SessionsRefused), "refused")
-			counter(c.udpSessions, float64(us.SessionsClosed), "closed")
-			counter(c.udpPackets, float64(us.PacketsToEndpoint), "to_endpoint")
-			counter(c.udpPackets, float64(us.PacketsFromEndpoint), "to_client")
-			counter(c.udpBytes, float64(us.BytesToEndpoint), "to_endpoint")
-			counter(c.udpBytes, float64(us.BytesFromEndpoint), "to_client")
-			counter(c.rejects, float64(us.DropsNoEndpoint), "udp")
-			counter(c.udpDrops, float64(us.DropsNoEndpoint), "no_endpoint")
-			counter(c.udpDrops, float64(us.DropsSessionSetup), "session_setup")
-			counter(c.udpDrops, float64(us.DropsToEndpoint), "to_endpoint")
-			counter(c.udpDrops, float64(us.DropsToClient), "to_client")
-			counter(c.udpDrops, float64(us.DropsTruncated), "truncated")
-		}
 	}
-}
-
-// socketStats reads the counters of a socket (none for sockets that are not observed, i.e. fakes).
-func socketStats(s ProxySocket) (*tcp.Stats, *udp.Stats) {
-	if o, ok := s.(observed); ok {
-		return o.traffic()
-	}
-	return nil, nil
-}
-
-func sumTCP(a, b *tcp.Stats) *tcp.Stats {
-	if a == nil {
-		c := *b
-		return &c
-	}
-	a.ActiveConns += b.ActiveConns
-	a.TotalConns += b.TotalConns
-	a.BytesIn += b.BytesIn
-	a.BytesOut += b.BytesOut
-	a.DialAttempts += b.DialAttempts
-	a.DialFailures += b.DialFailures
-	a.DialRetries += b.DialRetries
-	a.NoEndpoints += b.NoEndpoints
-	a.AcceptErrors += b.AcceptErrors
-	return a
-}
-
-func sumUDP(a, b *udp.Stats) *udp.Stats {
-	if a == nil {
-		c := *b
-		return &c
-	}
-	a.SessionsActive += b.SessionsActive
-	a.SessionsCreated += b.SessionsCreated
-	a.SessionsExpired += b.SessionsExpired
-	a.SessionsEvicted += b.SessionsEvicted
-	a.SessionsRefused += b.SessionsRefused
-	a.SessionsClosed += b.SessionsClosed
-	a.PacketsToEndpoint += b.PacketsToEndpoint
-	a.BytesToEndpoint += b.BytesToEndpoint
-	a.PacketsFromEndpoint += b.PacketsFromEndpoint
-	a.BytesFromEndpoint += b.BytesFromEndpoint
-	a.DropsNoEndpoint += b.DropsNoEndpoint
-	a.DropsSessionSetup += b.DropsSessionSetup
-	a.DropsToEndpoint += b.DropsToEndpoint
-	a.DropsToClient += b.DropsToClient
-	a.DropsTruncated += b.DropsTruncated
-	return a
 }
 
 // activeList snapshots the open sockets (copies, so readers need no lock afterwards).

@@ -110,27 +110,10 @@ func (p *Proxier) Services() []ServiceView {
 }
 
 func fillStats(v *ServiceView, s ProxySocket) {
-	ts, us := socketStats(s)
-	if ts != nil {
-		v.Active, v.Total = ts.ActiveConns, uint64(ts.TotalConns)
-		v.BytesToEndpoint, v.BytesToClient = uint64(ts.BytesIn), uint64(ts.BytesOut)
+	if st, ok := socketStats(s); ok {
+		v.Active, v.Total = st.Active, st.Total
+		v.BytesToEndpoint, v.BytesToClient = st.BytesToEndpoint, st.BytesToClient
 	}
-	if us != nil {
-		v.Active, v.Total = us.SessionsActive, us.SessionsCreated
-		v.BytesToEndpoint, v.BytesToClient = us.BytesToEndpoint, us.BytesFromEndpoint
-	}
-}
-
-func listenAddrs(s ProxySocket) []string {
-	addrs := []netip.AddrPort{s.Addr()}
-	if o, ok := s.(observed); ok {
-		addrs = o.addrs()
-	}
-	out := make([]string, len(addrs))
-	for i, a := range addrs {
-		out[i] = a.String()
-	}
-	return out
 }
 
 // Connections lists live TCP connections and UDP sessions, optionally only those of service ports
@@ -143,7 +126,7 @@ func (p *Proxier) Connections(svc, client string) []ConnView {
 		if svc != "" && !strings.Contains(name, svc) {
 			continue
 		}
-		for _, c := range connsOf(a.sock, name, now) {
+		for _, c := range connViews(a.sock, name, string(a.port.Protocol), now) {
 			if client == "" || strings.Contains(c.Client, client) {
 				out = append(out, c)
 			}
@@ -153,13 +136,6 @@ func (p *Proxier) Connections(svc, client string) []ConnView {
 		return cmp.Or(cmp.Compare(a.Service, b.Service), cmp.Compare(a.Client, b.Client))
 	})
 	return out
-}
-
-func connsOf(s ProxySocket, name string, now time.Time) []ConnView {
-	if o, ok := s.(observed); ok {
-		return o.live(name, now)
-	}
-	return nil
 }
 
 func addrStrings(a []netip.Addr) []string {

@@ -5,10 +5,8 @@ import (
 	"errors"
 	"net/netip"
 	"sync"
-	"time"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
-	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
 
 // multiSocket serves one service port from several already-listening sockets (bind mode: one per
@@ -43,47 +41,34 @@ func (m *multiSocket) Listen(netip.AddrPort) error {
 
 func (m *multiSocket) Addr() netip.AddrPort { return m.socks[0].Addr() }
 
-// members lists the sockets that can be observed (all of them for real sockets).
-func (m *multiSocket) members() []observed {
-	var out []observed
+func (m *multiSocket) addrs() []netip.AddrPort {
+	out := make([]netip.AddrPort, len(m.socks))
+	for i, s := range m.socks {
+		out[i] = s.Addr()
+	}
+	return out
+}
+
+// Stats sums the members' counters.
+func (m *multiSocket) Stats() flow.Stats {
+	var sum flow.Stats
+	for _, s := range m.socks {
+		if st, ok := socketStats(s); ok {
+			sum.Add(st)
+		}
+	}
+	return sum
+}
+
+// Live lists the members' live flows.
+func (m *multiSocket) Live() []flow.Info {
+	var out []flow.Info
 	for _, s := range m.socks {
 		if o, ok := s.(observed); ok {
-			out = append(out, o)
+			out = append(out, o.Live()...)
 		}
 	}
 	return out
-}
-
-func (m *multiSocket) addrs() []netip.AddrPort {
-	var out []netip.AddrPort
-	for _, o := range m.members() {
-		out = append(out, o.addrs()...)
-	}
-	return out
-}
-
-func (m *multiSocket) live(name string, now time.Time) []ConnView {
-	var out []ConnView
-	for _, o := range m.members() {
-		out = append(out, o.live(name, now)...)
-	}
-	return out
-}
-
-// traffic sums the members' counters.
-func (m *multiSocket) traffic() (*tcp.Stats, *udp.Stats) {
-	var ts *tcp.Stats
-	var us *udp.Stats
-	for _, o := range m.members() {
-		t, u := o.traffic()
-		if t != nil {
-			ts = sumTCP(ts, t)
-		}
-		if u != nil {
-			us = sumUDP(us, u)
-		}
-	}
-	return ts, us
 }
 
 func (m *multiSocket) Run(ctx context.Context) error {

@@ -4,8 +4,9 @@ import (
 	"net/netip"
 	"time"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
@@ -27,65 +28,67 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 			if cfg.UDPConfigFor != nil {
 				c = cfg.UDPConfigFor(p, c)
 			}
-			return udpSocket{udp.New(p.Name, picker, c)}
+			return udp.New(p.Name, picker, c)
 		}
 		c := cfg.TCP
 		if cfg.TCPConfigFor != nil {
 			c = cfg.TCPConfigFor(p, c)
 		}
-		return tcpSocket{tcp.New(p.Name, picker, c)}
+		return tcp.New(p.Name, picker, c)
 	}
 }
-
-// tcpSocket adapts a TCP proxy to ProxySocket.
-type tcpSocket struct{ *tcp.Proxy }
-
-func (s tcpSocket) DropEndpoint(ep netip.AddrPort) int { return s.CloseConnsTo(ep) }
-
-// udpSocket adapts a UDP proxy to ProxySocket.
-type udpSocket struct{ *udp.Proxy }
-
-func (s udpSocket) DropEndpoint(ep netip.AddrPort) int { return s.CloseSessionsTo(ep) }
-
-// Shutdown ends the sessions too (Close already does for UDP).
-func (s udpSocket) Shutdown() { _ = s.Close() }
 
 // shutdowner is implemented by sockets that can end their established connections at exit.
 type shutdowner interface{ Shutdown() }
 
-// observed is what the metrics collector and the debug views read from a socket. The real
-// sockets implement it; a multiSocket aggregates its members.
+// observed is what the metrics collector and the debug views read from a socket. Both real proxies
+// implement it; a multiSocket aggregates its members.
 type observed interface {
-	traffic() (*tcp.Stats, *udp.Stats)
-	live(name string, now time.Time) []ConnView
-	addrs() []netip.AddrPort
+	Stats() flow.Stats
+	Live() []flow.Info
 }
 
 var (
-	_ observed = tcpSocket{}
-	_ observed = udpSocket{}
-	_ observed = (*multiSocket)(nil)
+	_ ProxySocket = (*tcp.Proxy)(nil)
+	_ ProxySocket = (*udp.Proxy)(nil)
+	_ shutdowner  = (*tcp.Proxy)(nil)
+	_ shutdowner  = (*udp.Proxy)(nil)
+	_ observed    = (*tcp.Proxy)(nil)
+	_ observed    = (*udp.Proxy)(nil)
+	_ observed    = (*multiSocket)(nil)
 )
 
-func (s tcpSocket) traffic() (*tcp.Stats, *udp.Stats) { st := s.Stats(); return &st, nil }
-func (s udpSocket) traffic() (*tcp.Stats, *udp.Stats) { st := s.Stats(); return nil, &st }
-func (s tcpSocket) addrs() []netip.AddrPort           { return []netip.AddrPort{s.Addr()} }
-func (s udpSocket) addrs() []netip.AddrPort           { return []netip.AddrPort{s.Addr()} }
+// socketStats reads the counters of a socket (none for sockets that are not observed, i.e. fakes).
+func socketStats(s ProxySocket) (flow.Stats, bool) {
+	if o, ok := s.(observed); ok {
+		return o.Stats(), true
+	}
+	return flow.Stats{}, false
+}
 
-func (s tcpSocket) live(name string, now time.Time) []ConnView {
+// connViews lists the live flows of a socket for the debug views.
+func connViews(s ProxySocket, name, protocol string, now time.Time) []ConnView {
+	o, ok := s.(observed)
+	if !ok {
+		return nil
+	}
 	var out []ConnView
-	for _, c := range s.Conns() {
-		out = append(out, ConnView{Service: name, Protocol: "TCP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
-			Age: now.Sub(c.Start).Round(time.Millisecond).String(), BytesToEndpoint: uint64(c.BytesIn), BytesToClient: uint64(c.BytesOut)})
+	for _, f := range o.Live() {
+		out = append(out, ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: f.Endpoint.String(),
+			Age: now.Sub(f.Start).Round(time.Millisecond).String(), BytesToEndpoint: f.BytesToEndpoint, BytesToClient: f.BytesToClient})
 	}
 	return out
 }
 
-func (s udpSocket) live(name string, now time.Time) []ConnView {
-	var out []ConnView
-	for _, c := range s.Sessions() {
-		out = append(out, ConnView{Service: name, Protocol: "UDP", Client: c.Client.String(), Endpoint: c.Endpoint.String(),
-			Age: now.Sub(c.Started).Round(time.Millisecond).String(), BytesToEndpoint: c.BytesToEndpoint, BytesToClient: c.BytesFromEndpoint})
+// listenAddrs are the addresses a socket listens on (a multiSocket has several).
+func listenAddrs(s ProxySocket) []string {
+	addrs := []netip.AddrPort{s.Addr()}
+	if m, ok := s.(*multiSocket); ok {
+		addrs = m.addrs()
+	}
+	out := make([]string, len(addrs))
+	for i, a := range addrs {
+		out[i] = a.String()
 	}
 	return out
 }

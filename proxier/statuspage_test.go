@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // TestStatusPageInChromium loads the status page in a real headless browser and checks that the
@@ -14,7 +16,7 @@ import (
 func TestStatusPageInChromium(t *testing.T) {
 	browser, err := exec.LookPath("chromium")
 	if err != nil {
-		t.Skip("chromium not installed (apt-get install chromium); the status page test needs a real browser")
+		testenv.Unavailable(t, "chromium not installed (apt-get install chromium); the status page test needs a real browser")
 	}
 	e := newRealEnv(t)
 	c := e.openEcho(t)

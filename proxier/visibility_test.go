@@ -26,6 +26,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 )
 
@@ -72,17 +73,6 @@ func echoUDP(t testing.TB) netip.AddrPort {
 		}
 	}()
 	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond) // polling a condition with a deadline
-	}
 }
 
 // realEnv is a proxier with real loopback sockets, a fake portal, an access log hook, a metrics
@@ -187,10 +177,10 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 	}
 
 	c.Close()
-	waitFor(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
+	testenv.WaitFor(t, "the TCP access log line", func() bool { return len(hook.AllEntries()) > 0 })
 	entry := hook.AllEntries()[0]
-	if entry.Data["access"] != "tcp" || entry.Data["client"] != client || entry.Data["reason"] != "client closed" ||
-		entry.Data["bytes_to_endpoint"] != int64(5) || entry.Data["bytes_to_client"] != int64(5) {
+	if entry.Data["access"] != "tcp" || entry.Data["client"] != client || entry.Data["reason"] != "client-closed" ||
+		entry.Data["bytes_to_endpoint"] != uint64(5) || entry.Data["bytes_to_client"] != uint64(5) {
 		t.Errorf("access log = %v %v, want tcp client closed 5/5 bytes from %s", entry.Message, entry.Data, client)
 	}
 
@@ -204,7 +194,7 @@ kube_portal_proxy_tcp_bytes_total{direction="to_endpoint",service_port="ns/echo:
 kube_portal_proxy_udp_packets_total{direction="to_client",service_port="ns/echo:udp"} 1
 kube_portal_proxy_udp_packets_total{direction="to_endpoint",service_port="ns/echo:udp"} 1
 `
-	waitFor(t, "tcp counters to settle", func() bool {
+	testenv.WaitFor(t, "tcp counters to settle", func() bool {
 		return testutil.GatherAndCompare(reg, strings.NewReader(want), "kube_portal_proxy_tcp_bytes_total", "kube_portal_proxy_udp_packets_total") == nil
 	})
 

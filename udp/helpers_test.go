@@ -26,18 +26,6 @@ var testService = service.ServicePortName{Namespace: "default", Name: "dns", Por
 
 const waitTimeout = 10 * time.Second
 
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // pick is one call of the fake picker.
 type pick struct {
 	Client netip.Addr

@@ -9,6 +9,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
 
@@ -94,7 +95,7 @@ func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 	if errors.Is(err, unix.ECONNREFUSED) {
 		// A pending ICMP port unreachable for an earlier datagram; this one was not sent. Re-pick
 		// with affinity reset and try once more, so the client loses one datagram, not two.
-		p.end(s, EndBackendRefused)
+		p.end(s, flow.EndpointRefused)
 		if s = p.open(client, name, namelen, true, now); s == nil {
 			return
 		}
@@ -127,10 +128,10 @@ func (p *Proxy) open(client netip.AddrPort, name *sockaddr, namelen uint32, rese
 		return nil
 	}
 	if old := p.sessions[client]; old != nil {
-		p.end(old, EndClosed) // a refused session's tombstone; its end was already reported
+		p.end(old, flow.Unknown) // a refused session's tombstone; its end was already reported
 	}
 	for len(p.sessions) >= p.cfg.MaxSessions && p.lru.back != nil {
-		p.end(p.lru.back, EndEvicted)
+		p.end(p.lru.back, flow.Evicted)
 	}
 	fd, err := dialUDP(ep)
 	if err == nil {
@@ -179,11 +180,11 @@ func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
 		return
 	case errors.Is(err, unix.ECONNREFUSED):
 		// ICMP port unreachable: nothing listens at the endpoint (any more).
-		p.end(s, EndBackendRefused)
+		p.end(s, flow.EndpointRefused)
 		return
 	default:
 		p.warn(now, "read from endpoint", err, logrus.Fields{"client": s.client, "endpoint": s.endpoint})
-		p.end(s, EndBackendError)
+		p.end(s, flow.EndpointError)
 		return
 	}
 	w := from
@@ -236,7 +237,7 @@ func (p *Proxy) expire() {
 	}
 	deadline := p.cfg.Clock.Now().Add(-p.cfg.IdleTimeout)
 	for s := p.lru.back; s != nil && !s.lastActive.After(deadline); s = p.lru.back {
-		p.end(s, EndIdle)
+		p.end(s, flow.IdleTimeout)
 	}
 	ended := p.takeEnded()
 	p.mu.Unlock()
@@ -251,22 +252,22 @@ func (p *Proxy) touch(s *session, now time.Time) {
 
 // end closes a session's backend socket and reports it once. A refused session stays in the table
 // as a tombstone, so the client's next datagram re-picks with reset; any other end removes it.
-func (p *Proxy) end(s *session, reason EndReason) {
+func (p *Proxy) end(s *session, reason flow.EndReason) {
 	if s.fd >= 0 {
 		closeFD(s.fd)
 		delete(p.byFD, int32(s.fd))
 		s.fd = -1
-		p.stats.ended(reason)
+		p.stats.end(reason)
 		now := p.cfg.Clock.Now()
-		if p.cfg.OnSessionEnd != nil {
-			p.ended = append(p.ended, s.info(p.name, now, reason))
+		if p.cfg.OnEnd != nil {
+			p.ended = append(p.ended, s.info(now, reason))
 		}
 		if p.debug() {
 			p.log.WithFields(logrus.Fields{"client": s.client, "endpoint": s.endpoint, "reason": reason}).
 				Debug("session ended")
 		}
 	}
-	if reason == EndBackendRefused {
+	if reason == flow.EndpointRefused {
 		s.refused = true
 		return
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -62,9 +63,9 @@ type Config struct {
 	Logger logrus.FieldLogger
 	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
 	FreeBind bool
-	// OnSessionEnd, if set, is called once per ended session (the access log), from the goroutine
-	// that ended it and without proxy locks held. It must not block for long.
-	OnSessionEnd func(SessionInfo)
+	// OnEnd, if set, is called once per ended session (the access log), from the goroutine that
+	// ended it and without proxy locks held. It must not block for long.
+	OnEnd func(flow.Info)
 }
 
 func (c Config) withDefaults() Config {
@@ -91,7 +92,7 @@ func (c Config) withDefaults() Config {
 //
 // Concurrency: Run's goroutine does all socket I/O. The session table is guarded by mu, which the
 // loop takes once per batch of ready sockets (not per datagram); the expiry timer and the control
-// methods (CloseSessionsTo, Sessions, Close) take it too, so they work whether or not Run is going.
+// methods (DropEndpoint, Live, Close, Shutdown) take it too, so they work whether or not Run is going.
 type Proxy struct {
 	name   service.ServicePortName
 	picker Picker
@@ -108,7 +109,7 @@ type Proxy struct {
 	sessions map[netip.AddrPort]*session
 	byFD     map[int32]*session
 	lru      lru
-	ended    []SessionInfo // waiting for OnSessionEnd, reported outside mu
+	ended    []flow.Info // waiting for OnEnd, reported outside mu
 	lastWarn time.Time
 }
 
@@ -232,7 +233,7 @@ func (p *Proxy) Close() error {
 	p.closed = true
 	var errs []error
 	for _, s := range p.sessions {
-		p.end(s, EndClosed)
+		p.end(s, flow.Shutdown)
 	}
 	if p.lfd >= 0 {
 		if err := closeFD(p.lfd); err != nil {
@@ -259,14 +260,18 @@ func (p *Proxy) Close() error {
 	return nil
 }
 
-// CloseSessionsTo ends every session whose endpoint is ep (the endpoint went away) and returns
-// how many. The clients' next datagrams open new sessions to a live endpoint.
-func (p *Proxy) CloseSessionsTo(ep netip.AddrPort) int {
+// Shutdown is Close: a UDP proxy has no connection that could outlive its socket, so closing
+// already ends every session. It is here so that both proxies stop alike.
+func (p *Proxy) Shutdown() { _ = p.Close() }
+
+// DropEndpoint ends every session whose endpoint is ep (the endpoint went away) and returns how
+// many. The clients' next datagrams open new sessions to a live endpoint.
+func (p *Proxy) DropEndpoint(ep netip.AddrPort) int {
 	p.mu.Lock()
 	n := 0
 	for _, s := range p.sessions {
 		if s.endpoint == ep && s.fd >= 0 {
-			p.end(s, EndEndpointRemoved)
+			p.end(s, flow.EndpointRemoved)
 			n++
 		}
 	}
@@ -277,33 +282,33 @@ func (p *Proxy) CloseSessionsTo(ep netip.AddrPort) int {
 }
 
 // Stats returns the counters. It takes no lock.
-func (p *Proxy) Stats() Stats { return p.stats.snapshot() }
+func (p *Proxy) Stats() flow.Stats { return p.stats.snapshot() }
 
-// Sessions is a snapshot of the live sessions, oldest first.
-func (p *Proxy) Sessions() []SessionInfo {
+// Live is a snapshot of the live sessions, oldest first.
+func (p *Proxy) Live() []flow.Info {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	out := make([]SessionInfo, 0, len(p.sessions))
+	out := make([]flow.Info, 0, len(p.sessions))
 	for s := p.lru.back; s != nil; s = s.lruPrev {
 		if s.fd >= 0 {
-			out = append(out, s.info(p.name, s.lastActive, ""))
+			out = append(out, s.info(s.lastActive, flow.Unknown))
 		}
 	}
-	slices.SortStableFunc(out, func(a, b SessionInfo) int { return a.Started.Compare(b.Started) })
+	slices.SortStableFunc(out, func(a, b flow.Info) int { return a.Start.Compare(b.Start) })
 	return out
 }
 
-func (p *Proxy) takeEnded() []SessionInfo {
+func (p *Proxy) takeEnded() []flow.Info {
 	e := p.ended
 	p.ended = nil
 	return e
 }
 
-func (p *Proxy) report(ended []SessionInfo) {
-	if p.cfg.OnSessionEnd == nil {
+func (p *Proxy) report(ended []flow.Info) {
+	if p.cfg.OnEnd == nil {
 		return
 	}
 	for _, info := range ended {
-		p.cfg.OnSessionEnd(info)
+		p.cfg.OnEnd(info)
 	}
 }

@@ -19,6 +19,9 @@ import (
 	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 func TestProxy_echoRoundTrip(t *testing.T) {
@@ -34,10 +37,10 @@ func TestProxy_echoRoundTrip(t *testing.T) {
 	}
 	// The counters of a reply are updated once its sendmmsg returns, which may be after the client
 	// has it.
-	waitFor(t, "reply counters", func() bool { return p.Stats().PacketsFromEndpoint == 3 })
+	testenv.WaitFor(t, "reply counters", func() bool { return p.Stats().PacketsToClient == 3 })
 	st := p.Stats()
-	want := Stats{SessionsActive: 1, SessionsCreated: 1, PacketsToEndpoint: 3, BytesToEndpoint: 21,
-		PacketsFromEndpoint: 3, BytesFromEndpoint: 30}
+	want := flow.Stats{Active: 1, Total: 1, PacketsToEndpoint: 3, BytesToEndpoint: 21,
+		PacketsToClient: 3, BytesToClient: 30}
 	if st != want {
 		t.Errorf("Stats() (-want +got):\n-%+v\n+%+v", want, st)
 	}
@@ -73,8 +76,8 @@ func TestProxy_parallelClientsGetTheirOwnReplies(t *testing.T) {
 	for err := range errs {
 		t.Error(err)
 	}
-	if got := p.Stats().SessionsCreated; got != clients {
-		t.Errorf("SessionsCreated = %d, want one per client (%d)", got, clients)
+	if got := p.Stats().Total; got != clients {
+		t.Errorf("Total = %d, want one per client (%d)", got, clients)
 	}
 }
 
@@ -104,9 +107,9 @@ func TestProxy_largestDatagramIntact(t *testing.T) {
 // re-armed, i.e. the sweep for the new time is done.
 func stepAndSweep(t *testing.T, fc *clocktesting.FakeClock, d time.Duration) {
 	t.Helper()
-	waitFor(t, "expiry timer armed", fc.HasWaiters)
+	testenv.WaitFor(t, "expiry timer armed", fc.HasWaiters)
 	fc.Step(d)
-	waitFor(t, "expiry sweep", fc.HasWaiters)
+	testenv.WaitFor(t, "expiry sweep", fc.HasWaiters)
 }
 
 func TestProxy_idleExpirySlidesOnTrafficBothWays(t *testing.T) {
@@ -114,46 +117,46 @@ func TestProxy_idleExpirySlidesOnTrafficBothWays(t *testing.T) {
 	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	backend := echoServer(t, "127.0.0.2", "")
 	var mu sync.Mutex
-	var ended []SessionInfo
+	var ended []flow.Info
 	p := startProxy(t, newFakePicker(backend), Config{IdleTimeout: timeout, Clock: fc,
-		OnSessionEnd: func(s SessionInfo) { mu.Lock(); ended = append(ended, s); mu.Unlock() }})
+		OnEnd: func(s flow.Info) { mu.Lock(); ended = append(ended, s); mu.Unlock() }})
 	c := newClient(t, "127.0.0.1", p.Addr())
 
 	c.roundTrip("q1") // t=0
 	stepAndSweep(t, fc, 6*time.Second)
-	if n := len(p.Sessions()); n != 1 {
+	if n := len(p.Live()); n != 1 {
 		t.Fatalf("at 6s: %d sessions, want 1", n)
 	}
 	c.roundTrip("q2") // t=6s: the deadline moves to 16s
 	stepAndSweep(t, fc, 6*time.Second)
-	if n := len(p.Sessions()); n != 1 {
+	if n := len(p.Live()); n != 1 {
 		t.Fatalf("at 12s, 6s after the last traffic: %d sessions, want 1", n)
 	}
 	stepAndSweep(t, fc, 5*time.Second)
-	if n := len(p.Sessions()); n != 0 {
+	if n := len(p.Live()); n != 0 {
 		t.Fatalf("at 17s, 11s after the last traffic: %d sessions, want 0", n)
 	}
-	if got := p.Stats(); got.SessionsExpired != 1 || got.SessionsActive != 0 {
-		t.Errorf("Stats() = %+v, want SessionsExpired 1, SessionsActive 0", got)
+	if got := p.Stats(); got.Ended[flow.IdleTimeout] != 1 || got.Active != 0 {
+		t.Errorf("Stats() = %+v, want Ended[idle-timeout] 1, Active 0", got)
 	}
 	mu.Lock()
 	got := ended
 	mu.Unlock()
-	want := []SessionInfo{{
-		Service: testService, Client: c.addr(), Endpoint: backend,
-		Started: fc.Now().Add(-17 * time.Second), LastActive: fc.Now().Add(-11 * time.Second),
+	want := []flow.Info{{
+		Client: c.addr(), Endpoint: backend,
+		Start: fc.Now().Add(-17 * time.Second), LastActive: fc.Now().Add(-11 * time.Second),
 		Duration:          17 * time.Second,
-		PacketsToEndpoint: 2, BytesToEndpoint: 4, PacketsFromEndpoint: 2, BytesFromEndpoint: 4,
-		Reason: EndIdle,
+		PacketsToEndpoint: 2, BytesToEndpoint: 4, PacketsToClient: 2, BytesToClient: 4,
+		End: flow.IdleTimeout,
 	}}
 	if !reflect.DeepEqual(got, want) {
-		t.Errorf("OnSessionEnd (-want +got):\n-%+v\n+%+v", want, got)
+		t.Errorf("OnEnd (-want +got):\n-%+v\n+%+v", want, got)
 	}
 	if got, want := c.roundTrip("q3"), "q3"; got != want {
 		t.Errorf("after expiry: got %q, want %q", got, want)
 	}
-	if got := p.Stats().SessionsCreated; got != 2 {
-		t.Errorf("SessionsCreated = %d, want 2 (a new session after expiry)", got)
+	if got := p.Stats().Total; got != 2 {
+		t.Errorf("Total = %d, want 2 (a new session after expiry)", got)
 	}
 }
 
@@ -180,7 +183,7 @@ func TestProxy_idleExpirySlidesOnReplies(t *testing.T) {
 		t.Fatalf("late answer at 8s: got %q, %v", got, err)
 	}
 	stepAndSweep(t, fc, 8*time.Second) // 16s: 8s after the reply
-	if n := len(p.Sessions()); n != 1 {
+	if n := len(p.Live()); n != 1 {
 		t.Errorf("8s after the last reply: %d sessions, want 1", n)
 	}
 }
@@ -219,10 +222,10 @@ func TestProxy_sessionCapEvictsLeastRecentlyUsed(t *testing.T) {
 	backend := echoServer(t, "127.0.0.2", "")
 	var mu sync.Mutex
 	var evicted []netip.AddrPort
-	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: 2, OnSessionEnd: func(s SessionInfo) {
+	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: 2, OnEnd: func(s flow.Info) {
 		mu.Lock()
 		defer mu.Unlock()
-		if s.Reason == EndEvicted {
+		if s.End == flow.Evicted {
 			evicted = append(evicted, s.Client)
 		}
 	}})
@@ -237,7 +240,7 @@ func TestProxy_sessionCapEvictsLeastRecentlyUsed(t *testing.T) {
 
 	clientsOf := func() []netip.AddrPort {
 		var out []netip.AddrPort
-		for _, s := range p.Sessions() {
+		for _, s := range p.Live() {
 			out = append(out, s.Client)
 		}
 		slices.SortFunc(out, netip.AddrPort.Compare)
@@ -248,8 +251,8 @@ func TestProxy_sessionCapEvictsLeastRecentlyUsed(t *testing.T) {
 	if got := clientsOf(); !slices.Equal(got, want) {
 		t.Errorf("sessions (-want +got):\n-%v\n+%v", want, got)
 	}
-	if got := p.Stats(); got.SessionsEvicted != 1 || got.SessionsActive != 2 {
-		t.Errorf("Stats() = %+v, want SessionsEvicted 1, SessionsActive 2", got)
+	if got := p.Stats(); got.Ended[flow.Evicted] != 1 || got.Active != 2 {
+		t.Errorf("Stats() = %+v, want Ended[evicted] 1, Active 2", got)
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -271,11 +274,11 @@ func TestProxy_sessionCapBoundsSpoofedFlood(t *testing.T) {
 		c := newClient(t, fmt.Sprintf("127.0.%d.%d", 10+i/250, 1+i%250), p.Addr())
 		c.send([]byte("flood"))
 		c.conn.Close()
-		waitFor(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().SessionsCreated == uint64(i+1) })
+		testenv.WaitFor(t, fmt.Sprintf("session %d", i+1), func() bool { return p.Stats().Total == uint64(i+1) })
 	}
 	st := p.Stats()
-	if st.SessionsActive != maxSessions || st.SessionsEvicted != sources-maxSessions {
-		t.Errorf("Stats() = %+v, want SessionsActive %d, SessionsEvicted %d", st, maxSessions, sources-maxSessions)
+	if st.Active != maxSessions || st.Ended[flow.Evicted] != sources-maxSessions {
+		t.Errorf("Stats() = %+v, want Active %d, Ended[evicted] %d", st, maxSessions, sources-maxSessions)
 	}
 	if got := countFDs(t); got > baseFDs+maxSessions {
 		t.Errorf("open descriptors grew from %d to %d, want at most %d more", baseFDs, got, maxSessions)
@@ -293,17 +296,17 @@ func TestProxy_endpointChangeMidSession(t *testing.T) {
 		t.Fatalf("before the change: got %q, want %q", got, want)
 	}
 	picker.setEndpoints(b2) // b1 went away
-	if got, want := p.CloseSessionsTo(b1), 1; got != want {
-		t.Errorf("CloseSessionsTo(b1) = %d, want %d", got, want)
+	if got, want := p.DropEndpoint(b1), 1; got != want {
+		t.Errorf("DropEndpoint(b1) = %d, want %d", got, want)
 	}
 	if got, want := c.roundTrip("y"), "b2:y"; got != want {
 		t.Errorf("after the change: got %q, want %q", got, want)
 	}
-	if got, want := p.CloseSessionsTo(b1), 0; got != want {
-		t.Errorf("CloseSessionsTo(b1) again = %d, want %d", got, want)
+	if got, want := p.DropEndpoint(b1), 0; got != want {
+		t.Errorf("DropEndpoint(b1) again = %d, want %d", got, want)
 	}
-	if got := p.Stats(); got.SessionsClosed != 1 || got.SessionsCreated != 2 {
-		t.Errorf("Stats() = %+v, want SessionsClosed 1, SessionsCreated 2", got)
+	if got := p.Stats(); got.Ended[flow.EndpointRemoved] != 1 || got.Total != 2 {
+		t.Errorf("Stats() = %+v, want Ended[endpoint-removed] 1, Total 2", got)
 	}
 }
 
@@ -312,16 +315,16 @@ func TestProxy_refusedEndpointFailsOver(t *testing.T) {
 	live := echoServer(t, "127.0.0.2", "live:")
 	picker := newFakePicker(dead, live)
 	var mu sync.Mutex
-	var reasons []EndReason
-	p := startProxy(t, picker, Config{OnSessionEnd: func(s SessionInfo) {
+	var reasons []flow.EndReason
+	p := startProxy(t, picker, Config{OnEnd: func(s flow.Info) {
 		mu.Lock()
 		defer mu.Unlock()
-		reasons = append(reasons, s.Reason)
+		reasons = append(reasons, s.End)
 	}})
 	c := newClient(t, "127.0.0.1", p.Addr())
 
 	c.send([]byte("lost")) // to the dead endpoint: ICMP port unreachable
-	waitFor(t, "the refusal", func() bool { return p.Stats().SessionsRefused == 1 })
+	testenv.WaitFor(t, "the refusal", func() bool { return p.Stats().Ended[flow.EndpointRefused] == 1 })
 	if got, want := c.roundTrip("retry"), "live:retry"; got != want {
 		t.Errorf("after the refusal: got %q, want %q", got, want)
 	}
@@ -331,7 +334,7 @@ func TestProxy_refusedEndpointFailsOver(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if want := []EndReason{EndBackendRefused}; !slices.Equal(reasons, want) {
+	if want := []flow.EndReason{flow.EndpointRefused}; !slices.Equal(reasons, want) {
 		t.Errorf("ended sessions (-want +got):\n-%v\n+%v", want, reasons)
 	}
 }
@@ -340,8 +343,8 @@ func TestProxy_noEndpointDropsDatagram(t *testing.T) {
 	p := startProxy(t, newFakePicker(), Config{})
 	c := newClient(t, "127.0.0.1", p.Addr())
 	c.send([]byte("nobody home"))
-	waitFor(t, "the drop", func() bool { return p.Stats().DropsNoEndpoint == 1 })
-	if n := len(p.Sessions()); n != 0 {
+	testenv.WaitFor(t, "the drop", func() bool { return p.Stats().NoEndpoint == 1 })
+	if n := len(p.Live()); n != 0 {
 		t.Errorf("%d sessions, want 0", n)
 	}
 }
@@ -384,8 +387,8 @@ func TestProxy_closeLeaksNothing(t *testing.T) {
 			for _, c := range clients {
 				c.conn.Close()
 			}
-			if got := p.Stats().SessionsActive; got != 20 {
-				t.Fatalf("SessionsActive = %d, want 20", got)
+			if got := p.Stats().Active; got != 20 {
+				t.Fatalf("Active = %d, want 20", got)
 			}
 			tt.stop(p, cancel)
 			select {
@@ -396,11 +399,11 @@ func TestProxy_closeLeaksNothing(t *testing.T) {
 			case <-time.After(waitTimeout):
 				t.Fatal("Run did not return")
 			}
-			if got := p.Stats(); got.SessionsActive != 0 || got.SessionsClosed != 20 {
-				t.Errorf("Stats() = %+v, want SessionsActive 0, SessionsClosed 20", got)
+			if got := p.Stats(); got.Active != 0 || got.Ended[flow.Shutdown] != 20 {
+				t.Errorf("Stats() = %+v, want Active 0, Ended[shutdown] 20", got)
 			}
-			waitFor(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
-			waitFor(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
+			testenv.WaitFor(t, fmt.Sprintf("descriptors back to %d", fds), func() bool { return countFDs(t) == fds })
+			testenv.WaitFor(t, fmt.Sprintf("goroutines back to %d", goroutines), func() bool {
 				return runtime.NumGoroutine() <= goroutines
 			})
 			if err := p.Close(); err != nil {
@@ -433,7 +436,7 @@ func TestProxy_closeWithoutRun(t *testing.T) {
 func TestProxy_ipv6RoundTrip(t *testing.T) {
 	backendConn, err := net.ListenUDP("udp6", &net.UDPAddr{IP: net.IPv6loopback})
 	if err != nil {
-		t.Skipf("no IPv6 loopback: %v", err)
+		testenv.Unavailable(t, "no IPv6 loopback: %v", err)
 	}
 	defer backendConn.Close()
 	go func() {
@@ -470,7 +473,7 @@ func TestProxy_ipv6RoundTrip(t *testing.T) {
 	}
 	want := []netip.AddrPort{c.LocalAddr().(*net.UDPAddr).AddrPort()}
 	var got []netip.AddrPort
-	for _, s := range p.Sessions() {
+	for _, s := range p.Live() {
 		got = append(got, s.Client)
 	}
 	if !slices.Equal(got, want) {

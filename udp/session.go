@@ -4,36 +4,8 @@ import (
 	"net/netip"
 	"time"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
-
-// EndReason says why a session ended.
-type EndReason string
-
-// The reasons a session ends. The zero value marks a live session.
-const (
-	EndIdle            EndReason = "idle-timeout"     // no traffic either way for Config.IdleTimeout
-	EndEvicted         EndReason = "evicted"          // least recently used when MaxSessions was reached
-	EndBackendRefused  EndReason = "backend-refused"  // ICMP port unreachable from the endpoint
-	EndBackendError    EndReason = "backend-error"    // any other error on the backend socket
-	EndEndpointRemoved EndReason = "endpoint-removed" // CloseSessionsTo
-	EndClosed          EndReason = "closed"           // the proxy was closed
-)
-
-// SessionInfo describes one client session, live (Reason empty) or ended.
-type SessionInfo struct {
-	Service    service.ServicePortName
-	Client     netip.AddrPort
-	Endpoint   netip.AddrPort
-	Started    time.Time
-	LastActive time.Time
-	// Duration is from Started to the end of the session (to LastActive while it is live).
-	Duration time.Duration
-	// To the endpoint (client to backend) and back (backend to client).
-	PacketsToEndpoint, BytesToEndpoint     uint64
-	PacketsFromEndpoint, BytesFromEndpoint uint64
-	Reason                                 EndReason
-}
 
 // session is one client address with its own socket connected to the endpoint picked for it.
 // Sessions are owned by the proxy and touched only under Proxy.mu.
@@ -70,19 +42,18 @@ func (s *session) setLocal(local netip.Addr) {
 	}
 }
 
-func (s *session) info(name service.ServicePortName, end time.Time, reason EndReason) SessionInfo {
-	return SessionInfo{
-		Service:             name,
-		Client:              s.client,
-		Endpoint:            s.endpoint,
-		Started:             s.started,
-		LastActive:          s.lastActive,
-		Duration:            end.Sub(s.started),
-		PacketsToEndpoint:   s.pktsTo,
-		BytesToEndpoint:     s.bytesTo,
-		PacketsFromEndpoint: s.pktsFrom,
-		BytesFromEndpoint:   s.bytesFrom,
-		Reason:              reason,
+func (s *session) info(end time.Time, reason flow.EndReason) flow.Info {
+	return flow.Info{
+		Client:            s.client,
+		Endpoint:          s.endpoint,
+		Start:             s.started,
+		LastActive:        s.lastActive,
+		Duration:          end.Sub(s.started),
+		PacketsToEndpoint: s.pktsTo,
+		BytesToEndpoint:   s.bytesTo,
+		PacketsToClient:   s.pktsFrom,
+		BytesToClient:     s.bytesFrom,
+		End:               reason,
 	}
 }
 
@@ -90,7 +61,6 @@ func (s *session) info(name service.ServicePortName, end time.Time, reason EndRe
 // every datagram is three pointer writes, and expiry only ever looks at the back.
 type lru struct {
 	front, back *session
-	len         int
 }
 
 func (l *lru) pushFront(s *session) {
@@ -101,7 +71,6 @@ func (l *lru) pushFront(s *session) {
 		l.back = s
 	}
 	l.front = s
-	l.len++
 }
 
 func (l *lru) remove(s *session) {
@@ -116,7 +85,6 @@ func (l *lru) remove(s *session) {
 		l.back = s.lruPrev
 	}
 	s.lruPrev, s.lruNext = nil, nil
-	l.len--
 }
 
 func (l *lru) moveToFront(s *session) {

@@ -30,8 +30,8 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
 var (

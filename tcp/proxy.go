@@ -15,6 +15,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -46,9 +47,9 @@ type Config struct {
 	ParkAfter time.Duration
 	// Logger gets one line per failure (dial, reset, error), with service/client/endpoint fields.
 	Logger logrus.FieldLogger
-	// OnClose, if set, is called once per accepted connection after both sockets are closed (access
+	// OnEnd, if set, is called once per accepted connection after both sockets are closed (access
 	// log). It runs on the connection's goroutine and must not block.
-	OnClose func(ConnInfo)
+	OnEnd func(flow.Info)
 	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
 	FreeBind bool
 	// Clock drives the idle timeout and timestamps; nil means the real clock.
@@ -140,7 +141,7 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 func (p *Proxy) Addr() netip.AddrPort { return p.addr }
 
 // Run accepts connections until ctx is done or Close is called. Established connections outlive
-// Run; they end by themselves, by CloseConnsTo, or by Shutdown.
+// Run; they end by themselves, by DropEndpoint, or by Shutdown.
 func (p *Proxy) Run(ctx context.Context) error {
 	if p.ln == nil {
 		return fmt.Errorf("tcp proxy %s: Run before Listen", p.name)
@@ -178,27 +179,27 @@ func (p *Proxy) Shutdown() {
 	p.cancel()
 	p.stopBackground()
 	for _, c := range p.snapshot() {
-		c.terminate(EndShutdown, true)
+		c.terminate(flow.Shutdown, true)
 	}
 	p.wg.Wait()
 }
 
-// CloseConnsTo resets the connections that use ep (the endpoint is gone for good) and returns how
+// DropEndpoint resets the connections that use ep (the endpoint is gone for good) and returns how
 // many it closed. Clients see a reset, so they reconnect instead of waiting on a dead peer.
-func (p *Proxy) CloseConnsTo(ep netip.AddrPort) int {
+func (p *Proxy) DropEndpoint(ep netip.AddrPort) int {
 	n := 0
 	for _, c := range p.snapshot() {
-		if c.endpointAddr() == ep && c.terminate(EndDrained, true) {
+		if c.endpointAddr() == ep && c.terminate(flow.EndpointRemoved, true) {
 			n++
 		}
 	}
 	return n
 }
 
-// Conns is a snapshot of the live connections, for a debug view.
-func (p *Proxy) Conns() []ConnInfo {
+// Live is a snapshot of the live connections, for a debug view.
+func (p *Proxy) Live() []flow.Info {
 	conns := p.snapshot()
-	out := make([]ConnInfo, 0, len(conns))
+	out := make([]flow.Info, 0, len(conns))
 	for _, c := range conns {
 		out = append(out, c.info())
 	}
@@ -309,7 +310,7 @@ func (p *Proxy) sweepIdle() {
 			now := p.cfg.Clock.Now().UnixNano()
 			for _, c := range p.snapshot() {
 				if now-c.last.Load() >= int64(p.cfg.IdleTimeout) {
-					c.terminate(EndIdleTimeout, false)
+					c.terminate(flow.IdleTimeout, false)
 				}
 			}
 		}
@@ -318,31 +319,27 @@ func (p *Proxy) sweepIdle() {
 
 var errClosed = errors.New("proxy closed")
 
-// Stats returns the counters.
-func (p *Proxy) Stats() Stats { return p.stats.snapshot() }
+// Stats returns the counters. It takes no lock.
+func (p *Proxy) Stats() flow.Stats { return p.stats.snapshot() }
 
+// counters is the live, lock-free form of flow.Stats.
 type counters struct {
 	active, total, bytesIn, bytesOut                     atomic.Int64
 	dialAttempts, dialFailures, dialRetries, noEndpoints atomic.Int64
-	acceptErrors                                         atomic.Int64
+	ended                                                [flow.NumEndReasons]atomic.Uint64
 }
 
-// Stats are the counters of one proxy socket since Listen. BytesIn is client->endpoint.
-type Stats struct {
-	ActiveConns, TotalConns                              int64
-	BytesIn, BytesOut                                    int64
-	DialAttempts, DialFailures, DialRetries, NoEndpoints int64
-	AcceptErrors                                         int64
-}
-
-func (c *counters) snapshot() Stats {
-	return Stats{
-		ActiveConns: c.active.Load(), TotalConns: c.total.Load(),
-		BytesIn: c.bytesIn.Load(), BytesOut: c.bytesOut.Load(),
-		DialAttempts: c.dialAttempts.Load(), DialFailures: c.dialFailures.Load(),
-		DialRetries: c.dialRetries.Load(), NoEndpoints: c.noEndpoints.Load(),
-		AcceptErrors: c.acceptErrors.Load(),
+func (c *counters) snapshot() flow.Stats {
+	s := flow.Stats{
+		Active: c.active.Load(), Total: uint64(c.total.Load()),
+		BytesToEndpoint: uint64(c.bytesIn.Load()), BytesToClient: uint64(c.bytesOut.Load()),
+		DialAttempts: uint64(c.dialAttempts.Load()), DialFailures: uint64(c.dialFailures.Load()),
+		DialRetries: uint64(c.dialRetries.Load()), NoEndpoint: uint64(c.noEndpoints.Load()),
 	}
+	for i := range c.ended {
+		s.Ended[i] = c.ended[i].Load()
+	}
+	return s
 }
 
 // logger is the proxy's logger with its service field. Built on use, not kept: logging is rare,

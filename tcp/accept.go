@@ -47,7 +47,6 @@ func (p *Proxy) acceptLoop() error {
 			continue
 		}
 		err := os.NewSyscallError("accept4", aerr)
-		p.stats.acceptErrors.Add(1)
 		if !outOfResources(err) {
 			// ECONNABORTED and friends concern one connection; the listener is fine.
 			p.logger().WithError(err).Debug("accept failed")

@@ -17,6 +17,9 @@ import (
 	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 func TestRoundTrip(t *testing.T) {
@@ -31,7 +34,7 @@ func TestRoundTrip(t *testing.T) {
 			t.Run(m.name+"/"+tt.name, func(t *testing.T) {
 				ep := serve(t, "127.0.0.3", echo)
 				closed := make(closedCh, 1)
-				p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+				p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 				c := dial(t, p)
 				var got []byte
 				done := make(chan error, 1)
@@ -51,15 +54,17 @@ func TestRoundTrip(t *testing.T) {
 					t.Fatalf("echoed %d bytes, want %d identical bytes", len(got), len(tt.payload))
 				}
 				ci := closed.next(t)
-				want := ConnInfo{Client: ci.Client, Endpoint: ep, BytesIn: int64(len(tt.payload)), BytesOut: int64(len(tt.payload)), DialAttempts: 1, End: EndClientClosed}
-				if got := (ConnInfo{Client: ci.Client, Endpoint: ci.Endpoint, BytesIn: ci.BytesIn, BytesOut: ci.BytesOut, DialAttempts: ci.DialAttempts, End: ci.End, Err: ci.Err}); got != want {
-					t.Errorf("OnClose (-want +got):\n-%+v\n+%+v", want, got)
+				n := uint64(len(tt.payload))
+				want := flow.Info{Client: ci.Client, Endpoint: ep, BytesToEndpoint: n, BytesToClient: n, DialAttempts: 1, End: flow.ClientClosed}
+				if got := (flow.Info{Client: ci.Client, Endpoint: ci.Endpoint, BytesToEndpoint: ci.BytesToEndpoint, BytesToClient: ci.BytesToClient, DialAttempts: ci.DialAttempts, End: ci.End, Err: ci.Err}); got != want {
+					t.Errorf("OnEnd (-want +got):\n-%+v\n+%+v", want, got)
 				}
 				if ci.Client.Addr() != netip.MustParseAddr("127.0.0.1") {
 					t.Errorf("client address %s, want 127.0.0.1:*", ci.Client)
 				}
 				st := p.Stats()
-				wantSt := Stats{ActiveConns: 0, TotalConns: 1, BytesIn: int64(len(tt.payload)), BytesOut: int64(len(tt.payload)), DialAttempts: 1}
+				wantSt := flow.Stats{Active: 0, Total: 1, BytesToEndpoint: n, BytesToClient: n, DialAttempts: 1}
+				wantSt.Ended[flow.ClientClosed] = 1
 				if st != wantSt {
 					t.Errorf("Stats (-want +got):\n-%+v\n+%+v", wantSt, st)
 				}
@@ -101,9 +106,9 @@ func TestManyConcurrentClients(t *testing.T) {
 	for err := range errs {
 		t.Error(err)
 	}
-	waitFor(t, "all connections to end", func() bool { return p.Stats().ActiveConns == 0 })
-	if got := p.Stats().TotalConns; got != clients {
-		t.Errorf("TotalConns = %d, want %d", got, clients)
+	testenv.WaitFor(t, "all connections to end", func() bool { return p.Stats().Active == 0 })
+	if got := p.Stats().Total; got != clients {
+		t.Errorf("Total = %d, want %d", got, clients)
 	}
 }
 
@@ -117,7 +122,7 @@ func TestHalfClose(t *testing.T) {
 				c.Write(bytes.Repeat(req[:1], response))
 			})
 			closed := make(closedCh, 1)
-			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 			c := dial(t, p)
 			c.Write([]byte("x-request"))
 			if err := c.CloseWrite(); err != nil {
@@ -127,8 +132,8 @@ func TestHalfClose(t *testing.T) {
 			if err != nil || len(got) != response {
 				t.Fatalf("response after half-close: %d bytes, %v; want %d bytes and EOF", len(got), err, response)
 			}
-			if ci := closed.next(t); ci.End != EndClientClosed || ci.Err != nil {
-				t.Errorf("end = %v, %v; want %v, nil", ci.End, ci.Err, EndClientClosed)
+			if ci := closed.next(t); ci.End != flow.ClientClosed || ci.Err != nil {
+				t.Errorf("end = %v, %v; want %v, nil", ci.End, ci.Err, flow.ClientClosed)
 			}
 		})
 		t.Run(m.name+"/endpoint_fin_first_client_keeps_sending", func(t *testing.T) {
@@ -140,7 +145,7 @@ func TestHalfClose(t *testing.T) {
 				received <- string(rest)
 			})
 			closed := make(closedCh, 1)
-			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 			c := dial(t, p)
 			got, err := io.ReadAll(c)
 			if err != nil || string(got) != "banner" {
@@ -153,8 +158,8 @@ func TestHalfClose(t *testing.T) {
 			if got := <-received; got != "after-fin" {
 				t.Errorf("endpoint received (-want +got):\n-%q\n+%q", "after-fin", got)
 			}
-			if ci := closed.next(t); ci.End != EndEndpointClosed {
-				t.Errorf("end = %v, want %v", ci.End, EndEndpointClosed)
+			if ci := closed.next(t); ci.End != flow.EndpointClosed {
+				t.Errorf("end = %v, want %v", ci.End, flow.EndpointClosed)
 			}
 		})
 	}
@@ -170,7 +175,7 @@ func TestResetPropagation(t *testing.T) {
 				c.SetLinger(0)
 			}) // handler returns: Close with linger 0 sends RST
 			closed := make(closedCh, 1)
-			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 			c := dial(t, p)
 			c.Write([]byte("ping"))
 			_, err := io.ReadAll(c)
@@ -178,8 +183,8 @@ func TestResetPropagation(t *testing.T) {
 				t.Fatalf("client read after endpoint RST: %v, want ECONNRESET", err)
 			}
 			ci := closed.next(t)
-			if ci.End != EndEndpointReset || ci.Err == nil || !strings.Contains(ci.Err.Error(), "endpoint->client: read") {
-				t.Errorf("end = %v, err = %v; want %v and an error naming endpoint->client: read", ci.End, ci.Err, EndEndpointReset)
+			if ci.End != flow.EndpointReset || ci.Err == nil || !strings.Contains(ci.Err.Error(), "endpoint->client: read") {
+				t.Errorf("end = %v, err = %v; want %v and an error naming endpoint->client: read", ci.End, ci.Err, flow.EndpointReset)
 			}
 		})
 		t.Run(m.name+"/client_reset_resets_endpoint", func(t *testing.T) {
@@ -191,7 +196,7 @@ func TestResetPropagation(t *testing.T) {
 				got <- err
 			})
 			closed := make(closedCh, 1)
-			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnClose: closed.onClose})
+			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 			c := dial(t, p)
 			io.ReadFull(c, make([]byte, 2))
 			c.SetLinger(0)
@@ -199,8 +204,8 @@ func TestResetPropagation(t *testing.T) {
 			if err := <-got; !isReset(err) {
 				t.Fatalf("endpoint read after client RST: %v, want ECONNRESET", err)
 			}
-			if ci := closed.next(t); ci.End != EndClientReset {
-				t.Errorf("end = %v, want %v", ci.End, EndClientReset)
+			if ci := closed.next(t); ci.End != flow.ClientReset {
+				t.Errorf("end = %v, want %v", ci.End, flow.ClientReset)
 			}
 		})
 	}
@@ -211,7 +216,7 @@ func TestDialFailover(t *testing.T) {
 		good := serve(t, "127.0.0.3", echo)
 		picker := &fakePicker{eps: []netip.AddrPort{refusedPort(t), good}}
 		closed := make(closedCh, 1)
-		p := startProxy(t, picker, Config{OnClose: closed.onClose})
+		p := startProxy(t, picker, Config{OnEnd: closed.onClose})
 		c := dial(t, p)
 		roundTrip(t, c, "after failover")
 		c.Close()
@@ -235,7 +240,7 @@ func TestDialFailover(t *testing.T) {
 		picker := &fakePicker{eps: []netip.AddrPort{unansweredPort(t), good}}
 		closed := make(closedCh, 1)
 		const first = 200 * time.Millisecond
-		p := startProxy(t, picker, Config{DialTimeouts: []time.Duration{first, 5 * time.Second}, OnClose: closed.onClose})
+		p := startProxy(t, picker, Config{DialTimeouts: []time.Duration{first, 5 * time.Second}, OnEnd: closed.onClose})
 		start := time.Now()
 		c := dial(t, p)
 		roundTrip(t, c, "after a timeout")
@@ -254,27 +259,27 @@ func TestDialFailover(t *testing.T) {
 		picker := &fakePicker{eps: []netip.AddrPort{refusedPort(t)}}
 		closed := make(closedCh, 1)
 		ladder := []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 100 * time.Millisecond}
-		p := startProxy(t, picker, Config{DialTimeouts: ladder, OnClose: closed.onClose})
+		p := startProxy(t, picker, Config{DialTimeouts: ladder, OnEnd: closed.onClose})
 		if err := dialExpectReset(t, p); !isReset(err) {
 			t.Fatalf("client: %v, want ECONNRESET", err)
 		}
-		if ci := closed.next(t); ci.End != EndDialFailed || ci.DialAttempts != len(ladder) {
-			t.Errorf("end %v after %d attempts, want %v after %d", ci.End, ci.DialAttempts, EndDialFailed, len(ladder))
+		if ci := closed.next(t); ci.End != flow.DialFailed || ci.DialAttempts != len(ladder) {
+			t.Errorf("end %v after %d attempts, want %v after %d", ci.End, ci.DialAttempts, flow.DialFailed, len(ladder))
 		}
 	})
 }
 
 func TestNoEndpointsResetsClient(t *testing.T) {
 	closed := make(closedCh, 1)
-	p := startProxy(t, &fakePicker{}, Config{OnClose: closed.onClose})
+	p := startProxy(t, &fakePicker{}, Config{OnEnd: closed.onClose})
 	if err := dialExpectReset(t, p); !isReset(err) {
 		t.Fatalf("client: %v, want ECONNRESET", err)
 	}
-	if ci := closed.next(t); ci.End != EndNoEndpoints {
-		t.Errorf("end = %v, want %v", ci.End, EndNoEndpoints)
+	if ci := closed.next(t); ci.End != flow.NoEndpoints {
+		t.Errorf("end = %v, want %v", ci.End, flow.NoEndpoints)
 	}
-	if st := p.Stats(); st.NoEndpoints != 1 || st.DialAttempts != 0 {
-		t.Errorf("stats %+v, want NoEndpoints 1 and no dial", st)
+	if st := p.Stats(); st.NoEndpoint != 1 || st.DialAttempts != 0 {
+		t.Errorf("stats %+v, want NoEndpoint 1 and no dial", st)
 	}
 }
 
@@ -293,27 +298,27 @@ func TestCloseKeepsEstablishedConnections(t *testing.T) {
 				t.Errorf("new connection accepted after Close")
 			}
 			roundTrip(t, c, "after close")
-			if n := len(p.Conns()); n != 1 {
+			if n := len(p.Live()); n != 1 {
 				t.Errorf("live connections after Close = %d, want 1", n)
 			}
 		})
 	}
 }
 
-func TestCloseConnsTo(t *testing.T) {
+func TestDropEndpointResetsOnlyItsConnections(t *testing.T) {
 	ep1, ep2 := serve(t, "127.0.0.3", echo), serve(t, "127.0.0.4", echo)
 	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep1, ep2}}, Config{})
 	c1, c2 := dial(t, p), dial(t, p)
 	roundTrip(t, c1, "one")
 	roundTrip(t, c2, "two")
 	// The two connections' goroutines race to the picker: name them by the endpoint they got.
-	for _, ci := range p.Conns() {
+	for _, ci := range p.Live() {
 		if ci.Endpoint == ep1 && ci.Client.String() != c1.LocalAddr().String() {
 			c1, c2 = c2, c1
 		}
 	}
-	if n := p.CloseConnsTo(ep1); n != 1 {
-		t.Fatalf("CloseConnsTo(%s) = %d, want 1", ep1, n)
+	if n := p.DropEndpoint(ep1); n != 1 {
+		t.Fatalf("DropEndpoint(%s) = %d, want 1", ep1, n)
 	}
 	if _, err := c1.Read(make([]byte, 1)); !isReset(err) {
 		t.Errorf("drained client read: %v, want ECONNRESET", err)
@@ -321,14 +326,14 @@ func TestCloseConnsTo(t *testing.T) {
 	roundTrip(t, c2, "still here")
 	// The client->endpoint counter is bumped after the write, which can be after the echo came
 	// back: wait for it. "one" and "two" have one length, so the count does not depend on the swap.
-	waitFor(t, "the survivor's bytes in", func() bool {
-		conns := p.Conns()
-		return len(conns) == 1 && conns[0].BytesIn == int64(len("twostill here"))
+	testenv.WaitFor(t, "the survivor's bytes in", func() bool {
+		conns := p.Live()
+		return len(conns) == 1 && conns[0].BytesToEndpoint == uint64(len("twostill here"))
 	})
-	conns := p.Conns()
+	conns := p.Live()
 	if len(conns) != 1 || conns[0].Endpoint != ep2 || conns[0].Client.String() != c2.LocalAddr().String() ||
-		conns[0].BytesIn != int64(len("twostill here")) {
-		t.Errorf("Conns() = %+v, want only %s's connection to %s with %d bytes in", conns, c2.LocalAddr(), ep2, len("twostill here"))
+		conns[0].BytesToEndpoint != uint64(len("twostill here")) {
+		t.Errorf("Live() = %+v, want only %s's connection to %s with %d bytes in", conns, c2.LocalAddr(), ep2, len("twostill here"))
 	}
 }
 
@@ -339,23 +344,23 @@ func TestIdleTimeout(t *testing.T) {
 			ep := serve(t, "127.0.0.3", echo)
 			closed := make(closedCh, 1)
 			p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}},
-				Config{IdleTimeout: 10 * time.Second, Clock: clk, ParkAfter: m.parkAfter, OnClose: closed.onClose})
+				Config{IdleTimeout: 10 * time.Second, Clock: clk, ParkAfter: m.parkAfter, OnEnd: closed.onClose})
 			c := dial(t, p)
 			roundTrip(t, c, "active")
-			waitFor(t, "the idle sweeper to start", clk.HasWaiters)
+			testenv.WaitFor(t, "the idle sweeper to start", clk.HasWaiters)
 			clk.Step(5 * time.Second)
 			roundTrip(t, c, "still active") // moves the last-activity mark to t+5s
 			clk.Step(5 * time.Second)       // 5s idle: kept
 			roundTrip(t, c, "")
-			if n := len(p.Conns()); n != 1 {
+			if n := len(p.Live()); n != 1 {
 				t.Fatalf("connections after 5s idle = %d, want 1", n)
 			}
 			clk.Step(11 * time.Second)
 			if n, err := c.Read(make([]byte, 1)); err != io.EOF {
 				t.Fatalf("client read after idle timeout: %d, %v; want EOF", n, err)
 			}
-			if ci := closed.next(t); ci.End != EndIdleTimeout {
-				t.Errorf("end = %v, want %v", ci.End, EndIdleTimeout)
+			if ci := closed.next(t); ci.End != flow.IdleTimeout {
+				t.Errorf("end = %v, want %v", ci.End, flow.IdleTimeout)
 			}
 		})
 	}
@@ -372,8 +377,8 @@ func TestIdleConnectionsNeedNoGoroutine(t *testing.T) {
 		cs[i] = dial(t, p)
 		roundTrip(t, cs[i], "warm")
 	}
-	waitFor(t, "every direction to park", func() bool { return directionGoroutines() == 0 })
-	if got := len(p.Conns()); got != conns {
+	testenv.WaitFor(t, "every direction to park", func() bool { return directionGoroutines() == 0 })
+	if got := len(p.Live()); got != conns {
 		t.Fatalf("live connections = %d, want %d", got, conns)
 	}
 	for i, c := range cs {
@@ -410,11 +415,11 @@ func TestNoGoroutineLeakAfterShutdown(t *testing.T) {
 	for _, c := range cs {
 		c.Close()
 	}
-	waitFor(t, "goroutines to return to the baseline (+1 for the endpoint's listener)", func() bool {
+	testenv.WaitFor(t, "goroutines to return to the baseline (+1 for the endpoint's listener)", func() bool {
 		return runtime.NumGoroutine() <= before+1
 	})
-	if st := p.Stats(); st.ActiveConns != 0 {
-		t.Errorf("ActiveConns after Shutdown = %d, want 0", st.ActiveConns)
+	if st := p.Stats(); st.Active != 0 {
+		t.Errorf("Active after Shutdown = %d, want 0", st.Active)
 	}
 }
 
@@ -518,12 +523,12 @@ func TestKeepAliveOnBothLegs(t *testing.T) {
 func TestIPv6(t *testing.T) {
 	ln, err := net.ListenTCP("tcp6", &net.TCPAddr{IP: net.IPv6loopback})
 	if err != nil {
-		t.Skipf("no IPv6 loopback here: %v", err)
+		testenv.Unavailable(t, "no IPv6 loopback here: %v", err)
 	}
 	ln.Close()
 	ep := serve(t, "::1", echo)
 	closed := make(closedCh, 1)
-	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Logger: testLogger(t), OnClose: closed.onClose})
+	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Logger: testLogger(t), OnEnd: closed.onClose})
 	if err := p.Listen(netip.MustParseAddrPort("[::1]:0")); err != nil {
 		t.Fatalf("Listen: %v", err)
 	}
@@ -542,6 +547,6 @@ func TestIPv6(t *testing.T) {
 	c.Close()
 	ci := closed.next(t)
 	if ci.Client != client || ci.Endpoint != ep {
-		t.Errorf("ConnInfo client %v endpoint %v, want %v and %v", ci.Client, ci.Endpoint, client, ep)
+		t.Errorf("flow.Info client %v endpoint %v, want %v and %v", ci.Client, ci.Endpoint, client, ep)
 	}
 }

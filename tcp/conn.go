@@ -9,48 +9,9 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
-
-// EndReason says why a proxied connection ended: the first thing that ended it.
-type EndReason uint8
-
-// The reasons a connection ends.
-const (
-	EndUnknown        EndReason = iota
-	EndClientClosed             // client sent FIN first, then both directions finished
-	EndEndpointClosed           // endpoint sent FIN first, then both directions finished
-	EndClientReset              // client reset (or vanished); the endpoint leg was reset too
-	EndEndpointReset            // endpoint reset (or vanished); the client leg was reset too
-	EndIdleTimeout              // no byte either way for Config.IdleTimeout
-	EndDialFailed               // every dial attempt failed; the client was reset
-	EndNoEndpoints              // the picker had no endpoint; the client was reset
-	EndDrained                  // CloseConnsTo: the endpoint is gone
-	EndShutdown                 // Proxy.Shutdown
-)
-
-var endReasonNames = [...]string{"unknown", "client closed", "endpoint closed", "client reset", "endpoint reset",
-	"idle timeout", "dial failed", "no endpoints", "drained", "shutdown"}
-
-func (r EndReason) String() string {
-	if int(r) < len(endReasonNames) {
-		return endReasonNames[r]
-	}
-	return fmt.Sprintf("EndReason(%d)", r)
-}
-
-// ConnInfo describes one proxied connection, live (Proxy.Conns) or ended (Config.OnClose).
-type ConnInfo struct {
-	Client   netip.AddrPort
-	Endpoint netip.AddrPort // the last endpoint tried; invalid if none was picked
-	// BytesIn is client->endpoint, BytesOut endpoint->client.
-	BytesIn, BytesOut int64
-	Start             time.Time
-	// Duration is the age of a live connection or the lifetime of an ended one.
-	Duration     time.Duration
-	DialAttempts int
-	End          EndReason // EndUnknown while live
-	Err          error     // the error that ended it, naming the direction; nil for a clean end
-}
 
 // conn is one accepted client connection and, once dialed, its endpoint connection.
 type conn struct {
@@ -67,7 +28,7 @@ type conn struct {
 	dialing  *sock // the socket being connected, closed by terminate to abort the dial
 	endpoint netip.AddrPort
 	attempts int
-	end      EndReason
+	end      flow.EndReason
 	err      error
 	closed   bool // sockets closed (or closing); no direction may park or restart
 	live     int  // owners not yet released: the dialing goroutine, then one per direction
@@ -124,7 +85,7 @@ func (c *conn) serve() {
 }
 
 // dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
-func (c *conn) dial() (*sock, EndReason, error) {
+func (c *conn) dial() (*sock, flow.EndReason, error) {
 	p := c.p
 	reset := false
 	var lastErr error
@@ -132,7 +93,7 @@ func (c *conn) dial() (*sock, EndReason, error) {
 		ep, err := p.picker.Next(c.clientAddr.Addr(), reset)
 		if err != nil {
 			if i == 0 {
-				return nil, EndNoEndpoints, c.noEndpoints(err)
+				return nil, flow.NoEndpoints, c.noEndpoints(err)
 			}
 			break
 		}
@@ -146,15 +107,15 @@ func (c *conn) dial() (*sock, EndReason, error) {
 			s, err = c.dialBackingOff(ep, deadline, err)
 		}
 		if err == nil {
-			return s, EndUnknown, nil
+			return s, flow.Unknown, nil
 		}
 		lastErr = c.dialFailed(ep, i, timeout, err)
 		if lastErr == nil {
-			return nil, EndShutdown, err
+			return nil, flow.Shutdown, err
 		}
 		reset = true
 	}
-	return nil, EndDialFailed, dialsFailed(lastErr)
+	return nil, flow.DialFailed, dialsFailed(lastErr)
 }
 
 func (c *conn) attempt(ep netip.AddrPort, i int) {
@@ -264,7 +225,7 @@ func (c *conn) endpointAddr() netip.AddrPort {
 }
 
 // fail records err and resets both legs.
-func (c *conn) fail(reason EndReason, err error) {
+func (c *conn) fail(reason flow.EndReason, err error) {
 	c.mu.Lock()
 	if c.err == nil && !c.closed {
 		c.err = err
@@ -275,9 +236,9 @@ func (c *conn) fail(reason EndReason, err error) {
 	}
 	l := c.logger().WithError(err).WithField("reason", reason.String())
 	switch reason {
-	case EndDialFailed:
+	case flow.DialFailed:
 		l.Warn("no endpoint reachable, reset client")
-	case EndNoEndpoints:
+	case flow.NoEndpoints:
 		l.Debug("no endpoints, reset client")
 	default:
 		l.Debug("connection reset")
@@ -287,14 +248,14 @@ func (c *conn) fail(reason EndReason, err error) {
 // terminate closes both sockets, with a reset when rst is set (SO_LINGER 0: the kernel sends RST and
 // drops unsent data). It reports false if the connection was already closing. Parked directions have
 // no goroutine to notice, so they are released here.
-func (c *conn) terminate(reason EndReason, rst bool) bool {
+func (c *conn) terminate(reason flow.EndReason, rst bool) bool {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
 		return false
 	}
 	c.closed = true
-	if c.end == EndUnknown || (reason != EndClientClosed && reason != EndEndpointClosed) {
+	if c.end == flow.Unknown || (reason != flow.ClientClosed && reason != flow.EndpointClosed) {
 		c.end = reason
 	}
 	for _, d := range []*direction{&c.up, &c.down} {
@@ -334,7 +295,7 @@ func (c *conn) release() {
 		return
 	}
 	if !closed {
-		c.terminate(EndUnknown, false) // finishes, since live is 0
+		c.terminate(flow.Unknown, false) // finishes, since live is 0
 		return
 	}
 	c.finish()
@@ -348,28 +309,32 @@ func (c *conn) finish() {
 	pk.forget(&c.up)
 	pk.forget(&c.down)
 	c.p.untrack(c)
+	c.mu.Lock()
+	end := c.end
+	c.mu.Unlock()
+	c.p.stats.ended[end].Add(1)
 	c.p.stats.active.Add(-1)
-	if c.p.cfg.OnClose != nil {
-		c.p.cfg.OnClose(c.info())
+	if c.p.cfg.OnEnd != nil {
+		c.p.cfg.OnEnd(c.info())
 	}
 }
 
-func (c *conn) info() ConnInfo {
+func (c *conn) info() flow.Info {
 	now := c.p.cfg.Clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	start := time.Unix(0, c.start)
-	return ConnInfo{
+	return flow.Info{
 		Client: c.clientAddr, Endpoint: c.endpoint,
-		BytesIn: c.up.bytes.Load(), BytesOut: c.down.bytes.Load(),
-		Start: start, Duration: now.Sub(start),
+		BytesToEndpoint: uint64(c.up.bytes.Load()), BytesToClient: uint64(c.down.bytes.Load()),
+		Start: start, LastActive: time.Unix(0, c.last.Load()), Duration: now.Sub(start),
 		DialAttempts: c.attempts, End: c.endIfClosed(), Err: c.err,
 	}
 }
 
-func (c *conn) endIfClosed() EndReason {
+func (c *conn) endIfClosed() flow.EndReason {
 	if !c.closed {
-		return EndUnknown
+		return flow.Unknown
 	}
 	return c.end
 }

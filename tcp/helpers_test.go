@@ -13,6 +13,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -56,19 +57,19 @@ func (f *fakePicker) picks() []pick {
 	return append([]pick(nil), f.calls...)
 }
 
-// closedCh collects OnClose reports.
-type closedCh chan ConnInfo
+// closedCh collects OnEnd reports.
+type closedCh chan flow.Info
 
-func (c closedCh) onClose(ci ConnInfo) { c <- ci }
+func (c closedCh) onClose(ci flow.Info) { c <- ci }
 
-func (c closedCh) next(t *testing.T) ConnInfo {
+func (c closedCh) next(t *testing.T) flow.Info {
 	t.Helper()
 	select {
 	case ci := <-c:
 		return ci
 	case <-time.After(10 * time.Second):
 		t.Fatal("no connection closed within 10s")
-		return ConnInfo{}
+		return flow.Info{}
 	}
 }
 
@@ -226,18 +227,6 @@ func roundTrip(t *testing.T, c *net.TCPConn, msg string) {
 	}
 	if string(buf) != msg {
 		t.Fatalf("echo (-want +got):\n-%q\n+%q", msg, buf)
-	}
-}
-
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
 	}
 }
 

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"k8s.io/utils/clock"
 )
 
 // When a burst of connections goes idle, their directions park and the goroutine stacks they ran
@@ -23,20 +25,22 @@ var stackTrim = &trimmer{
 	quiet:    200 * time.Millisecond, // the wave has ended when no direction parked for this long
 	maxDelay: 2 * time.Second,        // ... or when it has gone on this long
 	every:    10 * time.Second,       // at most one trim per interval
+	clock:    clock.RealClock{},
 }
 
 // trimmer calls release once at least after parks have been counted and parking then paused for
-// quiet (or went on for maxDelay), but not more often than every. The release runs on a timer's
-// goroutine; it is bounded and needs no stopping.
+// quiet (or went on for maxDelay), but not more often than every. The release runs on its own
+// goroutine, started by a timer; it is bounded and needs no stopping.
 type trimmer struct {
 	release                func()
 	after                  int
 	quiet, maxDelay, every time.Duration
+	clock                  clock.WithDelayedExecution
 
 	parks atomic.Int64 // counted without the lock: every park of every proxy counts
 
 	mu      sync.Mutex
-	timer   *time.Timer
+	timer   clock.Timer
 	armedAt time.Time // when the pending trim was first scheduled; zero if none is pending
 	last    time.Time // the last release
 }
@@ -48,12 +52,14 @@ func (t *trimmer) parked() {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	now := time.Now()
+	now := t.clock.Now()
 	switch {
 	case t.armedAt.IsZero():
 		t.armedAt = now
 		if t.timer == nil {
-			t.timer = time.AfterFunc(t.quiet, t.fire)
+			// A goroutine of its own: a fake clock runs the callback while it holds its lock, and
+			// fire uses the clock.
+			t.timer = t.clock.AfterFunc(t.quiet, func() { go t.fire() })
 		} else {
 			t.timer.Reset(t.quiet)
 		}
@@ -64,17 +70,23 @@ func (t *trimmer) parked() {
 
 func (t *trimmer) fire() {
 	t.mu.Lock()
+	// A fake clock's timer also delivers on C, with room for one value; drain it so the timer can
+	// fire again after a Reset. (A real AfterFunc timer has no channel: nothing to drain.)
+	select {
+	case <-t.timer.C():
+	default:
+	}
 	if t.armedAt.IsZero() { // a Reset raced with the previous fire, which did the work
 		t.mu.Unlock()
 		return
 	}
-	if wait := t.every - time.Since(t.last); !t.last.IsZero() && wait > 0 {
+	if wait := t.every - t.clock.Since(t.last); !t.last.IsZero() && wait > 0 {
 		t.timer.Reset(wait)
 		t.mu.Unlock()
 		return
 	}
 	t.parks.Store(0)
-	t.armedAt, t.last = time.Time{}, time.Now()
+	t.armedAt, t.last = time.Time{}, t.clock.Now()
 	t.mu.Unlock()
 	t.release()
 }

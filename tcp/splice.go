@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
 
 // Why not io.Copy: between two *net.TCPConn it splices through a pipe, but it takes the pipe before
@@ -235,10 +237,10 @@ func (d *direction) eof() {
 	d.releasePipe()
 	c := d.c
 	c.mu.Lock()
-	if c.end == EndUnknown { // before CloseWrite: the peer may answer our FIN with its own at once
-		c.end = EndEndpointClosed
+	if c.end == flow.Unknown { // before CloseWrite: the peer may answer our FIN with its own at once
+		c.end = flow.EndpointClosed
 		if d.up {
-			c.end = EndClientClosed
+			c.end = flow.ClientClosed
 		}
 	}
 	// The other direction already ended: closing both sockets (below) sends this FIN too, so the
@@ -273,9 +275,9 @@ func (d *direction) broken(onWrite bool, err error) {
 			op = "write"
 		}
 		clientSide := d.up != onWrite // reading client->endpoint, or writing endpoint->client
-		reason := EndEndpointReset
+		reason := flow.EndpointReset
 		if clientSide {
-			reason = EndClientReset
+			reason = flow.ClientReset
 		}
 		d.c.fail(reason, fmt.Errorf("%s: %s: %w", d, op, err))
 	}
@@ -310,7 +312,7 @@ func (d *direction) park() bool {
 		return true
 	}
 	c.mu.Unlock()
-	c.fail(EndShutdown, fmt.Errorf("%s: park idle socket: %w", d, err))
+	c.fail(flow.Shutdown, fmt.Errorf("%s: park idle socket: %w", d, err))
 	c.release()
 	return true
 }

@@ -14,7 +14,7 @@ import (
 
 // Benchmarks compare the proxy with a direct connection to the same loopback endpoint:
 //
-//	go test -run '^$' -bench . -benchtime 2s ./proxier/tcp/
+//	go test -run '^$' -bench . -benchtime 2s ./tcp/
 
 func benchTargets(b *testing.B, handler func(*net.TCPConn)) map[string]string {
 	ep := serve(b, "127.0.0.3", handler)
