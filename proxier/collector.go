@@ -63,7 +63,7 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 		if b := c.p.deps.Balancer.Lookup(a.port.Name); b != nil {
 			gauge(c.endpoints, float64(len(b.Endpoints())))
 		}
-		st, ok := socketStats(a.sock)
+		st, ok := socketStats(a.observedSocket())
 		switch {
 		case !ok:
 		case a.port.Protocol == service.UDP:

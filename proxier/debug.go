@@ -12,23 +12,42 @@ import (
 
 // ServiceView is one service port as the debug endpoints and the status page show it.
 type ServiceView struct {
-	Name            string         `json:"name"`
-	Protocol        string         `json:"protocol"`
-	Port            uint16         `json:"port"`
-	NodePort        uint16         `json:"nodePort,omitempty"`
-	ClusterIPs      []string       `json:"clusterIPs"`
-	ExternalIPs     []string       `json:"externalIPs,omitempty"`
-	LoadBalancerIPs []string       `json:"loadBalancerIPs,omitempty"`
-	ProxyPort       uint16         `json:"proxyPort,omitempty"`
-	Listen          []string       `json:"listen,omitempty"`
-	Open            bool           `json:"open"`
-	Affinity        string         `json:"affinity"`
-	Endpoints       []EndpointView `json:"endpoints"`
-	AffinityEntries []AffinityView `json:"affinityEntries,omitempty"`
-	Active          int64          `json:"active"`
-	Total           uint64         `json:"total"`
-	BytesToEndpoint uint64         `json:"bytesToEndpoint"`
-	BytesToClient   uint64         `json:"bytesToClient"`
+	Name            string   `json:"name"`
+	Protocol        string   `json:"protocol"`
+	Port            uint16   `json:"port"`
+	NodePort        uint16   `json:"nodePort,omitempty"`
+	ClusterIPs      []string `json:"clusterIPs"`
+	ExternalIPs     []string `json:"externalIPs,omitempty"`
+	LoadBalancerIPs []string `json:"loadBalancerIPs,omitempty"`
+	ProxyPort       uint16   `json:"proxyPort,omitempty"`
+	// ExternalProxyPort is the socket of external traffic when a Local policy gives it its own.
+	ExternalProxyPort uint16 `json:"externalProxyPort,omitempty"`
+	// InternalTrafficPolicy and ExternalTrafficPolicy are Cluster or Local.
+	InternalTrafficPolicy string `json:"internalTrafficPolicy"`
+	ExternalTrafficPolicy string `json:"externalTrafficPolicy,omitempty"`
+	// Internal and External say which endpoints each class of traffic uses on this node and why
+	// (policy, topology hints, terminating fallback), and whether it is refused for lack of one.
+	Internal                 *TrafficView   `json:"internal,omitempty"`
+	External                 *TrafficView   `json:"external,omitempty"`
+	HealthCheckNodePort      uint16         `json:"healthCheckNodePort,omitempty"`
+	LoadBalancerSourceRanges []string       `json:"loadBalancerSourceRanges,omitempty"`
+	Listen                   []string       `json:"listen,omitempty"`
+	Open                     bool           `json:"open"`
+	Affinity                 string         `json:"affinity"`
+	Endpoints                []EndpointView `json:"endpoints"`
+	AffinityEntries          []AffinityView `json:"affinityEntries,omitempty"`
+	Active                   int64          `json:"active"`
+	Total                    uint64         `json:"total"`
+	BytesToEndpoint          uint64         `json:"bytesToEndpoint"`
+	BytesToClient            uint64         `json:"bytesToClient"`
+}
+
+// TrafficView is the endpoint selection of one class of traffic.
+type TrafficView struct {
+	Endpoints []string `json:"endpoints"`
+	// Reason is selectEndpoints' account, e.g. "policy=Local fallback=terminating".
+	Reason  string `json:"reason"`
+	Refused bool   `json:"refused"`
 }
 
 // EndpointView is one endpoint with its conditions and whether the balancer uses it.
@@ -39,6 +58,9 @@ type EndpointView struct {
 	Terminating bool   `json:"terminating"`
 	InUse       bool   `json:"inUse"`
 	Node        string `json:"node,omitempty"`
+	Zone        string `json:"zone,omitempty"`
+	// Hints are the zones and nodes the endpoint is hinted for ("zone:a", "node:n").
+	Hints []string `json:"hints,omitempty"`
 }
 
 // AffinityView is one sticky client.
@@ -84,14 +106,22 @@ func (p *Proxier) Services() []ServiceView {
 		}
 		if a, ok := open[port.Name]; ok {
 			v.Open, v.ProxyPort = true, a.proxyPort
-			v.Listen = listenAddrs(a.sock)
-			fillStats(&v, a.sock)
-		}
-		inUse := map[netip.AddrPort]bool{}
-		if b := p.deps.Balancer.Lookup(port.Name); b != nil {
-			for _, ep := range b.Endpoints() {
-				inUse[ep] = true
+			v.Listen = listenAddrs(a.observedSocket())
+			fillStats(&v, a.observedSocket())
+			if a.ext != nil {
+				v.ExternalProxyPort = a.ext.proxyPort
 			}
+		}
+		p.fillSelection(&v, port)
+		inUse := map[netip.AddrPort]bool{}
+		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
+			if b := p.deps.Balancer.Lookup(key); b != nil {
+				for _, ep := range b.Endpoints() {
+					inUse[ep] = true
+				}
+			}
+		}
+		if b := p.deps.Balancer.Lookup(port.Name); b != nil {
 			for _, e := range b.AffinityEntries() {
 				v.AffinityEntries = append(v.AffinityEntries, AffinityView{Client: e.Client.String(),
 					Endpoint: e.Endpoint.String(), IdleFor: now.Sub(e.LastUsed).Round(time.Second).String()})
@@ -100,8 +130,15 @@ func (p *Proxier) Services() []ServiceView {
 		// Computed on request from the slice cache: keeping a third copy of every endpoint for a
 		// page that is rarely open would cost memory at 50,000 endpoints.
 		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
-			v.Endpoints = append(v.Endpoints, EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
-				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName})
+			ev := EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
+				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
+			for _, z := range e.ZoneHints {
+				ev.Hints = append(ev.Hints, "zone:"+z)
+			}
+			for _, n := range e.NodeHints {
+				ev.Hints = append(ev.Hints, "node:"+n)
+			}
+			v.Endpoints = append(v.Endpoints, ev)
 		}
 		out = append(out, v)
 	}
@@ -126,7 +163,7 @@ func (p *Proxier) Connections(svc, client string) []ConnView {
 		if svc != "" && !strings.Contains(name, svc) {
 			continue
 		}
-		for _, c := range connViews(a.sock, name, string(a.port.Protocol), now) {
+		for _, c := range connViews(a.observedSocket(), name, string(a.port.Protocol), now) {
 			if client == "" || strings.Contains(c.Client, client) {
 				out = append(out, c)
 			}
@@ -154,4 +191,41 @@ func (p *Proxier) ServiceUID(name service.NamespacedName) string {
 		return port.UID
 	}
 	return ""
+}
+
+// fillSelection adds a port's policies and the endpoint selection of each class of traffic.
+func (p *Proxier) fillSelection(v *ServiceView, port *service.Port) {
+	policy := func(local bool) string {
+		if local {
+			return "Local"
+		}
+		return "Cluster"
+	}
+	v.InternalTrafficPolicy = policy(port.InternalLocal)
+	v.HealthCheckNodePort = port.HealthCheckNodePort
+	for _, r := range port.LoadBalancerSourceRanges {
+		v.LoadBalancerSourceRanges = append(v.LoadBalancerSourceRanges, r.String())
+	}
+	if port.ExternallyAccessible() {
+		v.ExternalTrafficPolicy = policy(port.ExternalLocal)
+	}
+	sel := p.selection(port.Name)
+	if sel == nil {
+		return
+	}
+	view := func(s Selection, refused bool) *TrafficView {
+		t := &TrafficView{Endpoints: []string{}, Reason: s.Reason, Refused: refused}
+		for _, ep := range s.Endpoints {
+			t.Endpoints = append(t.Endpoints, ep.String())
+		}
+		return t
+	}
+	v.Internal = view(sel.Internal, sel.rejectInternal)
+	if port.ExternallyAccessible() {
+		ext := sel.Internal
+		if sel.split {
+			ext = sel.External
+		}
+		v.External = view(ext, sel.rejectExternal)
+	}
 }

@@ -36,6 +36,14 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 		for _, v := range views {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d/%d\n", v.Name, v.Protocol, portals(v),
 				strings.Join(v.Listen, ","), endpointsText(v.Endpoints), v.Affinity, v.Active, v.Total, v.BytesToEndpoint, v.BytesToClient)
+			for _, t := range []struct {
+				class string
+				view  *TrafficView
+			}{{"cluster traffic", v.Internal}, {"external traffic", v.External}} {
+				if t.view != nil {
+					fmt.Fprintf(tw, "\t\t%s\n", trafficText(t.class, t.view))
+				}
+			}
 			for _, a := range v.AffinityEntries {
 				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
 			}
@@ -92,6 +100,15 @@ func endpointsText(eps []EndpointView) string {
 		parts[i] = e.Address + "(" + state + ")"
 	}
 	return strings.Join(parts, " ")
+}
+
+// trafficText is one line of the endpoints a class of traffic uses and why.
+func trafficText(class string, t *TrafficView) string {
+	eps := strings.Join(t.Endpoints, " ")
+	if t.Refused {
+		eps = "REFUSED (no endpoint)"
+	}
+	return class + ": " + eps + " [" + t.Reason + "]"
 }
 
 func wantsJSON(r *http.Request) bool {

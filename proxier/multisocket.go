@@ -42,9 +42,13 @@ func (m *multiSocket) Listen(netip.AddrPort) error {
 func (m *multiSocket) Addr() netip.AddrPort { return m.socks[0].Addr() }
 
 func (m *multiSocket) addrs() []netip.AddrPort {
-	out := make([]netip.AddrPort, len(m.socks))
-	for i, s := range m.socks {
-		out[i] = s.Addr()
+	out := make([]netip.AddrPort, 0, len(m.socks))
+	for _, s := range m.socks {
+		if inner, ok := s.(*multiSocket); ok {
+			out = append(out, inner.addrs()...)
+		} else {
+			out = append(out, s.Addr())
+		}
 	}
 	return out
 }

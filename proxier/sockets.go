@@ -92,3 +92,12 @@ func listenAddrs(s ProxySocket) []string {
 	}
 	return out
 }
+
+// observedSocket is what the metrics and the debug views read of a port: its socket, together with
+// its external-traffic socket when it has one.
+func (a *activePort) observedSocket() ProxySocket {
+	if a.ext == nil {
+		return a.sock
+	}
+	return &multiSocket{socks: []ProxySocket{a.sock, a.ext.sock}}
+}

@@ -38,6 +38,7 @@ func TestStatusPageInChromium(t *testing.T) {
 		"<code>" + c.LocalAddr().String() + "</code>", // the open connection's client
 		"<code>" + e.tcpEcho.String() + "</code>",     // and its endpoint
 		`<span id="conn-count">1</span>`,
+		"cluster traffic: " + e.tcpEcho.String() + " — policy=Cluster", // which endpoints and why
 	} {
 		if !strings.Contains(dom, want) {
 			t.Errorf("rendered page lacks %q; page:\n%s", want, dom)
