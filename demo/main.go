@@ -2,7 +2,8 @@
 // network namespaces (a node, two backend pods, a client pod and an external host), starts the
 // proxy in the node namespace on the manifests in testdata/demo, and shows real traffic through
 // the portals: round robin, ClientIP affinity, the node's own traffic, a NodePort, an external IP
-// and UDP. It exits non-zero if the traffic does not behave, and removes everything it made.
+// and UDP. It exits non-zero if the traffic does not behave or the proxy stops early (quoting the
+// proxy's exit status and log), and removes everything it made, with a deadline on every wait.
 package main
 
 import (
@@ -60,6 +61,8 @@ type config struct {
 const (
 	readyTimeout = 30 * time.Second // the proxy's first sync, until the portal answers
 	stopGrace    = 15 * time.Second // SIGTERM to exit (the proxy's --shutdown-timeout is 10s), and again after SIGKILL
+	// trafficTimeout bounds the requests (at most 28, 2s each) and the rule dumps.
+	trafficTimeout = 2 * time.Minute
 )
 
 // checkTools fails at once, with the fix, when a command the demo runs is missing, rather than
@@ -121,6 +124,9 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 
 // showTraffic sends requests through every kind of portal and shows which pod answered.
 func showTraffic(ctx context.Context, out io.Writer, bed *testbed.Bed, mode string) error {
+	// Each request has its own timeout; this bounds the commands run in the node namespace too.
+	ctx, cancel := context.WithTimeout(ctx, trafficTimeout)
+	defer cancel()
 	checks := []struct {
 		title string
 		from  *netns.NS
