@@ -6,15 +6,24 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test unit e2e controlplane demo lint bench bench-quick bench-micro bench-portal image clean
+.PHONY: build test unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
 
 # demo runs the proxy on its embedded default (testdata/demo) in throwaway network namespaces
-# and shows real traffic through the portals. Needs root.
-demo: build
+# and shows real traffic through the portals. Needs root (or sudo); installs iproute2, iptables
+# and conntrack first when they are missing (apt-get), or says what to run.
+demo: demo-deps build
 	$(GO) run ./demo
+
+demo-deps:
+	@if [ "$$(id -u)" != 0 ]; then echo "make demo needs root for network namespaces: run it as root, or: sudo make demo" >&2; exit 2; fi
+	@hack/install-deps.sh demo
+
+# deps installs what the demo and the tests need (Debian/Ubuntu, as root), or says what to run.
+deps:
+	@hack/install-deps.sh demo test
 
 # controlplane builds kube-apiserver, etcd and kubectl once into ~/.cache/kube-portal-proxy
 # (about 8 minutes cold on 2 cores; a no-op when cached).

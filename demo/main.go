@@ -2,7 +2,8 @@
 // network namespaces (a node, two backend pods, a client pod and an external host), starts the
 // proxy in the node namespace on the manifests in testdata/demo, and shows real traffic through
 // the portals: round robin, ClientIP affinity, the node's own traffic, a NodePort, an external IP
-// and UDP. It exits non-zero if the traffic does not behave, and removes everything it made.
+// and UDP. It exits non-zero if the traffic does not behave or the proxy stops early (quoting the
+// proxy's exit status and log), and removes everything it made, with a deadline on every wait.
 package main
 
 import (
@@ -10,6 +11,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -24,27 +26,70 @@ import (
 )
 
 func main() {
-	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary")
-	manifests := flag.String("services", "testdata/demo", "the services file or directory to serve")
-	keep := flag.Bool("keep", false, "keep everything running until Ctrl-C, to explore by hand")
-	mode := flag.String("portal-mode", "iptables", "iptables (NAT portal rules) or bind (service IPs on a local interface, no NAT)")
+	var cfg config
+	flag.StringVar(&cfg.proxy, "proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary")
+	flag.StringVar(&cfg.manifests, "services", "testdata/demo", "the services file or directory to serve")
+	flag.BoolVar(&cfg.keep, "keep", false, "keep everything running until Ctrl-C, to explore by hand")
+	flag.StringVar(&cfg.mode, "portal-mode", "iptables", "iptables (NAT portal rules) or bind (service IPs on a local interface, no NAT)")
 	flag.Parse()
 	if os.Geteuid() != 0 {
-		fmt.Fprintln(os.Stderr, "demo: needs root to create network namespaces (try: sudo make demo)")
+		fmt.Fprintln(os.Stderr, "demo: needs root to create network namespaces: run it as root, or with sudo (sudo make demo)")
+		os.Exit(2)
+	}
+	if err := checkTools(cfg.mode); err != nil {
+		fmt.Fprintf(os.Stderr, "demo: %v\n", err)
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *proxy, *manifests, *mode, *keep); err != nil {
+	if err := run(ctx, os.Stdout, cfg); err != nil {
 		fmt.Fprintf(os.Stderr, "demo: FAILED: %v\n", err)
 		os.Exit(1)
 	}
 	fmt.Println("\ndemo: OK")
 }
 
-func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err error) {
-	proxy, _ = filepath.Abs(proxy)
-	manifests, _ = filepath.Abs(manifests)
+// config is what the demo runs.
+type config struct {
+	proxy, manifests, mode string
+	keep                   bool
+	// proxyEnv is the proxy's environment; nil means the demo's own.
+	proxyEnv []string
+}
+
+// The demo's deadlines: every wait ends.
+const (
+	readyTimeout = 30 * time.Second // the proxy's first sync, until the portal answers
+	stopGrace    = 15 * time.Second // SIGTERM to exit (the proxy's --shutdown-timeout is 10s), and again after SIGKILL
+	// trafficTimeout bounds the requests (at most 28, 2s each) and the rule dumps.
+	trafficTimeout = 2 * time.Minute
+)
+
+// checkTools fails at once, with the fix, when a command the demo runs is missing, rather than
+// half-way through with an exec error.
+func checkTools(mode string) error {
+	tools := []string{"ip"}
+	if mode == "iptables" {
+		tools = append(tools, "iptables", "iptables-save", "iptables-restore")
+	}
+	var missing []string
+	for _, t := range tools {
+		if _, err := exec.LookPath(t); err != nil {
+			missing = append(missing, t)
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("not found in PATH: %s; install them with: hack/install-deps.sh demo (as root; on Debian/Ubuntu it runs apt-get install iproute2 iptables conntrack)", strings.Join(missing, ", "))
+	}
+	return nil
+}
+
+func run(ctx context.Context, out io.Writer, cfg config) (err error) {
+	proxy, _ := filepath.Abs(cfg.proxy)
+	manifests, _ := filepath.Abs(cfg.manifests)
+	if _, err := os.Stat(proxy); err != nil {
+		return fmt.Errorf("proxy binary: %w (build it with: make build)", err)
+	}
 	bed, closeBed, err := testbed.Start(ctx, 2, 8080, 5353)
 	defer func() { err = errors.Join(err, closeBed()) }()
 	if err != nil {
@@ -52,45 +97,36 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 	}
 
 	logPath := filepath.Join(os.TempDir(), bed.Lab.Prefix()+"proxy.log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		return err
-	}
-	defer logFile.Close()
-	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", manifests, "--portal-mode", mode,
+	argv := append(bed.Node.CommandPrefix(), proxy, "--services-file", manifests, "--portal-mode", cfg.mode,
 		// Leave conntrack sysctls alone (on older kernels nf_conntrack_max is host-wide).
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
 		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249")
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start %s: %w", proxy, err)
+	p, err := startProcess("proxy", argv, cfg.proxyEnv, logPath)
+	if err != nil {
+		return err
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	defer func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(15 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-	}()
-	fmt.Printf("Namespaces %s{node,client,ext,pod1,pod2}; proxy log: %s\n", bed.Lab.Prefix(), logPath)
+	// Stopped before the namespaces go (the defer above runs after this one).
+	defer func() { err = errors.Join(err, p.stop(stopGrace)) }()
+	fmt.Fprintf(out, "Namespaces %s{node,client,ext,pod1,pod2}; proxy log: %s\n", bed.Lab.Prefix(), logPath)
 
 	web := netip.MustParseAddrPort("10.96.0.10:80")
-	if err := testbed.Eventually(ctx, 30*time.Second, 100*time.Millisecond, func() error {
-		select {
-		case err := <-exited:
-			return fmt.Errorf("proxy exited: %v (see %s)", err, logPath)
-		default:
-		}
+	if err := p.waitReady(ctx, readyTimeout, 100*time.Millisecond, func() error {
 		_, err := testbed.Who(bed.Client, web, time.Second)
 		return err
 	}); err != nil {
 		return fmt.Errorf("the portal never answered: %w", err)
 	}
+	if err := showTraffic(ctx, out, bed, cfg.mode); err != nil {
+		return p.annotate(err)
+	}
+	return waitKeep(ctx, out, cfg.keep, bed)
+}
 
+// showTraffic sends requests through every kind of portal and shows which pod answered.
+func showTraffic(ctx context.Context, out io.Writer, bed *testbed.Bed, mode string) error {
+	// Each request has its own timeout; this bounds the commands run in the node namespace too.
+	ctx, cancel := context.WithTimeout(ctx, trafficTimeout)
+	defer cancel()
 	checks := []struct {
 		title string
 		from  *netns.NS
@@ -107,7 +143,7 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 		{"UDP: client pod -> 10.96.0.53:53, a new session per query", bed.Client, "10.96.0.53:53", true, 4, both},
 	}
 	for _, c := range checks {
-		fmt.Printf("\n%s\n", c.title)
+		fmt.Fprintf(out, "\n%s\n", c.title)
 		seen := map[string]int{}
 		for i := range c.n {
 			addr := netip.MustParseAddrPort(c.addr)
@@ -122,7 +158,7 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 				return fmt.Errorf("%s: request %d: %w", c.title, i+1, err)
 			}
 			seen[who]++
-			fmt.Printf("  request %d answered by %s\n", i+1, who)
+			fmt.Fprintf(out, "  request %d answered by %s\n", i+1, who)
 		}
 		if err := c.want(seen); err != nil {
 			return fmt.Errorf("%s: %w", c.title, err)
@@ -130,29 +166,29 @@ func run(ctx context.Context, proxy, manifests, mode string, keep bool) (err err
 	}
 
 	if mode == "bind" {
-		out, _ := bed.Node.Exec(ctx, "ip", "-o", "addr", "show", "dev", "kube-portal0")
-		fmt.Printf("\nBind mode: the service IPs on kube-portal0 in the node namespace:\n%s", out)
+		addrs, _ := bed.Node.Exec(ctx, "ip", "-o", "addr", "show", "dev", "kube-portal0")
+		fmt.Fprintf(out, "\nBind mode: the service IPs on kube-portal0 in the node namespace:\n%s", addrs)
 		nat, _ := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
 		if strings.Contains(string(nat), "-A ") {
 			return fmt.Errorf("bind mode left rules in the nat table:\n%s", nat)
 		}
-		fmt.Println("The nat table has no rules.")
-		return waitKeep(ctx, keep, bed)
+		fmt.Fprintln(out, "The nat table has no rules.")
+		return nil
 	}
-	out, _ := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
-	fmt.Println("\nThe portal rules in the node namespace (iptables-save -t nat):")
-	for _, line := range strings.Split(string(out), "\n") {
+	nat, _ := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
+	fmt.Fprintln(out, "\nThe portal rules in the node namespace (iptables-save -t nat):")
+	for _, line := range strings.Split(string(nat), "\n") {
 		if strings.Contains(line, "KUBE-") {
-			fmt.Println("  " + line)
+			fmt.Fprintln(out, "  "+line)
 		}
 	}
-	return waitKeep(ctx, keep, bed)
+	return nil
 }
 
 // waitKeep, with -keep, leaves everything running until Ctrl-C.
-func waitKeep(ctx context.Context, keep bool, bed *testbed.Bed) error {
+func waitKeep(ctx context.Context, out io.Writer, keep bool, bed *testbed.Bed) error {
 	if keep {
-		fmt.Printf("\nExplore, e.g.: ip netns exec %s iptables-save; ip netns exec %s bash -c 'exec 3<>/dev/tcp/10.96.0.10/80; head -1 <&3'\nCtrl-C to clean up.\n",
+		fmt.Fprintf(out, "\nExplore, e.g.: ip netns exec %s iptables-save; ip netns exec %s bash -c 'exec 3<>/dev/tcp/10.96.0.10/80; head -1 <&3'\nCtrl-C to clean up.\n",
 			bed.Node.Name, bed.Client.Name)
 		<-ctx.Done()
 	}

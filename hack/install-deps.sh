@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# install-deps.sh installs the system tools a group of tasks needs, when they are missing, on
+# Debian/Ubuntu (apt-get). Used by `make demo`, `make deps` and .ci/run.
+#
+#   hack/install-deps.sh [--check] GROUP...
+#
+# Groups:
+#   demo  iproute2 (ip), iptables (iptables, iptables-save, iptables-restore), conntrack
+#   test  the demo's, plus openssl, make and chromium
+#
+# Nothing missing: exits 0 silently. Missing, as root with apt-get: installs them. Missing and
+# not root, without apt-get, or with --check: prints the exact command to run and exits 1, at once.
+# Works as root without sudo (containers) and under sudo.
+set -euo pipefail
+
+usage() {
+  echo "usage: $0 [--check] demo|test..." >&2
+  exit 2
+}
+
+# Each entry is command:package.
+group_tools() {
+  case "$1" in
+    demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables conntrack:conntrack" ;;
+    test) echo "$(group_tools demo) openssl:openssl make:make chromium:chromium" ;;
+  esac
+}
+
+# have reports whether a command exists. Debian leaves /usr/sbin and /sbin out of a normal
+# user's PATH, where iptables, ip and conntrack live, so look there too.
+have() {
+  command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]
+}
+
+check=0
+groups=()
+for a in "$@"; do
+  case "$a" in
+    --check) check=1 ;;
+    -h|--help) usage ;;
+    -*) usage ;;
+    demo|test) groups+=("$a") ;;
+    *) echo "$0: unknown group $a (want demo or test)" >&2; exit 2 ;;
+  esac
+done
+[ ${#groups[@]} -gt 0 ] || usage
+
+missing_cmds=()
+missing_pkgs=()
+for g in "${groups[@]}"; do
+  for entry in $(group_tools "$g"); do
+    cmd=${entry%%:*} pkg=${entry#*:}
+    have "$cmd" && continue
+    missing_cmds+=("$cmd")
+    case " ${missing_pkgs[*]} " in *" $pkg "*) ;; *) missing_pkgs+=("$pkg") ;; esac
+  done
+done
+[ ${#missing_pkgs[@]} -eq 0 ] && exit 0
+
+what="missing: ${missing_cmds[*]} (for ${groups[*]})"
+install="apt-get update && apt-get install -y ${missing_pkgs[*]}"
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "$what" >&2
+  echo "No apt-get here: install the packages that provide them with your package manager (Debian/Ubuntu names: ${missing_pkgs[*]})." >&2
+  exit 1
+fi
+if [ "$check" = 1 ] || [ "$(id -u)" != 0 ]; then
+  echo "$what" >&2
+  if [ "$(id -u)" = 0 ]; then
+    echo "Install them with: $install" >&2
+  else
+    if command -v sudo >/dev/null 2>&1; then
+      echo "Install them as root: sudo sh -c '$install'" >&2
+    else
+      echo "Install them as root (no sudo here: su, or a root shell): $install" >&2
+    fi
+  fi
+  exit 1
+fi
+
+echo "install-deps: $what; installing ${missing_pkgs[*]} with apt-get" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq "${missing_pkgs[@]}" >/dev/null
+still=()
+for c in "${missing_cmds[@]}"; do have "$c" || still+=("$c"); done
+if [ ${#still[@]} -gt 0 ]; then
+  echo "install-deps: installed ${missing_pkgs[*]}, but still missing: ${still[*]}" >&2
+  exit 1
+fi
+echo "install-deps: installed ${missing_pkgs[*]}" >&2
