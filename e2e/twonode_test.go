@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -120,7 +121,9 @@ func newTwoNodes(t *testing.T) *twoNodes {
 		if err := writeRelayedKubeconfig(controlPlane.ProxyKubeconfig, kubeconfig, "https://"+relay.addr()); err != nil {
 			t.Fatal(err)
 		}
-		n.proxy = startProxy(t, n.NS, dir, proxyArgs("--kubeconfig="+kubeconfig, "--hostname-override="+n.name)...)
+		// A one-second sync period bounds how long waitSynced waits for a sync after a change.
+		n.proxy = startProxy(t, n.NS, dir, proxyArgs("--kubeconfig="+kubeconfig, "--hostname-override="+n.name,
+			"--iptables-sync-period=1s")...)
 	}
 	return c
 }
@@ -215,8 +218,9 @@ type debugService struct {
 }
 
 // waitSynced waits until both proxies know every port of svc with exactly the endpoints eps
-// (addresses and conditions, whatever they do with them) and have rules for its cluster IP.
-// It stands in for upstream's wait for pods and endpoints; traffic checks follow it.
+// (addresses and conditions, whatever they do with them) and have finished a sync since. It stands
+// in for upstream's wait for pods and endpoints, without assuming how a proxy programs a policy
+// (a portal, a reject rule or nothing at all); traffic checks follow it.
 func (c *twoNodes) waitSynced(t *testing.T, svc *corev1.Service, eps ...endpoint) {
 	t.Helper()
 	var want []string
@@ -229,19 +233,43 @@ func (c *twoNodes) waitSynced(t *testing.T, svc *corev1.Service, eps ...endpoint
 			if err := n.proxy.exited(); err != nil {
 				return err
 			}
-			if err := debugHasService(n.NS, svc, want); err != nil {
-				return err
-			}
-			saved, err := n.NS.Exec(t.Context(), "iptables-save")
+			return debugHasService(n.NS, svc, want)
+		})
+		known := time.Now()
+		// The proxies sync at least every second (newTwoNodes), so this takes at most about that.
+		eventually(t, syncTimeout, fmt.Sprintf("proxy on %s never synced after learning %s/%s", n.name, svc.Namespace, svc.Name), func() error {
+			last, err := lastSync(n.NS)
 			if err != nil {
 				return err
 			}
-			if !strings.Contains(string(saved), svc.Spec.ClusterIP+"/32") {
-				return fmt.Errorf("no rule for cluster IP %s yet", svc.Spec.ClusterIP)
+			if !last.After(known) {
+				return fmt.Errorf("last sync %v is not after %v", last, known)
 			}
 			return nil
 		})
 	}
+}
+
+// lastSync reads the proxy's kubeproxy_sync_proxy_rules_last_timestamp_seconds.
+func lastSync(ns *netns.NS) (time.Time, error) {
+	const metric = "kubeproxy_sync_proxy_rules_last_timestamp_seconds "
+	code, body, err := httpGet(ns, "http://"+metricsAddr+"/metrics")
+	if err != nil {
+		return time.Time{}, err
+	}
+	if code != 200 {
+		return time.Time{}, fmt.Errorf("/metrics: %d", code)
+	}
+	for _, line := range strings.Split(body, "\n") {
+		if v, ok := strings.CutPrefix(line, metric); ok {
+			secs, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				return time.Time{}, fmt.Errorf("/metrics: %q: %w", line, err)
+			}
+			return time.Unix(0, int64(secs*1e9)), nil
+		}
+	}
+	return time.Time{}, fmt.Errorf("/metrics: no %s", strings.TrimSpace(metric))
 }
 
 func debugHasService(ns *netns.NS, svc *corev1.Service, want []string) error {
