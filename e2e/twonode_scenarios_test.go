@@ -374,10 +374,14 @@ func topologyHints(t *testing.T, c *twoNodes) {
 	c.setSlice(t, svc, hinted...)
 	c.waitSynced(t, svc, hinted...)
 	const n = 6
-	for _, from := range c.nodes {
-		want := map[string]int{from.backend().Name: n}
-		if diff := cmp.Diff(want, tally(t, whoTCP, from.client().NS, clusterIP(svc, 0), n)); diff != "" {
-			t.Errorf("pods answering %s from %s in %s (-want +got):\n%s", clusterIP(svc, 0), from.client().Name, from.zone, diff)
+	// Clients on each node: its client pod and the node itself (host network).
+	clientsOf := func(nd *node) []*netns.NS { return []*netns.NS{nd.client().NS, nd.NS} }
+	for _, nd := range c.nodes {
+		for _, from := range clientsOf(nd) {
+			want := map[string]int{nd.backend().Name: n}
+			if diff := cmp.Diff(want, tally(t, whoTCP, from, clusterIP(svc, 0), n)); diff != "" {
+				t.Errorf("pods answering %s from %s in %s (-want +got):\n%s", clusterIP(svc, 0), from.Name, nd.zone, diff)
+			}
 		}
 	}
 	if t.Failed() {
@@ -387,14 +391,16 @@ func topologyHints(t *testing.T, c *twoNodes) {
 	unhinted := []endpoint{hinted[0], podEndpoint(b, b.backend(), readyPod)}
 	c.setSlice(t, svc, unhinted...)
 	want := []string{a.backend().Name, b.backend().Name}
-	for _, from := range c.nodes {
-		eventually(t, kubeProxyEndpointLagTimeout, fmt.Sprintf("%s never reached both zones after a hint was removed", from.client().Name), func() error {
-			got := keys(tally(t, whoTCP, from.client().NS, clusterIP(svc, 0), n))
-			if !cmp.Equal(want, got) {
-				return fmt.Errorf("pods answering (-want +got):\n%s", cmp.Diff(want, got))
-			}
-			return nil
-		})
+	for _, nd := range c.nodes {
+		for _, from := range clientsOf(nd) {
+			eventually(t, kubeProxyEndpointLagTimeout, fmt.Sprintf("%s never reached both zones after a hint was removed", from.Name), func() error {
+				got := keys(tally(t, whoTCP, from, clusterIP(svc, 0), n))
+				if !cmp.Equal(want, got) {
+					return fmt.Errorf("pods answering (-want +got):\n%s", cmp.Diff(want, got))
+				}
+				return nil
+			})
+		}
 	}
 }
 
