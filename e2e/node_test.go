@@ -114,25 +114,33 @@ func (n *clusterNode) startProxy(t *testing.T, extra ...string) *proxyProcess {
 // stays Terminating: no controller-manager runs, hence the explicit deletes), so other tests'
 // proxies stop serving them.
 func (n *clusterNode) deleteObjects(t *testing.T) {
+	deleteTestObjects(t, n.admin, n.namespace, n.name)
+}
+
+// deleteTestObjects removes the Services and EndpointSlices of namespace, the Nodes named and the
+// namespace itself.
+func deleteTestObjects(t *testing.T, admin kubernetes.Interface, namespace string, nodes ...string) {
 	ctx := context.Background()
-	svcs, err := n.admin.CoreV1().Services(n.namespace).List(ctx, metav1.ListOptions{})
+	svcs, err := admin.CoreV1().Services(namespace).List(ctx, metav1.ListOptions{})
 	if err != nil {
-		t.Errorf("cleanup: list services in %s: %v", n.namespace, err)
+		t.Errorf("cleanup: list services in %s: %v", namespace, err)
 	} else {
 		for _, s := range svcs.Items {
-			if err := n.admin.CoreV1().Services(n.namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
-				t.Errorf("cleanup: delete service %s/%s: %v", n.namespace, s.Name, err)
+			if err := admin.CoreV1().Services(namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
+				t.Errorf("cleanup: delete service %s/%s: %v", namespace, s.Name, err)
 			}
 		}
 	}
-	if err := n.admin.DiscoveryV1().EndpointSlices(n.namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
-		t.Errorf("cleanup: delete endpointslices in %s: %v", n.namespace, err)
+	if err := admin.DiscoveryV1().EndpointSlices(namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		t.Errorf("cleanup: delete endpointslices in %s: %v", namespace, err)
 	}
-	if err := n.admin.CoreV1().Nodes().Delete(ctx, n.name, metav1.DeleteOptions{}); err != nil {
-		t.Errorf("cleanup: delete node %s: %v", n.name, err)
+	for _, node := range nodes {
+		if err := admin.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}); err != nil {
+			t.Errorf("cleanup: delete node %s: %v", node, err)
+		}
 	}
-	if err := n.admin.CoreV1().Namespaces().Delete(ctx, n.namespace, metav1.DeleteOptions{}); err != nil {
-		t.Errorf("cleanup: delete namespace %s: %v", n.namespace, err)
+	if err := admin.CoreV1().Namespaces().Delete(ctx, namespace, metav1.DeleteOptions{}); err != nil {
+		t.Errorf("cleanup: delete namespace %s: %v", namespace, err)
 	}
 }
 
@@ -169,12 +177,17 @@ func writeRelayedKubeconfig(src, dst, server string) error {
 // allocated cluster IP and node ports).
 func (n *clusterNode) createService(t *testing.T, name string, spec corev1.ServiceSpec) *corev1.Service {
 	t.Helper()
-	svc, err := n.admin.CoreV1().Services(n.namespace).Create(t.Context(),
-		&corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: spec}, metav1.CreateOptions{})
+	return createService(t, n.admin, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: n.namespace}, Spec: spec})
+}
+
+// createService creates svc and returns it as stored.
+func createService(t *testing.T, admin kubernetes.Interface, svc *corev1.Service) *corev1.Service {
+	t.Helper()
+	out, err := admin.CoreV1().Services(svc.Namespace).Create(t.Context(), svc, metav1.CreateOptions{})
 	if err != nil {
-		t.Fatalf("create service %s/%s: %v", n.namespace, name, err)
+		t.Fatalf("create service %s/%s: %v", svc.Namespace, svc.Name, err)
 	}
-	return svc
+	return out
 }
 
 // setEndpoints makes svc's single EndpointSlice (what the endpoint slice controller would write)

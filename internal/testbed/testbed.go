@@ -271,6 +271,10 @@ func Eventually(ctx context.Context, timeout, every time.Duration, f func() erro
 
 // ServePods starts every pod's backends (see Pod.Serve); stop ends them and waits.
 func (b *Bed) ServePods(ctx context.Context, tcpPort, udpPort uint16) (stop func(), err error) {
+	return servePods(ctx, b.Pods, tcpPort, udpPort)
+}
+
+func servePods(ctx context.Context, pods []*Pod, tcpPort, udpPort uint16) (stop func(), err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	var waits []func()
 	stop = func() {
@@ -279,7 +283,7 @@ func (b *Bed) ServePods(ctx context.Context, tcpPort, udpPort uint16) (stop func
 			w()
 		}
 	}
-	for _, p := range b.Pods {
+	for _, p := range pods {
 		wait, err := p.Serve(ctx, tcpPort, udpPort)
 		if err != nil {
 			stop()
