@@ -38,6 +38,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -469,13 +470,7 @@ func TestRunAllBoundsTheShutdown(t *testing.T) {
 		errc <- runAll(ctx, clk, 10*time.Second, log, func(context.Context) { <-release }, func(ctx context.Context) { <-ctx.Done() })
 	}()
 	cancel()
-	deadline := time.Now().Add(waitFor)
-	for !clk.HasWaiters() {
-		if time.Now().After(deadline) {
-			t.Fatal("runAll never waited on the clock")
-		}
-		time.Sleep(time.Millisecond) // polling a condition with a deadline
-	}
+	testenv.WaitFor(t, "runAll to wait on the clock", clk.HasWaiters)
 	clk.Step(10 * time.Second)
 	select {
 	case err := <-errc:

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // EnvBinary names a prebuilt kube-portal-proxy binary to test instead of building one; a relative
@@ -80,8 +81,8 @@ func runTests(m *testing.M) int {
 // runOrRefuse runs the tests so each reports why it skips, or fails at once when KPP_E2E_REQUIRE
 // asks for the whole suite to run.
 func runOrRefuse(m *testing.M, reason string) int {
-	if framework.Required() {
-		fmt.Fprintf(os.Stderr, "e2e: %s, and %s is set\n", reason, framework.EnvRequire)
+	if testenv.Required() {
+		fmt.Fprintf(os.Stderr, "e2e: %s, and %s is set\n", reason, testenv.EnvRequire)
 		return 1
 	}
 	return m.Run()
@@ -100,7 +101,7 @@ func requireControlPlane(t *testing.T) {
 	t.Helper()
 	requireRoot(t)
 	if noControlPlane != "" {
-		t.Skipf("e2e skipped: %s (set %s=1 to fail instead)", noControlPlane, framework.EnvRequire)
+		testenv.Unavailable(t, "e2e skipped: %s", noControlPlane)
 	}
 }
 

@@ -15,6 +15,8 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // recordingHandler logs every event as a line.
@@ -139,13 +141,7 @@ func (fh *fileSourceHarness) nextLoad(t *testing.T) error {
 // tick advances the fake clock past the poll interval once the source waits on it.
 func (fh *fileSourceHarness) tick(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !fh.clk.HasWaiters() {
-		if time.Now().After(deadline) {
-			t.Fatal("file source never waited on the clock")
-		}
-		time.Sleep(time.Millisecond) // polling a condition
-	}
+	testenv.WaitFor(t, "the file source to wait on the clock", fh.clk.HasWaiters)
 	fh.clk.Step(time.Second)
 }
 

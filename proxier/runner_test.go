@@ -13,6 +13,8 @@ import (
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // runnerHarness runs a boundedRunner on a fake clock and records when fn ran.
@@ -84,13 +86,7 @@ func (h *runnerHarness) noRun(t *testing.T) {
 // waitParked waits until the runner goroutine is blocked on a clock timer.
 func (h *runnerHarness) waitParked(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !h.clk.HasWaiters() {
-		if time.Now().After(deadline) {
-			t.Fatal("runner never waited on the clock")
-		}
-		time.Sleep(time.Millisecond) // polling a condition, not synchronising on time
-	}
+	testenv.WaitFor(t, "the runner to wait on the clock", h.clk.HasWaiters)
 }
 
 func TestBoundedRunner(t *testing.T) {

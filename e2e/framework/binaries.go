@@ -22,8 +22,6 @@ const (
 	// EnvCache is the cache root hack/controlplane-build.sh builds into
 	// (default $HOME/.cache/kube-portal-proxy).
 	EnvCache = "KPP_CACHE"
-	// EnvRequire turns "binaries missing" from a skip into a failure (CI sets it).
-	EnvRequire = "KPP_E2E_REQUIRE"
 )
 
 // ErrBinariesMissing reports that the control plane binaries have not been built.

@@ -11,7 +11,7 @@
 //		ctx, cancel := context.WithTimeout(context.Background(), framework.DefaultStartTimeout)
 //		defer cancel()
 //		cp, err := framework.Start(ctx, framework.Options{})
-//		if errors.Is(err, framework.ErrBinariesMissing) && !framework.Required() {
+//		if errors.Is(err, framework.ErrBinariesMissing) && !testenv.Required() {
 //			fmt.Println("e2e skipped:", err)
 //			return 0
 //		}

@@ -3,20 +3,14 @@ package framework
 import (
 	"context"
 	"errors"
-	"os"
 	"testing"
 	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
-// Required reports whether the environment demands the end-to-end tests run (KPP_E2E_REQUIRE set
-// to anything but "" or "0"): then missing binaries fail tests instead of skipping them.
-func Required() bool {
-	v := os.Getenv(EnvRequire)
-	return v != "" && v != "0"
-}
-
 // StartControlPlane starts a control plane for t and stops it in t.Cleanup. Without binaries it
-// skips t, or fails it when Required(). On failure the cleanup logs the daemons' last log lines.
+// skips t, or fails it when testenv.Required() (KPP_E2E_REQUIRE is set). On failure the cleanup logs the daemons' last log lines.
 func StartControlPlane(t testing.TB) *ControlPlane {
 	t.Helper()
 	bins, err := FindBinaries()
@@ -46,8 +40,8 @@ func StartControlPlane(t testing.TB) *ControlPlane {
 
 func skipOrFail(t testing.TB, err error) {
 	t.Helper()
-	if !errors.Is(err, ErrBinariesMissing) || Required() {
+	if !errors.Is(err, ErrBinariesMissing) {
 		t.Fatalf("e2e: %v", err)
 	}
-	t.Skipf("e2e skipped: %v (set %s=1 to fail instead)", err, EnvRequire)
+	testenv.Unavailable(t, "e2e skipped: %v", err)
 }

@@ -19,16 +19,19 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // Prefix starts the name of every namespace this package creates, so a leftover is easy to spot.
 const Prefix = "kpp-"
 
-// SkipUnlessRoot skips a test that needs to create namespaces when it does not run as root.
+// SkipUnlessRoot skips a test that needs to create namespaces when it does not run as root, or
+// fails it when KPP_E2E_REQUIRE says every test must run (testenv.Unavailable).
 func SkipUnlessRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("needs root to create network namespaces (run the tests as root to cover real iptables)")
+		testenv.Unavailable(t, "needs root to create network namespaces (run the tests as root to cover real iptables)")
 	}
 }
 
