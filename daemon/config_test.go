@@ -98,7 +98,7 @@ func TestConfigFile(t *testing.T) {
 			e.CTMaxPerCore, e.CTMin = 65536, 262144
 			e.CTEstablished, e.CTCloseWait = 12*time.Hour, 30*time.Minute
 			e.CTUDP, e.CTUDPStream, e.CTBeLiberal = 30*time.Second, 2*time.Minute, true
-			e.Ignored = []string{"clientConnection.contentType", "clusterCIDR", "detectLocalMode",
+			e.Ignored = []string{"clientConnection.contentType", "detectLocalMode",
 				"iptables.masqueradeAll", "iptables.masqueradeBit", "logging.verbosity"}
 		},
 	}, {
@@ -127,7 +127,7 @@ func TestConfigFile(t *testing.T) {
 			e.CTMaxPerCore, e.CTMin = 0, 262144
 			e.CTEstablished, e.CTCloseWait = 12*time.Hour, 30*time.Minute
 			e.CTUDP, e.CTUDPStream, e.CTBeLiberal = 30*time.Second, 2*time.Minute, true
-			e.Ignored = []string{"clientConnection.contentType", "clusterCIDR", "detectLocalMode",
+			e.Ignored = []string{"clientConnection.contentType", "detectLocalMode",
 				"iptables.masqueradeAll", "iptables.masqueradeBit", "logging.verbosity"}
 		},
 	}, {
@@ -231,7 +231,7 @@ func TestIgnoredFieldsLoggedOnce(t *testing.T) {
 		got = append(got, e.Level.String()+": "+e.Message+" fields="+fmtField(e.Data["fields"]))
 	}
 	want := []string{"info: Ignoring configuration fields that mean nothing to the userspace proxy " +
-		"fields=clientConnection.contentType,clusterCIDR,detectLocalMode,iptables.masqueradeAll,iptables.masqueradeBit,logging.verbosity"}
+		"fields=clientConnection.contentType,detectLocalMode,iptables.masqueradeAll,iptables.masqueradeBit,logging.verbosity"}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("log (-want +got):\n%s", diff)
 	}

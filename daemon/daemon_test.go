@@ -32,6 +32,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
@@ -558,7 +559,7 @@ func TestDaemonServesFromTheAPIServer(t *testing.T) {
 	}
 	for _, name := range []string{"echo", "second"} {
 		objects = append(objects,
-			&v1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name}, Spec: v1.ServiceSpec{
+			&v1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name, UID: types.UID("uid-" + name)}, Spec: v1.ServiceSpec{
 				ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"}, Type: v1.ServiceTypeClusterIP,
 				Ports: []v1.ServicePort{{Name: "tcp", Port: 80, Protocol: v1.ProtocolTCP}}}},
 			&discovery.EndpointSlice{
@@ -600,7 +601,8 @@ func TestDaemonServesFromTheAPIServer(t *testing.T) {
 		}
 		if i := slices.IndexFunc(evs.Items, func(e v1.Event) bool { return e.Reason == "ProxyPortRangeExhausted" }); i >= 0 {
 			e := evs.Items[i]
-			if e.Type != v1.EventTypeWarning || e.InvolvedObject.Kind != "Service" || e.Source.Host != "node-1" {
+			if e.Type != v1.EventTypeWarning || e.InvolvedObject.Kind != "Service" || e.Source.Host != "node-1" ||
+				e.InvolvedObject.UID != types.UID("uid-"+e.InvolvedObject.Name) {
 				t.Errorf("event %+v: want a Warning on the Service from node-1", e)
 			}
 			break

@@ -32,6 +32,7 @@ type Options struct {
 	healthzBindAddress string
 	metricsBindAddress string
 	nodePortAddresses  []string
+	clusterCIDR        string
 	cleanup            bool
 	servicesFile       string
 	fileCheckPeriod    time.Duration
@@ -71,6 +72,9 @@ type Options struct {
 	bind      netip.Addr
 	portRange proxier.PortRange
 	nodePorts []netip.Prefix
+	// podCIDRs is --cluster-cidr parsed: sources that are pods, whose traffic to an external
+	// portal is cluster traffic.
+	podCIDRs []netip.Prefix
 
 	// flags is the command line they came from: --write-config-to and the startup line need
 	// to know which flags were given.
@@ -127,6 +131,7 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "ip:port of /healthz and /livez; empty disables.")
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "ip:port of /metrics and the debug pages; empty disables.")
 	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic; empty means all.")
+	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pods' CIDR range(s), comma-separated (one per family): traffic from them to a node port, external or load-balancer IP of an externalTrafficPolicy: Local service is cluster traffic, as in kube-proxy. Empty: such pod traffic is external traffic.")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every rule and chain this proxy installs (IPv4 and IPv6), then exit.")
 	fs.StringVar(&o.servicesFile, "services-file", "", "Standalone mode: read Service and EndpointSlice manifests from this YAML file or directory instead of an API server.")
 	fs.DurationVar(&o.fileCheckPeriod, "services-file-check-period", time.Second, "How often --services-file is checked for changes (SIGHUP reloads at once).")
@@ -194,6 +199,16 @@ func (o *Options) validate() error {
 			return fmt.Errorf("%s %q: %w", o.setting("--nodeport-addresses"), c, err)
 		}
 		o.nodePorts = append(o.nodePorts, p.Masked())
+	}
+	for _, c := range strings.Split(o.clusterCIDR, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(c)
+		if err != nil {
+			return fmt.Errorf("%s %q: %w", o.setting("--cluster-cidr"), c, err)
+		}
+		o.podCIDRs = append(o.podCIDRs, p.Masked())
 	}
 	checks := []struct {
 		ok   bool

@@ -60,7 +60,7 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		log.WithError(err).Warn("Could not check for NAT support")
 	}
 	rules := iptables.New(iptables.Config{
-		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts,
+		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts, PodCIDRs: o.podCIDRs,
 		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
 	}, runner)
 	return &portalMode{

@@ -14,6 +14,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
@@ -47,6 +48,9 @@ func TestTwoNodes(t *testing.T) {
 		{"should be rejected when no endpoints exist", rejectedNoEndpoints},
 		{"should be able to connect to terminating and unready endpoints if PublishNotReadyAddresses is true", publishNotReadyTrue},
 		{"should not be able to connect to terminating and unready endpoints if PublishNotReadyAddresses is false", publishNotReadyFalse},
+		// From test/e2e/network/loadbalancer.go, with the load-balancer IP written into the
+		// Service's status by the test (no cloud controller runs here).
+		{"should only allow access from service loadbalancer source ranges", sourceRanges},
 		// Not an upstream scenario: topology-aware routing with hand-made hints.
 		{"should route to endpoints hinted for the node's zone and fall back to all when a hint is missing", topologyHints},
 	} {
@@ -415,4 +419,59 @@ func httpGetTimeout(ns *netns.NS, url string, timeout time.Duration) (int, strin
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
 	return resp.StatusCode, string(body), err
+}
+
+// sourceRanges is upstream's "should only allow access from service loadbalancer source ranges":
+// a LoadBalancer Service whose loadBalancerSourceRanges admit one client pod is reachable at its
+// load-balancer IP from that pod only; moving the range to the other pod moves the access; removing
+// the ranges opens it to both. Each check polls every 2 s until it holds (upstream's
+// checkReachabilityFromPod), bounded by the endpoint lag timeout.
+func sourceRanges(t *testing.T, c *twoNodes) {
+	a, b := c.nodes[0], c.nodes[1]
+	lbIP := netip.MustParseAddr("10.96.250.1") // routed to each node from its pods; no cluster IP is allocated this high in the tests
+	spec := tcpService(corev1.ServiceTypeLoadBalancer, 80, 8080)
+	spec.LoadBalancerSourceRanges = []string{a.client().IP.String() + "/32"}
+	svc := c.service(t, "svc-source-ranges", spec)
+	c.setSlice(t, svc, podEndpoint(a, a.backend(), readyPod))
+	svc.Status.LoadBalancer.Ingress = []corev1.LoadBalancerIngress{{IP: lbIP.String()}}
+	api := c.admin.CoreV1().Services(svc.Namespace)
+	svc, err := api.UpdateStatus(t.Context(), svc, metav1.UpdateOptions{})
+	if err != nil {
+		t.Fatalf("load-balancer status of %s: %v", svc.Name, err)
+	}
+	lb := netip.AddrPortFrom(lbIP, 80)
+	reach := func(from *testbed.Pod, want bool) {
+		t.Helper()
+		deadline := time.Now().Add(kubeProxyEndpointLagTimeout)
+		for {
+			_, err := testbed.Who(from.NS, lb, failConnectTimeout)
+			if (err == nil) == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s -> %s: reachable=%v (%v), want reachable=%v within %v", from.Name, lb, err == nil, err, want, kubeProxyEndpointLagTimeout)
+			}
+			select {
+			case <-t.Context().Done():
+				t.Fatal(t.Context().Err())
+			case <-time.After(upstreamPoll):
+			}
+		}
+	}
+	reach(a.client(), true)
+	reach(b.client(), false)
+
+	svc.Spec.LoadBalancerSourceRanges = []string{b.client().IP.String() + "/32"}
+	if svc, err = api.Update(t.Context(), svc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	reach(b.client(), true)
+	reach(a.client(), false)
+
+	svc.Spec.LoadBalancerSourceRanges = nil
+	if _, err = api.Update(t.Context(), svc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	reach(a.client(), true)
+	reach(b.client(), true)
 }

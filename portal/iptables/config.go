@@ -24,6 +24,10 @@ type Config struct {
 	HostIPs map[portal.Family]netip.Addr
 	// NodePortAddresses is --nodeport-addresses; empty means every local address.
 	NodePortAddresses []netip.Prefix
+	// PodCIDRs (--cluster-cidr) are the sources that are pods. Their traffic to the external portals
+	// of a port whose external traffic has its own socket is cluster traffic: steered to the
+	// cluster socket, as kube-proxy short-circuits it. Empty: pods count as external clients.
+	PodCIDRs []netip.Prefix
 	// ProtectProxyPorts adds the KUBE-PORTALS-GUARD filter chain: a new connection from outside the
 	// node reaches a proxy port only when a portal rule translated it (conntrack state DNAT).
 	ProtectProxyPorts bool

@@ -105,6 +105,13 @@ func TestGoldenRules(t *testing.T) {
 				ClusterIPs: addrs("10.96.0.10"), ExternalIPs: addrs("203.0.113.7"), LoadBalancerIPs: addrs("198.51.100.20"),
 				ProxyPort: 34001, ExternalProxyPort: 34011},
 		}},
+		// Pods (--cluster-cidr) reaching an ETP=Local port's external portals are cluster traffic.
+		{name: "external_local_pods_as_cluster", cfg: Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: nodeV4},
+			PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/64")}}, specs: []portal.Spec{
+			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, NodePort: 30080,
+				ClusterIPs: addrs("10.96.0.10"), ExternalIPs: addrs("203.0.113.7"), LoadBalancerIPs: addrs("198.51.100.20"),
+				ProxyPort: 34001, ExternalProxyPort: 34011},
+		}},
 		{name: "load_balancer_source_ranges", cfg: Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: nodeV4, portal.IPv6: nodeV6}}, specs: []portal.Spec{
 			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, ClusterIPs: addrs("10.96.0.10"),
 				LoadBalancerIPs: addrs("198.51.100.20", "2001:db8::20"), ProxyPort: 34001,

@@ -405,4 +405,23 @@ func TestKernelRefusalAndPolicies(t *testing.T) {
 			t.Errorf("the same client to the cluster IP (no ranges there): %q, %v", got, err)
 		}
 	})
+
+	t.Run("pods_reach_external_portals_as_cluster_traffic", func(t *testing.T) {
+		if err := p.Cleanup(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		// The client's range given as the pods' range (--cluster-cidr).
+		pods := New(Config{HostIPs: cfg.HostIPs, ProtectProxyPorts: true,
+			PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.100.0.0/24")}}, &ExecRunner{Prefix: l.node.CommandPrefix(), Do: l.node.Do})
+		t.Cleanup(func() { pods.Cleanup(context.Background()) })
+		local := base
+		local.ExternalProxyPort = ext
+		mustSync(t, pods, []portal.Spec{local})
+		for _, addr := range []string{"10.100.0.1:30080", "10.96.1.20:80"} {
+			got, err := dial(l.client, addr, 5*time.Second)
+			if err != nil || !strings.HasSuffix(got, fmt.Sprintf(":%d", l.proxyPort)) {
+				t.Errorf("pod to %s: %q, %v; want the cluster socket on port %d", addr, got, err, l.proxyPort)
+			}
+		}
+	})
 }

@@ -162,6 +162,8 @@ type ruleBuilder struct {
 	external  string // containerTarget of the external proxy port
 	rejectInt bool
 	rejectExt bool
+	split     bool     // the spec's external traffic has its own proxy port
+	pods      []string // "-s" values of PodCIDRs of this family
 }
 
 // buildRules is the pure function from specs to the wanted rules of one family. Specs come sorted
@@ -185,6 +187,11 @@ func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules
 	}
 	if len(cfg.NodePortAddresses) == 0 {
 		b.npDsts = []string{""}
+	}
+	for _, p := range cfg.PodCIDRs {
+		if portal.FamilyOf(p.Addr()) == fam {
+			b.pods = append(b.pods, p.Masked().String())
+		}
 	}
 	for _, p := range cfg.NodePortAddresses {
 		if portal.FamilyOf(p.Addr()) == fam {
@@ -224,6 +231,7 @@ func (b *ruleBuilder) add(s *portal.Spec) {
 		b.external = b.containerTarget(ext)
 	}
 	b.rejectInt, b.rejectExt = s.RejectInternal, s.RejectExternal
+	b.split = s.ExternalPort() != s.ProxyPort
 	for _, ip := range b.ofFamily(s.ClusterIPs) {
 		b.clusterPortal(s, ip)
 	}
@@ -236,6 +244,7 @@ func (b *ruleBuilder) add(s *portal.Spec) {
 	if s.NodePort != 0 && len(b.npDsts) > 0 {
 		for _, d := range b.npDsts {
 			np := b.common(d, s.NodePort)
+			b.podsAsCluster(ChainNodePortContainer, np)
 			b.steer(ChainNodePortContainer, np, b.external, b.rejectExt)
 			b.steer(ChainNodePortHost, np, b.host, b.rejectInt)
 			if b.rejectInt || b.rejectExt {
@@ -260,6 +269,23 @@ func (b *ruleBuilder) add(s *portal.Spec) {
 func (b *ruleBuilder) steer(chain, match, target string, refused bool) {
 	if !refused {
 		b.rule(tableNAT, chain, match, target)
+	}
+}
+
+// podsAsCluster steers pod traffic to an external portal of a split port to the cluster socket, as
+// kube-proxy short-circuits it (no client address to keep, and a pod should reach the service as
+// well as a remote client does). With cluster traffic refused, the pods' packets are left alone
+// (RETURN) for the filter REJECT rule of the same destination.
+func (b *ruleBuilder) podsAsCluster(chain, match string) {
+	if !b.split {
+		return
+	}
+	for _, src := range b.pods {
+		target := b.container
+		if b.rejectInt {
+			target = "-j RETURN"
+		}
+		b.rule(tableNAT, chain, "-s "+src+" "+match, target)
 	}
 }
 
@@ -300,6 +326,7 @@ func (b *ruleBuilder) loadBalancerPortal(s *portal.Spec, ip netip.Addr) {
 	d := hostPrefix(ip)
 	m := b.common(d, s.Port)
 	if len(s.SourceRanges) == 0 {
+		b.podsAsCluster(ChainPortalsContainer, m)
 		b.steer(ChainPortalsContainer, m, b.external, b.rejectExt)
 		b.steer(ChainPortalsHost, m, b.host, b.rejectInt)
 		b.reject(m)
@@ -321,6 +348,7 @@ func (b *ruleBuilder) loadBalancerPortal(s *portal.Spec, ip netip.Addr) {
 // packet did not come in on a bridge port or the IP is local; the host only when the IP is local.
 func (b *ruleBuilder) externalPortal(s *portal.Spec, ip netip.Addr) {
 	m := b.common(hostPrefix(ip), s.Port)
+	b.podsAsCluster(ChainPortalsContainer, m)
 	b.steer(ChainPortalsContainer, m+" -m physdev ! --physdev-is-in", b.external, b.rejectExt)
 	b.steer(ChainPortalsContainer, m+" -m addrtype --dst-type LOCAL", b.external, b.rejectExt)
 	b.steer(ChainPortalsHost, m+" -m addrtype --dst-type LOCAL", b.host, b.rejectInt)
