@@ -68,19 +68,14 @@ func portsEqual(a, b []*service.Port) bool {
 	return slices.EqualFunc(a, b, func(x, y *service.Port) bool { return x.Equal(y) })
 }
 
-// endpointSliceCache holds the slim form of every EndpointSlice, grouped by owning Service, and
-// remembers which Services changed since the last take.
+// endpointSliceCache holds the slim form of every EndpointSlice, grouped by owning Service.
 type endpointSliceCache struct {
 	mu     sync.Mutex
 	slices map[service.NamespacedName]map[string]*slimSlice
-	dirty  map[service.NamespacedName]bool
 }
 
 func newEndpointSliceCache() *endpointSliceCache {
-	return &endpointSliceCache{
-		slices: make(map[service.NamespacedName]map[string]*slimSlice),
-		dirty:  make(map[service.NamespacedName]bool),
-	}
+	return &endpointSliceCache{slices: make(map[service.NamespacedName]map[string]*slimSlice)}
 }
 
 // update stores (or, with s == nil, removes) one slice of a Service.
@@ -103,7 +98,6 @@ func (c *endpointSliceCache) update(owner service.NamespacedName, sliceName stri
 		}
 		m[sliceName] = s
 	}
-	c.dirty[owner] = true
 }
 
 // get returns the slices of a Service in name order.
@@ -121,19 +115,4 @@ func (c *endpointSliceCache) get(owner service.NamespacedName) []*slimSlice {
 		out[i] = m[n]
 	}
 	return out
-}
-
-// takeDirty returns the Services whose slices changed and clears the set.
-func (c *endpointSliceCache) takeDirty() map[service.NamespacedName]bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	d := c.dirty
-	c.dirty = make(map[service.NamespacedName]bool)
-	return d
-}
-
-func (c *endpointSliceCache) pending() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.dirty)
 }

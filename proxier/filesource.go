@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"io/fs"
@@ -331,23 +330,39 @@ func (set *manifestSet) addDocument(body []byte) error {
 	return nil
 }
 
+// Kinds as manifests spell them; errors name an object by its kind and namespace/name.
+const (
+	kindService = "Service"
+	kindSlice   = "EndpointSlice"
+)
+
+// objectKey defaults meta's namespace and returns "namespace/name", refusing an object without a
+// name or one whose key the set already defines.
+func objectKey[T any](kind string, meta *metav1.ObjectMeta, defined map[string]T) (string, error) {
+	if meta.Name == "" {
+		return "", fmt.Errorf("%s without metadata.name", kind)
+	}
+	if meta.Namespace == "" {
+		meta.Namespace = v1.NamespaceDefault
+	}
+	key := meta.Namespace + "/" + meta.Name
+	if _, dup := defined[key]; dup {
+		return "", fmt.Errorf("%s %s defined twice", kind, key)
+	}
+	return key, nil
+}
+
 func (set *manifestSet) addService(s *v1.Service, hash uint64) error {
-	if s.Name == "" {
-		return errors.New("Service without metadata.name")
-	}
-	if s.Namespace == "" {
-		s.Namespace = v1.NamespaceDefault
-	}
-	key := s.Namespace + "/" + s.Name
-	if _, dup := set.services[key]; dup {
-		return fmt.Errorf("Service %s defined twice", key)
+	key, err := objectKey(kindService, &s.ObjectMeta, set.services)
+	if err != nil {
+		return err
 	}
 	if len(s.Spec.ClusterIPs) == 0 && s.Spec.ClusterIP != "" {
 		s.Spec.ClusterIPs = []string{s.Spec.ClusterIP}
 	}
 	for _, ip := range append(slices.Clone(s.Spec.ClusterIPs), s.Spec.ExternalIPs...) {
 		if ip != v1.ClusterIPNone && !validIP(ip) {
-			return fmt.Errorf("Service %s: invalid IP %q", key, ip)
+			return fmt.Errorf("%s %s: invalid IP %q", kindService, key, ip)
 		}
 	}
 	set.services[key] = s
@@ -357,15 +372,9 @@ func (set *manifestSet) addService(s *v1.Service, hash uint64) error {
 }
 
 func (set *manifestSet) addSlice(s *discovery.EndpointSlice, hash uint64) error {
-	if s.Name == "" {
-		return errors.New("EndpointSlice without metadata.name")
-	}
-	if s.Namespace == "" {
-		s.Namespace = v1.NamespaceDefault
-	}
-	key := s.Namespace + "/" + s.Name
-	if _, dup := set.slices[key]; dup {
-		return fmt.Errorf("EndpointSlice %s defined twice", key)
+	key, err := objectKey(kindSlice, &s.ObjectMeta, set.slices)
+	if err != nil {
+		return err
 	}
 	if _, err := sliceOwner(s); err != nil {
 		return err
