@@ -12,8 +12,8 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
 
 # demo runs the proxy on its embedded default (testdata/demo) in throwaway network namespaces
-# and shows real traffic through the portals. Needs root (or sudo); installs iproute2, iptables
-# and conntrack first when they are missing (apt-get), or says what to run.
+# and shows real traffic through the portals. Needs root (or sudo); installs iproute2 and
+# iptables first when they are missing (apt-get), or says what to run.
 demo: demo-deps build
 	$(GO) run ./demo
 

@@ -79,7 +79,7 @@ func checkTools(mode string) error {
 		}
 	}
 	if len(missing) > 0 {
-		return fmt.Errorf("not found in PATH: %s; install them with: hack/install-deps.sh demo (as root; on Debian/Ubuntu it runs apt-get install iproute2 iptables conntrack)", strings.Join(missing, ", "))
+		return fmt.Errorf("not found in PATH: %s; install them with: hack/install-deps.sh demo (as root; on Debian/Ubuntu it runs apt-get install iproute2 iptables)", strings.Join(missing, ", "))
 	}
 	return nil
 }

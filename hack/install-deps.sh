@@ -5,8 +5,10 @@
 #   hack/install-deps.sh [--check] GROUP...
 #
 # Groups:
-#   demo  iproute2 (ip), iptables (iptables, iptables-save, iptables-restore), conntrack
-#   test  the demo's, plus openssl, make and chromium
+#   demo  iproute2 (ip: the throwaway namespaces), iptables (iptables, iptables-save,
+#         iptables-restore: the proxy's portal rules)
+#   test  the demo's, plus conntrack (the conntrack cleanup benchmark fills and lists the table
+#         with it; the proxy itself clears entries over netlink), openssl, make and chromium
 #
 # Nothing missing: exits 0 silently. Missing, as root with apt-get: installs them. Missing and
 # not root, without apt-get, or with --check: prints the exact command to run and exits 1, at once.
@@ -21,8 +23,8 @@ usage() {
 # Each entry is command:package.
 group_tools() {
   case "$1" in
-    demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables conntrack:conntrack" ;;
-    test) echo "$(group_tools demo) openssl:openssl make:make chromium:chromium" ;;
+    demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
+    test) echo "$(group_tools demo) conntrack:conntrack openssl:openssl make:make chromium:chromium" ;;
   esac
 }
 
