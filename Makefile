@@ -6,7 +6,7 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image clean
+.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -31,10 +31,15 @@ controlplane:
 	hack/controlplane-build.sh >/dev/null
 
 # test is the command README and CI run: every unit test and the end-to-end suite (real
-# kube-apiserver + etcd, real iptables in network namespaces) with the race detector. Run as root;
-# without root the namespace tests skip with a message.
-test: build controlplane
+# kube-apiserver + etcd, real iptables in network namespaces) with the race detector. Run as root:
+# it first installs the packages the tests use when they are missing (test-deps), so a fresh
+# Debian/Ubuntu machine needs only Go and make, and every test must run (KPP_E2E_REQUIRE=1).
+# Without root the namespace tests skip with a message.
+test: test-deps build controlplane
 	KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=$(if $(filter 0,$(shell id -u)),1,) $(GO) test -race -count=1 -timeout 20m ./...
+
+test-deps:
+	@if [ "$$(id -u)" = 0 ]; then hack/install-deps.sh demo test; fi
 
 # unit runs the tests without building the control plane (end-to-end tests skip).
 unit:
@@ -58,7 +63,7 @@ bench-micro:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 
 bench-portal:
-	KPP_BENCH=1 $(GO) test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/
+	KPP_BENCH=1 $(GO) test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/iptables/
 
 DOCKER ?= docker
 IMAGE ?= ghcr.io/kube-portal-proxy/kube-portal-proxy:$(VERSION)
