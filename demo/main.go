@@ -21,6 +21,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/child"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
@@ -101,23 +102,25 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 		// Leave conntrack sysctls alone (on older kernels nf_conntrack_max is host-wide).
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
 		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249")
-	p, err := startProcess("proxy", argv, cfg.proxyEnv, logPath)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = cfg.proxyEnv
+	p, err := child.Start("proxy", cmd, logPath)
 	if err != nil {
 		return err
 	}
 	// Stopped before the namespaces go (the defer above runs after this one).
-	defer func() { err = errors.Join(err, p.stop(stopGrace)) }()
+	defer func() { err = errors.Join(err, p.Stop(stopGrace)) }()
 	fmt.Fprintf(out, "Namespaces %s{node,client,ext,pod1,pod2}; proxy log: %s\n", bed.Lab.Prefix(), logPath)
 
 	web := netip.MustParseAddrPort("10.96.0.10:80")
-	if err := p.waitReady(ctx, readyTimeout, 100*time.Millisecond, func() error {
+	if err := p.WaitReady(ctx, readyTimeout, 100*time.Millisecond, func(context.Context) error {
 		_, err := testbed.Who(bed.Client, web, time.Second)
 		return err
 	}); err != nil {
 		return fmt.Errorf("the portal never answered: %w", err)
 	}
 	if err := showTraffic(ctx, out, bed, cfg.mode); err != nil {
-		return p.annotate(err)
+		return p.Annotate(err)
 	}
 	return waitKeep(ctx, out, cfg.keep, bed)
 }

@@ -136,10 +136,10 @@ func TestDaemonSetArgsServeAService(t *testing.T) {
 		}
 	})
 	t.Run("the_proxy_runs_in_the_node_namespace", func(t *testing.T) {
-		proc := namespaceID(t, fmt.Sprintf("/proc/%d/ns/net", proxy.cmd.Process.Pid))
+		proc := namespaceID(t, fmt.Sprintf("/proc/%d/ns/net", proxy.Pid()))
 		if node := namespaceID(t, "/run/netns/"+n.bed.Node.Name); proc != node {
 			t.Errorf("proxy pid %d network namespace %v, want the node namespace %v (root is %v)",
-				proxy.cmd.Process.Pid, proc, node, rootNS)
+				proxy.Pid(), proc, node, rootNS)
 		}
 	})
 	t.Run("conntrack_sysctls_are_left_as_they_were", func(t *testing.T) {

@@ -141,7 +141,7 @@ func TestProxyKilledAndRestarted(t *testing.T) {
 	before := rules(t, n.bed.Node)
 	want := shape(before.of(n.namespace))
 
-	first.kill()
+	first.Kill()
 	if who, err := whoTCP(n.bed.Client, tg.clusterTCP); err == nil {
 		t.Fatalf("%s answered (by %s) with the proxy killed", tg.clusterTCP, who)
 	}

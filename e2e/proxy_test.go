@@ -1,17 +1,14 @@
 package e2e
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
-	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"os"
 	"os/exec"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/child"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 )
 
@@ -22,12 +19,12 @@ const (
 )
 
 // proxyProcess is the real binary running in a namespace (`ip netns exec` execs it, so the
-// child's PID is the proxy's). It owns the goroutine that waits for the child.
-type proxyProcess struct {
-	cmd     *exec.Cmd
-	logPath string
-	*framework.Child
-}
+// child's PID is the proxy's), run by internal/child: its exit has one owner, and it dies with the
+// test binary.
+type proxyProcess struct{ *child.Process }
+
+// proxyStopGrace bounds a clean exit after SIGTERM (the proxy's own shutdown timeout is 10s).
+const proxyStopGrace = 20 * time.Second
 
 // startProxy runs the proxy binary in ns with args, logging to a file in dir. The test's cleanup
 // stops it (SIGTERM, then SIGKILL) and, when the test failed, prints the end of its log.
@@ -37,76 +34,36 @@ func startProxy(t *testing.T, ns *netns.NS, dir string, args ...string) *proxyPr
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer logFile.Close() // the child has its own descriptor
+	logFile.Close()
 	cmd := exec.Command("ip", append([]string{"netns", "exec", ns.Name, proxyBinary}, args...)...)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	// If the test binary dies without its cleanups, the kernel kills the proxy too.
-	child, err := framework.StartChild(cmd)
+	c, err := child.Start("proxy", cmd, logFile.Name())
 	if err != nil {
 		t.Fatalf("start %s in %s: %v", proxyBinary, ns.Name, err)
 	}
-	p := &proxyProcess{cmd: cmd, logPath: logFile.Name(), Child: child}
-	t.Logf("proxy pid %d in %s: %s", cmd.Process.Pid, ns.Name, strings.Join(args, " "))
+	p := &proxyProcess{c}
+	t.Logf("proxy pid %d in %s: %s", p.Pid(), ns.Name, strings.Join(args, " "))
 	t.Cleanup(func() {
 		if err := p.stop(); err != nil {
 			t.Errorf("stop proxy: %v", err)
 		}
 		if t.Failed() {
-			t.Logf("proxy log %s (last 60 lines):\n%s", p.logPath, p.logTail(60))
+			t.Logf("proxy log %s (last 60 lines):\n%s", p.LogPath, p.LogTail(60))
 		}
 	})
 	return p
 }
 
+// stop sends SIGTERM and waits for a clean exit, killing the proxy after a grace period. It is
+// an error if the proxy failed after SIGTERM or needed SIGKILL (an exit seen before is reported by
+// whoever saw it).
+func (p *proxyProcess) stop() error { return p.Stop(proxyStopGrace) }
+
 // exited returns an error describing the exit if the proxy is no longer running, or nil.
 func (p *proxyProcess) exited() error {
-	select {
-	case <-p.Done:
-		return fmt.Errorf("proxy exited: %v; log:\n%s", p.Err, p.logTail(30))
-	default:
+	if !p.Exited() {
 		return nil
 	}
-}
-
-// kill sends SIGKILL and waits for the exit: the proxy gets no chance to clean anything up.
-func (p *proxyProcess) kill() {
-	_ = p.cmd.Process.Signal(syscall.SIGKILL)
-	<-p.Done
-}
-
-// stop sends SIGTERM and waits for a clean exit, killing the proxy after a grace period. It is
-// an error if the proxy had already died on its own or needed SIGKILL.
-func (p *proxyProcess) stop() error {
-	select {
-	case <-p.Done:
-		return nil // already stopped (or killed) by the test
-	default:
-	}
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil && !errors.Is(err, os.ErrProcessDone) {
-		return err
-	}
-	select {
-	case <-p.Done:
-		if p.Err != nil {
-			return fmt.Errorf("exit after SIGTERM: %w", p.Err)
-		}
-		return nil
-	case <-time.After(20 * time.Second):
-		p.kill()
-		return errors.New("no exit 20s after SIGTERM; killed")
-	}
-}
-
-func (p *proxyProcess) logTail(n int) string {
-	b, err := os.ReadFile(p.logPath)
-	if err != nil {
-		return err.Error()
-	}
-	lines := bytes.Split(bytes.TrimRight(b, "\n"), []byte("\n"))
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return string(bytes.Join(lines, []byte("\n")))
+	return fmt.Errorf("proxy exited: %v; log:\n%s", p.Err(), p.LogTail(30))
 }
 
 // runProxyOnce runs the binary in ns to completion (e.g. --cleanup) and returns its output.

@@ -90,8 +90,8 @@ func TestStandaloneServicesFile(t *testing.T) {
 	t.Run("a_broken_file_keeps_the_last_good_state", func(t *testing.T) {
 		write(webManifest(ext, 2) + "---\napiVersion: v1\nkind: Service\nmetadata: [not, a, map]\n")
 		eventually(t, 15*time.Second, "no rejection of the broken file in the proxy log", func() error {
-			if !strings.Contains(proxy.logTail(1000), "Rejected services file") {
-				return fmt.Errorf("no %q line in %s", "Rejected services file", proxy.logPath)
+			if !strings.Contains(proxy.LogTail(1000), "Rejected services file") {
+				return fmt.Errorf("no %q line in %s", "Rejected services file", proxy.LogPath)
 			}
 			return nil
 		})

@@ -1,10 +1,11 @@
-package main
+package child
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
@@ -14,7 +15,7 @@ import (
 )
 
 // The tests start this test binary again as the process under test; envHelper picks its part.
-const envHelper = "KPP_DEMO_TEST_HELPER"
+const envHelper = "KPP_CHILD_TEST_HELPER"
 
 func TestMain(m *testing.M) {
 	if h := os.Getenv(envHelper); h != "" {
@@ -50,28 +51,26 @@ func helper(part string) {
 }
 
 // startHelper starts the helper part with its log in a temp dir and kills it at cleanup.
-func startHelper(t *testing.T, part string) *process {
+func startHelper(t *testing.T, part string) *Process {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := startProcess("proxy", []string{exe}, append(os.Environ(), envHelper+"="+part),
-		filepath.Join(t.TempDir(), "proxy.log"))
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), envHelper+"="+part)
+	p, err := Start("proxy", cmd, filepath.Join(t.TempDir(), "proxy.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_ = p.cmd.Process.Kill()
-		<-p.done
-	})
+	t.Cleanup(p.Kill)
 	return p
 }
 
 // logSays is a readiness probe: the log contains s.
-func logSays(p *process, s string) func() error {
-	return func() error {
-		b, err := os.ReadFile(p.logPath)
+func logSays(p *Process, s string) func(context.Context) error {
+	return func(context.Context) error {
+		b, err := os.ReadFile(p.LogPath)
 		if err != nil {
 			return err
 		}
@@ -97,31 +96,31 @@ func within(t *testing.T, d time.Duration, what string, f func() error) error {
 }
 
 func TestWaitReady(t *testing.T) {
-	refused := func() error { return errors.New("connection refused") }
+	refused := func(context.Context) error { return errors.New("connection refused") }
 	tests := []struct {
 		name    string
 		part    string
-		ready   func(p *process) func() error
+		ready   func(p *Process) func(context.Context) error
 		timeout time.Duration
 		want    []string // substrings of the error; nil means no error
 	}{
 		{
 			name:    "proxy_that_exits_at_once_is_reported_with_status_and_log",
 			part:    "exit-at-once",
-			ready:   func(*process) func() error { return refused },
+			ready:   func(*Process) func(context.Context) error { return refused },
 			timeout: time.Minute,
 			want:    []string{"proxy exited early", "exit status 3", "iptables not found in PATH", "proxy.log"},
 		},
 		{
 			name:    "ready_proxy",
 			part:    "term-exits-0",
-			ready:   func(p *process) func() error { return logSays(p, "ready") },
+			ready:   func(p *Process) func(context.Context) error { return logSays(p, "ready") },
 			timeout: time.Minute,
 		},
 		{
 			name:    "proxy_never_ready_times_out_with_last_probe_and_log",
 			part:    "term-exits-0",
-			ready:   func(*process) func() error { return refused },
+			ready:   func(*Process) func(context.Context) error { return refused },
 			timeout: 200 * time.Millisecond,
 			want:    []string{"proxy not ready after 200ms", "connection refused", "proxy.log"},
 		},
@@ -130,7 +129,7 @@ func TestWaitReady(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			p := startHelper(t, tt.part)
 			err := within(t, 20*time.Second, "waitReady", func() error {
-				return p.waitReady(t.Context(), tt.timeout, 10*time.Millisecond, tt.ready(p))
+				return p.WaitReady(t.Context(), tt.timeout, 10*time.Millisecond, tt.ready(p))
 			})
 			if tt.want == nil {
 				if err != nil {
@@ -155,17 +154,17 @@ func TestWaitReady(t *testing.T) {
 func TestStopAfterEarlyExitReturns(t *testing.T) {
 	p := startHelper(t, "exit-at-once")
 	err := within(t, 20*time.Second, "waitReady", func() error {
-		return p.waitReady(t.Context(), time.Minute, 10*time.Millisecond, func() error { return errors.New("refused") })
+		return p.WaitReady(t.Context(), time.Minute, 10*time.Millisecond, func(context.Context) error { return errors.New("refused") })
 	})
 	if err == nil || !strings.Contains(err.Error(), "exit status 3") {
 		t.Fatalf("waitReady = %v, want the exit status", err)
 	}
-	if err := within(t, 5*time.Second, "stop", func() error { return p.stop(time.Minute) }); err != nil {
+	if err := within(t, 5*time.Second, "stop", func() error { return p.Stop(time.Minute) }); err != nil {
 		t.Errorf("stop after an exit already reported: %v, want nil", err)
 	}
 	// Every reader still sees the exit.
-	if !p.exited() || !strings.Contains(p.annotate(errors.New("request failed")).Error(), "exit status 3") {
-		t.Errorf("annotate after exit = %v, want the exit status", p.annotate(errors.New("request failed")))
+	if !p.Exited() || !strings.Contains(p.Annotate(errors.New("request failed")).Error(), "exit status 3") {
+		t.Errorf("annotate after exit = %v, want the exit status", p.Annotate(errors.New("request failed")))
 	}
 }
 
@@ -185,11 +184,11 @@ func TestStop(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := startHelper(t, tt.part)
-			if err := p.waitReady(t.Context(), 20*time.Second, 10*time.Millisecond, logSays(p, "ready")); err != nil {
+			if err := p.WaitReady(t.Context(), 20*time.Second, 10*time.Millisecond, logSays(p, "ready")); err != nil {
 				t.Fatal(err)
 			}
-			err := within(t, 20*time.Second, "stop", func() error { return p.stop(tt.grace) })
-			if !p.exited() {
+			err := within(t, 20*time.Second, "stop", func() error { return p.Stop(tt.grace) })
+			if !p.Exited() {
 				t.Error("stop returned with the process still running")
 			}
 			if tt.want == nil {
@@ -212,12 +211,12 @@ func TestStop(t *testing.T) {
 
 func TestLogTail(t *testing.T) {
 	dir := t.TempDir()
-	write := func(name, content string) *process {
+	write := func(name, content string) *Process {
 		path := filepath.Join(dir, name)
 		if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		return &process{logPath: path}
+		return &Process{LogPath: path}
 	}
 	var long, last strings.Builder
 	for i := 1; i <= 100; i++ {
@@ -228,7 +227,7 @@ func TestLogTail(t *testing.T) {
 	}
 	tests := []struct {
 		name string
-		p    *process
+		p    *Process
 		want string
 	}{
 		{"empty_log", write("empty", ""), "  (empty)"},
@@ -237,14 +236,14 @@ func TestLogTail(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := tt.p.logTail(); got != tt.want {
+			if got := tt.p.LogTail(tailLines); got != tt.want {
 				t.Errorf("logTail() = %q, want %q", got, tt.want)
 			}
 		})
 	}
 	t.Run("missing_log_says_why", func(t *testing.T) {
-		p := &process{logPath: filepath.Join(dir, "nope")}
-		if got := p.logTail(); !strings.Contains(got, "no such file") {
+		p := &Process{LogPath: filepath.Join(dir, "nope")}
+		if got := p.LogTail(tailLines); !strings.Contains(got, "no such file") {
 			t.Errorf("logTail() = %q, want the open error", got)
 		}
 	})
