@@ -9,17 +9,12 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 func TestBindPlan(t *testing.T) {
-	addrs := func(s ...string) []netip.Addr {
-		var out []netip.Addr
-		for _, a := range s {
-			out = append(out, netip.MustParseAddr(a))
-		}
-		return out
-	}
+	addrs := testenv.Addrs
 	iface := map[string][]netip.Addr{"eth0": addrs("192.0.2.10", "2001:db8::10"), "eth1": addrs("198.51.100.10")}
 	tests := []struct {
 		name      string

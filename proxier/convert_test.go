@@ -14,6 +14,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -38,13 +39,7 @@ func udpPort(name string, port int32) v1.ServicePort {
 	return v1.ServicePort{Name: name, Port: port, Protocol: v1.ProtocolUDP}
 }
 
-func addrs(s ...string) []netip.Addr {
-	var out []netip.Addr
-	for _, a := range s {
-		out = append(out, netip.MustParseAddr(a))
-	}
-	return out
-}
+var addrs = testenv.Addrs
 
 func TestConvertService(t *testing.T) {
 	tests := []struct {

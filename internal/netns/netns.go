@@ -35,6 +35,20 @@ func SkipUnlessRoot(t testing.TB) {
 	}
 }
 
+// NewTestPair creates a lab of two namespaces for t, a client and a node, on one veth pair:
+// client 10.100.0.2/24 on c0, node 10.100.0.1/24 on n0. The lab is deleted at t's cleanup.
+func NewTestPair(t testing.TB) (client, node *NS) {
+	t.Helper()
+	lab := NewTestLab(t)
+	client, node = lab.MustAdd(t, "client"), lab.MustAdd(t, "node")
+	if err := Link(t.Context(),
+		End{NS: client, Dev: "c0", Addr: netip.MustParsePrefix("10.100.0.2/24")},
+		End{NS: node, Dev: "n0", Addr: netip.MustParsePrefix("10.100.0.1/24")}); err != nil {
+		t.Fatal(err)
+	}
+	return client, node
+}
+
 // Lab is a group of namespaces sharing one random prefix ("kpp-<random>-"), deleted together.
 type Lab struct {
 	prefix string

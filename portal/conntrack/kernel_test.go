@@ -26,14 +26,9 @@ const proxyPort = 34053
 type udpLab struct{ client, node *netns.NS }
 
 func newUDPLab(t *testing.T) *udpLab {
-	lab := netns.NewTestLab(t)
-	l := &udpLab{client: lab.MustAdd(t, "client"), node: lab.MustAdd(t, "node")}
+	l := &udpLab{}
+	l.client, l.node = netns.NewTestPair(t)
 	ctx := t.Context()
-	if err := netns.Link(ctx,
-		netns.End{NS: l.client, Dev: "c0", Addr: netip.MustParsePrefix("10.100.0.2/24")},
-		netns.End{NS: l.node, Dev: "n0", Addr: netip.MustParsePrefix("10.100.0.1/24")}); err != nil {
-		t.Fatal(err)
-	}
 	l.client.MustExec(t, "ip", "addr", "add", "fd00:100::2/64", "dev", "c0", "nodad")
 	l.node.MustExec(t, "ip", "addr", "add", "fd00:100::1/64", "dev", "n0", "nodad")
 	for _, r := range []struct{ dst, gw string }{{"10.96.0.0/16", "10.100.0.1"}, {"fd00:96::/112", "fd00:100::1"}} {

@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -16,17 +17,10 @@ var (
 	nodeV6 = netip.MustParseAddr("fd00:1::10")
 )
 
-func addrs(s ...string) []netip.Addr {
-	out := make([]netip.Addr, len(s))
-	for i, a := range s {
-		out[i] = netip.MustParseAddr(a)
-	}
-	return out
-}
-
-func spn(ns, name, port string) service.ServicePortName {
-	return service.ServicePortName{Namespace: ns, Name: name, Port: port}
-}
+var (
+	addrs = testenv.Addrs
+	spn   = testenv.PortName
+)
 
 func webSpec() portal.Spec {
 	return portal.Spec{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80,

@@ -165,14 +165,9 @@ type trafficLab struct {
 }
 
 func newTrafficLab(t *testing.T) *trafficLab {
-	lab := netns.NewTestLab(t)
-	l := &trafficLab{client: lab.MustAdd(t, "client"), node: lab.MustAdd(t, "node")}
+	l := &trafficLab{}
+	l.client, l.node = netns.NewTestPair(t)
 	ctx := t.Context()
-	if err := netns.Link(ctx,
-		netns.End{NS: l.client, Dev: "c0", Addr: netip.MustParsePrefix("10.100.0.2/24")},
-		netns.End{NS: l.node, Dev: "n0", Addr: netip.MustParsePrefix("10.100.0.1/24")}); err != nil {
-		t.Fatal(err)
-	}
 	clusterRange := netip.MustParsePrefix("10.96.0.0/16")
 	if err := l.client.AddRoute(ctx, clusterRange, labNodeV4, ""); err != nil {
 		t.Fatal(err)
@@ -180,25 +175,7 @@ func newTrafficLab(t *testing.T) *trafficLab {
 	if err := l.node.AddRoute(ctx, clusterRange, netip.Addr{}, "n0"); err != nil {
 		t.Fatal(err)
 	}
-	var ln net.Listener
-	if err := l.node.Do(func() (err error) {
-		ln, err = net.Listen("tcp4", "0.0.0.0:0")
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	l.proxyPort = uint16(ln.Addr().(*net.TCPAddr).Port)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			fmt.Fprintf(c, "proxy socket, local %s", c.LocalAddr())
-			c.Close()
-		}
-	}()
+	l.proxyPort = l.listenGreeter(t)
 	return l
 }
 
@@ -265,8 +242,8 @@ func TestKernelTraffic(t *testing.T) {
 	}
 }
 
-// listenGreeter opens another TCP listener in the node namespace that greets like the lab's proxy
-// socket, for a second (external) proxy port.
+// listenGreeter opens a TCP listener in the node namespace standing in for a proxy socket: it
+// greets every connection with its local address and closes it. It returns the port.
 func (l *trafficLab) listenGreeter(t *testing.T) uint16 {
 	t.Helper()
 	var ln net.Listener
