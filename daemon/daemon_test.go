@@ -198,25 +198,7 @@ func (h *harness) url(t *testing.T, requested, path string) string {
 }
 
 // echoServer echoes every TCP connection on 127.0.0.1 until the test ends.
-func echoServer(t *testing.T) netip.AddrPort {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Go(func() { defer c.Close(); _, _ = io.Copy(c, c) })
-		}
-	})
-	return netip.MustParseAddrPort(ln.Addr().String())
-}
+var echoServer = testenv.EchoTCP
 
 // writeService writes a Service with one TCP port and an EndpointSlice with one ready endpoint.
 func writeService(t *testing.T, dir, name, clusterIP string, ep netip.AddrPort) {

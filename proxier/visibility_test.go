@@ -14,7 +14,6 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -30,50 +29,10 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 )
 
-func echoTCP(t testing.TB) netip.AddrPort {
-	t.Helper()
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Go(func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			})
-		}
-	})
-	return ln.Addr().(*net.TCPAddr).AddrPort()
-}
-
-func echoUDP(t testing.TB) netip.AddrPort {
-	t.Helper()
-	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	t.Cleanup(func() { pc.Close(); <-done })
-	go func() {
-		defer close(done)
-		buf := make([]byte, 65536)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			_, _ = pc.WriteTo(buf[:n], from)
-		}
-	}()
-	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
-}
+var (
+	echoTCP = testenv.EchoTCP
+	echoUDP = testenv.EchoUDP
+)
 
 // realEnv is a proxier with real loopback sockets, a fake portal, an access log hook, a metrics
 // registry and the debug HTTP server, serving ns/echo (TCP port "tcp", UDP port "udp").

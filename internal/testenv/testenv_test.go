@@ -1,8 +1,11 @@
 package testenv
 
 import (
+	"net"
+	"net/netip"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 func TestWaitForReturnsOnceTheConditionHolds(t *testing.T) {
@@ -45,5 +48,36 @@ func TestUnavailableSkipsOrFailsWhenRequired(t *testing.T) {
 		if r.ended != tt.want {
 			t.Errorf("Unavailable with %s=%q: the test would %s, want %s", EnvRequire, tt.require, r.ended, tt.want)
 		}
+	}
+}
+
+func TestEchoServersAnswerWithTheSameBytes(t *testing.T) {
+	for _, tt := range []struct {
+		network string
+		addr    netip.AddrPort
+	}{{"tcp", EchoTCP(t)}, {"udp", EchoUDP(t)}} {
+		c, err := net.Dial(tt.network, tt.addr.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(WaitTimeout))
+		if _, err := c.Write([]byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 16)
+		n, err := c.Read(buf)
+		if got := string(buf[:n]); err != nil || got != "hello" {
+			t.Errorf("%s echo answered %q, %v; want %q", tt.network, got, err, "hello")
+		}
+		c.Close()
+	}
+}
+
+func TestAddrsOfNothingIsNil(t *testing.T) {
+	if got := Addrs(); got != nil {
+		t.Errorf("Addrs() = %v, want nil", got)
+	}
+	if got := Addrs("10.0.0.1", "::1"); len(got) != 2 || got[1] != netip.IPv6Loopback() {
+		t.Errorf("Addrs(10.0.0.1, ::1) = %v", got)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -253,17 +254,7 @@ func (l *trafficLab) listenGreeter(t *testing.T) uint16 {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			fmt.Fprintf(c, "proxy socket, local %s", c.LocalAddr())
-			c.Close()
-		}
-	}()
+	testenv.ServeTCP(t, ln, func(c net.Conn) { fmt.Fprintf(c, "proxy socket, local %s", c.LocalAddr()) })
 	return uint16(ln.Addr().(*net.TCPAddr).Port)
 }
 

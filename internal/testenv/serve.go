@@ -1,0 +1,64 @@
+package testenv
+
+import (
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"testing"
+)
+
+// ServeTCP accepts connections on ln until the test ends, each handled on its own goroutine and
+// closed when handle returns. The cleanup closes ln and waits for every handler.
+func ServeTCP(t testing.TB, ln net.Listener, handle func(net.Conn)) {
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Go(func() {
+				defer c.Close()
+				handle(c)
+			})
+		}
+	})
+}
+
+// EchoTCP echoes every TCP connection to the address it returns, on 127.0.0.1, until the test
+// ends.
+func EchoTCP(t testing.TB) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ServeTCP(t, ln, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// EchoUDP answers every datagram to the address it returns, on 127.0.0.1, with the same bytes
+// until the test ends.
+func EchoUDP(t testing.TB) netip.AddrPort {
+	t.Helper()
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { pc.Close(); <-done })
+	go func() {
+		defer close(done)
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			_, _ = pc.WriteTo(buf[:n], from)
+		}
+	}()
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
