@@ -194,22 +194,28 @@ func createService(t *testing.T, admin kubernetes.Interface, svc *corev1.Service
 // list the given pods (1-based, testbed.PodIP), with one slice port per service port.
 func (n *clusterNode) setEndpoints(t *testing.T, svc *corev1.Service, pods ...int) {
 	t.Helper()
-	want := endpointSlice(svc, pods...)
-	api := n.admin.DiscoveryV1().EndpointSlices(n.namespace)
+	applySlice(t, n.admin, endpointSlice(svc, pods...))
+}
+
+// applySlice creates want, or replaces the slice of that name.
+func applySlice(t *testing.T, admin kubernetes.Interface, want *discoveryv1.EndpointSlice) {
+	t.Helper()
+	api := admin.DiscoveryV1().EndpointSlices(want.Namespace)
 	cur, err := api.Get(t.Context(), want.Name, metav1.GetOptions{})
-	switch {
-	case err == nil:
+	if err == nil {
 		want.ResourceVersion = cur.ResourceVersion
 		_, err = api.Update(t.Context(), want, metav1.UpdateOptions{})
-	default:
+	} else {
 		_, err = api.Create(t.Context(), want, metav1.CreateOptions{})
 	}
 	if err != nil {
-		t.Fatalf("endpoints of %s/%s = pods %v: %v", n.namespace, svc.Name, pods, err)
+		t.Fatalf("endpointslice %s/%s: %v", want.Namespace, want.Name, err)
 	}
 }
 
-func endpointSlice(svc *corev1.Service, pods ...int) *discoveryv1.EndpointSlice {
+// sliceOf is svc's single EndpointSlice (what the endpoint slice controller would write) with one
+// slice port per service port, named like it, on its numeric target port, and no endpoints yet.
+func sliceOf(svc *corev1.Service) *discoveryv1.EndpointSlice {
 	s := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:      svc.Name + "-e2e",
@@ -223,6 +229,12 @@ func endpointSlice(svc *corev1.Service, pods ...int) *discoveryv1.EndpointSlice 
 			Name: ptr(p.Name), Protocol: ptr(p.Protocol), Port: ptr(p.TargetPort.IntVal),
 		})
 	}
+	return s
+}
+
+// endpointSlice is svc's slice listing the given pods (1-based, testbed.PodIP), all ready.
+func endpointSlice(svc *corev1.Service, pods ...int) *discoveryv1.EndpointSlice {
+	s := sliceOf(svc)
 	for _, i := range pods {
 		s.Endpoints = append(s.Endpoints, discoveryv1.Endpoint{
 			Addresses:  []string{testbed.PodIP(i).String()},

@@ -164,18 +164,8 @@ func podEndpoint(n *node, pod *testbed.Pod, cond conditions, zones ...string) en
 // (named like it, on its numeric target port), as the EndpointSlice controller would.
 func (c *twoNodes) setSlice(t *testing.T, svc *corev1.Service, eps ...endpoint) {
 	t.Helper()
-	want := &discoveryv1.EndpointSlice{
-		ObjectMeta: metav1.ObjectMeta{
-			Name:      svc.Name + "-e2e",
-			Namespace: svc.Namespace,
-			Labels:    map[string]string{discoveryv1.LabelServiceName: svc.Name},
-		},
-		AddressType: discoveryv1.AddressTypeIPv4,
-		Endpoints:   []discoveryv1.Endpoint{}, // an empty slice is what the controller writes for no pods
-	}
-	for _, p := range svc.Spec.Ports {
-		want.Ports = append(want.Ports, discoveryv1.EndpointPort{Name: ptr(p.Name), Protocol: ptr(p.Protocol), Port: ptr(p.TargetPort.IntVal)})
-	}
+	want := sliceOf(svc)
+	want.Endpoints = []discoveryv1.Endpoint{} // an empty slice is what the controller writes for no pods
 	for _, e := range eps {
 		ep := discoveryv1.Endpoint{
 			Addresses: []string{e.addr.String()},
@@ -193,17 +183,7 @@ func (c *twoNodes) setSlice(t *testing.T, svc *corev1.Service, eps ...endpoint) 
 		}
 		want.Endpoints = append(want.Endpoints, ep)
 	}
-	api := c.admin.DiscoveryV1().EndpointSlices(svc.Namespace)
-	cur, err := api.Get(t.Context(), want.Name, metav1.GetOptions{})
-	if err == nil {
-		want.ResourceVersion = cur.ResourceVersion
-		_, err = api.Update(t.Context(), want, metav1.UpdateOptions{})
-	} else {
-		_, err = api.Create(t.Context(), want, metav1.CreateOptions{})
-	}
-	if err != nil {
-		t.Fatalf("endpointslice of %s/%s: %v", svc.Namespace, svc.Name, err)
-	}
+	applySlice(t, c.admin, want)
 }
 
 // debugService is the part of a proxy's /debug/services entry the scenarios wait on.

@@ -8,18 +8,24 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 )
 
+// addServices adds n services ns/s<i>, cluster IPs from 10.96.0.1 on, each with TCP port 80 and
+// one slice of eps on port 8080.
+func addServices(e *fakeEnv, n int, eps ...sliceEP) {
+	for i := range n {
+		ip := fmt.Sprintf("10.96.%d.%d", i/250, i%250+1)
+		e.p.OnServiceAdd(makeService("ns", fmt.Sprintf("s%d", i), ip, nil, tcpPort("", 80)))
+		e.p.OnEndpointSliceAdd(makeSlice("ns", fmt.Sprintf("s%d", i), "a", discovery.AddressTypeIPv4,
+			[]discovery.EndpointPort{{Port: ptr(int32(8080)), Protocol: ptr(v1.ProtocolTCP), Name: ptr("")}},
+			eps...))
+	}
+}
+
 // BenchmarkSync10000Ports measures the sync with fake sockets and portals at 10,000 service
 // ports: the first sync (every socket opens) and a sync of one change among them.
 func BenchmarkSync10000Ports(b *testing.B) {
 	fill := func(e *fakeEnv) {
 		e.synced()
-		for i := range 10000 {
-			ip := fmt.Sprintf("10.96.%d.%d", i/250, i%250+1)
-			e.p.OnServiceAdd(makeService("ns", fmt.Sprintf("s%d", i), ip, nil, tcpPort("", 80)))
-			e.p.OnEndpointSliceAdd(makeSlice("ns", fmt.Sprintf("s%d", i), "a", discovery.AddressTypeIPv4,
-				[]discovery.EndpointPort{{Port: ptr(int32(8080)), Protocol: ptr(v1.ProtocolTCP), Name: ptr("")}},
-				sliceEP{addr: "10.244.0.1"}))
-		}
+		addServices(e, 10000, sliceEP{addr: "10.244.0.1"})
 	}
 	b.Run("first_sync", func(b *testing.B) {
 		b.ReportAllocs()

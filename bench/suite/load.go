@@ -155,18 +155,10 @@ func connOnce(spec loadSpec, buf []byte) error {
 // keepAlive: spec.Conc connections, each a closed loop of spec.Size-byte requests echoed back.
 // Only exchanges inside the window after the warmup count.
 func keepAlive(spec loadSpec) (loadResult, error) {
-	conns := make([]net.Conn, 0, spec.Conc)
-	defer func() {
-		for _, c := range conns {
-			c.Close()
-		}
-	}()
-	for range spec.Conc {
-		c, err := net.DialTimeout("tcp4", spec.Addr, spec.Timeout)
-		if err != nil {
-			return loadResult{}, err
-		}
-		conns = append(conns, c)
+	conns, err := dialAll(spec, "tcp4")
+	defer closeAll(conns)
+	if err != nil {
+		return loadResult{}, err
 	}
 	return closedLoop(spec, conns, func(c net.Conn, req, resp []byte) error {
 		if _, err := c.Write(req); err != nil {
@@ -179,18 +171,10 @@ func keepAlive(spec loadSpec) (loadResult, error) {
 
 // udpLoad: spec.Conc connected UDP sockets, each a closed loop of spec.Size-byte datagrams echoed.
 func udpLoad(spec loadSpec) (loadResult, error) {
-	conns := make([]net.Conn, 0, spec.Conc)
-	defer func() {
-		for _, c := range conns {
-			c.Close()
-		}
-	}()
-	for range spec.Conc {
-		c, err := net.Dial("udp4", spec.Addr)
-		if err != nil {
-			return loadResult{}, err
-		}
-		conns = append(conns, c)
+	conns, err := dialAll(spec, "udp4")
+	defer closeAll(conns)
+	if err != nil {
+		return loadResult{}, err
 	}
 	return closedLoop(spec, conns, func(c net.Conn, req, resp []byte) error {
 		if _, err := c.Write(req); err != nil {
@@ -199,6 +183,26 @@ func udpLoad(spec loadSpec) (loadResult, error) {
 		_, err := c.Read(resp)
 		return err
 	})
+}
+
+// dialAll opens spec.Conc connections (connected sockets for UDP) to spec.Addr. On an error it
+// returns the ones opened so far with it.
+func dialAll(spec loadSpec, network string) ([]net.Conn, error) {
+	conns := make([]net.Conn, 0, spec.Conc)
+	for range spec.Conc {
+		c, err := net.DialTimeout(network, spec.Addr, spec.Timeout)
+		if err != nil {
+			return conns, err
+		}
+		conns = append(conns, c)
+	}
+	return conns, nil
+}
+
+func closeAll(conns []net.Conn) {
+	for _, c := range conns {
+		c.Close()
+	}
 }
 
 // closedLoop runs exchange on every connection until the warmup and the window are over. One

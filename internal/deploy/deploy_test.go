@@ -93,10 +93,12 @@ func copyDeploy(t *testing.T, file string, edit func(string) string) string {
 	return dir
 }
 
+// replace is an edit of a manifest: the first old becomes new.
+func replace(old, new string) func(string) string {
+	return func(s string) string { return strings.Replace(s, old, new, 1) }
+}
+
 func TestLoadRejects(t *testing.T) {
-	replace := func(old, new string) func(string) string {
-		return func(s string) string { return strings.Replace(s, old, new, 1) }
-	}
 	tests := []struct {
 		name string
 		file string
@@ -125,9 +127,6 @@ func TestLoadRejects(t *testing.T) {
 }
 
 func TestConfigFileFollowsTheMount(t *testing.T) {
-	replace := func(old, new string) func(string) string {
-		return func(s string) string { return strings.Replace(s, old, new, 1) }
-	}
 	tests := []struct {
 		name string
 		file string
