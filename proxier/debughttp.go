@@ -4,6 +4,7 @@ import (
 	_ "embed"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"text/tabwriter"
@@ -26,14 +27,7 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 		_, _ = w.Write(statusPage)
 	})
 	mux.HandleFunc("/debug/services", func(w http.ResponseWriter, r *http.Request) {
-		views := p.Services()
-		if wantsJSON(r) {
-			writeJSON(w, views)
-			return
-		}
-		tw := textWriter(w)
-		fmt.Fprintln(tw, "SERVICE PORT\tPROTO\tPORTALS\tLISTEN\tENDPOINTS\tAFFINITY\tACTIVE\tTOTAL\tBYTES IN/OUT")
-		for _, v := range views {
+		serveView(w, r, p.Services(), "SERVICE PORT\tPROTO\tPORTALS\tLISTEN\tENDPOINTS\tAFFINITY\tACTIVE\tTOTAL\tBYTES IN/OUT", func(tw io.Writer, v ServiceView) {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d/%d\n", v.Name, v.Protocol, portals(v),
 				strings.Join(v.Listen, ","), endpointsText(v.Endpoints), v.Affinity, v.Active, v.Total, v.BytesToEndpoint, v.BytesToClient)
 			for _, t := range []struct {
@@ -47,22 +41,29 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 			for _, a := range v.AffinityEntries {
 				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
 			}
-		}
-		_ = tw.Flush()
+		})
 	})
 	mux.HandleFunc("/debug/connections", func(w http.ResponseWriter, r *http.Request) {
 		views := p.Connections(r.URL.Query().Get("service"), r.URL.Query().Get("client"))
-		if wantsJSON(r) {
-			writeJSON(w, views)
-			return
-		}
-		tw := textWriter(w)
-		fmt.Fprintln(tw, "SERVICE PORT\tPROTO\tCLIENT\tENDPOINT\tAGE\tBYTES IN\tBYTES OUT")
-		for _, c := range views {
+		serveView(w, r, views, "SERVICE PORT\tPROTO\tCLIENT\tENDPOINT\tAGE\tBYTES IN\tBYTES OUT", func(tw io.Writer, c ConnView) {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\n", c.Service, c.Protocol, c.Client, c.Endpoint, c.Age, c.BytesToEndpoint, c.BytesToClient)
-		}
-		_ = tw.Flush()
+		})
 	})
+}
+
+// serveView answers views as JSON when the client asks for it, otherwise as an aligned text table:
+// the header line, then what row writes for each view.
+func serveView[V any](w http.ResponseWriter, r *http.Request, views []V, header string, row func(io.Writer, V)) {
+	if wantsJSON(r) {
+		writeJSON(w, views)
+		return
+	}
+	tw := textWriter(w)
+	fmt.Fprintln(tw, header)
+	for _, v := range views {
+		row(tw, v)
+	}
+	_ = tw.Flush()
 }
 
 func portals(v ServiceView) string {
