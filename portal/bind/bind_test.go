@@ -249,21 +249,27 @@ func TestBindSync(t *testing.T) {
 			if ops := f.Ops(); len(ops) != 0 {
 				t.Fatalf("New changed something: %v", ops)
 			}
-			err := b.Sync(t.Context(), tt.specs)
-			gotErr := ""
-			if err != nil {
-				gotErr = err.Error()
-			}
-			if gotErr != tt.wantErr {
-				t.Errorf("Sync error:\n got %q\nwant %q", gotErr, tt.wantErr)
-			}
-			if d := cmp.Diff(tt.wantDump, f.Dump()); d != "" {
-				t.Errorf("link state (-want +got):\n%s", d)
-			}
-			if d := cmp.Diff(tt.wantOps, f.Ops()); d != "" {
-				t.Errorf("changes (-want +got):\n%s", d)
-			}
+			checkOutcome(t, "Sync", b.Sync(t.Context(), tt.specs), tt.wantErr, f, tt.wantDump, tt.wantOps)
 		})
+	}
+}
+
+// checkOutcome compares what op did to the fake link with the want: its error text ("" for nil),
+// the link state after it and the changes it made.
+func checkOutcome(t *testing.T, op string, err error, wantErr string, f *FakeLink, wantDump string, wantOps []string) {
+	t.Helper()
+	gotErr := ""
+	if err != nil {
+		gotErr = err.Error()
+	}
+	if gotErr != wantErr {
+		t.Errorf("%s error:\n got %q\nwant %q", op, gotErr, wantErr)
+	}
+	if d := cmp.Diff(wantDump, f.Dump()); d != "" {
+		t.Errorf("state after %s (-want +got):\n%s", op, d)
+	}
+	if d := cmp.Diff(wantOps, f.Ops()); d != "" {
+		t.Errorf("changes (-want +got):\n%s", d)
 	}
 }
 
@@ -516,20 +522,7 @@ func TestBindCleanup(t *testing.T) {
 			}
 			logger, _ := quietLogger()
 			b := New(Config{Logger: logger}, f)
-			err := b.Cleanup(t.Context())
-			gotErr := ""
-			if err != nil {
-				gotErr = err.Error()
-			}
-			if gotErr != tt.wantErr {
-				t.Errorf("Cleanup error:\n got %q\nwant %q", gotErr, tt.wantErr)
-			}
-			if d := cmp.Diff(tt.wantDump, f.Dump()); d != "" {
-				t.Errorf("state after Cleanup (-want +got):\n%s", d)
-			}
-			if d := cmp.Diff(tt.wantOps, f.Ops()); d != "" {
-				t.Errorf("changes (-want +got):\n%s", d)
-			}
+			checkOutcome(t, "Cleanup", b.Cleanup(t.Context()), tt.wantErr, f, tt.wantDump, tt.wantOps)
 		})
 	}
 }
