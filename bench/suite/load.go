@@ -57,9 +57,9 @@ func runClient(spec loadSpec) error {
 	case "conn":
 		res = rateLoop(spec, connOnce)
 	case "keepalive":
-		res, err = keepAlive(spec)
+		res, err = echoLoad(spec, "tcp4", readFull)
 	case "udp":
-		res, err = udpLoad(spec)
+		res, err = echoLoad(spec, "udp4", readDatagram)
 	case "idle":
 		return holdIdle(spec)
 	default:
@@ -152,10 +152,11 @@ func connOnce(spec loadSpec, buf []byte) error {
 	return err
 }
 
-// keepAlive: spec.Conc connections, each a closed loop of spec.Size-byte requests echoed back.
-// Only exchanges inside the window after the warmup count.
-func keepAlive(spec loadSpec) (loadResult, error) {
-	conns, err := dialAll(spec, "tcp4")
+// echoLoad: spec.Conc connections of network (TCP keep-alive connections, or connected UDP
+// sockets), each a closed loop of spec.Size-byte requests echoed back, read with read. Only
+// exchanges inside the window after the warmup count.
+func echoLoad(spec loadSpec, network string, read func(c net.Conn, resp []byte, n int) error) (loadResult, error) {
+	conns, err := dialAll(spec, network)
 	defer closeAll(conns)
 	if err != nil {
 		return loadResult{}, err
@@ -164,25 +165,20 @@ func keepAlive(spec loadSpec) (loadResult, error) {
 		if _, err := c.Write(req); err != nil {
 			return err
 		}
-		_, err := io.ReadFull(c, resp[:len(req)])
-		return err
+		return read(c, resp, len(req))
 	})
 }
 
-// udpLoad: spec.Conc connected UDP sockets, each a closed loop of spec.Size-byte datagrams echoed.
-func udpLoad(spec loadSpec) (loadResult, error) {
-	conns, err := dialAll(spec, "udp4")
-	defer closeAll(conns)
-	if err != nil {
-		return loadResult{}, err
-	}
-	return closedLoop(spec, conns, func(c net.Conn, req, resp []byte) error {
-		if _, err := c.Write(req); err != nil {
-			return err
-		}
-		_, err := c.Read(resp)
-		return err
-	})
+// readFull reads an n-byte answer from a stream.
+func readFull(c net.Conn, resp []byte, n int) error {
+	_, err := io.ReadFull(c, resp[:n])
+	return err
+}
+
+// readDatagram reads one datagram, the whole answer.
+func readDatagram(c net.Conn, resp []byte, _ int) error {
+	_, err := c.Read(resp)
+	return err
 }
 
 // dialAll opens spec.Conc connections (connected sockets for UDP) to spec.Addr. On an error it

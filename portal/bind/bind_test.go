@@ -110,8 +110,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "an_address_shared_by_several_service_ports_is_added_once",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 			},
 			specs: []portal.Spec{
 				{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, ClusterIPs: addrs("10.96.0.10")},
@@ -125,8 +124,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "addresses_that_cannot_be_service_IPs_are_skipped_and_mapped_ones_unmapped",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 			},
 			specs: []portal.Spec{{Name: spn("default", "odd", ""), Protocol: service.TCP, Port: 80,
 				ClusterIPs:  []netip.Addr{{}, netip.MustParseAddr("::ffff:10.96.0.7")},
@@ -180,8 +178,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "a_restart_keeps_wanted_addresses_removes_the_rest_and_leaves_link_local_alone",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 				f.AddLink(DefaultInterface, LinkTypeDummy, true,
 					prefixes("10.96.0.53/32", "10.96.0.99/32", "fd00:96::99/128", "fe80::1/64")...)
 			},
@@ -192,8 +189,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "an_existing_bridge_from_an_earlier_fallback_is_ours",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 				f.AddLink(DefaultInterface, LinkTypeBridge, true, prefixes("10.96.0.53/32")...)
 			},
 			specs:    bindSpecs()[1:],
@@ -202,8 +198,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "a_link_of_ours_that_is_down_is_brought_up",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 				f.AddLink(DefaultInterface, LinkTypeDummy, false)
 			},
 			specs:    bindSpecs()[1:],
@@ -213,8 +208,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "a_foreign_link_of_that_name_is_refused_and_left_alone",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 				f.AddLink(DefaultInterface, "veth", false, prefixes("192.168.7.1/24")...)
 			},
 			specs:    bindSpecs()[1:],
@@ -224,8 +218,7 @@ func TestBindSync(t *testing.T) {
 		{
 			name: "a_wanted_address_with_another_prefix_length_is_replaced_first",
 			setup: func(f *FakeLink) {
-				f.SetSysctlValue(sysctlARPIgnore, "1")
-				f.SetSysctlValue(sysctlARPAnnounce, "2")
+				strictARP(f)
 				f.AddLink(DefaultInterface, LinkTypeDummy, true, prefixes("10.96.0.1/32", "10.96.0.53/24")...)
 			},
 			specs:    bindSpecs()[1:],
@@ -252,6 +245,12 @@ func TestBindSync(t *testing.T) {
 			checkOutcome(t, "Sync", b.Sync(t.Context(), tt.specs), tt.wantErr, f, tt.wantDump, tt.wantOps)
 		})
 	}
+}
+
+// strictARP sets the ARP sysctls as Sync wants them, as a node where they are set already.
+func strictARP(f *FakeLink) {
+	f.SetSysctlValue(sysctlARPIgnore, "1")
+	f.SetSysctlValue(sysctlARPAnnounce, "2")
 }
 
 // checkOutcome compares what op did to the fake link with the want: its error text ("" for nil),
