@@ -113,19 +113,28 @@ func (f *FakeLink) EnsureLink(_ context.Context, name, kind string) error {
 func (f *FakeLink) DeleteLink(_ context.Context, name string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, ok := f.links[name]; !ok {
-		return fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+	if _, err := f.link(name); err != nil {
+		return err
 	}
 	return f.change("del-link", name, func() { delete(f.links, name) })
+}
+
+// link is the link called name, or ErrLinkNotFound as the real LinkManager says it. f.mu is held.
+func (f *FakeLink) link(name string) (*fakeLinkState, error) {
+	l, ok := f.links[name]
+	if !ok {
+		return nil, fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+	}
+	return l, nil
 }
 
 // Addrs implements LinkManager.
 func (f *FakeLink) Addrs(_ context.Context, name string) ([]netip.Prefix, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	l, ok := f.links[name]
-	if !ok {
-		return nil, fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+	l, err := f.link(name)
+	if err != nil {
+		return nil, err
 	}
 	return slices.SortedFunc(maps.Keys(l.addrs), comparePrefix), nil
 }
@@ -134,9 +143,9 @@ func (f *FakeLink) Addrs(_ context.Context, name string) ([]netip.Prefix, error)
 func (f *FakeLink) AddAddr(_ context.Context, name string, addr netip.Prefix) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	l, ok := f.links[name]
-	if !ok {
-		return fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+	l, err := f.link(name)
+	if err != nil {
+		return err
 	}
 	if l.addrs[addr] {
 		return nil
@@ -148,9 +157,9 @@ func (f *FakeLink) AddAddr(_ context.Context, name string, addr netip.Prefix) er
 func (f *FakeLink) DelAddr(_ context.Context, name string, addr netip.Prefix) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	l, ok := f.links[name]
-	if !ok {
-		return fmt.Errorf("link %s: %w", name, ErrLinkNotFound)
+	l, err := f.link(name)
+	if err != nil {
+		return err
 	}
 	if !l.addrs[addr] {
 		return nil
