@@ -263,21 +263,7 @@ func tryEcho(addr string) (string, error) {
 	return string(b), err
 }
 
-var httpClient = &http.Client{Timeout: waitFor, Transport: &http.Transport{DisableKeepAlives: true}}
-
-func get(t *testing.T, url string) (int, string) {
-	t.Helper()
-	resp, err := httpClient.Get(url)
-	if err != nil {
-		t.Fatalf("GET %s: %v", url, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("GET %s: %v", url, err)
-	}
-	return resp.StatusCode, string(b)
-}
+var get = testenv.Get
 
 // waitGoroutines waits until no more goroutines run than before: everything the daemon started
 // has stopped.

@@ -1,13 +1,14 @@
 package healthcheck
 
 import (
-	"io"
 	"net/http"
 	"net/http/httptest"
 	"testing"
 	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // Address plan: one httptest server on 127.0.0.1 (an ephemeral port) serving /healthz and /livez
@@ -185,15 +186,6 @@ func TestIsHealthyIgnoresTheNode(t *testing.T) {
 
 func fetch(t *testing.T, url string) answer {
 	t.Helper()
-	c := http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	resp, err := c.Get(url)
-	if err != nil {
-		t.Fatalf("GET %s: %v", url, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("GET %s: read body: %v", url, err)
-	}
-	return answer{resp.StatusCode, string(b)}
+	code, body := testenv.Get(t, url)
+	return answer{code, body}
 }

@@ -189,11 +189,6 @@ func getJSON(t *testing.T, url string, v any) {
 
 func getText(t *testing.T, url string) string {
 	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return string(b)
+	_, body := testenv.Get(t, url)
+	return body
 }

@@ -3,6 +3,7 @@ package testenv
 import (
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"sync"
 	"testing"
@@ -61,4 +62,22 @@ func EchoUDP(t testing.TB) netip.AddrPort {
 		}
 	}()
 	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+// httpClient bounds every request; no connection is kept, so a server under test can stop at once.
+var httpClient = &http.Client{Timeout: WaitTimeout, Transport: &http.Transport{DisableKeepAlives: true}}
+
+// Get fetches url and returns the status code and body; a failed request fails the test.
+func Get(t testing.TB, url string) (status int, body string) {
+	t.Helper()
+	resp, err := httpClient.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("GET %s: read body: %v", url, err)
+	}
+	return resp.StatusCode, string(b)
 }
