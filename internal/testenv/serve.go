@@ -48,6 +48,13 @@ func EchoUDP(t testing.TB) netip.AddrPort {
 	if err != nil {
 		t.Fatal(err)
 	}
+	EchoPackets(t, pc)
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+// EchoPackets answers every datagram to pc with the same bytes until the test ends; the cleanup
+// closes pc and waits for the loop.
+func EchoPackets(t testing.TB, pc net.PacketConn) {
 	done := make(chan struct{})
 	t.Cleanup(func() { pc.Close(); <-done })
 	go func() {
@@ -61,7 +68,6 @@ func EchoUDP(t testing.TB) netip.AddrPort {
 			_, _ = pc.WriteTo(buf[:n], from)
 		}
 	}()
-	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
 }
 
 // httpClient bounds every request; no connection is kept, so a server under test can stop at once.

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // Address plan for the kernel test, all inside namespaces it creates: client 10.100.0.2 and
@@ -50,17 +51,7 @@ func newUDPLab(t *testing.T) *udpLab {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { pc.Close() })
-	go func() { // the proxy socket answers every datagram, so each entry is a two-way flow
-		buf := make([]byte, 512)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			_, _ = pc.WriteTo(buf[:n], from)
-		}
-	}()
+	testenv.EchoPackets(t, pc) // the proxy socket answers every datagram, so each entry is a two-way flow
 	return l
 }
 
