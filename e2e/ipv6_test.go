@@ -1,12 +1,14 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -22,7 +24,8 @@ import (
 //	                               range fd00:203::/64 via the node
 //	pod1    fd00:244:1::10/64  <-> node fd00:244:1::1/64 (to-pod1); TCP 8080 greets "pod1",
 //	                               UDP 5353 answers "pod1 <payload>"
-//	cluster IP fd00:96::10, external IP fd00:203::10, both on port 80 (TCP) and 53 (UDP)
+//	cluster IP fd00:96::10, external IP fd00:203::10, both on port 80 (TCP) and 53 (UDP);
+//	node ports 30080 (TCP) and 30053 (UDP); cluster IP fd00:96::20 (service empty6, no endpoints)
 var (
 	v6NodeClient = netip.MustParseAddr("fd00:30::1")
 	v6Client     = netip.MustParseAddr("fd00:30::2")
@@ -32,9 +35,13 @@ var (
 	v6Pod        = netip.MustParseAddr("fd00:244:1::10")
 	v6ClusterIP  = netip.MustParseAddr("fd00:96::10")
 	v6ExternalIP = netip.MustParseAddr("fd00:203::10")
+	v6EmptyIP    = netip.MustParseAddr("fd00:96::20")
 )
 
-const v6NodePort = 30080
+const (
+	v6NodePort    = 30080
+	v6NodePortUDP = 30053
+)
 
 type v6Bed struct {
 	node, client, ext, pod *netns.NS
@@ -145,7 +152,7 @@ spec:
   externalIPs: [%[3]q]
   ports:
   - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: %[4]d}
-  - {name: dns, protocol: UDP, port: 53, targetPort: 5353}
+  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: %[6]d}
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -160,13 +167,26 @@ ports:
 endpoints:
 - addresses: [%[5]q]
   conditions: {ready: true}
-`, fileNamespace, v6ClusterIP, v6ExternalIP, v6NodePort, v6Pod)
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: empty6
+  namespace: %[1]s
+spec:
+  ipFamilies: [IPv6]
+  clusterIP: %[7]s
+  clusterIPs: [%[7]q]
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080}
+  - {name: dns, protocol: UDP, port: 53, targetPort: 5353}
+`, fileNamespace, v6ClusterIP, v6ExternalIP, v6NodePort, v6Pod, v6NodePortUDP, v6EmptyIP)
 }
 
 // TestIPv6TrafficThroughEveryPortal sends real IPv6 traffic through the real proxy, in iptables
-// mode and in bind mode: TCP from a pod to the cluster IP, from an external host to the node port
-// and to the external IP, and UDP from a pod to the cluster IP, each answered by the pod behind
-// them.
+// mode and in bind mode: TCP and UDP from a pod to the cluster IP and from an external host to the
+// node port and to the external IP, each answered by the pod behind them. In bind mode, a service
+// without endpoints is refused over IPv6 too (TCP reset, ICMPv6 port unreachable).
 func TestIPv6TrafficThroughEveryPortal(t *testing.T) {
 	t.Parallel()
 	for _, mode := range []struct {
@@ -201,12 +221,24 @@ func TestIPv6TrafficThroughEveryPortal(t *testing.T) {
 				{"TCP_node_port_from_the_external_host", b.ext, netip.AddrPortFrom(v6NodeExt, v6NodePort), whoTCP},
 				{"TCP_external_IP_from_the_external_host", b.ext, netip.AddrPortFrom(v6ExternalIP, 80), whoTCP},
 				{"UDP_cluster_IP_from_a_pod", b.client, netip.AddrPortFrom(v6ClusterIP, 53), whoUDP},
+				{"UDP_node_port_from_the_external_host", b.ext, netip.AddrPortFrom(v6NodeExt, v6NodePortUDP), whoUDP},
+				{"UDP_external_IP_from_the_external_host", b.ext, netip.AddrPortFrom(v6ExternalIP, 53), whoUDP},
 			} {
 				t.Run(c.name, func(t *testing.T) {
 					for i := range 3 {
 						if who, err := c.ask(c.from, c.addr); err != nil || who != "pod1" {
 							t.Fatalf("request %d from %s to %s: %q, %v; want pod1", i+1, c.from.Name, c.addr, who, err)
 						}
+					}
+				})
+			}
+			if mode.name == "bind" {
+				t.Run("no_endpoints_refused_by_the_kernel", func(t *testing.T) {
+					if who, err := whoTCP(b.client, netip.AddrPortFrom(v6EmptyIP, 80)); !errors.Is(err, syscall.ECONNREFUSED) {
+						t.Errorf("TCP [%s]:80 without endpoints: %q, %v; want ECONNREFUSED", v6EmptyIP, who, err)
+					}
+					if err := udpRefusedFrom(b.client, netip.AddrPortFrom(v6EmptyIP, 53)); err != nil {
+						t.Error(err)
 					}
 				})
 			}
