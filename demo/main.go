@@ -168,6 +168,10 @@ func showTraffic(ctx context.Context, out io.Writer, bed *testbed.Bed, mode stri
 		}
 	}
 
+	if err := showRefusal(out, bed); err != nil {
+		return err
+	}
+
 	if mode == "bind" {
 		addrs, _ := bed.Node.Exec(ctx, "ip", "-o", "addr", "show", "dev", "kube-portal0")
 		fmt.Fprintf(out, "\nBind mode: the service IPs on kube-portal0 in the node namespace:\n%s", addrs)
@@ -185,6 +189,19 @@ func showTraffic(ctx context.Context, out io.Writer, bed *testbed.Bed, mode stri
 			fmt.Fprintln(out, "  "+line)
 		}
 	}
+	return nil
+}
+
+// showRefusal connects to a service with no endpoints: the kernel refuses it at once.
+func showRefusal(out io.Writer, bed *testbed.Bed) error {
+	const title = "No endpoints: client pod -> 10.96.0.12:80 (service idle has no EndpointSlice)"
+	fmt.Fprintf(out, "\n%s\n", title)
+	start := time.Now()
+	_, err := testbed.Who(bed.Client, netip.MustParseAddrPort("10.96.0.12:80"), 2*time.Second)
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		return fmt.Errorf("%s: got %v, want connection refused", title, err)
+	}
+	fmt.Fprintf(out, "  connection refused after %v, as kube-proxy does\n", time.Since(start).Round(10*time.Microsecond))
 	return nil
 }
 

@@ -75,7 +75,7 @@ func TestRunShowsTrafficAndCleansUp(t *testing.T) {
 			if err != nil {
 				t.Fatalf("run: %v\noutput:\n%s", err, out.String())
 			}
-			for _, want := range []string{"answered by pod1", "answered by pod2"} {
+			for _, want := range []string{"answered by pod1", "answered by pod2", "connection refused after"} {
 				if !strings.Contains(out.String(), want) {
 					t.Errorf("output has no %q:\n%s", want, out.String())
 				}

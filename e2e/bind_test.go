@@ -1,17 +1,22 @@
 package e2e
 
 import (
+	"bufio"
+	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
@@ -130,4 +135,242 @@ func sameSet(a, b []string) bool {
 	slices.Sort(a)
 	slices.Sort(b)
 	return slices.Equal(a, b)
+}
+
+// Bind-mode refusal and source-range scenario: addresses in the standalone plan (see
+// standalone_test.go), plus the "empty" service 10.96.0.30 (TCP 80, UDP 53) and the "lb" service
+// 10.96.0.40 with a load-balancer IP from testbed.ExternalRange, node port 30090 and
+// loadBalancerSourceRanges 192.0.2.0/24, which admits the external host (192.0.2.2) and not the
+// client pod (172.30.0.2).
+var (
+	bindEmptyIP = netip.MustParseAddr("10.96.0.30")
+	bindLBIP    = netip.MustParseAddr("10.96.0.40")
+)
+
+const bindLBNodePort = 30090
+
+// emptyManifest is a ClusterIP service (TCP 80 -> 8080, UDP 53 -> 5353) with endpoints on pods,
+// which may be none.
+func emptyManifest(pods ...int) string {
+	return fmt.Sprintf(`---
+apiVersion: v1
+kind: Service
+metadata:
+  name: empty
+  namespace: %[1]s
+spec:
+  clusterIP: %[2]s
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080}
+  - {name: dns, protocol: UDP, port: 53, targetPort: 5353}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: empty-1
+  namespace: %[1]s
+  labels: {kubernetes.io/service-name: empty}
+addressType: IPv4
+ports:
+- {name: http, protocol: TCP, port: 8080}
+- {name: dns, protocol: UDP, port: 5353}
+endpoints:
+%[3]s`, fileNamespace, bindEmptyIP, endpointsYAML(pods))
+}
+
+// lbManifest is a LoadBalancer service with source ranges, endpoints on pod 1.
+func lbManifest(lbIP string) string {
+	return fmt.Sprintf(`---
+apiVersion: v1
+kind: Service
+metadata:
+  name: lb
+  namespace: %[1]s
+spec:
+  type: LoadBalancer
+  clusterIP: %[2]s
+  loadBalancerSourceRanges: ["192.0.2.0/24"]
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: %[4]d}
+  - {name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: %[4]d}
+status:
+  loadBalancer:
+    ingress: [{ip: %[3]q}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: lb-1
+  namespace: %[1]s
+  labels: {kubernetes.io/service-name: lb}
+addressType: IPv4
+ports:
+- {name: http, protocol: TCP, port: 8080}
+- {name: dns, protocol: UDP, port: 5353}
+endpoints:
+%[5]s`, fileNamespace, bindLBIP, lbIP, bindLBNodePort, endpointsYAML([]int{1}))
+}
+
+// udpRefusedFrom sends one datagram from ns to addr on a connected socket and reports whether the
+// answer was ICMP port unreachable (ECONNREFUSED on the read).
+func udpRefusedFrom(ns *netns.NS, addr netip.AddrPort) error {
+	return ns.Do(func() error {
+		c, err := net.Dial("udp", addr.String())
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte("who")); err != nil {
+			return err
+		}
+		_ = c.SetReadDeadline(time.Now().Add(requestTimeout))
+		n, err := c.Read(make([]byte, 512))
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return nil
+		}
+		return fmt.Errorf("UDP %s: read %d bytes, %v; want ECONNREFUSED (ICMP port unreachable)", addr, n, err)
+	})
+}
+
+// scrape returns the value of one series of the proxy's /metrics in ns.
+func scrape(ns *netns.NS, series string) (float64, error) {
+	code, body, err := httpGet(ns, "http://"+metricsAddr+"/metrics")
+	if err != nil || code != 200 {
+		return 0, fmt.Errorf("GET /metrics: %d, %v", code, err)
+	}
+	v, ok := metricValue(body, series)
+	if !ok {
+		return 0, fmt.Errorf("no %s in /metrics", series)
+	}
+	return v, nil
+}
+
+// TestBindModeRefusesWithoutEndpointsAndChecksSourceRanges runs the real proxy in bind mode: a
+// service port without endpoints is refused by the kernel at once (TCP connect ECONNREFUSED, UDP
+// ICMP port unreachable), serves as soon as an endpoint appears and then loses no connection, and
+// is refused again when the endpoints go while an established connection keeps working. A
+// load-balancer IP with loadBalancerSourceRanges serves the admitted client and resets (TCP) or
+// ignores (UDP) the other, whose traffic to the cluster IP and node port stays admitted.
+func TestBindModeRefusesWithoutEndpointsAndChecksSourceRanges(t *testing.T) {
+	t.Parallel()
+	bed := newBed(t, 1)
+	dir, stage := t.TempDir(), t.TempDir()
+	manifests := filepath.Join(dir, "services.yaml")
+	lbIP := externalIP()
+	write := func(content string) {
+		t.Helper()
+		tmp := filepath.Join(stage, "services.yaml")
+		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, manifests); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(emptyManifest() + lbManifest(lbIP))
+	proxy := startProxy(t, bed.Node, t.TempDir(), proxyArgs("--portal-mode=bind", "--portal-interface=kpp-svc",
+		"--services-file="+dir, "--services-file-check-period=200ms")...)
+	emptyTCP, emptyUDP := netip.AddrPortFrom(bindEmptyIP, 80), netip.AddrPortFrom(bindEmptyIP, 53)
+	lbTCP, lbUDP := netip.AddrPortFrom(netip.MustParseAddr(lbIP), 80), netip.AddrPortFrom(netip.MustParseAddr(lbIP), 53)
+	eventually(t, 30*time.Second, "the load-balancer IP never answered the admitted client", func() error {
+		if err := proxy.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(bed.External, lbTCP)
+		return err
+	})
+
+	refused := func(t *testing.T) {
+		t.Helper()
+		start := time.Now()
+		_, err := whoTCP(bed.Client, emptyTCP)
+		if !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Errorf("TCP %s without endpoints: %v, want ECONNREFUSED", emptyTCP, err)
+		} else if d := time.Since(start); d > time.Second {
+			t.Errorf("TCP %s refused after %v, want at once", emptyTCP, d)
+		}
+		if err := udpRefusedFrom(bed.Client, emptyUDP); err != nil {
+			t.Error(err)
+		}
+	}
+	t.Run("no_endpoints_is_refused_by_the_kernel", func(t *testing.T) {
+		refused(t)
+		if v, err := scrape(bed.Node, `kube_portal_proxy_refused_service_ports{traffic="cluster"}`); err != nil || v != 2 {
+			t.Errorf("refused cluster service ports = %v, %v; want 2 (empty's TCP and UDP ports)", v, err)
+		}
+	})
+
+	var kept net.Conn
+	parent := t
+	t.Run("an_endpoint_appears_and_every_connection_is_served", func(t *testing.T) {
+		write(emptyManifest(1) + lbManifest(lbIP))
+		eventually(t, 15*time.Second, "the service never served once it had an endpoint", func() error {
+			_, err := whoTCP(bed.Client, emptyTCP)
+			return err
+		})
+		for i := range 20 { // once back, no new connection is lost
+			if who, err := whoTCP(bed.Client, emptyTCP); err != nil || who != "pod1" {
+				t.Fatalf("connection %d after the endpoint appeared: %q, %v", i, who, err)
+			}
+		}
+		eventually(t, 5*time.Second, "UDP never served once it had an endpoint", func() error {
+			_, err := whoUDP(bed.Client, emptyUDP)
+			return err
+		})
+		var err error
+		if kept, err = dialTCP(bed.Client, emptyTCP); err != nil {
+			t.Fatal(err)
+		}
+		parent.Cleanup(func() { kept.Close() }) // the next step uses it
+		if _, err := bufio.NewReader(kept).ReadString('\n'); err != nil {
+			t.Fatalf("greeting on the kept connection: %v", err)
+		}
+	})
+
+	t.Run("endpoints_gone_refused_again_established_connection_kept", func(t *testing.T) {
+		if kept == nil {
+			t.Skip("no kept connection (previous step failed)")
+		}
+		write(emptyManifest() + lbManifest(lbIP))
+		eventually(t, 15*time.Second, "the service was never refused again", func() error {
+			if _, err := whoTCP(bed.Client, emptyTCP); !errors.Is(err, syscall.ECONNREFUSED) {
+				return fmt.Errorf("TCP %s: %v, want ECONNREFUSED", emptyTCP, err)
+			}
+			return nil
+		})
+		refused(t)
+		_ = kept.SetDeadline(time.Now().Add(requestTimeout))
+		if _, err := kept.Write([]byte("still\n")); err != nil {
+			t.Fatalf("write on the established connection: %v", err)
+		}
+		if got, err := bufio.NewReader(kept).ReadString('\n'); err != nil || got != "still\n" {
+			t.Errorf("echo on the established connection while refusing: %q, %v", got, err)
+		}
+	})
+
+	t.Run("source_ranges_on_the_load_balancer_IP", func(t *testing.T) {
+		if who, err := whoTCP(bed.External, lbTCP); err != nil || who != "pod1" {
+			t.Errorf("admitted client (192.0.2.2) to %s: %q, %v", lbTCP, who, err)
+		}
+		if who, err := whoUDP(bed.External, lbUDP); err != nil || who != "pod1" {
+			t.Errorf("admitted client (192.0.2.2) UDP to %s: %q, %v", lbUDP, who, err)
+		}
+		if who, err := whoTCP(bed.Client, lbTCP); !errors.Is(err, syscall.ECONNRESET) {
+			t.Errorf("denied client (172.30.0.2) to %s: %q, %v; want the connection reset", lbTCP, who, err)
+		}
+		if who, err := testbed.WhoUDP(bed.Client, lbUDP, 500*time.Millisecond); !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Errorf("denied client (172.30.0.2) UDP to %s: %q, %v; want no reply", lbUDP, who, err)
+		}
+		for _, addr := range []netip.AddrPort{netip.AddrPortFrom(bindLBIP, 80), netip.AddrPortFrom(testbed.NodeClientIP, bindLBNodePort)} {
+			if who, err := whoTCP(bed.Client, addr); err != nil || who != "pod1" {
+				t.Errorf("the same client to %s (no ranges there): %q, %v", addr, who, err)
+			}
+		}
+		for proto, want := range map[string]float64{"tcp": 1, "udp": 1} {
+			series := fmt.Sprintf(`kube_portal_proxy_source_range_drops_total{protocol=%q,service_port="%s/lb:%s"}`, proto, fileNamespace, map[string]string{"tcp": "http", "udp": "dns"}[proto])
+			if v, err := scrape(bed.Node, series); err != nil || v != want {
+				t.Errorf("%s = %v, %v; want %v", series, v, err, want)
+			}
+		}
+	})
 }

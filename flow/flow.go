@@ -28,6 +28,7 @@ const (
 	Evicted                   // UDP: least recently used when the session table was full
 	EndpointRefused           // UDP: ICMP port unreachable from the endpoint
 	EndpointError             // UDP: any other error on the endpoint socket
+	SourceDenied              // the client is outside the allowed source ranges (TCP: reset; UDP: datagram dropped)
 
 	// NumEndReasons sizes arrays indexed by EndReason.
 	NumEndReasons
@@ -36,7 +37,7 @@ const (
 // One spelling scheme, for the access log and debug output: lower case, words joined by '-'.
 var endReasonNames = [NumEndReasons]string{"unknown", "client-closed", "endpoint-closed", "client-reset",
 	"endpoint-reset", "idle-timeout", "dial-failed", "no-endpoints", "endpoint-removed", "shutdown",
-	"evicted", "endpoint-refused", "endpoint-error"}
+	"evicted", "endpoint-refused", "endpoint-error", "source-denied"}
 
 func (r EndReason) String() string {
 	if r < NumEndReasons {
@@ -77,6 +78,9 @@ type Stats struct {
 	// NoEndpoint counts connections reset (TCP) or datagrams dropped (UDP) because the picker had no
 	// endpoint for the client.
 	NoEndpoint uint64
+	// SourceDenied counts connections reset (TCP) or datagrams dropped (UDP) because the client
+	// was outside the allowed source ranges (Config.Allow), before any endpoint was picked.
+	SourceDenied uint64
 
 	// TCP only.
 	DialAttempts, DialFailures, DialRetries uint64
@@ -100,6 +104,7 @@ func (s *Stats) Add(b Stats) {
 	s.PacketsToEndpoint += b.PacketsToEndpoint
 	s.PacketsToClient += b.PacketsToClient
 	s.NoEndpoint += b.NoEndpoint
+	s.SourceDenied += b.SourceDenied
 	s.DialAttempts += b.DialAttempts
 	s.DialFailures += b.DialFailures
 	s.DialRetries += b.DialRetries

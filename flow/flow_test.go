@@ -1,6 +1,7 @@
 package flow
 
 import (
+	"fmt"
 	"reflect"
 	"regexp"
 	"testing"
@@ -63,7 +64,7 @@ func TestEndReasonSpelling(t *testing.T) {
 		}
 		seen[name] = r
 	}
-	if got := NumEndReasons.String(); got != "EndReason(13)" {
-		t.Errorf("out of range: %q, want EndReason(13)", got)
+	if got, want := NumEndReasons.String(), fmt.Sprintf("EndReason(%d)", uint8(NumEndReasons)); got != want {
+		t.Errorf("out of range: %q, want %s", got, want)
 	}
 }

@@ -16,7 +16,7 @@ type trafficCollector struct {
 	tcpActive, tcpTotal, tcpBytes                    *prometheus.Desc
 	dialAttempts, dialFailures, dialRetries, rejects *prometheus.Desc
 	udpActive, udpSessions, udpPackets, udpBytes     *prometheus.Desc
-	udpDrops                                         *prometheus.Desc
+	udpDrops, sourceDrops                            *prometheus.Desc
 	endpoints                                        *prometheus.Desc
 }
 
@@ -40,13 +40,14 @@ func NewTrafficCollector(p *Proxier) prometheus.Collector {
 		udpPackets:   d("udp_packets_total", "Datagrams proxied; direction is to_endpoint or to_client.", "direction"),
 		udpBytes:     d("udp_bytes_total", "Bytes proxied over UDP; direction is to_endpoint or to_client.", "direction"),
 		udpDrops:     d("udp_drops_total", "Datagrams dropped; reason is no_endpoint, session_setup, to_endpoint, to_client or truncated.", "reason"),
+		sourceDrops:  d("source_range_drops_total", "New connections (reset) or datagrams (dropped) from clients outside loadBalancerSourceRanges, checked by the socket in bind mode (iptables mode drops them in the kernel, uncounted here).", "protocol"),
 		endpoints:    d("endpoints", "Endpoints the balancer uses for the service port."),
 	}
 }
 
 func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
-		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.endpoints} {
+		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints} {
 		ch <- d
 	}
 }
@@ -83,6 +84,7 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(c.udpDrops, float64(st.DropsToEndpoint), "to_endpoint")
 			counter(c.udpDrops, float64(st.DropsToClient), "to_client")
 			counter(c.udpDrops, float64(st.DropsTruncated), "truncated")
+			counter(c.sourceDrops, float64(st.SourceDenied), "udp")
 		default:
 			gauge(c.tcpActive, float64(st.Active))
 			counter(c.tcpTotal, float64(st.Total))
@@ -92,6 +94,7 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(c.dialFailures, float64(st.DialFailures))
 			counter(c.dialRetries, float64(st.DialRetries))
 			counter(c.rejects, float64(st.NoEndpoint), "tcp")
+			counter(c.sourceDrops, float64(st.SourceDenied), "tcp")
 		}
 	}
 }

@@ -20,6 +20,7 @@ type Metrics struct {
 	failedPorts           prometheus.Gauge
 	socketFailures        prometheus.Counter
 	unsupportedPorts      prometheus.Counter
+	refusedPorts          *prometheus.GaugeVec
 }
 
 // NewMetrics creates the series; Register adds them to a registry.
@@ -71,6 +72,10 @@ func NewMetrics() *Metrics {
 			Name: "kube_portal_proxy_unsupported_service_ports_total",
 			Help: "Service ports skipped because their protocol (SCTP) cannot be proxied in userspace.",
 		}),
+		refusedPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kube_portal_proxy_refused_service_ports",
+			Help: "Service ports whose traffic class (cluster: cluster IPs; external: node port, external and load-balancer IPs) has no usable endpoint and is refused by the kernel (TCP reset, ICMP port unreachable); the refused connections themselves are not counted.",
+		}, []string{"traffic"}),
 	}
 }
 
@@ -78,7 +83,7 @@ func NewMetrics() *Metrics {
 func (m *Metrics) Register(r prometheus.Registerer) error {
 	for _, c := range []prometheus.Collector{m.syncDuration, m.lastSync, m.programming, m.serviceChanges,
 		m.endpointChanges, m.pendingServiceChanges, m.syncFailures, m.activePorts, m.failedPorts,
-		m.socketFailures, m.unsupportedPorts} {
+		m.socketFailures, m.unsupportedPorts, m.refusedPorts} {
 		if err := r.Register(c); err != nil {
 			return err
 		}

@@ -19,10 +19,10 @@ type multiSocket struct {
 var _ ProxySocket = (*multiSocket)(nil)
 
 // openAll builds and opens one socket per address; on any failure the ones already open close.
-func openAll(addrs []netip.AddrPort, build func() ProxySocket) (*multiSocket, error) {
+func openAll(addrs []netip.AddrPort, build func(at netip.AddrPort) ProxySocket) (*multiSocket, error) {
 	m := &multiSocket{}
 	for _, a := range addrs {
-		s := build()
+		s := build(a)
 		if err := s.Listen(a); err != nil {
 			_ = m.Close()
 			return nil, err

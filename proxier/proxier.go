@@ -41,8 +41,10 @@ type Picker interface {
 	Next(client netip.Addr, reset bool) (netip.AddrPort, error)
 }
 
-// SocketFactory builds (without opening) the proxy socket for a service port.
-type SocketFactory func(p *service.Port, picker Picker) ProxySocket
+// SocketFactory builds (without opening) the proxy socket for a service port. allow, if not nil,
+// is the check of a client's address the socket makes before anything else (bind mode's
+// loadBalancerSourceRanges on a socket listening on a load-balancer IP); nil admits every client.
+type SocketFactory func(p *service.Port, picker Picker, allow func(client netip.Addr) bool) ProxySocket
 
 // Config is the proxier's node-level configuration.
 type Config struct {
@@ -152,6 +154,14 @@ type activePort struct {
 	done      chan struct{}
 	// ext is the socket of the port's external traffic when it has its own (splitsExternal).
 	ext *activePort
+	// split: the socket was opened for the port's cluster traffic only (splitsExternal then); in
+	// bind mode that decides its addresses.
+	split bool
+	// refusing: bind mode closed the socket's listener because its traffic has no endpoint.
+	refusing bool
+	// filter checks clients of the port's load-balancer IPs against its source ranges (bind mode;
+	// shared by the port's sockets).
+	filter *sourceFilter
 }
 
 // New builds a proxier. It opens nothing and starts nothing: call Run.

@@ -22,18 +22,20 @@ type SocketConfig struct {
 
 // RealSockets returns the SocketFactory that opens real TCP and UDP proxy sockets.
 func RealSockets(cfg SocketConfig) SocketFactory {
-	return func(p *service.Port, picker Picker) ProxySocket {
+	return func(p *service.Port, picker Picker, allow func(netip.Addr) bool) ProxySocket {
 		if p.Protocol == service.UDP {
 			c := cfg.UDP
 			if cfg.UDPConfigFor != nil {
 				c = cfg.UDPConfigFor(p, c)
 			}
+			c.Allow = allow
 			return udp.New(p.Name, picker, c)
 		}
 		c := cfg.TCP
 		if cfg.TCPConfigFor != nil {
 			c = cfg.TCPConfigFor(p, c)
 		}
+		c.Allow = allow
 		return tcp.New(p.Name, picker, c)
 	}
 }
@@ -56,6 +58,9 @@ var (
 	_ observed    = (*tcp.Proxy)(nil)
 	_ observed    = (*udp.Proxy)(nil)
 	_ observed    = (*multiSocket)(nil)
+	_ refuser     = (*tcp.Proxy)(nil)
+	_ refuser     = (*udp.Proxy)(nil)
+	_ refuser     = (*multiSocket)(nil)
 )
 
 // socketStats reads the counters of a socket (none for sockets that are not observed, i.e. fakes).

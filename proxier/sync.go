@@ -47,8 +47,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 	}
 	p.retryFailed()
 	p.reconcileSplits()
+	p.reconcileRefusals()
 
 	specs := p.specs()
+	p.countRefused(specs)
 	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
@@ -96,7 +98,11 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 		case a != nil && a.port.SocketEqual(port):
 			p.activeMu.Lock()
 			a.port = port
+			if a.ext != nil {
+				a.ext.port = port
+			}
 			p.activeMu.Unlock()
+			a.filter.set(port.LoadBalancerSourceRanges)
 		case a != nil:
 			// The port or an address changed: the legacy proxy reopened the socket too.
 			p.stopPort(port.Name, false)
@@ -117,7 +123,8 @@ func (p *Proxier) retryFailed() {
 // startPort opens a proxy socket for a service port and starts serving it.
 func (p *Proxier) startPort(port *service.Port) {
 	log := p.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
-	sock, proxyPort, err := p.open(port, false)
+	filter := newSourceFilter(port.LoadBalancerSourceRanges)
+	sock, proxyPort, err := p.open(port, false, filter)
 	if err != nil {
 		if _, already := p.failed[port.Name]; !already {
 			log.WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
@@ -136,6 +143,7 @@ func (p *Proxier) startPort(port *service.Port) {
 	delete(p.failed, port.Name)
 	p.markUnsynced(port.Name)
 	a := p.serve(port, sock, proxyPort, log)
+	a.filter, a.split = filter, splitsExternal(port)
 	p.activeMu.Lock()
 	p.active[port.Name] = a
 	p.activeMu.Unlock()
@@ -165,12 +173,19 @@ func (p *Proxier) reconcileSplits() {
 	p.activeMu.RLock()
 	var todo []*activePort
 	for _, a := range p.active {
-		if splitsExternal(a.port) != (a.ext != nil) {
+		if splitsExternal(a.port) != (a.ext != nil) || (p.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split) {
 			todo = append(todo, a)
 		}
 	}
 	p.activeMu.RUnlock()
 	for _, a := range todo {
+		if p.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split {
+			// Bind mode: unsplit, the port's one socket listens on the external addresses too, so
+			// a split (or its end) changes that socket's addresses, and the port reopens.
+			p.stopPort(a.port.Name, false)
+			p.startPort(a.port)
+			continue
+		}
 		p.reconcileSplit(a)
 	}
 }
@@ -192,7 +207,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 		p.deps.Balancer.DeleteService(externalName(a.port.Name))
 		return
 	}
-	sock, proxyPort, err := p.open(a.port, true)
+	sock, proxyPort, err := p.open(a.port, true, a.filter)
 	if err != nil {
 		if !p.extFailed[a.port.Name] {
 			log.WithError(err).Error("Cannot open the external-traffic socket; external traffic is refused until it can")
@@ -203,6 +218,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 	}
 	delete(p.extFailed, a.port.Name)
 	ext := p.serve(a.port, sock, proxyPort, log)
+	ext.filter = a.filter
 	p.activeMu.Lock()
 	a.ext = ext
 	p.activeMu.Unlock()
@@ -211,13 +227,15 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 
 // open allocates a proxy port and opens the socket on it, for the port's cluster traffic or, when
 // external is true, for its external traffic. With a port range, a port that another process holds
-// is skipped.
-func (p *Proxier) open(port *service.Port, external bool) (ProxySocket, uint16, error) {
+// is skipped. In bind mode, the sockets on load-balancer IPs check clients against filter.
+func (p *Proxier) open(port *service.Port, external bool, filter *sourceFilter) (ProxySocket, uint16, error) {
 	key := port.Name
 	if external {
 		key = externalName(port.Name)
 	}
-	build := func() ProxySocket { return p.deps.Sockets(port, p.deps.Balancer.Service(key)) }
+	build := func(at netip.AddrPort) ProxySocket {
+		return p.deps.Sockets(port, p.deps.Balancer.Service(key), p.allowFor(port, at, filter))
+	}
 	if p.cfg.ListenPlan != nil {
 		plan := p.cfg.ListenPlan(port)
 		if splitsExternal(port) {
@@ -258,12 +276,12 @@ func (p *Proxier) open(port *service.Port, external bool) (ProxySocket, uint16, 
 // listenFamilies opens the proxy socket on --bind-address, or, when that is unspecified, on the
 // wildcard of each family the port's portals use (the sockets are single-family), all on one port
 // number so one set of portal rules per family leads to them.
-func (p *Proxier) listenFamilies(port *service.Port, pp uint16, build func() ProxySocket) (ProxySocket, error) {
+func (p *Proxier) listenFamilies(port *service.Port, pp uint16, build func(netip.AddrPort) ProxySocket) (ProxySocket, error) {
 	ips := []netip.Addr{p.cfg.ListenIP}
 	if p.cfg.ListenIP.IsUnspecified() {
 		ips = wildcards(port)
 	}
-	first := build()
+	first := build(netip.AddrPortFrom(ips[0], pp))
 	if err := first.Listen(netip.AddrPortFrom(ips[0], pp)); err != nil {
 		return nil, err
 	}

@@ -34,6 +34,9 @@ type fakeSocket struct {
 	closed  chan struct{}
 	once    sync.Once
 	dropped []netip.AddrPort
+	// allow is the source check the socket was built with; refusing, what SetRefusing last set.
+	allow    func(netip.Addr) bool
+	refusing bool
 }
 
 func (s *fakeSocket) Listen(addr netip.AddrPort) error {
@@ -70,6 +73,12 @@ func (s *fakeSocket) Close() error {
 		s.env.closedCount++
 		s.env.mu.Unlock()
 	})
+	return nil
+}
+func (s *fakeSocket) SetRefusing(on bool) error {
+	s.env.mu.Lock()
+	defer s.env.mu.Unlock()
+	s.refusing = on
 	return nil
 }
 func (s *fakeSocket) DropEndpoint(ep netip.AddrPort) int {
@@ -112,6 +121,8 @@ type fakeEnv struct {
 	nextPort    uint16
 	closedCount int
 	listens     []netip.AddrPort
+	// built lists every socket built, in order.
+	built []*fakeSocket
 }
 
 func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
@@ -126,8 +137,12 @@ func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
 	}
 	e.p = New(cfg, Deps{
 		Balancer: e.lb, Portals: e.portals, Conntrack: e.conntrack,
-		Sockets: func(port *service.Port, _ Picker) ProxySocket {
-			return &fakeSocket{env: e, port: port, closed: make(chan struct{})}
+		Sockets: func(port *service.Port, _ Picker, allow func(netip.Addr) bool) ProxySocket {
+			s := &fakeSocket{env: e, port: port, closed: make(chan struct{}), allow: allow}
+			e.mu.Lock()
+			e.built = append(e.built, s)
+			e.mu.Unlock()
+			return s
 		},
 	})
 	ctx, cancel := context.WithCancel(context.Background())

@@ -7,6 +7,10 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
 
 // Back-off bounds when out of descriptors or memory (accept, and dial): the listener stays readable
@@ -32,17 +36,38 @@ func (p *Proxy) acceptLoop() error {
 	)
 	accept := acceptFn(&fd, &peer, &aerr)
 	backoff := time.Duration(0)
+	// The listener is looked up again only when waiting on it fails (SetRefusing closed or
+	// replaced it), so accepting takes no lock.
+	ln, changed := p.listener()
 	for {
-		if err := p.ln.raw.Read(accept); err != nil {
+		if ln == nil { // refusing: wait for SetRefusing(false) or Close
+			select {
+			case <-changed:
+				ln, changed = p.listener()
+				continue
+			case <-p.closed:
+				return nil
+			}
+		}
+		if err := ln.raw.Read(accept); err != nil {
 			select {
 			case <-p.closed: // Close closed the listener: this is the error it caused
 				return nil
-			default: // the listener itself is broken; retrying would spin
-				return fmt.Errorf("tcp proxy %s: wait for connections: %w", p.name, err)
+			default:
 			}
+			if next, ch := p.listener(); next != ln { // SetRefusing closed it
+				ln, changed = next, ch
+				continue
+			}
+			// The listener itself is broken; retrying would spin.
+			return fmt.Errorf("tcp proxy %s: wait for connections: %w", p.name, err)
 		}
 		if aerr == nil {
 			backoff = 0
+			if p.cfg.Allow != nil && !p.cfg.Allow(peer.Addr()) {
+				p.deny(fd, peer)
+				continue
+			}
 			p.handle(fd, peer)
 			continue
 		}
@@ -58,6 +83,64 @@ func (p *Proxy) acceptLoop() error {
 			return nil
 		}
 	}
+}
+
+// deny resets a client that Config.Allow refused. The kernel completed its handshake before
+// accept could see its address, so the client sees its connection reset rather than refused; it
+// never reaches an endpoint.
+func (p *Proxy) deny(fd int, peer netip.AddrPort) {
+	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
+	_ = unix.Close(fd)
+	p.stats.sourceDenied.Add(1)
+	p.logger().WithField("client", peer.String()).Debug("client outside the allowed source ranges, reset")
+	if p.cfg.OnEnd != nil {
+		now := p.cfg.Clock.Now()
+		p.cfg.OnEnd(flow.Info{Client: peer, Start: now, LastActive: now, End: flow.SourceDenied})
+	}
+}
+
+// listener returns the listening socket (nil while refusing) and the channel closed when it changes.
+func (p *Proxy) listener() (*sock, <-chan struct{}) {
+	p.lnMu.Lock()
+	defer p.lnMu.Unlock()
+	return p.ln, p.lnChanged
+}
+
+// SetRefusing closes the listening socket (on) or opens it again on the same address (off), while
+// the proxy and its established connections stay. With nothing listening on its address the
+// kernel answers a SYN with RST, so a client is refused at once (ECONNREFUSED), as the portal
+// rules refuse a service port without endpoints in iptables mode; connections queued but not yet
+// accepted are reset. For bind portal mode, where the socket listens on the service address
+// itself. It fails if the address cannot be bound again; after Close it does nothing.
+func (p *Proxy) SetRefusing(on bool) error {
+	p.lnMu.Lock()
+	defer p.lnMu.Unlock()
+	select {
+	case <-p.closed:
+		return nil
+	default:
+	}
+	if on == (p.ln == nil) {
+		return nil
+	}
+	var old *sock
+	if on {
+		old, p.ln = p.ln, nil
+	} else {
+		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+		if err != nil {
+			return fmt.Errorf("tcp proxy %s: listen again on %s: %w", p.name, p.addr, err)
+		}
+		p.ln = ln
+	}
+	close(p.lnChanged)
+	p.lnChanged = make(chan struct{})
+	if old != nil {
+		if err := old.close(); err != nil {
+			return fmt.Errorf("tcp proxy %s: close listener: %w", p.name, err)
+		}
+	}
+	return nil
 }
 
 // outOfResources is true for errors that will repeat until descriptors or memory are freed.

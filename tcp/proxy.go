@@ -52,6 +52,12 @@ type Config struct {
 	OnEnd func(flow.Info)
 	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
 	FreeBind bool
+	// Allow, if set, is asked about every accepted client's address before anything else is done
+	// with the connection; a client it denies is reset at once (SO_LINGER 0), before any endpoint
+	// is picked or dialed, and counted in Stats.SourceDenied (loadBalancerSourceRanges on a socket
+	// listening on a load-balancer IP in bind portal mode). Nil allows every client and costs
+	// nothing. It runs on the accept loop and must be quick.
+	Allow func(client netip.Addr) bool
 	// Clock drives the idle timeout and timestamps; nil means the real clock.
 	Clock clock.WithTicker
 }
@@ -83,8 +89,12 @@ type Proxy struct {
 	picker Picker
 	cfg    Config
 
-	ln   *sock // listening
-	addr netip.AddrPort
+	// lnMu guards ln, which SetRefusing closes and reopens under a running accept loop, and
+	// lnChanged, closed (and replaced) whenever ln changes so a loop waiting for a listener wakes.
+	lnMu      sync.Mutex
+	ln        *sock // listening; nil while refusing
+	lnChanged chan struct{}
+	addr      netip.AddrPort
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
 	pkMu      sync.Mutex
@@ -113,13 +123,14 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	cfg = cfg.withDefaults()
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Proxy{
-		name:   name,
-		picker: picker,
-		cfg:    cfg,
-		ctx:    ctx,
-		cancel: cancel,
-		closed: make(chan struct{}),
-		bgDone: make(chan struct{}),
+		name:      name,
+		picker:    picker,
+		cfg:       cfg,
+		ctx:       ctx,
+		cancel:    cancel,
+		closed:    make(chan struct{}),
+		bgDone:    make(chan struct{}),
+		lnChanged: make(chan struct{}),
 	}
 }
 
@@ -133,7 +144,9 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
+	p.lnMu.Lock()
 	p.ln, p.addr = ln, bound
+	p.lnMu.Unlock()
 	return nil
 }
 
@@ -143,7 +156,7 @@ func (p *Proxy) Addr() netip.AddrPort { return p.addr }
 // Run accepts connections until ctx is done or Close is called. Established connections outlive
 // Run; they end by themselves, by DropEndpoint, or by Shutdown.
 func (p *Proxy) Run(ctx context.Context) error {
-	if p.ln == nil {
+	if !p.addr.IsValid() {
 		return fmt.Errorf("tcp proxy %s: Run before Listen", p.name)
 	}
 	p.startBackground()
@@ -157,8 +170,12 @@ func (p *Proxy) Close() error {
 	var err error
 	p.closeOnce.Do(func() {
 		close(p.closed)
-		if p.ln != nil {
-			err = p.ln.close()
+		p.lnMu.Lock()
+		ln := p.ln
+		p.ln = nil
+		p.lnMu.Unlock()
+		if ln != nil {
+			err = ln.close()
 		}
 		p.mu.Lock()
 		idle := len(p.conns) == 0
@@ -326,6 +343,7 @@ func (p *Proxy) Stats() flow.Stats { return p.stats.snapshot() }
 type counters struct {
 	active, total, bytesIn, bytesOut                     atomic.Int64
 	dialAttempts, dialFailures, dialRetries, noEndpoints atomic.Int64
+	sourceDenied                                         atomic.Uint64
 	ended                                                [flow.NumEndReasons]atomic.Uint64
 }
 
@@ -335,6 +353,7 @@ func (c *counters) snapshot() flow.Stats {
 		BytesToEndpoint: uint64(c.bytesIn.Load()), BytesToClient: uint64(c.bytesOut.Load()),
 		DialAttempts: uint64(c.dialAttempts.Load()), DialFailures: uint64(c.dialFailures.Load()),
 		DialRetries: uint64(c.dialRetries.Load()), NoEndpoint: uint64(c.noEndpoints.Load()),
+		SourceDenied: c.sourceDenied.Load(),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()

@@ -86,6 +86,10 @@ func (p *Proxy) readClients(b *batch, now time.Time) {
 // forward sends one client datagram to the client's session, opening it if needed.
 func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr, namelen uint32, data []byte, now time.Time) {
 	s := p.sessions[client]
+	if s == nil && p.cfg.Allow != nil && !p.cfg.Allow(client.Addr()) {
+		p.deny(client, now)
+		return
+	}
 	if s == nil || s.refused {
 		if s = p.open(client, name, namelen, s != nil, now); s == nil {
 			return
@@ -114,6 +118,17 @@ func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 	p.stats.pktsTo.Add(1)
 	p.stats.bytesTo.Add(uint64(len(data)))
 	p.touch(s, now)
+}
+
+// deny drops a datagram of a client that Config.Allow refused; it opens no session.
+func (p *Proxy) deny(client netip.AddrPort, now time.Time) {
+	p.stats.sourceDenied.Add(1)
+	if p.debug() {
+		p.log.WithField("client", client).Debug("client outside the allowed source ranges, datagram dropped")
+	}
+	if p.cfg.OnEnd != nil {
+		p.ended = append(p.ended, flow.Info{Client: client, Start: now, LastActive: now, End: flow.SourceDenied})
+	}
 }
 
 // open picks an endpoint for client and opens a session to it, evicting the least recently used

@@ -63,6 +63,12 @@ type Config struct {
 	Logger logrus.FieldLogger
 	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
 	FreeBind bool
+	// Allow, if set, is asked about a client's address when its datagram would open a session;
+	// a client it denies gets no session: the datagram is dropped before any endpoint is picked,
+	// and counted in Stats.SourceDenied (loadBalancerSourceRanges on a socket listening on a
+	// load-balancer IP in bind portal mode). Nil allows every client and costs nothing. It runs
+	// on the proxy loop and must be quick.
+	Allow func(client netip.Addr) bool
 	// OnEnd, if set, is called once per ended session (the access log), from the goroutine that
 	// ended it and without proxy locks held. It must not block for long.
 	OnEnd func(flow.Info)
@@ -170,7 +176,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	case p.closed:
 		p.mu.Unlock()
 		return nil
-	case p.lfd < 0:
+	case !p.addr.IsValid():
 		p.mu.Unlock()
 		return fmt.Errorf("udp %s: run: not listening", p.name)
 	case p.running:
@@ -257,6 +263,53 @@ func (p *Proxy) Close() error {
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("udp %s: close: %w", p.name, err)
 	}
+	return nil
+}
+
+// SetRefusing closes the listening socket (on) or opens it again on the same address (off), while
+// the proxy stays. With no socket bound to its address the kernel answers a datagram with ICMP
+// port unreachable, so a client learns at once that nobody serves it (ECONNREFUSED on a connected
+// socket), as the portal rules refuse a service port without endpoints in iptables mode. Closing
+// ends every session. For bind portal mode, where the socket listens on the service address
+// itself. It fails if the address cannot be bound again; after Close it does nothing.
+func (p *Proxy) SetRefusing(on bool) error {
+	p.mu.Lock()
+	if p.closed || !p.addr.IsValid() || on == (p.lfd < 0) {
+		p.mu.Unlock()
+		return nil
+	}
+	var err error
+	if on {
+		for _, s := range p.sessions {
+			p.end(s, flow.Shutdown)
+		}
+		err = closeFD(p.lfd) // closing also takes it out of the epoll set
+		p.lfd = -1
+	} else {
+		err = p.relisten()
+	}
+	ended := p.takeEnded()
+	p.mu.Unlock()
+	p.report(ended)
+	if err != nil {
+		return fmt.Errorf("udp %s: refusing=%t: %w", p.name, on, err)
+	}
+	return nil
+}
+
+// relisten binds the listening socket again on its address. Called with mu held.
+func (p *Proxy) relisten() error {
+	fd, _, err := listenUDP(p.addr, p.cfg.FreeBind)
+	if err != nil {
+		return fmt.Errorf("listen again on %s: %w", p.addr, err)
+	}
+	if p.poll != nil {
+		if err := p.poll.add(fd); err != nil {
+			closeFD(fd)
+			return err
+		}
+	}
+	p.lfd = fd
 	return nil
 }
 

@@ -14,6 +14,7 @@ type counters struct {
 	ended                                                 [flow.NumEndReasons]atomic.Uint64
 	pktsTo, bytesTo, pktsFrom, bytesFrom                  atomic.Uint64
 	noEndpoint, sessionSetup, toEndpoint, toClient, trunc atomic.Uint64
+	sourceDenied                                          atomic.Uint64
 }
 
 func (c *counters) snapshot() flow.Stats {
@@ -25,6 +26,7 @@ func (c *counters) snapshot() flow.Stats {
 		PacketsToClient:   c.pktsFrom.Load(),
 		BytesToClient:     c.bytesFrom.Load(),
 		NoEndpoint:        c.noEndpoint.Load(),
+		SourceDenied:      c.sourceDenied.Load(),
 		DropsSessionSetup: c.sessionSetup.Load(),
 		DropsToEndpoint:   c.toEndpoint.Load(),
 		DropsToClient:     c.toClient.Load(),

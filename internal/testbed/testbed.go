@@ -88,6 +88,16 @@ func New(ctx context.Context, lab *netns.Lab, pods int) (*Bed, error) {
 		// points at the client link; unmatched packets would only draw unanswered ARP there.
 		func() error { return b.Node.AddRoute(ctx, ClusterRange, netip.Addr{}, "to-client") },
 		func() error { return b.Node.AddRoute(ctx, ExternalRange, netip.Addr{}, "to-client") },
+		// A node forwards its pods' traffic: a cluster IP is no local address, so a refused service
+		// port (no endpoints) is answered by the filter REJECT rule in FORWARD. The cluster range
+		// goes back out of the link it came in on, so the node would send ICMP redirects, which
+		// use up the per-host ICMP budget that the port-unreachable answers need; a real node
+		// routes it elsewhere. Both sysctls are per namespace.
+		func() error {
+			_, err := b.Node.Exec(ctx, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0",
+				"net.ipv4.conf.to-client.send_redirects=0")
+			return err
+		},
 	}
 	for i, p := range b.Pods {
 		i, p := i+1, p
