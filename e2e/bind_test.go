@@ -38,13 +38,7 @@ func TestBindModeWithoutNAT(t *testing.T) {
 		"--services-file="+dir, "--services-file-check-period=200ms")...)
 	pods := podNames(1, 2, 3)
 	web := netip.AddrPortFrom(fileWebIP, 80)
-	eventually(t, 30*time.Second, "the cluster IP never answered in bind mode", func() error {
-		if err := proxy.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(bed.Client, web)
-		return err
-	})
+	proxy.waitAnswers(t, bed.Client, web, "the cluster IP never answered in bind mode")
 
 	for _, c := range []struct {
 		name string
@@ -254,31 +248,14 @@ func scrape(ns *netns.NS, series string) (float64, error) {
 func TestBindModeRefusesWithoutEndpointsAndChecksSourceRanges(t *testing.T) {
 	t.Parallel()
 	bed := newBed(t, 1)
-	dir, stage := t.TempDir(), t.TempDir()
-	manifests := filepath.Join(dir, "services.yaml")
+	dir, write := servicesDir(t)
 	lbIP := externalIP()
-	write := func(content string) {
-		t.Helper()
-		tmp := filepath.Join(stage, "services.yaml")
-		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, manifests); err != nil {
-			t.Fatal(err)
-		}
-	}
 	write(emptyManifest() + lbManifest(lbIP))
 	proxy := startProxy(t, bed.Node, t.TempDir(), proxyArgs("--portal-mode=bind", "--portal-interface=kpp-svc",
 		"--services-file="+dir, "--services-file-check-period=200ms")...)
 	emptyTCP, emptyUDP := netip.AddrPortFrom(bindEmptyIP, 80), netip.AddrPortFrom(bindEmptyIP, 53)
 	lbTCP, lbUDP := netip.AddrPortFrom(netip.MustParseAddr(lbIP), 80), netip.AddrPortFrom(netip.MustParseAddr(lbIP), 53)
-	eventually(t, 30*time.Second, "the load-balancer IP never answered the admitted client", func() error {
-		if err := proxy.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(bed.External, lbTCP)
-		return err
-	})
+	proxy.waitAnswers(t, bed.External, lbTCP, "the load-balancer IP never answered the admitted client")
 
 	refused := func(t *testing.T) {
 		t.Helper()

@@ -10,7 +10,6 @@ import (
 	"sync"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
@@ -102,30 +101,21 @@ func serveV6(t *testing.T, ns *netns.NS, name string) {
 		}
 		testenv.Unavailable(t, "IPv6 backend in %s: %v", ns.Name, err)
 	}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); pc.Close(); wg.Wait() })
-	wg.Go(func() {
+	testenv.ServeTCP(t, ln, func(c net.Conn) {
+		fmt.Fprintf(c, "%s\n", name)
+		buf := make([]byte, 1024)
 		for {
-			c, err := ln.Accept()
+			n, err := c.Read(buf)
 			if err != nil {
 				return
 			}
-			wg.Go(func() {
-				defer c.Close()
-				fmt.Fprintf(c, "%s\n", name)
-				buf := make([]byte, 1024)
-				for {
-					n, err := c.Read(buf)
-					if err != nil {
-						return
-					}
-					if _, err := c.Write(buf[:n]); err != nil {
-						return
-					}
-				}
-			})
+			if _, err := c.Write(buf[:n]); err != nil {
+				return
+			}
 		}
 	})
+	var wg sync.WaitGroup
+	t.Cleanup(func() { pc.Close(); wg.Wait() })
 	wg.Go(func() {
 		buf := make([]byte, 2048)
 		for {
@@ -204,13 +194,7 @@ func TestIPv6TrafficThroughEveryPortal(t *testing.T) {
 			}
 			proxy := startProxy(t, b.node, t.TempDir(), proxyArgs(append(mode.args, "--services-file="+dir)...)...)
 			cluster := netip.AddrPortFrom(v6ClusterIP, 80)
-			eventually(t, 30*time.Second, "the IPv6 cluster IP never answered", func() error {
-				if err := proxy.exited(); err != nil {
-					return err
-				}
-				_, err := whoTCP(b.client, cluster)
-				return err
-			})
+			proxy.waitAnswers(t, b.client, cluster, "the IPv6 cluster IP never answered")
 			for _, c := range []struct {
 				name string
 				from *netns.NS

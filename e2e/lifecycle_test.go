@@ -131,13 +131,7 @@ func TestProxyKilledAndRestarted(t *testing.T) {
 	n.setEndpoints(t, svc, 1, 2)
 	first := n.startProxy(t)
 	tg := targetsOf(t, svc)
-	eventually(t, 30*time.Second, "the service never answered", func() error {
-		if err := first.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
-		return err
-	})
+	first.waitAnswers(t, n.bed.Client, tg.clusterTCP, "the service never answered")
 	before := rules(t, n.bed.Node)
 	want := shape(before.of(n.namespace))
 
@@ -213,13 +207,7 @@ func TestCleanupLeavesNothing(t *testing.T) {
 	n.setEndpoints(t, svc, 1, 2)
 	proxy := n.startProxy(t)
 	tg := targetsOf(t, svc)
-	eventually(t, 30*time.Second, "the service never answered", func() error {
-		if err := proxy.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
-		return err
-	})
+	proxy.waitAnswers(t, n.bed.Client, tg.clusterTCP, "the service never answered")
 	if err := proxy.stop(); err != nil {
 		t.Fatalf("stop the proxy: %v", err)
 	}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"strings"
@@ -57,6 +58,19 @@ func startProxy(t *testing.T, ns *netns.NS, dir string, args ...string) *proxyPr
 // an error if the proxy failed after SIGTERM or needed SIGKILL (an exit seen before is reported by
 // whoever saw it).
 func (p *proxyProcess) stop() error { return p.Stop(proxyStopGrace) }
+
+// waitAnswers waits until addr answers a TCP request from ns (the backend says who it is),
+// failing at once, with the proxy's log, if the proxy exits meanwhile.
+func (p *proxyProcess) waitAnswers(t *testing.T, from *netns.NS, addr netip.AddrPort, what string) {
+	t.Helper()
+	eventually(t, 30*time.Second, what, func() error {
+		if err := p.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(from, addr)
+		return err
+	})
+}
 
 // exited returns an error describing the exit if the proxy is no longer running, or nil.
 func (p *proxyProcess) exited() error {

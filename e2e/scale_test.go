@@ -48,13 +48,7 @@ func TestEndpointsScaledUnderLoad(t *testing.T) {
 	n.setEndpoints(t, svc, phases[0].pods...)
 	proxy := n.startProxy(t)
 	addr := targetsOf(t, svc).clusterTCP
-	eventually(t, 30*time.Second, "the service never answered", func() error {
-		if err := proxy.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(n.bed.Client, addr)
-		return err
-	})
+	proxy.waitAnswers(t, n.bed.Client, addr, "the service never answered")
 
 	// pod1 survives every phase: keep a connection to it open throughout.
 	kept := dialPod(t, n.bed.Client, addr, "pod1", 4)

@@ -26,23 +26,27 @@ var (
 // TestStandaloneServicesFile runs the proxy on --services-file with no API server: the same
 // traffic checks as against the API server, then a changed file is picked up (endpoints moved, a
 // service added), and a broken file is rejected with the last good state kept serving.
-func TestStandaloneServicesFile(t *testing.T) {
-	t.Parallel()
-	bed := newBed(t, 3)
+// servicesDir is a directory for --services-file and a write that replaces its services.yaml
+// whole: written elsewhere and renamed, so the proxy never reads a half-written file.
+func servicesDir(t *testing.T) (dir string, write func(content string)) {
 	dir, stage := t.TempDir(), t.TempDir()
-	manifests := filepath.Join(dir, "services.yaml")
-	ext := externalIP()
-	write := func(content string) {
+	return dir, func(content string) {
 		t.Helper()
-		// Write elsewhere and rename, so the proxy never reads a half-written file.
 		tmp := filepath.Join(stage, "services.yaml")
 		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.Rename(tmp, manifests); err != nil {
+		if err := os.Rename(tmp, filepath.Join(dir, "services.yaml")); err != nil {
 			t.Fatal(err)
 		}
 	}
+}
+
+func TestStandaloneServicesFile(t *testing.T) {
+	t.Parallel()
+	bed := newBed(t, 3)
+	dir, write := servicesDir(t)
+	ext := externalIP()
 	write(webManifest(ext, 1, 2, 3))
 	proxy := startProxy(t, bed.Node, t.TempDir(), proxyArgs("--services-file="+dir, "--services-file-check-period=200ms")...)
 

@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
@@ -73,13 +72,7 @@ func TestServiceTraffic(t *testing.T) {
 // that round robin spreads evenly over pods, and health. Shared by the API and file modes.
 func checkTraffic(t *testing.T, bed *testbed.Bed, proxy *proxyProcess, tg targets, pods []string) {
 	t.Helper()
-	eventually(t, 30*time.Second, "the cluster IP portal never answered", func() error {
-		if err := proxy.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(bed.Client, tg.clusterTCP)
-		return err
-	})
+	proxy.waitAnswers(t, bed.Client, tg.clusterTCP, "the cluster IP portal never answered")
 
 	// answeredByAll checks that a few requests from ns reach every pod: strict round robin over
 	// n pods answers each exactly twice in 2n requests.

@@ -22,6 +22,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -399,18 +400,9 @@ func serveBound(t *testing.T, ns *netns.NS, addr netip.AddrPort) {
 		}
 		t.Fatalf("listen on %s in %s: %v", addr, ns.Name, err)
 	}
+	testenv.ServeTCP(t, ln, func(c net.Conn) { _, _ = c.Write([]byte("node\n")) })
 	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); pc.Close(); wg.Wait() })
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_, _ = c.Write([]byte("node\n"))
-			c.Close()
-		}
-	})
+	t.Cleanup(func() { pc.Close(); wg.Wait() })
 	wg.Go(func() {
 		buf := make([]byte, 2048)
 		for {
