@@ -121,3 +121,24 @@ func (a *portAllocator) release(port uint16) {
 		a.inUse--
 	}
 }
+
+// take claims a given port, one a restarted proxy finds the portal rules in force pointing at. It
+// reports false when the port is outside the range or already in use here. With kernel-chosen
+// ports every port may be taken (the kernel refuses the bind if another socket holds it).
+func (a *portAllocator) take(port uint16) bool {
+	if a.r.IsKernelChosen() {
+		return port != 0
+	}
+	idx := int(port) - a.r.Base
+	if idx < 0 || idx >= a.r.Size {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.used[idx] {
+		return false
+	}
+	a.used[idx] = true
+	a.inUse++
+	return true
+}

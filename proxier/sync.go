@@ -45,6 +45,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		}
 		p.reconcileService(ch.previous, ch.current)
 	}
+	p.dropUnwantedSeeds()
 	p.retryFailed()
 	p.reconcileSplits()
 
@@ -93,11 +94,17 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 		a := p.active[port.Name]
 		p.activeMu.RUnlock()
 		switch {
-		case a != nil && a.port.SocketEqual(port):
+		case a != nil && (a.port.SocketEqual(port) || p.adoptable(a, port)):
 			p.activeMu.Lock()
 			a.port = port
+			if a.ext != nil {
+				a.ext.port = port
+			}
 			p.activeMu.Unlock()
 		case a != nil:
+			if p.seeded[port.Name] { // reopened at start: open again where the rules point
+				p.keepPort[port.Name] = a.proxyPort
+			}
 			// The port or an address changed: the legacy proxy reopened the socket too.
 			p.stopPort(port.Name, false)
 			p.startPort(port)
@@ -235,6 +242,16 @@ func (p *Proxier) open(port *service.Port, external bool) (ProxySocket, uint16, 
 			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
 		}
 		return m, port.Port, nil
+	}
+	if pp, ok := p.keepPort[key]; ok {
+		delete(p.keepPort, key)
+		if p.ports.take(pp) {
+			sock, err := p.listenFamilies(port, pp, build)
+			if err == nil {
+				return sock, pp, nil
+			}
+			p.ports.release(pp)
+		}
 	}
 	var lastErr error
 	for range maxListenTries {
