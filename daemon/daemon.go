@@ -100,6 +100,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	seedReopen(ctx, pm, w.proxier, log)
 	target := nodeTarget{health: w.health, proxier: w.proxier}
 	target.apply(node, nodeObj) // the zone is known before the first sync
 	tasks := []func(context.Context){w.proxier.Run, w.svcHealth.Run, func(ctx context.Context) {
