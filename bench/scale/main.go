@@ -28,14 +28,15 @@ func main() {
 	endpoints := flag.Int("endpoints", 5, "endpoints per service port")
 	idle := flag.Duration("idle", 20*time.Second, "how long to measure idle CPU")
 	changes := flag.Int("changes", 5, "programming-latency samples")
+	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
 	flag.Parse()
-	if err := run(*proxy, *services, *endpoints, *idle, *changes); err != nil {
+	if err := run(*proxy, *services, *endpoints, *idle, *changes, *restart); err != nil {
 		fmt.Fprintln(os.Stderr, "scale:", err)
 		os.Exit(1)
 	}
 }
 
-func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges int) (err error) {
+func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges int, restart bool) (err error) {
 	// Ctrl-C or a timeout still removes the namespaces.
 	ctx, stopSignals := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stopSignals()
@@ -56,12 +57,8 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 
 	start := time.Now()
-	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
-		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
-		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
-		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Start(); err != nil {
+	cmd, err := startProxy(proxy, bed, dir)
+	if err != nil {
 		return err
 	}
 	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
@@ -106,7 +103,88 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		float64(rss)/1024, float64(rssIdle)/1024)
 	fmt.Printf("idle CPU over %v: %.2f%% of one core\n", idle, idleCPU)
 	fmt.Printf("network programming latency (file change -> traffic works), %d samples: %v\n", len(lat), lat)
+	if !restart || nChanges == 0 {
+		return nil
+	}
+	// A client connects in a loop through the first change's cluster IP (a real pod behind it)
+	// while the proxy is SIGKILLed and started again at once.
+	w, err := restartWindow(ctx, bed, func() (*exec.Cmd, error) {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		cmd, err = startProxy(proxy, bed, dir)
+		return cmd, err
+	}, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 250, 1}), 80))
+	if err != nil {
+		return err
+	}
+	fmt.Printf("SIGKILL and immediate restart: %d of %d connections failed, failures spanning %v; first success after the kill %v later\n",
+		w.failed, w.attempts, w.window.Round(time.Millisecond), w.recovered.Round(time.Millisecond))
 	return nil
+}
+
+// startProxy starts the proxy binary in the node namespace on the services directory.
+func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
+	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
+		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
+		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	return cmd, cmd.Start()
+}
+
+type window struct {
+	attempts, failed  int
+	window, recovered time.Duration
+}
+
+// restartWindow probes addr from the client every 5 ms (each attempt bounded by 2 s) around
+// restart, and reports the span of failed attempts and how long after the kill the first attempt
+// succeeded. It stops 1 s after traffic is back, at most 2 minutes after the kill.
+func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.Cmd, error), addr netip.AddrPort) (window, error) {
+	var w window
+	if _, err := testbed.Who(bed.Client, addr, 2*time.Second); err != nil {
+		return w, fmt.Errorf("before the kill: %w", err)
+	}
+	killed := time.Now()
+	if _, err := restart(); err != nil {
+		return w, err
+	}
+	var firstFail, lastFail time.Time
+	var back time.Time
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for time.Since(killed) < 2*time.Minute && (back.IsZero() || time.Since(back) < time.Second) {
+		select {
+		case <-ctx.Done():
+			return w, ctx.Err()
+		case <-tick.C:
+		}
+		t0 := time.Now()
+		_, err := testbed.Who(bed.Client, addr, 2*time.Second)
+		w.attempts++
+		if err != nil {
+			w.failed++
+			if firstFail.IsZero() {
+				firstFail = t0
+			}
+			lastFail = time.Now()
+			back = time.Time{}
+			continue
+		}
+		if back.IsZero() {
+			back = time.Now()
+			if w.recovered == 0 {
+				w.recovered = back.Sub(killed)
+			}
+		}
+	}
+	if back.IsZero() {
+		return w, errors.New("traffic never came back after the restart")
+	}
+	if w.failed > 0 {
+		w.window = lastFail.Sub(firstFail)
+	}
+	return w, nil
 }
 
 func clusterIP(i int) netip.Addr {
