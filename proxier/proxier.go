@@ -49,6 +49,8 @@ type Config struct {
 	// ListenIP is --bind-address: the address proxy sockets listen on. Unspecified means all.
 	ListenIP  netip.Addr
 	PortRange PortRange
+	// KernelPorts, if known, is where ports come from without a PortRange (see KernelPorts).
+	KernelPorts KernelPorts
 	// MinSyncPeriod and SyncPeriod bound how often rules are synced.
 	MinSyncPeriod time.Duration
 	SyncPeriod    time.Duration
@@ -201,7 +203,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		services:       make(map[service.NamespacedName][]*service.Port),
 		failed:         make(map[service.ServicePortName]*service.Port),
 		extFailed:      make(map[service.ServicePortName]bool),
-		ports:          newPortAllocator(cfg.PortRange),
+		ports:          newPortAllocator(cfg.PortRange, cfg.KernelPorts),
 		seeded:         make(map[service.ServicePortName]bool),
 		keepPort:       make(map[service.ServicePortName]uint16),
 		endpointsReady: make(chan struct{}),

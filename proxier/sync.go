@@ -265,7 +265,7 @@ func (p *Proxier) open(port *service.Port, external bool) (ProxySocket, uint16, 
 		}
 		p.ports.release(pp)
 		lastErr = fmt.Errorf("service port %s: %w", port.Name, err)
-		if p.cfg.PortRange.IsKernelChosen() || !errors.Is(err, syscall.EADDRINUSE) {
+		if !p.ports.retries() || !errors.Is(err, syscall.EADDRINUSE) {
 			break
 		}
 	}
