@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -117,9 +118,19 @@ func (f *FileSource) load(force bool) {
 			nSvc++
 		}
 	}
+	reread := len(objs.services) + len(objs.slices)
 	f.log.WithFields(logrus.Fields{"path": f.path, "services": nSvc, "endpointslices": len(objs.infos) - nSvc,
-		"reread": len(objs.services) + len(objs.slices)}).Info("Loaded services file")
+		"reread": reread}).Info("Loaded services file")
+	if reread >= bigLoad {
+		// Decoding allocated many times what the handlers kept (about 500 MB for 10,000 services
+		// and their slices); without this the heap's peak stayed resident for minutes.
+		objs = nil
+		debug.FreeOSMemory()
+	}
 }
+
+// bigLoad is the number of decoded objects from which a load hands its garbage back to the OS at once.
+const bigLoad = 1000
 
 // apply sends the difference between the last good state and objs to the handler. Objects of
 // files that did not change are not decoded again and cannot differ; a re-read file's objects are

@@ -153,8 +153,10 @@ type Proxier struct {
 	// endpointsReady is closed once the initial Services and EndpointSlices are in.
 	endpointsReady chan struct{}
 	readyOnce      sync.Once
-	socketWG       sync.WaitGroup
-	runCtx         context.Context
+	// firstSynced: the first portal sync worked (its garbage was handed back to the OS).
+	firstSynced bool
+	socketWG    sync.WaitGroup
+	runCtx      context.Context
 }
 
 // activePort is a service port with an open proxy socket.

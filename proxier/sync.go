@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"syscall"
@@ -63,6 +64,13 @@ func (p *Proxier) sync(ctx context.Context) error {
 			len(specs), p.unsyncedNames(5), err)
 	}
 	p.unsynced = nil
+	if !p.firstSynced {
+		// The first sync after a start built every socket and rule at once: its garbage (the
+		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
+		// the process's heap. Hand it back now rather than over the next minutes.
+		p.firstSynced = true
+		debug.FreeOSMemory()
+	}
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
 	for _, t := range first {
 		m.observeProgramming(end, t)
