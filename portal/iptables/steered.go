@@ -31,15 +31,19 @@ type Steered struct {
 	Families []portal.Family
 }
 
-// ReadSteered reads the nat portal chains in force, for every family this node has rules for, and
-// returns the proxy ports they steer each service port to, sorted by name. A family whose
-// iptables is missing is skipped; it changes nothing.
+// ReadSteered reads the nat portal chains in force, for every family these portals program, and
+// returns the proxy ports they steer each service port to, sorted by name. A family that is not
+// programmed (no node IP of it, another bind address family) or whose iptables is missing is
+// skipped.
 func (p *Portals) ReadSteered(ctx context.Context) ([]Steered, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	byName := map[service.ServicePortName]*Steered{}
 	var errs []error
 	for _, fam := range portal.Families {
+		if !p.familyEnabled(fam) {
+			continue
+		}
 		data, err := p.runner.Save(ctx, fam, tableNAT)
 		if errors.Is(err, ErrUnavailable) {
 			continue

@@ -51,6 +51,13 @@ func TestReadSteered(t *testing.T) {
 			want: []Steered{{Name: spn("default", "web", "http"), Protocol: service.TCP, ProxyPort: 34001, Families: []portal.Family{portal.IPv4}}},
 		},
 		{
+			name: "family_not_programmed_not_read",
+			cfg:  Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")}},
+			specs: []portal.Spec{{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80,
+				ClusterIPs: addrs("10.96.0.10", "fd00:96::10"), ProxyPort: 34001}},
+			want: []Steered{{Name: spn("default", "web", "http"), Protocol: service.TCP, ProxyPort: 34001, Families: []portal.Family{portal.IPv4}}},
+		},
+		{
 			name: "refused_port_has_no_steering_rule",
 			cfg:  Config{HostIPs: v4v6},
 			specs: []portal.Spec{{Name: spn("default", "empty", ""), Protocol: service.TCP, Port: 80,
