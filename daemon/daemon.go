@@ -100,6 +100,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	seedReopen(ctx, pm, w.proxier, log)
 	target := nodeTarget{health: w.health, proxier: w.proxier}
 	target.apply(node, nodeObj) // the zone is known before the first sync
 	tasks := []func(context.Context){w.proxier.Run, w.svcHealth.Run, func(ctx context.Context) {
@@ -148,8 +149,16 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 			events.ServiceWarning(svc, healthcheck.ReasonFailedToStart, err.Error())
 		},
 	})
+	var kernelPorts proxier.KernelPorts
+	if o.portRange.IsKernelChosen() && pm.plan == nil && d.deps.kernelPorts != nil {
+		kp, err := d.deps.kernelPorts()
+		if err != nil {
+			log.WithError(err).Warn("Cannot read the ephemeral port range; the kernel chooses proxy ports (slower with many service ports)")
+		}
+		kernelPorts = kp
+	}
 	px := proxier.New(proxier.Config{
-		ListenIP: o.bind, PortRange: o.portRange, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
+		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)},
 	}, proxier.Deps{

@@ -28,7 +28,10 @@ type portalMode struct {
 	freeBind  bool                                 // sockets bind service IPs before they are local
 	collector prometheus.Collector                 // mode-specific metrics, or nil
 	describe  func() string                        // /debug/rules
-	close     func()
+	// steered reads the proxy ports the portal rules in force point at (a previous process's);
+	// nil when no rule points at a proxy port (bind mode).
+	steered func(ctx context.Context) ([]proxier.Seed, error)
+	close   func()
 }
 
 // newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
@@ -69,6 +72,7 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		conntrack: &conntrack.Netlink{},
 		collector: portalCollector(rules),
 		describe:  rules.Rules,
+		steered:   steeredSeeds(rules),
 		close:     func() {},
 	}, nil
 }

@@ -20,6 +20,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 )
 
@@ -35,7 +36,10 @@ type deps struct {
 	listen func(addr string) (net.Listener, error)
 	// notifyReload relays the reload signal (SIGHUP) to c until stop is called.
 	notifyReload func(c chan<- os.Signal) (stop func())
-	clock        clock.Clock
+	// kernelPorts reads the node's ephemeral port range, where proxy ports come from without
+	// --proxy-port-range.
+	kernelPorts func() (proxier.KernelPorts, error)
+	clock       clock.Clock
 }
 
 // systemDeps are the real process, node, API server and network.
@@ -49,7 +53,8 @@ func systemDeps() deps {
 			signal.Notify(c, syscall.SIGHUP)
 			return func() { signal.Stop(c) }
 		},
-		clock: clock.RealClock{},
+		kernelPorts: readKernelPorts,
+		clock:       clock.RealClock{},
 	}
 }
 

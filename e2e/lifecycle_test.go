@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -245,4 +246,109 @@ func ownedLines(saved string) []string {
 		}
 	}
 	return out
+}
+
+// TestProxyKilledRestartWindow measures what clients see when the proxy is SIGKILLed and started
+// again at once, as a DaemonSet or systemd does: a client connects through the cluster IP in a
+// loop, and the refused window is the span of failed attempts. The rules of the killed process stay
+// in force; the new process reopens the proxy ports they point at before it has read anything, and
+// holds connections until its endpoints are in, so only the moments with no process at all fail.
+func TestProxyKilledRestartWindow(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 2)
+	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeClusterIP))
+	n.setEndpoints(t, svc, 1, 2)
+	first := n.startProxy(t)
+	tg := targetsOf(t, svc)
+	eventually(t, 30*time.Second, "the service never answered", func() error {
+		if err := first.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
+		return err
+	})
+
+	type attempt struct {
+		start, end time.Time
+		err        error
+	}
+	stop := make(chan struct{})
+	results := make(chan []attempt, 1)
+	var made atomic.Int64
+	go func() { // bounded: at most 30 s and 20,000 attempts
+		var out []attempt
+		deadline := time.Now().Add(30 * time.Second)
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for len(out) < 20000 && time.Now().Before(deadline) {
+			select {
+			case <-stop:
+				results <- out
+				return
+			case <-tick.C:
+			}
+			a := attempt{start: time.Now()}
+			_, a.err = whoTCP(n.bed.Client, tg.clusterTCP)
+			a.end = time.Now()
+			out = append(out, a)
+			made.Add(1)
+		}
+		results <- out
+	}()
+
+	madeAtLeast := func(what string, n int64) {
+		eventually(t, 10*time.Second, what, func() error {
+			if got := made.Load(); got < n {
+				return fmt.Errorf("%d attempts, want %d", got, n)
+			}
+			return nil
+		})
+	}
+	madeAtLeast("the prober never ran", 20)
+	killed := time.Now()
+	first.Kill()
+	second := n.startProxy(t)
+	restarted := time.Now()
+	eventually(t, 30*time.Second, "traffic never came back after the restart", func() error {
+		if err := second.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
+		return err
+	})
+	madeAtLeast("the prober never ran after the restart", made.Load()+50)
+	close(stop)
+	got := <-results
+
+	var firstFail, lastFail attempt
+	failures, after := 0, 0
+	for _, a := range got {
+		if a.start.After(killed) {
+			after++
+		}
+		if a.err == nil {
+			continue
+		}
+		if failures == 0 {
+			firstFail = a
+		}
+		lastFail = a
+		failures++
+	}
+	window := time.Duration(0)
+	if failures > 0 {
+		window = lastFail.end.Sub(firstFail.start)
+	}
+	t.Logf("SIGKILL at +0, restart started +%v: %d attempts after the kill, %d failed, refused window %v (last error: %v)",
+		restarted.Sub(killed).Round(time.Millisecond), after, failures, window.Round(time.Millisecond), lastFail.err)
+	if after < 20 {
+		t.Fatalf("only %d attempts after the kill: the prober did not measure the restart", after)
+	}
+	// The kill itself ends what the old process served; the new one must pick up within a second.
+	if window > time.Second {
+		t.Errorf("clients saw failures for %v across the restart; want under 1s (the new process reopens the proxy ports first)", window)
+	}
+	if !strings.Contains(second.LogTail(1000), "Reopened the proxy sockets the portal rules in force point at") {
+		t.Errorf("the restarted proxy did not say it reopened the proxy sockets; log:\n%s", second.LogTail(30))
+	}
 }

@@ -12,16 +12,20 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
+	apiruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/utils/clock"
 	"sigs.k8s.io/yaml"
@@ -113,9 +117,19 @@ func (f *FileSource) load(force bool) {
 			nSvc++
 		}
 	}
+	reread := len(objs.services) + len(objs.slices)
 	f.log.WithFields(logrus.Fields{"path": f.path, "services": nSvc, "endpointslices": len(objs.infos) - nSvc,
-		"reread": len(objs.services) + len(objs.slices)}).Info("Loaded services file")
+		"reread": reread}).Info("Loaded services file")
+	if reread >= bigLoad {
+		// Decoding allocated many times what the handlers kept (about 500 MB for 10,000 services
+		// and their slices); without this the heap's peak stayed resident for minutes.
+		objs = nil
+		debug.FreeOSMemory()
+	}
 }
+
+// bigLoad is the number of decoded objects from which a load hands its garbage back to the OS at once.
+const bigLoad = 1000
 
 // apply sends the difference between the last good state and objs to the handler. Objects of
 // files that did not change are not decoded again and cannot differ; a re-read file's objects are
@@ -215,8 +229,8 @@ type manifestSet struct {
 	infos    map[string]objInfo
 }
 
-var manifestDecoder = func() runtime.Decoder {
-	s := runtime.NewScheme()
+var manifestDecoder = func() apiruntime.Decoder {
+	s := apiruntime.NewScheme()
 	_ = v1.AddToScheme(s)
 	_ = discovery.AddToScheme(s)
 	return serializer.NewCodecFactory(s).UniversalDeserializer()
@@ -270,13 +284,97 @@ func parseFile(file string) (*manifestSet, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", file, err)
 	}
+	docs := splitDocuments(data)
+	decoded := decodeDocuments(docs)
 	set := newManifestSet()
-	for _, doc := range splitDocuments(data) {
-		if err := set.addDocument(doc.body); err != nil {
+	for i, doc := range docs {
+		if err := set.addDecoded(decoded[i]); err != nil {
 			return nil, fmt.Errorf("%s:%d: %w", file, doc.line+errorLine(err), err)
 		}
 	}
 	return set, nil
+}
+
+// decodedDoc is one document's objects, in order, or the error that rejects it.
+type decodedDoc struct {
+	objs []decodedObj
+	err  error
+}
+
+type decodedObj struct {
+	obj  apiruntime.Object // *v1.Service or *discovery.EndpointSlice
+	hash uint64
+}
+
+// decodeDocuments decodes every document, on every CPU: YAML to JSON and JSON to the API types
+// are nearly all of a load's CPU (10,000 services and their slices took over a second on one
+// core). Results come back in document order, so what is added and which error is reported do not
+// depend on the schedule.
+func decodeDocuments(docs []document) []decodedDoc {
+	out := make([]decodedDoc, len(docs))
+	workers := min(runtime.GOMAXPROCS(0), len(docs)/64+1)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < len(docs); i = int(next.Add(1) - 1) {
+				out[i].err = decodeDocument(docs[i].body, &out[i].objs)
+			}
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+// decodeDocument appends the Services and EndpointSlices of one document (a List's items too).
+func decodeDocument(body []byte, objs *[]decodedObj) error {
+	js, err := yaml.YAMLToJSON(body)
+	if err != nil {
+		return err
+	}
+	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+		return nil // an empty document
+	}
+	obj, gvk, err := manifestDecoder.Decode(js, nil, nil)
+	if err != nil {
+		if apiruntime.IsNotRegisteredError(err) {
+			return nil
+		}
+		return err
+	}
+	h := fnv.New64a()
+	h.Write(js)
+	switch o := obj.(type) {
+	case *v1.Service, *discovery.EndpointSlice:
+		*objs = append(*objs, decodedObj{obj: o, hash: h.Sum64()})
+	case *v1.List:
+		for i, item := range o.Items {
+			if err := decodeDocument(item.Raw, objs); err != nil {
+				return fmt.Errorf("%s item %d: %w", gvk.Kind, i, err)
+			}
+		}
+	}
+	return nil
+}
+
+// addDecoded adds one document's objects, checking names and duplicates.
+func (set *manifestSet) addDecoded(d decodedDoc) error {
+	if d.err != nil {
+		return d.err
+	}
+	for _, o := range d.objs {
+		var err error
+		switch obj := o.obj.(type) {
+		case *v1.Service:
+			err = set.addService(obj, o.hash)
+		case *discovery.EndpointSlice:
+			err = set.addSlice(obj, o.hash)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // merge adds another file's objects (decoded ones only for re-read files) and their hashes; an
@@ -295,38 +393,6 @@ func (set *manifestSet) merge(o *manifestSet, file string) error {
 	}
 	maps.Copy(set.services, o.services)
 	maps.Copy(set.slices, o.slices)
-	return nil
-}
-
-func (set *manifestSet) addDocument(body []byte) error {
-	js, err := yaml.YAMLToJSON(body)
-	if err != nil {
-		return err
-	}
-	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
-		return nil // an empty document
-	}
-	obj, gvk, err := manifestDecoder.Decode(js, nil, nil)
-	if err != nil {
-		if runtime.IsNotRegisteredError(err) {
-			return nil
-		}
-		return err
-	}
-	h := fnv.New64a()
-	h.Write(js)
-	switch o := obj.(type) {
-	case *v1.Service:
-		return set.addService(o, h.Sum64())
-	case *discovery.EndpointSlice:
-		return set.addSlice(o, h.Sum64())
-	case *v1.List:
-		for i, item := range o.Items {
-			if err := set.addDocument(item.Raw); err != nil {
-				return fmt.Errorf("%s item %d: %w", gvk.Kind, i, err)
-			}
-		}
-	}
 	return nil
 }
 

@@ -51,6 +51,8 @@ type Config struct {
 	// ListenIP is --bind-address: the address proxy sockets listen on. Unspecified means all.
 	ListenIP  netip.Addr
 	PortRange PortRange
+	// KernelPorts, if known, is where ports come from without a PortRange (see KernelPorts).
+	KernelPorts KernelPorts
 	// MinSyncPeriod and SyncPeriod bound how often rules are synced.
 	MinSyncPeriod time.Duration
 	SyncPeriod    time.Duration
@@ -61,6 +63,9 @@ type Config struct {
 	// portal IP at the service port, node addresses at the node port). Nil means one socket on
 	// ListenIP at a port from PortRange, for the portal rules to redirect to (iptables mode).
 	ListenPlan func(p *service.Port) []netip.AddrPort
+	// ReopenHold bounds how long a socket reopened at start (Reopen) holds a connection that
+	// finds no endpoint before the initial endpoints are in; 0 means DefaultReopenHold.
+	ReopenHold time.Duration
 	// Node is this node's name and zone, for traffic policies and topology hints.
 	Node   NodeTopology
 	Clock  clock.Clock
@@ -141,8 +146,19 @@ type Proxier struct {
 	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
 	unsynced map[service.ServicePortName]struct{}
 	ports    *portAllocator
-	socketWG sync.WaitGroup
-	runCtx   context.Context
+	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
+	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
+	// again (its real port differs) keeps, so the rules need not change.
+	seeds    []Seed
+	seeded   map[service.ServicePortName]bool
+	keepPort map[service.ServicePortName]uint16
+	// endpointsReady is closed once the initial Services and EndpointSlices are in.
+	endpointsReady chan struct{}
+	readyOnce      sync.Once
+	// firstSynced: the first portal sync worked (its garbage was handed back to the OS).
+	firstSynced bool
+	socketWG    sync.WaitGroup
+	runCtx      context.Context
 }
 
 // activePort is a service port with an open proxy socket.
@@ -175,6 +191,9 @@ func New(cfg Config, deps Deps) *Proxier {
 	if !cfg.ListenIP.IsValid() {
 		cfg.ListenIP = netip.IPv4Unspecified()
 	}
+	if cfg.ReopenHold <= 0 {
+		cfg.ReopenHold = DefaultReopenHold
+	}
 	if deps.Metrics == nil {
 		deps.Metrics = NewMetrics()
 	}
@@ -182,21 +201,24 @@ func New(cfg Config, deps Deps) *Proxier {
 		deps.Health = healthcheck.NewProxyHealth(cfg.Clock, 2*cfg.SyncPeriod)
 	}
 	p := &Proxier{
-		cfg:         cfg,
-		deps:        deps,
-		log:         cfg.Logger,
-		svcChanges:  newServiceChangeTracker(),
-		slices:      newEndpointSliceCache(),
-		latest:      make(map[service.NamespacedName][]*service.Port),
-		firstChange: make(map[service.NamespacedName]time.Time),
-		node:        cfg.Node,
-		sels:        make(map[service.ServicePortName]*portSelection),
-		hcLocal:     make(map[service.NamespacedName]int),
-		active:      make(map[service.ServicePortName]*activePort),
-		services:    make(map[service.NamespacedName][]*service.Port),
-		failed:      make(map[service.ServicePortName]*service.Port),
-		extFailed:   make(map[service.ServicePortName]bool),
-		ports:       newPortAllocator(cfg.PortRange),
+		cfg:            cfg,
+		deps:           deps,
+		log:            cfg.Logger,
+		svcChanges:     newServiceChangeTracker(),
+		slices:         newEndpointSliceCache(),
+		latest:         make(map[service.NamespacedName][]*service.Port),
+		firstChange:    make(map[service.NamespacedName]time.Time),
+		node:           cfg.Node,
+		sels:           make(map[service.ServicePortName]*portSelection),
+		hcLocal:        make(map[service.NamespacedName]int),
+		active:         make(map[service.ServicePortName]*activePort),
+		services:       make(map[service.NamespacedName][]*service.Port),
+		failed:         make(map[service.ServicePortName]*service.Port),
+		extFailed:      make(map[service.ServicePortName]bool),
+		ports:          newPortAllocator(cfg.PortRange, cfg.KernelPorts),
+		seeded:         make(map[service.ServicePortName]bool),
+		keepPort:       make(map[service.ServicePortName]uint16),
+		endpointsReady: make(chan struct{}),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	return p
@@ -208,6 +230,7 @@ func New(cfg Config, deps Deps) *Proxier {
 func (p *Proxier) Run(ctx context.Context) {
 	p.runCtx = ctx
 	p.deps.Health.QueuedUpdate()
+	p.reopen()
 	p.runner.Run(ctx)
 	p.shutdown()
 }
@@ -297,6 +320,7 @@ func (p *Proxier) setSynced(set func()) {
 	ready := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
 	if ready {
+		p.markEndpointsReady()
 		p.runner.Trigger()
 	}
 }

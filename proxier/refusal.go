@@ -92,7 +92,12 @@ func newSourceFilter(ranges []netip.Prefix) *sourceFilter {
 	return f
 }
 
+// set replaces the ranges; a nil filter (a socket without one: iptables mode, where the rules
+// check the ranges, and sockets reopened at start) ignores it.
 func (f *sourceFilter) set(ranges []netip.Prefix) {
+	if f == nil {
+		return
+	}
 	r := slices.Clone(ranges)
 	f.ranges.Store(&r)
 }

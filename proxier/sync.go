@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"syscall"
@@ -45,6 +46,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		}
 		p.reconcileService(ch.previous, ch.current)
 	}
+	p.dropUnwantedSeeds()
 	p.retryFailed()
 	p.reconcileSplits()
 	p.reconcileRefusals()
@@ -64,6 +66,13 @@ func (p *Proxier) sync(ctx context.Context) error {
 			len(specs), p.unsyncedNames(5), err)
 	}
 	p.unsynced = nil
+	if !p.firstSynced {
+		// The first sync after a start built every socket and rule at once: its garbage (the
+		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
+		// the process's heap. Hand it back now rather than over the next minutes.
+		p.firstSynced = true
+		debug.FreeOSMemory()
+	}
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
 	for _, t := range first {
 		m.observeProgramming(end, t)
@@ -95,7 +104,7 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 		a := p.active[port.Name]
 		p.activeMu.RUnlock()
 		switch {
-		case a != nil && a.port.SocketEqual(port):
+		case a != nil && (a.port.SocketEqual(port) || p.adoptable(a, port)):
 			p.activeMu.Lock()
 			a.port = port
 			if a.ext != nil {
@@ -104,6 +113,9 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 			p.activeMu.Unlock()
 			a.filter.set(port.LoadBalancerSourceRanges)
 		case a != nil:
+			if p.seeded[port.Name] { // reopened at start: open again where the rules point
+				p.keepPort[port.Name] = a.proxyPort
+			}
 			// The port or an address changed: the legacy proxy reopened the socket too.
 			p.stopPort(port.Name, false)
 			p.startPort(port)
@@ -254,6 +266,16 @@ func (p *Proxier) open(port *service.Port, external bool, filter *sourceFilter) 
 		}
 		return m, port.Port, nil
 	}
+	if pp, ok := p.keepPort[key]; ok {
+		delete(p.keepPort, key)
+		if p.ports.take(pp) {
+			sock, err := p.listenFamilies(port, pp, build)
+			if err == nil {
+				return sock, pp, nil
+			}
+			p.ports.release(pp)
+		}
+	}
 	var lastErr error
 	for range maxListenTries {
 		pp, err := p.ports.allocate()
@@ -266,7 +288,7 @@ func (p *Proxier) open(port *service.Port, external bool, filter *sourceFilter) 
 		}
 		p.ports.release(pp)
 		lastErr = fmt.Errorf("service port %s: %w", port.Name, err)
-		if p.cfg.PortRange.IsKernelChosen() || !errors.Is(err, syscall.EADDRINUSE) {
+		if !p.ports.retries() || !errors.Is(err, syscall.EADDRINUSE) {
 			break
 		}
 	}

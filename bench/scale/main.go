@@ -9,7 +9,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -19,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
@@ -28,14 +28,15 @@ func main() {
 	endpoints := flag.Int("endpoints", 5, "endpoints per service port")
 	idle := flag.Duration("idle", 20*time.Second, "how long to measure idle CPU")
 	changes := flag.Int("changes", 5, "programming-latency samples")
+	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
 	flag.Parse()
-	if err := run(*proxy, *services, *endpoints, *idle, *changes); err != nil {
+	if err := run(*proxy, *services, *endpoints, *idle, *changes, *restart); err != nil {
 		fmt.Fprintln(os.Stderr, "scale:", err)
 		os.Exit(1)
 	}
 }
 
-func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges int) (err error) {
+func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges int, restart bool) (err error) {
 	// Ctrl-C or a timeout still removes the namespaces.
 	ctx, stopSignals := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stopSignals()
@@ -56,20 +57,21 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 
 	start := time.Now()
-	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
-		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
-		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
-		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Start(); err != nil {
+	cmd, err := startProxy(proxy, bed, dir)
+	if err != nil {
 		return err
 	}
 	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
-	// The last service's portal working means the whole initial sync is done.
+	// The last service port's portal accepting a connection marks the end of the initial sync;
+	// the rule count then confirms the whole of it is in force.
+	synced, err := waitPortal(ctx, bed, netip.AddrPortFrom(clusterIP(nServices-1), 80))
+	if err != nil {
+		return err
+	}
+	cold := synced.Sub(start)
 	if err := waitRules(ctx, bed, nServices); err != nil {
 		return err
 	}
-	cold := time.Since(start)
 	pid, err := proxyPID(cmd.Process.Pid)
 	if err != nil {
 		return err
@@ -106,7 +108,91 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		float64(rss)/1024, float64(rssIdle)/1024)
 	fmt.Printf("idle CPU over %v: %.2f%% of one core\n", idle, idleCPU)
 	fmt.Printf("network programming latency (file change -> traffic works), %d samples: %v\n", len(lat), lat)
+	if !restart || nChanges == 0 {
+		return nil
+	}
+	// A client connects in a loop through the first change's cluster IP (a real pod behind it)
+	// while the proxy is SIGKILLed and started again at once.
+	w, err := restartWindow(ctx, bed, func() (*exec.Cmd, error) {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		cmd, err = startProxy(proxy, bed, dir)
+		return cmd, err
+	}, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 250, 1}), 80))
+	if err != nil {
+		return err
+	}
+	fmt.Printf("SIGKILL and immediate restart: %d of %d connections failed, failures spanning %v; first success %v after the kill; slowest successful connection %v\n",
+		w.failed, w.attempts, w.window.Round(time.Millisecond), w.recovered.Round(time.Millisecond), w.slowest.Round(time.Millisecond))
 	return nil
+}
+
+// startProxy starts the proxy binary in the node namespace on the services directory.
+func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
+	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
+		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
+		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	return cmd, cmd.Start()
+}
+
+type window struct {
+	attempts, failed           int
+	window, recovered, slowest time.Duration
+}
+
+// restartWindow probes addr from the client every 5 ms around restart, each attempt bounded by
+// 10 s (so a connection the new process holds until its endpoints are in counts as slow, not
+// failed), and reports the span of failed attempts, the slowest successful one, and how long after
+// the kill the first attempt succeeded. It stops 1 s after traffic is back, at most 2 minutes
+// after the kill.
+func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.Cmd, error), addr netip.AddrPort) (window, error) {
+	var w window
+	if _, err := testbed.Who(bed.Client, addr, 2*time.Second); err != nil {
+		return w, fmt.Errorf("before the kill: %w", err)
+	}
+	killed := time.Now()
+	if _, err := restart(); err != nil {
+		return w, err
+	}
+	var firstFail, lastFail time.Time
+	var back time.Time
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for time.Since(killed) < 2*time.Minute && (back.IsZero() || time.Since(back) < time.Second) {
+		select {
+		case <-ctx.Done():
+			return w, ctx.Err()
+		case <-tick.C:
+		}
+		t0 := time.Now()
+		_, err := testbed.Who(bed.Client, addr, 10*time.Second)
+		w.attempts++
+		if err != nil {
+			w.failed++
+			if firstFail.IsZero() {
+				firstFail = t0
+			}
+			lastFail = time.Now()
+			back = time.Time{}
+			continue
+		}
+		w.slowest = max(w.slowest, time.Since(t0))
+		if back.IsZero() {
+			back = time.Now()
+			if w.recovered == 0 {
+				w.recovered = back.Sub(killed)
+			}
+		}
+	}
+	if back.IsZero() {
+		return w, errors.New("traffic never came back after the restart")
+	}
+	if w.failed > 0 {
+		w.window = lastFail.Sub(firstFail)
+	}
+	return w, nil
 }
 
 func clusterIP(i int) netip.Addr {
@@ -140,6 +226,24 @@ ports: [{name: http, port: 8080}]
 endpoints:
 - addresses: ["%[3]s"]
 `, name, ip, pod)
+}
+
+// waitPortal waits until a connection to addr from the client is accepted: the portal of that
+// service port is in force and its socket listens. The initial sync programs every portal in one
+// restore per table, so one working portal means all of them. Cheap enough to try every 10 ms
+// (scraping /metrics that often, with 10,000 service ports' series, inflated the proxy's heap and
+// polling iptables-save competed for the CPU the proxy was waiting for).
+func waitPortal(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort) (time.Time, error) {
+	var at time.Time
+	err := testbed.Eventually(ctx, 10*time.Minute, 10*time.Millisecond, func() error {
+		c, err := testbed.Dial(bed.Client, addr, 100*time.Millisecond)
+		if err != nil {
+			return err
+		}
+		at = time.Now()
+		return c.Close()
+	})
+	return at, err
 }
 
 // waitRules waits until the node's nat table holds a portal rule per service port (two chains).

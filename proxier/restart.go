@@ -1,0 +1,180 @@
+package proxier
+
+// restart.go: a restarted proxy (after SIGKILL, an OOM kill, a crash) finds the portal rules of
+// the process before it still in force, pointing at proxy ports nobody listens on: every new
+// connection to a service is refused until the new process has read every Service and synced. The
+// proxier therefore reopens, first thing in Run, a socket on each proxy port the rules point at
+// (Reopen), and its first sync adopts those sockets instead of opening new ones, so the rules
+// need not change. Until the initial endpoints have arrived a reopened TCP socket holds the
+// connections that find no endpoint, for a bounded time, rather than resetting them.
+
+import (
+	"errors"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"k8s.io/utils/clock"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// DefaultReopenHold bounds how long a reopened socket holds a connection that finds no endpoint
+// before the initial endpoints have arrived. A client's connect already succeeded; it waits for its
+// first byte of answer, well within any client timeout, and gets a reset (as it would have without
+// the hold) if the endpoints are still not known by then.
+const DefaultReopenHold = 5 * time.Second
+
+// Seed is a service port's proxy socket as the portal rules in force point at it (read back from
+// the kernel at start).
+type Seed struct {
+	Name     service.ServicePortName
+	Protocol service.Protocol
+	// ProxyPort is where the rules send the port's cluster traffic; ExternalProxyPort, when not
+	// 0, where they send its external traffic (a port with a Local traffic policy).
+	ProxyPort, ExternalProxyPort uint16
+	// Families are the families the socket listens in (its portal addresses' families).
+	Families []portal.Family
+}
+
+// Reopen asks Run to reopen, before anything else, a socket on each seed's proxy ports, so that
+// the portal rules a previous process left in place lead somewhere again. Call it before Run. It
+// is ignored when sockets listen on the service addresses themselves (Config.ListenPlan, bind
+// mode), where no rule points at a proxy port.
+func (p *Proxier) Reopen(seeds []Seed) {
+	p.seeds = slices.Clone(seeds)
+}
+
+// reopen opens the seeds' sockets. A port another process took since is reported and left to the
+// first sync, which allocates another one. It runs in the sync goroutine, before the first sync.
+func (p *Proxier) reopen() {
+	if len(p.seeds) == 0 || p.cfg.ListenPlan != nil {
+		return
+	}
+	start := p.cfg.Clock.Now()
+	opened := 0
+	for _, s := range p.seeds {
+		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
+		if !p.ports.take(s.ProxyPort) {
+			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
+			continue
+		}
+		port := s.port()
+		sock, err := p.listenFamilies(port, s.ProxyPort, p.holdingBuild(port, port.Name))
+		if err != nil {
+			p.ports.release(s.ProxyPort)
+			log.WithField("proxyPort", s.ProxyPort).WithError(err).Warn("Cannot reopen the proxy port the portal rules point at; the first sync allocates another")
+			continue
+		}
+		a := p.serve(port, sock, s.ProxyPort, log)
+		if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
+			ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name)))
+			if err == nil {
+				a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
+			} else {
+				p.ports.release(s.ExternalProxyPort)
+				log.WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")
+			}
+		}
+		p.activeMu.Lock()
+		p.active[s.Name] = a
+		p.activeMu.Unlock()
+		p.seeded[s.Name] = true
+		opened++
+	}
+	p.log.WithFields(logrus.Fields{"reopened": opened, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
+		Info("Reopened the proxy sockets the portal rules in force point at")
+	p.seeds = nil
+}
+
+// port is the service port a seed's socket is opened for until the first sync knows the real one:
+// the name and protocol, and one unspecified address per family so the socket listens in those.
+func (s Seed) port() *service.Port {
+	port := &service.Port{Name: s.Name, Protocol: s.Protocol}
+	for _, f := range s.Families {
+		if f == portal.IPv6 {
+			port.ClusterIPs = append(port.ClusterIPs, netip.IPv6Unspecified())
+		} else {
+			port.ClusterIPs = append(port.ClusterIPs, netip.IPv4Unspecified())
+		}
+	}
+	if len(port.ClusterIPs) == 0 {
+		port.ClusterIPs = []netip.Addr{netip.IPv4Unspecified()}
+	}
+	return port
+}
+
+// adoptable reports whether the first sync can keep a reopened socket for the real port: same
+// protocol, same families to listen in, and no per-port socket option the seed could not know
+// (the access log annotation). Otherwise the socket is reopened on the same proxy port.
+func (p *Proxier) adoptable(a *activePort, port *service.Port) bool {
+	return p.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
+		slices.Equal(wildcards(a.port), wildcards(port))
+}
+
+// dropUnwantedSeeds closes, at the first sync, the reopened sockets of service ports that no
+// longer exist. Their rules go with the sync's diff.
+func (p *Proxier) dropUnwantedSeeds() {
+	for name := range p.seeded {
+		wanted := slices.ContainsFunc(p.services[name.ServiceName()], func(port *service.Port) bool { return port.Name == name })
+		if !wanted {
+			p.log.WithField("service", name.String()).Debug("Closing a reopened proxy socket: the service port is gone")
+			p.stopPort(name, true)
+		}
+	}
+	p.seeded = map[service.ServicePortName]bool{}
+}
+
+// holdingBuild builds a reopened socket: TCP ones hold connections that find no endpoint until
+// the initial endpoints are in. UDP sockets do not: the pick happens on their event loop, which
+// must not block; a datagram without an endpoint is dropped and the client's retry gets through.
+// Reopening is iptables mode only, where the rules check source ranges, so no allow-check.
+func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName) func(netip.AddrPort) ProxySocket {
+	return func(netip.AddrPort) ProxySocket {
+		var picker Picker = p.deps.Balancer.Service(key)
+		if port.Protocol == service.TCP {
+			picker = &holdPicker{next: picker, ready: p.endpointsReady, done: p.runCtx.Done(), clock: p.cfg.Clock, hold: p.cfg.ReopenHold}
+		}
+		return p.deps.Sockets(port, picker, nil)
+	}
+}
+
+// holdPicker waits, when its service port has no endpoint and the proxier has not yet received
+// the initial Services and EndpointSlices, until they are in (or hold passes), then asks again.
+// Once they are in it only passes picks through.
+type holdPicker struct {
+	next  Picker
+	ready <-chan struct{}
+	done  <-chan struct{}
+	clock clock.Clock
+	hold  time.Duration
+}
+
+func (h *holdPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
+	ep, err := h.next.Next(client, reset)
+	if err == nil || !errors.Is(err, loadbalancer.ErrNoEndpoints) {
+		return ep, err
+	}
+	select {
+	case <-h.ready:
+		return ep, err
+	default:
+	}
+	t := h.clock.NewTimer(h.hold)
+	defer t.Stop()
+	select {
+	case <-h.ready:
+		return h.next.Next(client, reset)
+	case <-t.C():
+	case <-h.done:
+	}
+	return ep, err
+}
+
+// markEndpointsReady releases held connections: the initial Services and EndpointSlices are in.
+func (p *Proxier) markEndpointsReady() {
+	p.readyOnce.Do(func() { close(p.endpointsReady) })
+}
