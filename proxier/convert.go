@@ -21,7 +21,13 @@ const (
 	LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
 	// AnnotationAccessLog turns the access log on ("true") or off ("false") for one Service.
 	AnnotationAccessLog = "portal-proxy.kubernetes.io/access-log"
+	// AnnotationAlgorithm picks the balancing algorithm of every port of a Service:
+	// round-robin (the default), least-connections or random-two-choices.
+	AnnotationAlgorithm = "portal-proxy.kubernetes.io/algorithm"
 )
+
+// ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
+var ErrInvalidAnnotation = errors.New("invalid annotation, using the default")
 
 // ErrUnsupportedProtocol marks a service port this proxy cannot serve (SCTP).
 var ErrUnsupportedProtocol = errors.New("protocol not supported by a userspace proxy")
@@ -53,6 +59,9 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 	if svc.Spec.TrafficDistribution != nil {
 		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
 	}
+	var balErrs []error
+	common.Balancing, balErrs = balancing(svc)
+	errs = append(errs, balErrs...)
 	var err error
 	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
 		errs = append(errs, err)
@@ -144,6 +153,25 @@ func sourceRanges(svc *v1.Service) ([]netip.Prefix, []error) {
 		}
 	}
 	return out, errs
+}
+
+// balancing reads the load-balancing annotations. A value that does not parse is reported
+// (wrapping ErrInvalidAnnotation) and its default used: a typo must not take a Service down.
+func balancing(svc *v1.Service) (service.Balancing, []error) {
+	var b service.Balancing
+	var errs []error
+	bad := func(key, value, why string) {
+		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%q: %s: %w", svc.Namespace, svc.Name, key, value, why, ErrInvalidAnnotation))
+	}
+	if v, ok := svc.Annotations[AnnotationAlgorithm]; ok {
+		switch a := service.Algorithm(strings.TrimSpace(v)); a {
+		case service.RoundRobin, service.LeastConnections, service.RandomTwoChoices:
+			b.Algorithm = a
+		default:
+			bad(AnnotationAlgorithm, v, "want round-robin, least-connections or random-two-choices")
+		}
+	}
+	return b, errs
 }
 
 func affinity(svc *v1.Service) service.Affinity {

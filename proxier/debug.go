@@ -34,6 +34,8 @@ type ServiceView struct {
 	Listen                   []string       `json:"listen,omitempty"`
 	Open                     bool           `json:"open"`
 	Affinity                 string         `json:"affinity"`
+	// Balancing is the policy the annotations ask for (portal-proxy.kubernetes.io/algorithm ...).
+	Balancing BalancingView `json:"balancing"`
 	Endpoints                []EndpointView `json:"endpoints"`
 	AffinityEntries          []AffinityView `json:"affinityEntries,omitempty"`
 	Active                   int64          `json:"active"`
@@ -61,6 +63,14 @@ type EndpointView struct {
 	Zone        string `json:"zone,omitempty"`
 	// Hints are the zones and nodes the endpoint is hinted for ("zone:a", "node:n").
 	Hints []string `json:"hints,omitempty"`
+	// Active is the flows the balancer counts on the endpoint (dials, connections, sessions),
+	// what least-connections and random-two-choices compare.
+	Active int64 `json:"active"`
+}
+
+// BalancingView is a service port's load-balancing policy.
+type BalancingView struct {
+	Algorithm string `json:"algorithm"`
 }
 
 // AffinityView is one sticky client.
@@ -113,11 +123,14 @@ func (p *Proxier) Services() []ServiceView {
 			}
 		}
 		p.fillSelection(&v, port)
+		v.Balancing = BalancingView{Algorithm: balancingView(port.Balancing)}
 		inUse := map[netip.AddrPort]bool{}
+		active := map[netip.AddrPort]int64{}
 		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
 			if b := p.deps.Balancer.Lookup(key); b != nil {
-				for _, ep := range b.Endpoints() {
-					inUse[ep] = true
+				for _, st := range b.EndpointStates() {
+					inUse[st.Endpoint] = true
+					active[st.Endpoint] += st.Active
 				}
 			}
 		}
@@ -131,7 +144,7 @@ func (p *Proxier) Services() []ServiceView {
 		// page that is rarely open would cost memory at 50,000 endpoints.
 		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
 			ev := EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
-				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
+				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone, Active: active[e.Addr]}
 			for _, z := range e.ZoneHints {
 				ev.Hints = append(ev.Hints, "zone:"+z)
 			}

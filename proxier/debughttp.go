@@ -44,6 +44,7 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 					fmt.Fprintf(tw, "\t\t%s\n", trafficText(t.class, t.view))
 				}
 			}
+			fmt.Fprintf(tw, "\t\t%s\n", balancingText(v))
 			for _, a := range v.AffinityEntries {
 				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
 			}
@@ -100,6 +101,17 @@ func endpointsText(eps []EndpointView) string {
 		parts[i] = e.Address + "(" + state + ")"
 	}
 	return strings.Join(parts, " ")
+}
+
+// balancingText is the line of a port's balancing policy and its endpoints' live flow counts.
+func balancingText(v ServiceView) string {
+	var counts []string
+	for _, e := range v.Endpoints {
+		if e.InUse {
+			counts = append(counts, fmt.Sprintf("%s=%d", e.Address, e.Active))
+		}
+	}
+	return "balancing: " + v.Balancing.Algorithm + " active[" + strings.Join(counts, " ") + "]"
 }
 
 // trafficText is one line of the endpoints a class of traffic uses and why.

@@ -115,6 +115,8 @@ type Proxier struct {
 	firstChange     map[service.NamespacedName]time.Time // for the network programming latency
 	node            NodeTopology
 
+	annotations annotationWarnings
+
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
 	epMu sync.Mutex
 
@@ -246,6 +248,7 @@ func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 		}
 	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
+	p.warnAnnotations(nsName(svc.Namespace, svc.Name), errs)
 }
 
 // onService records the ports a Service now has; none (deleted, headless, ...) means absent.
@@ -399,6 +402,7 @@ func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service
 // traffic) its endpoints, ending what used removed endpoints where that is the policy.
 func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool) {
 	p.deps.Balancer.SetAffinity(key, port.Affinity)
+	p.deps.Balancer.SetBalancing(key, port.Balancing)
 	sock := p.drainable(port, external)
 	var before []netip.AddrPort
 	if sock != nil { // only then is the old list needed

@@ -107,6 +107,26 @@ type Port struct {
 	TrafficDistribution TrafficDistribution
 	// AccessLog asks for one log line per connection or UDP session of this port (an annotation).
 	AccessLog bool
+	// Balancing is how the balancer spreads new flows over the endpoints (annotations).
+	Balancing Balancing
+}
+
+// Algorithm is how a service port's balancer picks the endpoint of a new connection or session.
+type Algorithm string
+
+// The algorithms, spelled as the portal-proxy.kubernetes.io/algorithm annotation takes them.
+const (
+	RoundRobin Algorithm = "round-robin"
+	// LeastConnections picks the endpoint with the fewest live connections or sessions.
+	LeastConnections Algorithm = "least-connections"
+	// RandomTwoChoices draws two endpoints at random and keeps the one with fewer live flows.
+	RandomTwoChoices Algorithm = "random-two-choices"
+)
+
+// Balancing is a service port's load-balancing policy. The zero value is plain round robin.
+type Balancing struct {
+	// Algorithm "" means RoundRobin.
+	Algorithm Algorithm
 }
 
 // ExternallyAccessible reports whether the port takes traffic other than at its cluster IPs
@@ -120,6 +140,7 @@ func (p *Port) Equal(o *Port) bool {
 	return p.SocketEqual(o) && p.Name == o.Name && p.Affinity == o.Affinity &&
 		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal &&
 		p.HealthCheckNodePort == o.HealthCheckNodePort && p.TrafficDistribution == o.TrafficDistribution &&
+		p.Balancing == o.Balancing &&
 		slices.Equal(p.LoadBalancerSourceRanges, o.LoadBalancerSourceRanges)
 }
 
