@@ -27,21 +27,21 @@ type ServiceView struct {
 	ExternalTrafficPolicy string `json:"externalTrafficPolicy,omitempty"`
 	// Internal and External say which endpoints each class of traffic uses on this node and why
 	// (policy, topology hints, terminating fallback), and whether it is refused for lack of one.
-	Internal                 *TrafficView   `json:"internal,omitempty"`
-	External                 *TrafficView   `json:"external,omitempty"`
-	HealthCheckNodePort      uint16         `json:"healthCheckNodePort,omitempty"`
-	LoadBalancerSourceRanges []string       `json:"loadBalancerSourceRanges,omitempty"`
-	Listen                   []string       `json:"listen,omitempty"`
-	Open                     bool           `json:"open"`
-	Affinity                 string         `json:"affinity"`
+	Internal                 *TrafficView `json:"internal,omitempty"`
+	External                 *TrafficView `json:"external,omitempty"`
+	HealthCheckNodePort      uint16       `json:"healthCheckNodePort,omitempty"`
+	LoadBalancerSourceRanges []string     `json:"loadBalancerSourceRanges,omitempty"`
+	Listen                   []string     `json:"listen,omitempty"`
+	Open                     bool         `json:"open"`
+	Affinity                 string       `json:"affinity"`
 	// Balancing is the policy the annotations ask for (portal-proxy.kubernetes.io/algorithm ...).
-	Balancing BalancingView `json:"balancing"`
-	Endpoints                []EndpointView `json:"endpoints"`
-	AffinityEntries          []AffinityView `json:"affinityEntries,omitempty"`
-	Active                   int64          `json:"active"`
-	Total                    uint64         `json:"total"`
-	BytesToEndpoint          uint64         `json:"bytesToEndpoint"`
-	BytesToClient            uint64         `json:"bytesToClient"`
+	Balancing       BalancingView  `json:"balancing"`
+	Endpoints       []EndpointView `json:"endpoints"`
+	AffinityEntries []AffinityView `json:"affinityEntries,omitempty"`
+	Active          int64          `json:"active"`
+	Total           uint64         `json:"total"`
+	BytesToEndpoint uint64         `json:"bytesToEndpoint"`
+	BytesToClient   uint64         `json:"bytesToClient"`
 }
 
 // TrafficView is the endpoint selection of one class of traffic.
