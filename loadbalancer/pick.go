@@ -59,14 +59,20 @@ func (s *Service) leastConnections(set *endpointSet, skip *endpoint) *endpoint {
 	start := (s.rr.Add(1) - 1) % n
 	var best *endpoint
 	bestActive := int64(0)
-	for i := uint64(0); i < n; i++ {
-		e := set.eps[(start+i)%n]
-		if e == skip && n > 1 {
-			continue
+	scan := func(eps []*endpoint) {
+		for _, e := range eps {
+			if e == skip {
+				continue
+			}
+			if a := e.active.Load(); best == nil || a < bestActive {
+				best, bestActive = e, a
+			}
 		}
-		if a := e.active.Load(); best == nil || a < bestActive {
-			best, bestActive = e, a
-		}
+	}
+	scan(set.eps[start:])
+	scan(set.eps[:start])
+	if best == nil { // skip was the only endpoint
+		best = set.eps[0]
 	}
 	return best
 }
