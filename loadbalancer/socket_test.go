@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 
 	"k8s.io/utils/clock"
 
@@ -17,6 +18,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 var web = service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}
@@ -128,4 +130,72 @@ func TestLeastConnectionsSpreadsLongConnections(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestUDPSessionsAreCounted checks that the UDP proxy reports its sessions: least-connections
+// sends a second client to the idle endpoint, and a session's end releases its count.
+func TestUDPSessionsAreCounted(t *testing.T) {
+	var backends []netip.AddrPort
+	for range 2 {
+		pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pc.Close() })
+		go func() {
+			buf := make([]byte, 64)
+			for {
+				n, from, err := pc.ReadFrom(buf)
+				if err != nil {
+					return
+				}
+				_, _ = pc.WriteTo(buf[:n], from)
+			}
+		}()
+		backends = append(backends, pc.LocalAddr().(*net.UDPAddr).AddrPort())
+	}
+	lb := loadbalancer.New(clock.RealClock{})
+	lb.SetBalancing(web, service.Balancing{Algorithm: service.LeastConnections})
+	lb.SetEndpoints(web, backends)
+	s := lb.Lookup(web)
+	p := udp.New(web, s, udp.Config{})
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = p.Run(ctx)
+	}()
+	defer func() {
+		cancel()
+		p.Close()
+		<-done
+	}()
+	exchange := func() {
+		c, err := net.Dial("udp4", p.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Read(make([]byte, 64)); err != nil {
+			t.Fatalf("UDP reply through the proxy: %v", err)
+		}
+	}
+	exchange()
+	exchange() // a second client: least-connections sends it to the other endpoint
+	for _, st := range s.EndpointStates() {
+		if st.Active != 1 {
+			t.Fatalf("sessions per endpoint = %+v, want one each", s.EndpointStates())
+		}
+	}
+	if n := p.DropEndpoint(backends[0]); n != 1 {
+		t.Fatalf("DropEndpoint ended %d sessions, want 1", n)
+	}
+	testenv.WaitFor(t, "the ended session to be released", func() bool { return activeTotal(s) == 1 })
 }
