@@ -34,6 +34,7 @@ type LoadBalancer struct {
 
 	mu       sync.RWMutex
 	services map[service.ServicePortName]*Service
+	hook     atomic.Pointer[func(Ejection)] // shared with every Service
 }
 
 // New returns an empty load balancer that reads time from c.
@@ -58,6 +59,7 @@ func (lb *LoadBalancer) Service(name service.ServicePortName) *Service {
 	defer lb.mu.Unlock()
 	if s = lb.services[name]; s == nil {
 		s = newService(name, lb.clock, lb.shuffle)
+		s.hook = &lb.hook
 		lb.services[name] = s
 	}
 	return s
@@ -137,6 +139,12 @@ type endpoint struct {
 	// a UDP session. Least-connections and random-two-choices read it; the proxies keep it
 	// (see Observer methods DialDone and FlowDone).
 	active atomic.Int64
+
+	// Outlier detection (outlier.go): the current streaks of failed dials and of immediate
+	// resets, the ejections in a row, and until when (unix nanoseconds) it is out of rotation.
+	dialFails, resetFails atomic.Int32
+	ejections             atomic.Int32
+	ejectedUntil          atomic.Int64
 }
 
 // release ends one counted flow. A flow picked before its endpoint was removed and re-added
@@ -217,10 +225,18 @@ type Service struct {
 	// affinity exists only while ClientIP affinity is on: most service ports never use it, and at
 	// 10,000 service ports an eager table per port cost ~50 MB.
 	affinity atomic.Pointer[affinityTable]
+
+	// Outlier detection (outlier.go): the policy (nil: off), the latest end of an ejection in
+	// force (0: none, so picks skip the clock), and the ejections so far.
+	outlier        atomic.Pointer[service.Outlier]
+	ejectHint      atomic.Int64
+	ejectMu        sync.Mutex
+	ejectionsTotal atomic.Uint64
+	hook           *atomic.Pointer[func(Ejection)]
 }
 
 func newService(name service.ServicePortName, c clock.PassiveClock, shuffle func([]netip.AddrPort)) *Service {
-	s := &Service{name: name, clock: c, shuffle: shuffle}
+	s := &Service{name: name, clock: c, shuffle: shuffle, hook: &atomic.Pointer[func(Ejection)]{}}
 	s.eps.Store(newEndpointSet(nil, nil, nil))
 	s.ttl.Store(int64(service.DefaultAffinityTimeout))
 	return s
@@ -263,6 +279,9 @@ func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
 	var skip *endpoint
 	if sticky != nil {
 		e := set.has[sticky.endpoint]
+		if e != nil && ejectedAt(e, now) {
+			e = nil // out of rotation: the client moves, as if its endpoint were gone
+		}
 		if !reset && e != nil && now-sticky.lastUsed.Load() < s.ttl.Load() {
 			sticky.lastUsed.Store(now)
 			return s.take(e), nil

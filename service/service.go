@@ -123,11 +123,32 @@ const (
 	RandomTwoChoices Algorithm = "random-two-choices"
 )
 
-// Balancing is a service port's load-balancing policy. The zero value is plain round robin.
+// Balancing is a service port's load-balancing policy. The zero value is plain round robin with
+// no outlier detection.
 type Balancing struct {
 	// Algorithm "" means RoundRobin.
 	Algorithm Algorithm
+	// Outlier is passive outlier detection; off when its ConsecutiveFailures is 0.
+	Outlier Outlier
 }
+
+// Outlier is passive outlier detection: an endpoint that fails ConsecutiveFailures dials in a row
+// (or resets that many connections at once) leaves the rotation for EjectionTime times the number
+// of times it was ejected, capped, while at most MaxEjectionPercent of the endpoints are out.
+type Outlier struct {
+	ConsecutiveFailures int // 0: off
+	EjectionTime        time.Duration
+	MaxEjectionPercent  int
+}
+
+// Defaults of the outlier settings left unset when ConsecutiveFailures is set.
+const (
+	DefaultEjectionTime       = 30 * time.Second
+	DefaultMaxEjectionPercent = 50
+)
+
+// On reports whether outlier detection is on.
+func (o Outlier) On() bool { return o.ConsecutiveFailures > 0 }
 
 // ExternallyAccessible reports whether the port takes traffic other than at its cluster IPs
 // (a node port, external IPs or load-balancer IPs).
