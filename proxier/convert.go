@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -24,6 +25,13 @@ const (
 	// AnnotationAlgorithm picks the balancing algorithm of every port of a Service:
 	// round-robin (the default), least-connections or random-two-choices.
 	AnnotationAlgorithm = "portal-proxy.kubernetes.io/algorithm"
+	// AnnotationOutlierConsecutiveFailures turns passive outlier detection on: an endpoint that
+	// fails this many dials in a row (or resets this many connections at once) is ejected.
+	AnnotationOutlierConsecutiveFailures = "portal-proxy.kubernetes.io/outlier-consecutive-failures"
+	// AnnotationOutlierEjectionTime is the base ejection time (a Go duration, default 30s).
+	AnnotationOutlierEjectionTime = "portal-proxy.kubernetes.io/outlier-ejection-time"
+	// AnnotationOutlierMaxEjectionPercent bounds the endpoints out at once (default 50).
+	AnnotationOutlierMaxEjectionPercent = "portal-proxy.kubernetes.io/outlier-max-ejection-percent"
 )
 
 // ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
@@ -171,8 +179,36 @@ func balancing(svc *v1.Service) (service.Balancing, []error) {
 			bad(AnnotationAlgorithm, v, "want round-robin, least-connections or random-two-choices")
 		}
 	}
+	o := service.Outlier{EjectionTime: service.DefaultEjectionTime, MaxEjectionPercent: service.DefaultMaxEjectionPercent}
+	if v, ok := svc.Annotations[AnnotationOutlierConsecutiveFailures]; ok {
+		if n, err := strconv.Atoi(strings.TrimSpace(v)); err == nil && n >= 1 && n <= maxConsecutiveFailures {
+			o.ConsecutiveFailures = n
+		} else {
+			bad(AnnotationOutlierConsecutiveFailures, v, fmt.Sprintf("want a whole number from 1 to %d; outlier detection stays off", maxConsecutiveFailures))
+		}
+	}
+	if v, ok := svc.Annotations[AnnotationOutlierEjectionTime]; ok {
+		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= time.Second && d <= time.Hour {
+			o.EjectionTime = d
+		} else {
+			bad(AnnotationOutlierEjectionTime, v, "want a duration from 1s to 1h, such as 30s")
+		}
+	}
+	if v, ok := svc.Annotations[AnnotationOutlierMaxEjectionPercent]; ok {
+		if n, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "%"))); err == nil && n >= 1 && n <= 100 {
+			o.MaxEjectionPercent = n
+		} else {
+			bad(AnnotationOutlierMaxEjectionPercent, v, "want a whole number from 1 to 100")
+		}
+	}
+	if o.On() {
+		b.Outlier = o
+	}
 	return b, errs
 }
+
+// maxConsecutiveFailures bounds outlier-consecutive-failures; more would never trigger.
+const maxConsecutiveFailures = 1000
 
 func affinity(svc *v1.Service) service.Affinity {
 	if svc.Spec.SessionAffinity != v1.ServiceAffinityClientIP {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -66,11 +67,19 @@ type EndpointView struct {
 	// Active is the flows the balancer counts on the endpoint (dials, connections, sessions),
 	// what least-connections and random-two-choices compare.
 	Active int64 `json:"active"`
+	// EjectedFor is how much longer outlier detection keeps it out of rotation ("" when in).
+	EjectedFor string `json:"ejectedFor,omitempty"`
+	// Ejections is its ejections in a row (the back-off multiplier).
+	Ejections int `json:"ejections,omitempty"`
 }
 
 // BalancingView is a service port's load-balancing policy.
 type BalancingView struct {
 	Algorithm string `json:"algorithm"`
+	// The outlier detection settings, when it is on.
+	OutlierConsecutiveFailures int    `json:"outlierConsecutiveFailures,omitempty"`
+	OutlierEjectionTime        string `json:"outlierEjectionTime,omitempty"`
+	OutlierMaxEjectionPercent  int    `json:"outlierMaxEjectionPercent,omitempty"`
 }
 
 // AffinityView is one sticky client.
@@ -123,14 +132,19 @@ func (p *Proxier) Services() []ServiceView {
 			}
 		}
 		p.fillSelection(&v, port)
-		v.Balancing = BalancingView{Algorithm: balancingView(port.Balancing)}
+		v.Balancing = balancingView(port.Balancing)
 		inUse := map[netip.AddrPort]bool{}
-		active := map[netip.AddrPort]int64{}
+		states := map[netip.AddrPort]loadbalancer.EndpointState{}
 		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
 			if b := p.deps.Balancer.Lookup(key); b != nil {
 				for _, st := range b.EndpointStates() {
 					inUse[st.Endpoint] = true
-					active[st.Endpoint] += st.Active
+					sum := states[st.Endpoint]
+					sum.Active += st.Active
+					if st.EjectedUntil.After(sum.EjectedUntil) {
+						sum.EjectedUntil, sum.Ejections = st.EjectedUntil, st.Ejections
+					}
+					states[st.Endpoint] = sum
 				}
 			}
 		}
@@ -144,7 +158,13 @@ func (p *Proxier) Services() []ServiceView {
 		// page that is rarely open would cost memory at 50,000 endpoints.
 		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
 			ev := EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
-				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone, Active: active[e.Addr]}
+				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
+			if st, ok := states[e.Addr]; ok {
+				ev.Active, ev.Ejections = st.Active, st.Ejections
+				if st.EjectedUntil.After(now) {
+					ev.EjectedFor = st.EjectedUntil.Sub(now).Round(time.Second).String()
+				}
+			}
 			for _, z := range e.ZoneHints {
 				ev.Hints = append(ev.Hints, "zone:"+z)
 			}

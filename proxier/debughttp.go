@@ -108,10 +108,18 @@ func balancingText(v ServiceView) string {
 	var counts []string
 	for _, e := range v.Endpoints {
 		if e.InUse {
-			counts = append(counts, fmt.Sprintf("%s=%d", e.Address, e.Active))
+			c := fmt.Sprintf("%s=%d", e.Address, e.Active)
+			if e.EjectedFor != "" {
+				c += "(ejected " + e.EjectedFor + ")"
+			}
+			counts = append(counts, c)
 		}
 	}
-	return "balancing: " + v.Balancing.Algorithm + " active[" + strings.Join(counts, " ") + "]"
+	line := "balancing: " + v.Balancing.Algorithm
+	if b := v.Balancing; b.OutlierConsecutiveFailures > 0 {
+		line += fmt.Sprintf(" outlier[%d failures, %s, max %d%%]", b.OutlierConsecutiveFailures, b.OutlierEjectionTime, b.OutlierMaxEjectionPercent)
+	}
+	return line + " active[" + strings.Join(counts, " ") + "]"
 }
 
 // trafficText is one line of the endpoints a class of traffic uses and why.

@@ -2,8 +2,11 @@ package proxier
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
+
+	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -64,10 +67,50 @@ func (p *Proxier) warnAnnotations(name service.NamespacedName, errs []error) {
 	p.deps.Event(service.ServicePortName{Namespace: name.Namespace, Name: name.Name}, ReasonInvalidAnnotation, msg)
 }
 
-// balancingView is how the debug view spells a port's balancing policy.
-func balancingView(b service.Balancing) string {
-	if b.Algorithm == "" {
-		return string(service.RoundRobin)
+// ReasonEndpointEjected is the Warning event recorded on a Service when outlier detection takes
+// one of its endpoints out of rotation.
+const ReasonEndpointEjected = "EndpointEjected"
+
+// onEjection logs an ejection and records a Warning event on the Service. The balancer calls it
+// from the connection that saw the last failure, once per ejection.
+func (p *Proxier) onEjection(e loadbalancer.Ejection) {
+	name := e.Service
+	name.Port = strings.TrimSuffix(name.Port, externalName(service.ServicePortName{}).Port)
+	what := "failed dials"
+	if e.Reset {
+		what = "connections reset at once"
 	}
-	return string(b.Algorithm)
+	p.log.WithFields(logrus.Fields{
+		"service": name.String(), "endpoint": e.Endpoint.String(), "failures": e.Failures, "cause": what,
+		"ejected_for": e.Duration.String(), "ejections": e.Ejections,
+	}).Warn("Endpoint ejected from the rotation by outlier detection")
+	if p.deps.Event != nil {
+		p.deps.Event(name, ReasonEndpointEjected, fmt.Sprintf("endpoint %s ejected for %s after %d %s (ejection %d in a row)",
+			e.Endpoint, e.Duration, e.Failures, what, e.Ejections))
+	}
+}
+
+// balancingView is how the debug view shows a port's balancing policy.
+func balancingView(b service.Balancing) BalancingView {
+	v := BalancingView{Algorithm: string(b.Algorithm)}
+	if v.Algorithm == "" {
+		v.Algorithm = string(service.RoundRobin)
+	}
+	if o := b.Outlier; o.On() {
+		v.OutlierConsecutiveFailures = o.ConsecutiveFailures
+		v.OutlierEjectionTime = o.EjectionTime.String()
+		v.OutlierMaxEjectionPercent = o.MaxEjectionPercent
+	}
+	return v
+}
+
+// outliers sums the outlier detection counters of a port's balancers (cluster and external).
+func (p *Proxier) outliers(name service.ServicePortName) (total uint64, ejected int) {
+	for _, key := range []service.ServicePortName{name, externalName(name)} {
+		if b := p.deps.Balancer.Lookup(key); b != nil {
+			t, e := b.Outliers()
+			total, ejected = total+t, ejected+e
+		}
+	}
+	return total, ejected
 }

@@ -191,6 +191,9 @@ func New(cfg Config, deps Deps) *Proxier {
 		ports:       newPortAllocator(cfg.PortRange),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
+	if deps.Balancer != nil {
+		deps.Balancer.OnEjection(p.onEjection)
+	}
 	return p
 }
 
