@@ -190,4 +190,3 @@ func TestOutlierEjection(t *testing.T) {
 		})
 	}
 }
-
