@@ -1,7 +1,8 @@
 package loadbalancer_test
 
-// Address plan: three TCP echo endpoints and the proxy listen on 127.0.0.1, kernel-chosen ports;
-// clients dial the proxy from 127.0.0.1.
+// Address plan: TCP/UDP echo endpoints and the proxy listen on 127.0.0.1, kernel-chosen ports;
+// clients dial the proxy from 127.0.0.1. 127.0.0.5 holds a listener whose full accept queue
+// drops SYNs (a black hole: dials to it time out).
 
 import (
 	"context"
@@ -9,10 +10,13 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/utils/clock"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
@@ -49,7 +53,12 @@ func echoServer(t *testing.T) netip.AddrPort {
 // proxyFor runs a real TCP proxy socket for the balancer's service port.
 func proxyFor(t *testing.T, s *loadbalancer.Service) string {
 	t.Helper()
-	p := tcp.New(web, s, tcp.Config{})
+	return runProxy(t, s, tcp.Config{}).Addr().String()
+}
+
+func runProxy(t *testing.T, s *loadbalancer.Service, cfg tcp.Config) *tcp.Proxy {
+	t.Helper()
+	p := tcp.New(web, s, cfg)
 	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +73,7 @@ func proxyFor(t *testing.T, s *loadbalancer.Service) string {
 		p.Close()
 		<-done
 	})
-	return p.Addr().String()
+	return p
 }
 
 // roundTrip opens a connection through the proxy and checks one echo, so the dial is done.
@@ -198,4 +207,114 @@ func TestUDPSessionsAreCounted(t *testing.T) {
 		t.Fatalf("DropEndpoint ended %d sessions, want 1", n)
 	}
 	testenv.WaitFor(t, "the ended session to be released", func() bool { return activeTotal(s) == 1 })
+}
+
+// blackHole returns an endpoint that drops SYNs: a listener with a backlog of 0 whose accept
+// queue is full with one connection nobody accepts, so a connect to it waits until the dial's
+// deadline (the kernel retransmits the SYN only after a second).
+func blackHole(t *testing.T) netip.AddrPort {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("socket: %v", err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 5}}); err != nil {
+		t.Fatalf("bind: %v", err)
+	}
+	if err := unix.Listen(fd, 0); err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatalf("getsockname: %v", err)
+	}
+	ap := netip.AddrPortFrom(netip.AddrFrom4(sa.(*unix.SockaddrInet4).Addr), uint16(sa.(*unix.SockaddrInet4).Port))
+	filler, err := net.DialTimeout("tcp4", ap.String(), 5*time.Second)
+	if err != nil {
+		t.Fatalf("fill the accept queue: %v", err)
+	}
+	t.Cleanup(func() { filler.Close() })
+	return ap
+}
+
+// TestOutlierEjectionOfABlackHole runs a real proxy over two echo endpoints and one that drops
+// SYNs. Before ejection every third dial waits out its timeout; after two such failures the
+// black hole is ejected and no connection pays a timeout any more, until its ejection time has
+// passed (the balancer's clock is injected) and it is tried, and ejected, again, for twice as long.
+func TestOutlierEjectionOfABlackHole(t *testing.T) {
+	const dialTimeout = 200 * time.Millisecond
+	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	lb := loadbalancer.New(clk)
+	var mu sync.Mutex
+	var ejections []loadbalancer.Ejection
+	lb.OnEjection(func(e loadbalancer.Ejection) {
+		mu.Lock()
+		ejections = append(ejections, e)
+		mu.Unlock()
+	})
+	ejected := func() []loadbalancer.Ejection {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(ejections)
+	}
+	hole := blackHole(t)
+	lb.SetBalancing(web, service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: time.Minute, MaxEjectionPercent: 50}})
+	lb.SetEndpoints(web, []netip.AddrPort{echoServer(t), hole, echoServer(t)})
+	s := lb.Lookup(web)
+	p := runProxy(t, s, tcp.Config{DialTimeouts: []time.Duration{dialTimeout, dialTimeout, dialTimeout}})
+	addr := p.Addr().String()
+
+	// connect opens, echoes and closes n connections one after another; it returns their mean
+	// time to the first echo and how many dial timeouts the proxy paid meanwhile.
+	connect := func(n int) (time.Duration, uint64) {
+		failures := p.Stats().DialFailures
+		start := time.Now()
+		for range n {
+			roundTrip(t, addr).Close()
+		}
+		return time.Since(start) / time.Duration(n), p.Stats().DialFailures - failures
+	}
+	var before time.Duration
+	var paid uint64
+	conns := 0
+	for len(ejected()) == 0 {
+		if conns >= 30 {
+			t.Fatalf("no ejection after %d connections (%d dial timeouts)", conns, paid)
+		}
+		d, f := connect(1)
+		before += d
+		paid += f
+		conns++
+	}
+	before /= time.Duration(conns)
+	if e := ejected(); len(e) != 1 || e[0].Endpoint != hole || e[0].Failures != 2 || e[0].Duration != time.Minute {
+		t.Fatalf("ejections = %+v, want %v for 1m after 2 failed dials", e, hole)
+	}
+	after, f := connect(30)
+	t.Logf("before ejection: %d connections, %d dial timeouts of %v, %v per connection on average; after: %v per connection",
+		conns, paid, dialTimeout, before.Round(time.Microsecond), after.Round(time.Microsecond))
+	if paid != 2 || f != 0 {
+		t.Errorf("dial timeouts paid: %d before ejection (want 2), %d in 30 connections after (want 0)", paid, f)
+	}
+	if states := s.EndpointStates(); !slices.ContainsFunc(states, func(st loadbalancer.EndpointState) bool {
+		return st.Endpoint == hole && !st.EjectedUntil.IsZero()
+	}) {
+		t.Errorf("endpoint states %+v: want %v shown as ejected", states, hole)
+	}
+
+	// Its time is up: it is tried again, fails twice more and goes out for twice as long.
+	clk.Step(time.Minute)
+	for conns = 0; len(ejected()) == 1; conns++ {
+		if conns >= 30 {
+			t.Fatalf("the black hole was not ejected again after %d connections", conns)
+		}
+		connect(1)
+	}
+	if e := ejected(); e[1].Endpoint != hole || e[1].Ejections != 2 || e[1].Duration != 2*time.Minute {
+		t.Errorf("second ejection = %+v, want %v out for 2m", e[1], hole)
+	}
+	if total, out := s.Outliers(); total != 2 || out != 1 {
+		t.Errorf("Outliers() = %d total, %d out; want 2, 1", total, out)
+	}
 }
