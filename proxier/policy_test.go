@@ -8,6 +8,11 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/sirupsen/logrus"
+	logtest "github.com/sirupsen/logrus/hooks/test"
 
 	v1 "k8s.io/api/core/v1"
 
@@ -38,6 +43,26 @@ func TestConvertBalancingAnnotations(t *testing.T) {
 			want: service.Balancing{}, wantErr: `portal-proxy.kubernetes.io/algorithm="leastconn"`},
 		{name: "wrong_case_falls_back", kv: []string{AnnotationAlgorithm, "Round-Robin"},
 			want: service.Balancing{}, wantErr: "want round-robin, least-connections or random-two-choices"},
+		{name: "outlier_failures_turn_detection_on_with_defaults", kv: []string{AnnotationOutlierConsecutiveFailures, "3"},
+			want: service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 3, EjectionTime: 30 * time.Second, MaxEjectionPercent: 50}}},
+		{name: "outlier_all_set", kv: []string{AnnotationOutlierConsecutiveFailures, "5", AnnotationOutlierEjectionTime, "1m30s", AnnotationOutlierMaxEjectionPercent, "20"},
+			want: service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 5, EjectionTime: 90 * time.Second, MaxEjectionPercent: 20}}},
+		{name: "outlier_percent_sign_accepted", kv: []string{AnnotationOutlierConsecutiveFailures, "1", AnnotationOutlierMaxEjectionPercent, "100%"},
+			want: service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 1, EjectionTime: 30 * time.Second, MaxEjectionPercent: 100}}},
+		{name: "outlier_settings_without_failures_do_nothing", kv: []string{AnnotationOutlierEjectionTime, "10s"}, want: service.Balancing{}},
+		{name: "outlier_bad_failures_leave_it_off", kv: []string{AnnotationOutlierConsecutiveFailures, "three"},
+			want: service.Balancing{}, wantErr: "outlier detection stays off"},
+		{name: "outlier_zero_failures_rejected", kv: []string{AnnotationOutlierConsecutiveFailures, "0"},
+			want: service.Balancing{}, wantErr: "from 1 to 1000"},
+		{name: "outlier_bad_time_uses_default", kv: []string{AnnotationOutlierConsecutiveFailures, "2", AnnotationOutlierEjectionTime, "30"},
+			want:    service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: 30 * time.Second, MaxEjectionPercent: 50}},
+			wantErr: "want a duration from 1s to 1h"},
+		{name: "outlier_too_short_time_uses_default", kv: []string{AnnotationOutlierConsecutiveFailures, "2", AnnotationOutlierEjectionTime, "10ms"},
+			want:    service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: 30 * time.Second, MaxEjectionPercent: 50}},
+			wantErr: "outlier-ejection-time"},
+		{name: "outlier_bad_percent_uses_default", kv: []string{AnnotationOutlierConsecutiveFailures, "2", AnnotationOutlierMaxEjectionPercent, "150"},
+			want:    service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: 30 * time.Second, MaxEjectionPercent: 50}},
+			wantErr: "from 1 to 100"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -109,5 +134,72 @@ func TestBalancingReachesBalancerAndDebugView(t *testing.T) {
 	}
 	if got := e.p.Services()[0].Balancing.Algorithm; got != "round-robin" {
 		t.Errorf("debug view after removal: %q, want round-robin", got)
+	}
+}
+
+func TestEjectionIsLoggedEventedCountedAndShown(t *testing.T) {
+	logger, hook := logtest.NewNullLogger()
+	e := newFakeEnv(t, func(c *Config) { c.Logger = logger })
+	e.synced()
+	var events []string
+	e.p.deps.Event = func(n service.ServicePortName, reason, msg string) {
+		events = append(events, n.String()+" "+reason+" "+msg)
+	}
+	e.p.OnServiceAdd(webService(annotated(AnnotationOutlierConsecutiveFailures, "2", AnnotationOutlierEjectionTime, "45s")))
+	e.p.OnEndpointSliceAdd(webSlice("web-1", 8080, "10.0.0.1", "10.0.0.2"))
+	e.sync()
+	b := e.lb.Lookup(webHTTP)
+	bad := netip.MustParseAddrPort("10.0.0.1:8080")
+	for range 2 { // as the TCP proxy reports two refused dials to 10.0.0.1
+		b.DialDone(bad, errors.New("connection refused"))
+	}
+	want := []string{"ns/web:http EndpointEjected endpoint 10.0.0.1:8080 ejected for 45s after 2 failed dials (ejection 1 in a row)"}
+	if !slices.Equal(events, want) {
+		t.Errorf("events (-want +got)\n- %q\n+ %q", want, events)
+	}
+	var logged *logrus.Entry
+	for _, entry := range hook.AllEntries() {
+		if entry.Level == logrus.WarnLevel && strings.Contains(entry.Message, "ejected") {
+			logged = entry
+		}
+	}
+	if logged == nil || logged.Data["service"] != "ns/web:http" || logged.Data["endpoint"] != "10.0.0.1:8080" || logged.Data["ejected_for"] != "45s" {
+		t.Errorf("ejection log line = %+v, want service, endpoint and ejected_for fields", logged)
+	}
+	metrics := `
+# HELP kube_portal_proxy_outlier_ejected_endpoints Endpoints out of rotation now by outlier detection (service ports with it on).
+# TYPE kube_portal_proxy_outlier_ejected_endpoints gauge
+kube_portal_proxy_outlier_ejected_endpoints{service_port="ns/web:http"} 1
+# HELP kube_portal_proxy_outlier_ejections_total Endpoints taken out of rotation by outlier detection (service ports with it on).
+# TYPE kube_portal_proxy_outlier_ejections_total counter
+kube_portal_proxy_outlier_ejections_total{service_port="ns/web:http"} 1
+`
+	if err := testutil.CollectAndCompare(NewTrafficCollector(e.p), strings.NewReader(metrics),
+		"kube_portal_proxy_outlier_ejected_endpoints", "kube_portal_proxy_outlier_ejections_total"); err != nil {
+		t.Error(err)
+	}
+	views := e.p.Services()
+	if len(views) != 1 {
+		t.Fatalf("Services() = %+v, want one", views)
+	}
+	v := views[0]
+	if v.Balancing != (BalancingView{Algorithm: "round-robin", OutlierConsecutiveFailures: 2, OutlierEjectionTime: "45s", OutlierMaxEjectionPercent: 50}) {
+		t.Errorf("balancing view = %+v", v.Balancing)
+	}
+	var ejected []string
+	for _, ev := range v.Endpoints {
+		if ev.EjectedFor != "" {
+			ejected = append(ejected, ev.Address+" "+ev.EjectedFor)
+		}
+	}
+	if want := []string{"10.0.0.1:8080 45s"}; !slices.Equal(ejected, want) {
+		t.Errorf("ejected endpoints in the view = %q, want %q", ejected, want)
+	}
+	// The clock runs on: it is back in rotation, and the view says so.
+	e.clk.Step(45 * time.Second)
+	for _, ev := range e.p.Services()[0].Endpoints {
+		if ev.EjectedFor != "" {
+			t.Errorf("%s still shown ejected (%s) after its ejection time", ev.Address, ev.EjectedFor)
+		}
 	}
 }
