@@ -318,3 +318,82 @@ func TestOutlierEjectionOfABlackHole(t *testing.T) {
 		t.Errorf("Outliers() = %d total, %d out; want 2, 1", total, out)
 	}
 }
+
+// resetter returns an endpoint that accepts every connection and resets it at once.
+func resetter(t *testing.T) netip.AddrPort {
+	t.Helper()
+	l, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.(*net.TCPConn).SetLinger(0)
+			c.Close()
+		}
+	}()
+	return l.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// TestOutlierEjectionOfAResettingEndpoint: an endpoint that accepts and resets every connection
+// before sending a byte is ejected after two such resets; then every connection gets an echo.
+func TestOutlierEjectionOfAResettingEndpoint(t *testing.T) {
+	lb := loadbalancer.New(clock.RealClock{})
+	var mu sync.Mutex
+	var ejections []loadbalancer.Ejection
+	lb.OnEjection(func(e loadbalancer.Ejection) {
+		mu.Lock()
+		ejections = append(ejections, e)
+		mu.Unlock()
+	})
+	bad := resetter(t)
+	lb.SetBalancing(web, service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: time.Hour, MaxEjectionPercent: 50}})
+	lb.SetEndpoints(web, []netip.AddrPort{bad, echoServer(t)})
+	s := lb.Lookup(web)
+	addr := runProxy(t, s, tcp.Config{}).Addr().String()
+	failed := 0
+	for i := 0; ; i++ {
+		mu.Lock()
+		n := len(ejections)
+		mu.Unlock()
+		if n > 0 {
+			break
+		}
+		if i >= 20 {
+			t.Fatalf("no ejection after %d connections, %d reset", i, failed)
+		}
+		if !tryRoundTrip(addr) {
+			failed++
+		}
+		// The proxy reports the end after both sockets close; wait for it before the next.
+		testenv.WaitFor(t, "the connection to end", func() bool { return activeTotal(s) == 0 })
+	}
+	if e := ejections[0]; e.Endpoint != bad || !e.Reset || e.Failures != 2 {
+		t.Errorf("ejection = %+v, want %v for 2 resets", e, bad)
+	}
+	for i := range 10 {
+		if !tryRoundTrip(addr) {
+			t.Fatalf("connection %d after the ejection failed", i)
+		}
+	}
+}
+
+// tryRoundTrip reports whether one connection through the proxy got its echo.
+func tryRoundTrip(addr string) bool {
+	c, err := net.Dial("tcp4", addr)
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		return false
+	}
+	_, err = io.ReadFull(c, make([]byte, 4))
+	return err == nil
+}
