@@ -32,22 +32,6 @@ func (lb *LoadBalancer) OnEjection(f func(Ejection)) { lb.hook.Store(&f) }
 // ejectedAt reports whether e is out of rotation at now (unix nanoseconds).
 func ejectedAt(e *endpoint, now int64) bool { return now < e.ejectedUntil.Load() }
 
-// ejectionNow returns the current time if some endpoint of the service port may be ejected
-// (and so picks must look), or 0. Without an ejection in force it costs one atomic load, not a
-// clock read.
-func (s *Service) ejectionNow() int64 {
-	until := s.ejectHint.Load()
-	if until == 0 {
-		return 0
-	}
-	now := s.clock.Now().UnixNano()
-	if now >= until {
-		s.ejectHint.CompareAndSwap(until, 0) // every ejection is over
-		return 0
-	}
-	return now
-}
-
 // failed counts a failure of e: a failed dial, or (reset) a connection the endpoint reset at once.
 func (s *Service) failed(e *endpoint, reset bool) {
 	o := s.outlier.Load()
@@ -107,10 +91,10 @@ func (s *Service) eject(e *endpoint, o *service.Outlier, failures int, reset boo
 	d := min(o.EjectionTime*time.Duration(n), max(maxEjectionCap, o.EjectionTime))
 	until := now + int64(d)
 	e.ejectedUntil.Store(until)
+	s.warmFrom(e, until) // when it returns, it warms up again
 	e.dialFails.Store(0)
 	e.resetFails.Store(0)
-	for h := s.ejectHint.Load(); h < until && !s.ejectHint.CompareAndSwap(h, until); h = s.ejectHint.Load() {
-	}
+	raise(&s.ejectHint, until)
 	s.ejectionsTotal.Add(1)
 	s.ejectMu.Unlock()
 	if f := s.hook.Load(); f != nil {

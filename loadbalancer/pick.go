@@ -35,54 +35,123 @@ func algoName(code uint32) service.Algorithm {
 	return service.RoundRobin
 }
 
+// view is what one pick takes into account besides the endpoint list.
+type view struct {
+	skip *endpoint // the sticky endpoint a retry moves away from
+	// now is the time (unix nanoseconds) when some endpoint is ejected or warming up; 0 when
+	// none is, and the pick never reads the clock.
+	now    int64
+	eject  bool  // leave out endpoints ejected at now
+	window int64 // the slow-start window while some endpoint warms up; 0: every weight is 1
+}
+
+func (v *view) usable(e *endpoint) bool {
+	return e != v.skip && (!v.eject || !ejectedAt(e, v.now))
+}
+
+// weight is e's share of new flows relative to a warm endpoint (slowstart.go).
+func (v *view) weight(e *endpoint) float64 {
+	if v.window == 0 {
+		return 1
+	}
+	return warmWeight(e, v.now, v.window)
+}
+
+// load is e's live flows per unit of weight, what least-connections and two choices compare.
+// Warm endpoints compare by plain counts (one more flow costs the same on each); a warming one
+// counts as if it were 1/weight times as busy (HAProxy's and Envoy's weighted least-connections).
+func (v *view) load(e *endpoint) float64 {
+	a := float64(e.active.Load())
+	if v.window == 0 {
+		return a
+	}
+	return (a + 1) / v.weight(e)
+}
+
 // pick chooses an endpoint of a non-empty set with the service port's algorithm, avoiding skip
-// (the sticky endpoint a retry moves away from) when there is another, and endpoints ejected by
-// outlier detection unless every one is (then they all serve, as in Envoy's panic mode: better a
-// suspect endpoint than none).
+// when there is another, weighting endpoints that warm up (slow start), and leaving out
+// endpoints ejected by outlier detection unless every one is (then they all serve, as in Envoy's
+// panic mode: better a suspect endpoint than none).
 func (s *Service) pick(set *endpointSet, skip *endpoint) *endpoint {
-	now := s.ejectionNow()
-	if e := s.pickAt(set, skip, now); e != nil {
+	v := view{skip: skip}
+	if len(set.eps) == 1 {
+		v.skip = nil // the only endpoint is the one to retry
+	}
+	s.look(&v)
+	if e := s.pickWith(set, &v); e != nil {
 		return e
 	}
-	return s.pickAt(set, skip, 0)
+	v.eject = false
+	return s.pickWith(set, &v)
 }
 
-// pickAt picks with the endpoints ejected at now (0: none) left out; nil if none is left.
-func (s *Service) pickAt(set *endpointSet, skip *endpoint, now int64) *endpoint {
-	if len(set.eps) == 1 {
-		skip = nil // the only endpoint is the one to retry
+// look fills in the time-dependent part of a view. While no ejection and no warm-up is in force
+// it costs two atomic loads, not a clock read.
+func (s *Service) look(v *view) {
+	ejectUntil, warmUntil := s.ejectHint.Load(), s.warmHint.Load()
+	if ejectUntil == 0 && warmUntil == 0 {
+		return
 	}
-	switch s.algo.Load() {
-	case algoLeastConnections:
-		return s.leastConnections(set, skip, now)
-	case algoRandomTwoChoices:
-		return s.randomTwoChoices(set, skip, now)
-	}
-	n := uint64(len(set.eps))
-	for range n {
-		e := set.eps[(s.rr.Add(1)-1)%n]
-		if e != skip && (now == 0 || !ejectedAt(e, now)) {
-			return e
+	v.now = s.clock.Now().UnixNano()
+	if ejectUntil != 0 {
+		if v.now >= ejectUntil {
+			s.ejectHint.CompareAndSwap(ejectUntil, 0) // every ejection is over
+		} else {
+			v.eject = true
 		}
 	}
-	return nil
+	if warmUntil != 0 {
+		if v.now >= warmUntil {
+			s.warmHint.CompareAndSwap(warmUntil, 0) // every endpoint is warm
+		} else {
+			v.window = s.slowStart.Load()
+		}
+	}
 }
 
-// leastConnections scans every endpoint for the fewest live flows: O(endpoints) atomic loads
-// per pick, no lock (about 1 ns per endpoint; see BenchmarkPick). The scan starts one place
-// further on each pick, so ties (all idle, typically) go round robin rather than to the first.
-func (s *Service) leastConnections(set *endpointSet, skip *endpoint, now int64) *endpoint {
+// pickWith picks by the view; nil if no endpoint is usable.
+func (s *Service) pickWith(set *endpointSet, v *view) *endpoint {
+	switch s.algo.Load() {
+	case algoLeastConnections:
+		return s.leastConnections(set, v)
+	case algoRandomTwoChoices:
+		return s.randomTwoChoices(set, v)
+	}
+	n := uint64(len(set.eps))
+	var declined *endpoint
+	for range n {
+		e := set.eps[(s.rr.Add(1)-1)%n]
+		if !v.usable(e) {
+			continue
+		}
+		// A warming endpoint takes its turn with probability weight, else passes it on: its
+		// share of a round is weight times a warm endpoint's.
+		if v.window != 0 {
+			if w := v.weight(e); w < 1 && rand.Float64() >= w {
+				declined = e
+				continue
+			}
+		}
+		return e
+	}
+	return declined
+}
+
+// leastConnections scans every endpoint for the least load: O(endpoints) atomic loads per pick,
+// no lock (about 1 ns per endpoint; see BenchmarkPick). The scan starts one place further on
+// each pick, so ties (all idle, typically) go round robin rather than to the first.
+func (s *Service) leastConnections(set *endpointSet, v *view) *endpoint {
 	n := uint64(len(set.eps))
 	start := (s.rr.Add(1) - 1) % n
 	var best *endpoint
-	bestActive := int64(0)
+	bestLoad := 0.0
 	scan := func(eps []*endpoint) {
 		for _, e := range eps {
-			if e == skip || (now != 0 && ejectedAt(e, now)) {
+			if !v.usable(e) {
 				continue
 			}
-			if a := e.active.Load(); best == nil || a < bestActive {
-				best, bestActive = e, a
+			if l := v.load(e); best == nil || l < bestLoad {
+				best, bestLoad = e, l
 			}
 		}
 	}
@@ -91,15 +160,15 @@ func (s *Service) leastConnections(set *endpointSet, skip *endpoint, now int64) 
 	return best
 }
 
-// randomTwoChoices draws two different endpoints and keeps the one with fewer live flows
-// (Mitzenmacher's power of two choices: near least-connections balance at constant cost, and
-// no herd onto one idle endpoint when many pickers see the same counts). math/rand/v2's
-// top-level source is per-thread, so the draw takes no lock. When a draw is unusable (skipped or
-// ejected) the other one serves; when both are, a least-connections scan decides.
-func (s *Service) randomTwoChoices(set *endpointSet, skip *endpoint, now int64) *endpoint {
+// randomTwoChoices draws two different endpoints and keeps the less loaded (Mitzenmacher's
+// power of two choices: near least-connections balance at constant cost, and no herd onto one
+// idle endpoint when many pickers see the same counts). math/rand/v2's top-level source is
+// per-thread, so the draw takes no lock. When a draw is unusable (skipped or ejected) the other
+// one serves; when both are, a least-connections scan decides.
+func (s *Service) randomTwoChoices(set *endpointSet, v *view) *endpoint {
 	n := uint64(len(set.eps))
 	if n == 1 {
-		if now != 0 && ejectedAt(set.eps[0], now) {
+		if !v.usable(set.eps[0]) {
 			return nil
 		}
 		return set.eps[0]
@@ -110,11 +179,10 @@ func (s *Service) randomTwoChoices(set *endpointSet, skip *endpoint, now int64) 
 		j++
 	}
 	a, b := set.eps[i], set.eps[j]
-	aOK := a != skip && (now == 0 || !ejectedAt(a, now))
-	bOK := b != skip && (now == 0 || !ejectedAt(b, now))
+	aOK, bOK := v.usable(a), v.usable(b)
 	switch {
 	case aOK && bOK:
-		if b.active.Load() < a.active.Load() {
+		if v.load(b) < v.load(a) {
 			return b
 		}
 		return a
@@ -123,7 +191,7 @@ func (s *Service) randomTwoChoices(set *endpointSet, skip *endpoint, now int64) 
 	case bOK:
 		return b
 	}
-	return s.leastConnections(set, skip, now)
+	return s.leastConnections(set, v)
 }
 
 // SetBalancing sets a service port's balancing policy.
@@ -136,6 +204,7 @@ func (s *Service) setBalancing(b service.Balancing) {
 	defer s.writeMu.Unlock()
 	s.algo.Store(algoCode(b.Algorithm))
 	s.setOutlier(b.Outlier)
+	s.setSlowStart(b.SlowStart)
 }
 
 // Balancing returns the policy in force.
@@ -144,6 +213,7 @@ func (s *Service) Balancing() service.Balancing {
 	if o := s.outlier.Load(); o != nil {
 		b.Outlier = *o
 	}
+	b.SlowStart = time.Duration(s.slowStart.Load())
 	return b
 }
 

@@ -145,6 +145,9 @@ type endpoint struct {
 	dialFails, resetFails atomic.Int32
 	ejections             atomic.Int32
 	ejectedUntil          atomic.Int64
+	// warmFrom is when its slow-start window began (unix nanoseconds): when it joined a service
+	// port that had endpoints already, or came back from an ejection (slowstart.go).
+	warmFrom atomic.Int64
 }
 
 // release ends one counted flow. A flow picked before its endpoint was removed and re-added
@@ -233,6 +236,11 @@ type Service struct {
 	ejectMu        sync.Mutex
 	ejectionsTotal atomic.Uint64
 	hook           *atomic.Pointer[func(Ejection)]
+
+	// Slow start (slowstart.go): the window (nanoseconds, 0: off) and the latest end of a
+	// warm-up in force (0: none, so picks skip the clock).
+	slowStart atomic.Int64
+	warmHint  atomic.Int64
 }
 
 func newService(name service.ServicePortName, c clock.PassiveClock, shuffle func([]netip.AddrPort)) *Service {
@@ -325,6 +333,16 @@ func (s *Service) setEndpoints(eps []netip.AddrPort) {
 		return
 	}
 	next = newEndpointSet(eps, old, s.shuffle)
+	if len(old.eps) > 0 && s.slowStart.Load() > 0 {
+		// Endpoints that join a serving set warm up; a first set (a new service port, a
+		// restarted proxy) takes traffic at once, as nothing else could.
+		now := s.clock.Now().UnixNano()
+		for _, e := range next.eps {
+			if old.has[e.addr] != e {
+				s.warmFrom(e, now)
+			}
+		}
+	}
 	s.eps.Store(next)
 	if t := s.affinity.Load(); t != nil {
 		t.removeIf(func(e *affinityEntry) bool {

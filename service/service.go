@@ -130,6 +130,9 @@ type Balancing struct {
 	Algorithm Algorithm
 	// Outlier is passive outlier detection; off when its ConsecutiveFailures is 0.
 	Outlier Outlier
+	// SlowStart is the window over which a new or returning endpoint's share of new flows ramps
+	// up linearly; 0 is off.
+	SlowStart time.Duration
 }
 
 // Outlier is passive outlier detection: an endpoint that fails ConsecutiveFailures dials in a row
