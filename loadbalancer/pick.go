@@ -259,6 +259,8 @@ type EndpointState struct {
 	EjectedUntil time.Time
 	// Ejections is its ejections in a row (the back-off multiplier).
 	Ejections int
+	// Weight is its share of new flows against a warm endpoint's: below 1 while it warms up.
+	Weight float64
 }
 
 // EndpointStates lists the endpoints in round-robin order with their live state.
@@ -267,7 +269,10 @@ func (s *Service) EndpointStates() []EndpointState {
 	now := s.clock.Now().UnixNano()
 	out := make([]EndpointState, len(set.eps))
 	for i, e := range set.eps {
-		out[i] = EndpointState{Endpoint: e.addr, Active: e.active.Load(), Ejections: int(e.ejections.Load())}
+		out[i] = EndpointState{Endpoint: e.addr, Active: e.active.Load(), Ejections: int(e.ejections.Load()), Weight: 1}
+		if w := s.slowStart.Load(); w > 0 {
+			out[i].Weight = warmWeight(e, now, w)
+		}
 		if until := e.ejectedUntil.Load(); now < until {
 			out[i].EjectedUntil = time.Unix(0, until)
 		}

@@ -32,6 +32,9 @@ const (
 	AnnotationOutlierEjectionTime = "portal-proxy.kubernetes.io/outlier-ejection-time"
 	// AnnotationOutlierMaxEjectionPercent bounds the endpoints out at once (default 50).
 	AnnotationOutlierMaxEjectionPercent = "portal-proxy.kubernetes.io/outlier-max-ejection-percent"
+	// AnnotationSlowStart is the window over which a new or returning endpoint's share of new
+	// connections ramps up (a Go duration; unset: off).
+	AnnotationSlowStart = "portal-proxy.kubernetes.io/slow-start"
 )
 
 // ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
@@ -203,6 +206,13 @@ func balancing(svc *v1.Service) (service.Balancing, []error) {
 	}
 	if o.On() {
 		b.Outlier = o
+	}
+	if v, ok := svc.Annotations[AnnotationSlowStart]; ok {
+		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= time.Second && d <= time.Hour {
+			b.SlowStart = d
+		} else {
+			bad(AnnotationSlowStart, v, "want a duration from 1s to 1h, such as 30s; slow start stays off")
+		}
 	}
 	return b, errs
 }

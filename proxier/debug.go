@@ -71,6 +71,9 @@ type EndpointView struct {
 	EjectedFor string `json:"ejectedFor,omitempty"`
 	// Ejections is its ejections in a row (the back-off multiplier).
 	Ejections int `json:"ejections,omitempty"`
+	// WarmingPercent is its share of new connections against a warm endpoint's while it warms
+	// up (slow start), in percent; 0 when it is warm.
+	WarmingPercent int `json:"warmingPercent,omitempty"`
 }
 
 // BalancingView is a service port's load-balancing policy.
@@ -80,6 +83,8 @@ type BalancingView struct {
 	OutlierConsecutiveFailures int    `json:"outlierConsecutiveFailures,omitempty"`
 	OutlierEjectionTime        string `json:"outlierEjectionTime,omitempty"`
 	OutlierMaxEjectionPercent  int    `json:"outlierMaxEjectionPercent,omitempty"`
+	// SlowStart is the warm-up window of new and returning endpoints, when it is on.
+	SlowStart string `json:"slowStart,omitempty"`
 }
 
 // AffinityView is one sticky client.
@@ -144,6 +149,9 @@ func (p *Proxier) Services() []ServiceView {
 					if st.EjectedUntil.After(sum.EjectedUntil) {
 						sum.EjectedUntil, sum.Ejections = st.EjectedUntil, st.Ejections
 					}
+					if sum.Weight == 0 || st.Weight < sum.Weight {
+						sum.Weight = st.Weight
+					}
 					states[st.Endpoint] = sum
 				}
 			}
@@ -161,6 +169,9 @@ func (p *Proxier) Services() []ServiceView {
 				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
 			if st, ok := states[e.Addr]; ok {
 				ev.Active, ev.Ejections = st.Active, st.Ejections
+				if st.Weight < 1 {
+					ev.WarmingPercent = int(st.Weight * 100)
+				}
 				if st.EjectedUntil.After(now) {
 					ev.EjectedFor = st.EjectedUntil.Sub(now).Round(time.Second).String()
 				}

@@ -112,12 +112,18 @@ func balancingText(v ServiceView) string {
 			if e.EjectedFor != "" {
 				c += "(ejected " + e.EjectedFor + ")"
 			}
+			if e.WarmingPercent > 0 {
+				c += fmt.Sprintf("(warming %d%%)", e.WarmingPercent)
+			}
 			counts = append(counts, c)
 		}
 	}
 	line := "balancing: " + v.Balancing.Algorithm
 	if b := v.Balancing; b.OutlierConsecutiveFailures > 0 {
 		line += fmt.Sprintf(" outlier[%d failures, %s, max %d%%]", b.OutlierConsecutiveFailures, b.OutlierEjectionTime, b.OutlierMaxEjectionPercent)
+	}
+	if b := v.Balancing; b.SlowStart != "" {
+		line += " slow-start[" + b.SlowStart + "]"
 	}
 	return line + " active[" + strings.Join(counts, " ") + "]"
 }

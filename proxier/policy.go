@@ -101,6 +101,9 @@ func balancingView(b service.Balancing) BalancingView {
 		v.OutlierEjectionTime = o.EjectionTime.String()
 		v.OutlierMaxEjectionPercent = o.MaxEjectionPercent
 	}
+	if b.SlowStart > 0 {
+		v.SlowStart = b.SlowStart.String()
+	}
 	return v
 }
 

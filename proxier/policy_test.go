@@ -4,6 +4,7 @@ package proxier
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -60,6 +61,11 @@ func TestConvertBalancingAnnotations(t *testing.T) {
 		{name: "outlier_too_short_time_uses_default", kv: []string{AnnotationOutlierConsecutiveFailures, "2", AnnotationOutlierEjectionTime, "10ms"},
 			want:    service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: 30 * time.Second, MaxEjectionPercent: 50}},
 			wantErr: "outlier-ejection-time"},
+		{name: "slow_start", kv: []string{AnnotationSlowStart, "30s"}, want: service.Balancing{SlowStart: 30 * time.Second}},
+		{name: "slow_start_bad_stays_off", kv: []string{AnnotationSlowStart, "soon"},
+			want: service.Balancing{}, wantErr: "slow start stays off"},
+		{name: "slow_start_too_long_stays_off", kv: []string{AnnotationSlowStart, "2h"},
+			want: service.Balancing{}, wantErr: "portal-proxy.kubernetes.io/slow-start=\"2h\""},
 		{name: "outlier_bad_percent_uses_default", kv: []string{AnnotationOutlierConsecutiveFailures, "2", AnnotationOutlierMaxEjectionPercent, "150"},
 			want:    service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: 30 * time.Second, MaxEjectionPercent: 50}},
 			wantErr: "from 1 to 100"},
@@ -201,5 +207,26 @@ kube_portal_proxy_outlier_ejections_total{service_port="ns/web:http"} 1
 		if ev.EjectedFor != "" {
 			t.Errorf("%s still shown ejected (%s) after its ejection time", ev.Address, ev.EjectedFor)
 		}
+	}
+}
+
+func TestSlowStartShownWhileAnEndpointWarms(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.synced()
+	e.p.OnServiceAdd(webService(annotated(AnnotationSlowStart, "100s")))
+	e.p.OnEndpointSliceAdd(webSlice("web-1", 8080, "10.0.0.1"))
+	e.sync()
+	e.p.OnEndpointSliceUpdate(nil, webSlice("web-1", 8080, "10.0.0.1", "10.0.0.2")) // a new pod
+	e.clk.Step(40 * time.Second)
+	v := e.p.Services()[0]
+	if v.Balancing.SlowStart != "1m40s" {
+		t.Errorf("balancing view = %+v, want slowStart 1m40s", v.Balancing)
+	}
+	var warming []string
+	for _, ev := range v.Endpoints {
+		warming = append(warming, fmt.Sprintf("%s=%d", ev.Address, ev.WarmingPercent))
+	}
+	if want := []string{"10.0.0.1:8080=0", "10.0.0.2:8080=40"}; !slices.Equal(warming, want) {
+		t.Errorf("warming percent per endpoint = %q, want %q", warming, want)
 	}
 }
