@@ -1,5 +1,6 @@
-// Package loadbalancer picks a pod endpoint for every new TCP connection or UDP session: round robin
-// per service port, with ClientIP session affinity. The hot path (Service.Next) takes no global lock.
+// Package loadbalancer picks a pod endpoint for every new TCP connection or UDP session: round robin,
+// least connections or random two choices per service port, with ClientIP session affinity on top.
+// The hot path (Service.Next) takes no lock; the proxies report each flow's end with atomic counters.
 package loadbalancer
 
 import (
@@ -33,6 +34,7 @@ type LoadBalancer struct {
 
 	mu       sync.RWMutex
 	services map[service.ServicePortName]*Service
+	hook     atomic.Pointer[func(Ejection)] // shared with every Service
 }
 
 // New returns an empty load balancer that reads time from c.
@@ -57,6 +59,7 @@ func (lb *LoadBalancer) Service(name service.ServicePortName) *Service {
 	defer lb.mu.Unlock()
 	if s = lb.services[name]; s == nil {
 		s = newService(name, lb.clock, lb.shuffle)
+		s.hook = &lb.hook
 		lb.services[name] = s
 	}
 	return s
@@ -128,20 +131,67 @@ func (lb *LoadBalancer) Names() []service.ServicePortName {
 // Lookup returns the balancer of a service port, or nil.
 func (lb *LoadBalancer) Lookup(name service.ServicePortName) *Service { return lb.lookup(name) }
 
+// endpoint is one endpoint's live state. It outlives endpoint-set replacements (an endpoint that
+// stays keeps its entry), so its flow count stays right across EndpointSlice updates.
+type endpoint struct {
+	addr netip.AddrPort
+	// active counts flows picked and not yet reported done: a dial in progress, a connection or
+	// a UDP session. Least-connections and random-two-choices read it; the proxies keep it
+	// (see Observer methods DialDone and FlowDone).
+	active atomic.Int64
+
+	// Outlier detection (outlier.go): the current streaks of failed dials and of immediate
+	// resets, the ejections in a row, and until when (unix nanoseconds) it is out of rotation.
+	dialFails, resetFails atomic.Int32
+	ejections             atomic.Int32
+	ejectedUntil          atomic.Int64
+	// warmFrom is when its slow-start window began (unix nanoseconds): when it joined a service
+	// port that had endpoints already, or came back from an ejection (slowstart.go).
+	warmFrom atomic.Int64
+}
+
+// release ends one counted flow. A flow picked before its endpoint was removed and re-added
+// ends on the new entry, which never counted it, so the count stops at 0.
+func (e *endpoint) release() {
+	for {
+		v := e.active.Load()
+		if v <= 0 || e.active.CompareAndSwap(v, v-1) {
+			return
+		}
+	}
+}
+
 // endpointSet is an immutable endpoint list, replaced whole on every change.
 type endpointSet struct {
 	list []netip.AddrPort
-	has  map[netip.AddrPort]struct{}
+	eps  []*endpoint // eps[i] is list[i]'s entry
+	has  map[netip.AddrPort]*endpoint
 }
 
-func newEndpointSet(eps []netip.AddrPort) *endpointSet {
-	set := &endpointSet{list: make([]netip.AddrPort, 0, len(eps)), has: make(map[netip.AddrPort]struct{}, len(eps))}
+// newEndpointSet builds the set of eps, reusing old's entries for endpoints that stay; order is
+// the order of eps after shuffle.
+func newEndpointSet(eps []netip.AddrPort, old *endpointSet, shuffle func([]netip.AddrPort)) *endpointSet {
+	set := &endpointSet{list: make([]netip.AddrPort, 0, len(eps)), has: make(map[netip.AddrPort]*endpoint, len(eps))}
 	for _, ep := range eps {
 		if _, dup := set.has[ep]; dup || !ep.IsValid() {
 			continue
 		}
-		set.has[ep] = struct{}{}
+		e := (*endpoint)(nil)
+		if old != nil {
+			e = old.has[ep]
+		}
+		if e == nil {
+			e = &endpoint{addr: ep}
+		}
+		set.has[ep] = e
 		set.list = append(set.list, ep)
+	}
+	if shuffle != nil {
+		shuffle(set.list)
+	}
+	set.eps = make([]*endpoint, len(set.list))
+	for i, ep := range set.list {
+		set.eps[i] = set.has[ep]
 	}
 	return set
 }
@@ -167,20 +217,35 @@ type Service struct {
 	eps atomic.Pointer[endpointSet]
 	// rr is never reset: a counter that keeps running across endpoint updates keeps round robin
 	// fair when endpoints churn (a reset to 0 would favour whichever endpoint lands first).
+	// Least-connections uses it to rotate where its scan starts, so ties spread too.
 	rr       atomic.Uint64
+	algo     atomic.Uint32 // an algorithm constant
 	clientIP atomic.Bool
 	ttl      atomic.Int64 // nanoseconds
 
-	// writeMu orders endpoint and affinity updates; picks never take it.
+	// writeMu orders endpoint, affinity and policy updates; picks never take it.
 	writeMu sync.Mutex
 	// affinity exists only while ClientIP affinity is on: most service ports never use it, and at
 	// 10,000 service ports an eager table per port cost ~50 MB.
 	affinity atomic.Pointer[affinityTable]
+
+	// Outlier detection (outlier.go): the policy (nil: off), the latest end of an ejection in
+	// force (0: none, so picks skip the clock), and the ejections so far.
+	outlier        atomic.Pointer[service.Outlier]
+	ejectHint      atomic.Int64
+	ejectMu        sync.Mutex
+	ejectionsTotal atomic.Uint64
+	hook           *atomic.Pointer[func(Ejection)]
+
+	// Slow start (slowstart.go): the window (nanoseconds, 0: off) and the latest end of a
+	// warm-up in force (0: none, so picks skip the clock).
+	slowStart atomic.Int64
+	warmHint  atomic.Int64
 }
 
 func newService(name service.ServicePortName, c clock.PassiveClock, shuffle func([]netip.AddrPort)) *Service {
-	s := &Service{name: name, clock: c, shuffle: shuffle}
-	s.eps.Store(newEndpointSet(nil))
+	s := &Service{name: name, clock: c, shuffle: shuffle, hook: &atomic.Pointer[func(Ejection)]{}}
+	s.eps.Store(newEndpointSet(nil, nil, nil))
 	s.ttl.Store(int64(service.DefaultAffinityTimeout))
 	return s
 }
@@ -199,38 +264,48 @@ func (s *Service) Affinity() service.Affinity {
 	return service.Affinity{ClientIP: s.clientIP.Load(), Timeout: time.Duration(s.ttl.Load())}
 }
 
-// Next picks the endpoint for a new connection or session from client. With ClientIP affinity a
-// client that used an endpoint within the TTL gets it again (and the TTL slides). reset=true is for
-// a retry after a failed dial: the sticky endpoint is skipped and the entry rewritten.
+// Next picks the endpoint for a new connection or session from client, with the service port's
+// algorithm, and counts a flow on it (the proxies report its end; see DialDone and FlowDone).
+// With ClientIP affinity a client that used an endpoint within the TTL gets it again (and the TTL
+// slides); the algorithm places new clients. reset=true is for a retry after a failed dial: the
+// sticky endpoint is skipped and the entry rewritten.
 func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
 	set := s.eps.Load()
-	n := uint64(len(set.list))
-	if n == 0 {
+	if len(set.list) == 0 {
 		return netip.AddrPort{}, fmt.Errorf("service %s: %w", s.name, ErrNoEndpoints)
 	}
 	if !s.clientIP.Load() {
-		return set.list[(s.rr.Add(1)-1)%n], nil
+		return s.take(s.pick(set, nil)), nil
 	}
 	table := s.affinity.Load()
 	if table == nil { // affinity is being turned on or off right now
-		return set.list[(s.rr.Add(1)-1)%n], nil
+		return s.take(s.pick(set, nil)), nil
 	}
 	now := s.clock.Now().UnixNano()
 	sh := table.shard(client)
 	sticky := sh.get(client)
+	var skip *endpoint
 	if sticky != nil {
-		_, alive := set.has[sticky.endpoint]
-		if !reset && alive && now-sticky.lastUsed.Load() < s.ttl.Load() {
+		e := set.has[sticky.endpoint]
+		if e != nil && ejectedAt(e, now) {
+			e = nil // out of rotation: the client moves, as if its endpoint were gone
+		}
+		if !reset && e != nil && now-sticky.lastUsed.Load() < s.ttl.Load() {
 			sticky.lastUsed.Store(now)
-			return sticky.endpoint, nil
+			return s.take(e), nil
+		}
+		if reset {
+			skip = e
 		}
 	}
-	ep := set.list[(s.rr.Add(1)-1)%n]
-	if reset && sticky != nil && ep == sticky.endpoint && n > 1 {
-		ep = set.list[(s.rr.Add(1)-1)%n]
-	}
-	sh.put(client, ep, now)
-	return ep, nil
+	e := s.pick(set, skip)
+	sh.put(client, e.addr, now)
+	return s.take(e), nil
+}
+
+func (s *Service) take(e *endpoint) netip.AddrPort {
+	e.active.Add(1)
+	return e.addr
 }
 
 func (s *Service) setAffinity(a service.Affinity) {
@@ -252,12 +327,22 @@ func (s *Service) setAffinity(a service.Affinity) {
 func (s *Service) setEndpoints(eps []netip.AddrPort) {
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	next := newEndpointSet(eps)
 	old := s.eps.Load()
+	next := newEndpointSet(eps, old, nil)
 	if old.sameMembers(next) {
 		return
 	}
-	s.shuffle(next.list)
+	next = newEndpointSet(eps, old, s.shuffle)
+	if len(old.eps) > 0 && s.slowStart.Load() > 0 {
+		// Endpoints that join a serving set warm up; a first set (a new service port, a
+		// restarted proxy) takes traffic at once, as nothing else could.
+		now := s.clock.Now().UnixNano()
+		for _, e := range next.eps {
+			if old.has[e.addr] != e {
+				s.warmFrom(e, now)
+			}
+		}
+	}
 	s.eps.Store(next)
 	if t := s.affinity.Load(); t != nil {
 		t.removeIf(func(e *affinityEntry) bool {

@@ -18,6 +18,7 @@ type trafficCollector struct {
 	udpActive, udpSessions, udpPackets, udpBytes     *prometheus.Desc
 	udpDrops, sourceDrops                            *prometheus.Desc
 	endpoints                                        *prometheus.Desc
+	ejections, ejected                               *prometheus.Desc
 }
 
 // NewTrafficCollector returns the per-service-port traffic collector of p.
@@ -42,12 +43,15 @@ func NewTrafficCollector(p *Proxier) prometheus.Collector {
 		udpDrops:     d("udp_drops_total", "Datagrams dropped; reason is no_endpoint, session_setup, to_endpoint, to_client or truncated.", "reason"),
 		sourceDrops:  d("source_range_drops_total", "New connections (reset) or datagrams (dropped) from clients outside loadBalancerSourceRanges, checked by the socket in bind mode (iptables mode drops them in the kernel, uncounted here).", "protocol"),
 		endpoints:    d("endpoints", "Endpoints the balancer uses for the service port."),
+		ejections:    d("outlier_ejections_total", "Endpoints taken out of rotation by outlier detection (service ports with it on)."),
+		ejected:      d("outlier_ejected_endpoints", "Endpoints out of rotation now by outlier detection (service ports with it on)."),
 	}
 }
 
 func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
-		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints} {
+		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints,
+		c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -63,6 +67,11 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		if b := c.p.deps.Balancer.Lookup(a.port.Name); b != nil {
 			gauge(c.endpoints, float64(len(b.Endpoints())))
+		}
+		if a.port.Balancing.Outlier.On() {
+			total, out := c.p.outliers(a.port.Name)
+			counter(c.ejections, float64(total))
+			gauge(c.ejected, float64(out))
 		}
 		st, ok := socketStats(a.observedSocket())
 		switch {

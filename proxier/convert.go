@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -21,7 +22,23 @@ const (
 	LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
 	// AnnotationAccessLog turns the access log on ("true") or off ("false") for one Service.
 	AnnotationAccessLog = "portal-proxy.kubernetes.io/access-log"
+	// AnnotationAlgorithm picks the balancing algorithm of every port of a Service:
+	// round-robin (the default), least-connections or random-two-choices.
+	AnnotationAlgorithm = "portal-proxy.kubernetes.io/algorithm"
+	// AnnotationOutlierConsecutiveFailures turns passive outlier detection on: an endpoint that
+	// fails this many dials in a row (or resets this many connections at once) is ejected.
+	AnnotationOutlierConsecutiveFailures = "portal-proxy.kubernetes.io/outlier-consecutive-failures"
+	// AnnotationOutlierEjectionTime is the base ejection time (a Go duration, default 30s).
+	AnnotationOutlierEjectionTime = "portal-proxy.kubernetes.io/outlier-ejection-time"
+	// AnnotationOutlierMaxEjectionPercent bounds the endpoints out at once (default 50).
+	AnnotationOutlierMaxEjectionPercent = "portal-proxy.kubernetes.io/outlier-max-ejection-percent"
+	// AnnotationSlowStart is the window over which a new or returning endpoint's share of new
+	// connections ramps up (a Go duration; unset: off).
+	AnnotationSlowStart = "portal-proxy.kubernetes.io/slow-start"
 )
+
+// ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
+var ErrInvalidAnnotation = errors.New("invalid annotation, using the default")
 
 // ErrUnsupportedProtocol marks a service port this proxy cannot serve (SCTP).
 var ErrUnsupportedProtocol = errors.New("protocol not supported by a userspace proxy")
@@ -53,6 +70,9 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 	if svc.Spec.TrafficDistribution != nil {
 		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
 	}
+	var balErrs []error
+	common.Balancing, balErrs = balancing(svc)
+	errs = append(errs, balErrs...)
 	var err error
 	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
 		errs = append(errs, err)
@@ -145,6 +165,60 @@ func sourceRanges(svc *v1.Service) ([]netip.Prefix, []error) {
 	}
 	return out, errs
 }
+
+// balancing reads the load-balancing annotations. A value that does not parse is reported
+// (wrapping ErrInvalidAnnotation) and its default used: a typo must not take a Service down.
+func balancing(svc *v1.Service) (service.Balancing, []error) {
+	var b service.Balancing
+	var errs []error
+	bad := func(key, value, why string) {
+		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%q: %s: %w", svc.Namespace, svc.Name, key, value, why, ErrInvalidAnnotation))
+	}
+	if v, ok := svc.Annotations[AnnotationAlgorithm]; ok {
+		switch a := service.Algorithm(strings.TrimSpace(v)); a {
+		case service.RoundRobin, service.LeastConnections, service.RandomTwoChoices:
+			b.Algorithm = a
+		default:
+			bad(AnnotationAlgorithm, v, "want round-robin, least-connections or random-two-choices")
+		}
+	}
+	o := service.Outlier{EjectionTime: service.DefaultEjectionTime, MaxEjectionPercent: service.DefaultMaxEjectionPercent}
+	if v, ok := svc.Annotations[AnnotationOutlierConsecutiveFailures]; ok {
+		if n, err := strconv.Atoi(strings.TrimSpace(v)); err == nil && n >= 1 && n <= maxConsecutiveFailures {
+			o.ConsecutiveFailures = n
+		} else {
+			bad(AnnotationOutlierConsecutiveFailures, v, fmt.Sprintf("want a whole number from 1 to %d; outlier detection stays off", maxConsecutiveFailures))
+		}
+	}
+	if v, ok := svc.Annotations[AnnotationOutlierEjectionTime]; ok {
+		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= time.Second && d <= time.Hour {
+			o.EjectionTime = d
+		} else {
+			bad(AnnotationOutlierEjectionTime, v, "want a duration from 1s to 1h, such as 30s")
+		}
+	}
+	if v, ok := svc.Annotations[AnnotationOutlierMaxEjectionPercent]; ok {
+		if n, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "%"))); err == nil && n >= 1 && n <= 100 {
+			o.MaxEjectionPercent = n
+		} else {
+			bad(AnnotationOutlierMaxEjectionPercent, v, "want a whole number from 1 to 100")
+		}
+	}
+	if o.On() {
+		b.Outlier = o
+	}
+	if v, ok := svc.Annotations[AnnotationSlowStart]; ok {
+		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= time.Second && d <= time.Hour {
+			b.SlowStart = d
+		} else {
+			bad(AnnotationSlowStart, v, "want a duration from 1s to 1h, such as 30s; slow start stays off")
+		}
+	}
+	return b, errs
+}
+
+// maxConsecutiveFailures bounds outlier-consecutive-failures; more would never trigger.
+const maxConsecutiveFailures = 1000
 
 func affinity(svc *v1.Service) service.Affinity {
 	if svc.Spec.SessionAffinity != v1.ServiceAffinityClientIP {

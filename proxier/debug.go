@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -27,19 +28,21 @@ type ServiceView struct {
 	ExternalTrafficPolicy string `json:"externalTrafficPolicy,omitempty"`
 	// Internal and External say which endpoints each class of traffic uses on this node and why
 	// (policy, topology hints, terminating fallback), and whether it is refused for lack of one.
-	Internal                 *TrafficView   `json:"internal,omitempty"`
-	External                 *TrafficView   `json:"external,omitempty"`
-	HealthCheckNodePort      uint16         `json:"healthCheckNodePort,omitempty"`
-	LoadBalancerSourceRanges []string       `json:"loadBalancerSourceRanges,omitempty"`
-	Listen                   []string       `json:"listen,omitempty"`
-	Open                     bool           `json:"open"`
-	Affinity                 string         `json:"affinity"`
-	Endpoints                []EndpointView `json:"endpoints"`
-	AffinityEntries          []AffinityView `json:"affinityEntries,omitempty"`
-	Active                   int64          `json:"active"`
-	Total                    uint64         `json:"total"`
-	BytesToEndpoint          uint64         `json:"bytesToEndpoint"`
-	BytesToClient            uint64         `json:"bytesToClient"`
+	Internal                 *TrafficView `json:"internal,omitempty"`
+	External                 *TrafficView `json:"external,omitempty"`
+	HealthCheckNodePort      uint16       `json:"healthCheckNodePort,omitempty"`
+	LoadBalancerSourceRanges []string     `json:"loadBalancerSourceRanges,omitempty"`
+	Listen                   []string     `json:"listen,omitempty"`
+	Open                     bool         `json:"open"`
+	Affinity                 string       `json:"affinity"`
+	// Balancing is the policy the annotations ask for (portal-proxy.kubernetes.io/algorithm ...).
+	Balancing       BalancingView  `json:"balancing"`
+	Endpoints       []EndpointView `json:"endpoints"`
+	AffinityEntries []AffinityView `json:"affinityEntries,omitempty"`
+	Active          int64          `json:"active"`
+	Total           uint64         `json:"total"`
+	BytesToEndpoint uint64         `json:"bytesToEndpoint"`
+	BytesToClient   uint64         `json:"bytesToClient"`
 }
 
 // TrafficView is the endpoint selection of one class of traffic.
@@ -61,6 +64,27 @@ type EndpointView struct {
 	Zone        string `json:"zone,omitempty"`
 	// Hints are the zones and nodes the endpoint is hinted for ("zone:a", "node:n").
 	Hints []string `json:"hints,omitempty"`
+	// Active is the flows the balancer counts on the endpoint (dials, connections, sessions),
+	// what least-connections and random-two-choices compare.
+	Active int64 `json:"active"`
+	// EjectedFor is how much longer outlier detection keeps it out of rotation ("" when in).
+	EjectedFor string `json:"ejectedFor,omitempty"`
+	// Ejections is its ejections in a row (the back-off multiplier).
+	Ejections int `json:"ejections,omitempty"`
+	// WarmingPercent is its share of new connections against a warm endpoint's while it warms
+	// up (slow start), in percent; 0 when it is warm.
+	WarmingPercent int `json:"warmingPercent,omitempty"`
+}
+
+// BalancingView is a service port's load-balancing policy.
+type BalancingView struct {
+	Algorithm string `json:"algorithm"`
+	// The outlier detection settings, when it is on.
+	OutlierConsecutiveFailures int    `json:"outlierConsecutiveFailures,omitempty"`
+	OutlierEjectionTime        string `json:"outlierEjectionTime,omitempty"`
+	OutlierMaxEjectionPercent  int    `json:"outlierMaxEjectionPercent,omitempty"`
+	// SlowStart is the warm-up window of new and returning endpoints, when it is on.
+	SlowStart string `json:"slowStart,omitempty"`
 }
 
 // AffinityView is one sticky client.
@@ -113,11 +137,22 @@ func (p *Proxier) Services() []ServiceView {
 			}
 		}
 		p.fillSelection(&v, port)
+		v.Balancing = balancingView(port.Balancing)
 		inUse := map[netip.AddrPort]bool{}
+		states := map[netip.AddrPort]loadbalancer.EndpointState{}
 		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
 			if b := p.deps.Balancer.Lookup(key); b != nil {
-				for _, ep := range b.Endpoints() {
-					inUse[ep] = true
+				for _, st := range b.EndpointStates() {
+					inUse[st.Endpoint] = true
+					sum := states[st.Endpoint]
+					sum.Active += st.Active
+					if st.EjectedUntil.After(sum.EjectedUntil) {
+						sum.EjectedUntil, sum.Ejections = st.EjectedUntil, st.Ejections
+					}
+					if sum.Weight == 0 || st.Weight < sum.Weight {
+						sum.Weight = st.Weight
+					}
+					states[st.Endpoint] = sum
 				}
 			}
 		}
@@ -132,6 +167,15 @@ func (p *Proxier) Services() []ServiceView {
 		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
 			ev := EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
 				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
+			if st, ok := states[e.Addr]; ok {
+				ev.Active, ev.Ejections = st.Active, st.Ejections
+				if st.Weight < 1 {
+					ev.WarmingPercent = int(st.Weight * 100)
+				}
+				if st.EjectedUntil.After(now) {
+					ev.EjectedFor = st.EjectedUntil.Sub(now).Round(time.Second).String()
+				}
+			}
 			for _, z := range e.ZoneHints {
 				ev.Hints = append(ev.Hints, "zone:"+z)
 			}

@@ -38,6 +38,7 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 					fmt.Fprintf(tw, "\t\t%s\n", trafficText(t.class, t.view))
 				}
 			}
+			fmt.Fprintf(tw, "\t\t%s\n", balancingText(v))
 			for _, a := range v.AffinityEntries {
 				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
 			}
@@ -101,6 +102,31 @@ func endpointsText(eps []EndpointView) string {
 		parts[i] = e.Address + "(" + state + ")"
 	}
 	return strings.Join(parts, " ")
+}
+
+// balancingText is the line of a port's balancing policy and its endpoints' live flow counts.
+func balancingText(v ServiceView) string {
+	var counts []string
+	for _, e := range v.Endpoints {
+		if e.InUse {
+			c := fmt.Sprintf("%s=%d", e.Address, e.Active)
+			if e.EjectedFor != "" {
+				c += "(ejected " + e.EjectedFor + ")"
+			}
+			if e.WarmingPercent > 0 {
+				c += fmt.Sprintf("(warming %d%%)", e.WarmingPercent)
+			}
+			counts = append(counts, c)
+		}
+	}
+	line := "balancing: " + v.Balancing.Algorithm
+	if b := v.Balancing; b.OutlierConsecutiveFailures > 0 {
+		line += fmt.Sprintf(" outlier[%d failures, %s, max %d%%]", b.OutlierConsecutiveFailures, b.OutlierEjectionTime, b.OutlierMaxEjectionPercent)
+	}
+	if b := v.Balancing; b.SlowStart != "" {
+		line += " slow-start[" + b.SlowStart + "]"
+	}
+	return line + " active[" + strings.Join(counts, " ") + "]"
 }
 
 // trafficText is one line of the endpoints a class of traffic uses and why.

@@ -122,6 +122,8 @@ type Proxier struct {
 	firstChange     map[service.NamespacedName]time.Time // for the network programming latency
 	node            NodeTopology
 
+	annotations annotationWarnings
+
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
 	epMu sync.Mutex
 
@@ -221,6 +223,9 @@ func New(cfg Config, deps Deps) *Proxier {
 		endpointsReady: make(chan struct{}),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
+	if deps.Balancer != nil {
+		deps.Balancer.OnEjection(p.onEjection)
+	}
 	return p
 }
 
@@ -279,6 +284,7 @@ func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 		}
 	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
+	p.warnAnnotations(nsName(svc.Namespace, svc.Name), errs)
 }
 
 // onService records the ports a Service now has; none (deleted, headless, ...) means absent.
@@ -433,6 +439,7 @@ func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service
 // traffic) its endpoints, ending what used removed endpoints where that is the policy.
 func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool) {
 	p.deps.Balancer.SetAffinity(key, port.Affinity)
+	p.deps.Balancer.SetBalancing(key, port.Balancing)
 	sock := p.drainable(port, external)
 	var before []netip.AddrPort
 	if sock != nil { // only then is the old list needed

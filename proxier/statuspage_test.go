@@ -39,6 +39,8 @@ func TestStatusPageInChromium(t *testing.T) {
 		"<code>" + e.tcpEcho.String() + "</code>",     // and its endpoint
 		`<span id="conn-count">1</span>`,
 		"cluster traffic: " + e.tcpEcho.String() + " — policy=Cluster", // which endpoints and why
+		"balancing: round-robin",                                       // the balancing policy
+		e.tcpEcho.String() + " ready, 1 active",                        // and the endpoint's live flows
 	} {
 		if !strings.Contains(dom, want) {
 			t.Errorf("rendered page lacks %q; page:\n%s", want, dom)

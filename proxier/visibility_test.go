@@ -115,7 +115,8 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 		t.Fatalf("/debug/connections = %+v, want one from %s to %s", conns, client, tcpBackend)
 	}
 	text := getText(t, srv.URL+"/debug/services")
-	for _, want := range []string{"ns/echo:tcp", "10.96.0.7:80", tcpBackend.String() + "(ready)"} {
+	for _, want := range []string{"ns/echo:tcp", "10.96.0.7:80", tcpBackend.String() + "(ready)",
+		"balancing: round-robin active[" + tcpBackend.String() + "=1]"} {
 		if !strings.Contains(text, want) {
 			t.Errorf("/debug/services text lacks %q:\n%s", want, text)
 		}

@@ -107,7 +107,51 @@ type Port struct {
 	TrafficDistribution TrafficDistribution
 	// AccessLog asks for one log line per connection or UDP session of this port (an annotation).
 	AccessLog bool
+	// Balancing is how the balancer spreads new flows over the endpoints (annotations).
+	Balancing Balancing
 }
+
+// Algorithm is how a service port's balancer picks the endpoint of a new connection or session.
+type Algorithm string
+
+// The algorithms, spelled as the portal-proxy.kubernetes.io/algorithm annotation takes them.
+const (
+	RoundRobin Algorithm = "round-robin"
+	// LeastConnections picks the endpoint with the fewest live connections or sessions.
+	LeastConnections Algorithm = "least-connections"
+	// RandomTwoChoices draws two endpoints at random and keeps the one with fewer live flows.
+	RandomTwoChoices Algorithm = "random-two-choices"
+)
+
+// Balancing is a service port's load-balancing policy. The zero value is plain round robin with
+// no outlier detection.
+type Balancing struct {
+	// Algorithm "" means RoundRobin.
+	Algorithm Algorithm
+	// Outlier is passive outlier detection; off when its ConsecutiveFailures is 0.
+	Outlier Outlier
+	// SlowStart is the window over which a new or returning endpoint's share of new flows ramps
+	// up linearly; 0 is off.
+	SlowStart time.Duration
+}
+
+// Outlier is passive outlier detection: an endpoint that fails ConsecutiveFailures dials in a row
+// (or resets that many connections at once) leaves the rotation for EjectionTime times the number
+// of times it was ejected, capped, while at most MaxEjectionPercent of the endpoints are out.
+type Outlier struct {
+	ConsecutiveFailures int // 0: off
+	EjectionTime        time.Duration
+	MaxEjectionPercent  int
+}
+
+// Defaults of the outlier settings left unset when ConsecutiveFailures is set.
+const (
+	DefaultEjectionTime       = 30 * time.Second
+	DefaultMaxEjectionPercent = 50
+)
+
+// On reports whether outlier detection is on.
+func (o Outlier) On() bool { return o.ConsecutiveFailures > 0 }
 
 // ExternallyAccessible reports whether the port takes traffic other than at its cluster IPs
 // (a node port, external IPs or load-balancer IPs).
@@ -120,6 +164,7 @@ func (p *Port) Equal(o *Port) bool {
 	return p.SocketEqual(o) && p.Name == o.Name && p.Affinity == o.Affinity &&
 		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal &&
 		p.HealthCheckNodePort == o.HealthCheckNodePort && p.TrafficDistribution == o.TrafficDistribution &&
+		p.Balancing == o.Balancing &&
 		slices.Equal(p.LoadBalancerSourceRanges, o.LoadBalancerSourceRanges)
 }
 

@@ -13,6 +13,17 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
 
+// Observer is implemented by a Picker that wants to hear how its picks turned out (the
+// balancer's least-connections counts and outlier detection). Every pick gets exactly one
+// DialDone with an error, or one FlowDone: DialDone(ep, nil) when the dial connected (FlowDone
+// follows when the connection ends), DialDone(ep, err) when the endpoint failed the dial, and
+// FlowDone(ep, false) for a dial given up for the proxy's own reasons (shutdown, no descriptors).
+// FlowDone's reset marks a connection the endpoint reset before sending anything.
+type Observer interface {
+	DialDone(ep netip.AddrPort, err error)
+	FlowDone(ep netip.AddrPort, reset bool)
+}
+
 // conn is one accepted client connection and, once dialed, its endpoint connection.
 type conn struct {
 	p          *Proxy
@@ -33,6 +44,7 @@ type conn struct {
 	closed   bool // sockets closed (or closing); no direction may park or restart
 	live     int  // owners not yet released: the dialing goroutine, then one per direction
 	eofs     int  // directions that saw FIN
+	counted  bool // endpoint connected and reported to the Observer: finish reports the end
 }
 
 // handle starts serving an accepted connection (fd, from peer) on its own goroutine.
@@ -107,15 +119,41 @@ func (c *conn) dial() (*sock, flow.EndReason, error) {
 			s, err = c.dialBackingOff(ep, deadline, err)
 		}
 		if err == nil {
+			c.observed(ep, nil)
 			return s, flow.Unknown, nil
 		}
 		lastErr = c.dialFailed(ep, i, timeout, err)
+		if lastErr == nil || outOfResources(err) {
+			c.observed(ep, errNotEndpoints)
+		} else {
+			c.observed(ep, err)
+		}
 		if lastErr == nil {
 			return nil, flow.Shutdown, err
 		}
 		reset = true
 	}
 	return nil, flow.DialFailed, dialsFailed(lastErr)
+}
+
+// errNotEndpoints stands for a dial that failed for the proxy's own reasons.
+var errNotEndpoints = errors.New("dial abandoned by the proxy")
+
+// observed tells the picker, if it listens, how a dial to ep ended.
+func (c *conn) observed(ep netip.AddrPort, err error) {
+	o, ok := c.p.picker.(Observer)
+	switch {
+	case !ok:
+	case err == nil:
+		c.mu.Lock()
+		c.counted = true
+		c.mu.Unlock()
+		o.DialDone(ep, nil)
+	case errors.Is(err, errNotEndpoints):
+		o.FlowDone(ep, false)
+	default:
+		o.DialDone(ep, err)
+	}
 }
 
 func (c *conn) attempt(ep netip.AddrPort, i int) {
@@ -310,10 +348,13 @@ func (c *conn) finish() {
 	pk.forget(&c.down)
 	c.p.untrack(c)
 	c.mu.Lock()
-	end := c.end
+	end, counted, ep := c.end, c.counted, c.endpoint
 	c.mu.Unlock()
 	c.p.stats.ended[end].Add(1)
 	c.p.stats.active.Add(-1)
+	if o, ok := c.p.picker.(Observer); ok && counted {
+		o.FlowDone(ep, end == flow.EndpointReset && c.down.bytes.Load() == 0)
+	}
 	if c.p.cfg.OnEnd != nil {
 		c.p.cfg.OnEnd(c.info())
 	}

@@ -57,6 +57,15 @@ func (p *Proxy) serve() error {
 	}
 }
 
+// Observer is implemented by a Picker that wants to hear how its picks turned out (the
+// balancer's least-connections counts and outlier detection). Every pick gets DialDone(ep, nil)
+// when its session opens and then FlowDone when the session ends (reset: the endpoint answered
+// with ICMP port unreachable), or FlowDone(ep, false) at once if the session could not open.
+type Observer interface {
+	DialDone(ep netip.AddrPort, err error)
+	FlowDone(ep netip.AddrPort, reset bool)
+}
+
 // readClients reads one batch from the listening socket. Level-triggered epoll reports the
 // socket again if more is queued, so one busy client socket cannot starve the replies.
 func (p *Proxy) readClients(b *batch, now time.Time) {
@@ -154,10 +163,17 @@ func (p *Proxy) open(client netip.AddrPort, name *sockaddr, namelen uint32, rese
 			closeFD(fd)
 		}
 	}
+	o, observed := p.picker.(Observer)
 	if err != nil {
+		if observed { // a local socket failure, not the endpoint's
+			o.FlowDone(ep, false)
+		}
 		p.stats.sessionSetup.Add(1)
 		p.warn(now, "open session", err, logrus.Fields{"client": client, "endpoint": ep})
 		return nil
+	}
+	if observed {
+		o.DialDone(ep, nil)
 	}
 	s := &session{
 		client: client, endpoint: ep, fd: fd,
@@ -273,6 +289,9 @@ func (p *Proxy) end(s *session, reason flow.EndReason) {
 		delete(p.byFD, int32(s.fd))
 		s.fd = -1
 		p.stats.end(reason)
+		if o, ok := p.picker.(Observer); ok {
+			o.FlowDone(s.endpoint, reason == flow.EndpointRefused)
+		}
 		now := p.cfg.Clock.Now()
 		if p.cfg.OnEnd != nil {
 			p.ended = append(p.ended, s.info(now, reason))

@@ -1,0 +1,119 @@
+package proxier
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// The balancer hears how its picks turn out from both proxies (least-connections counts).
+var (
+	_ tcp.Observer = (*loadbalancer.Service)(nil)
+	_ udp.Observer = (*loadbalancer.Service)(nil)
+)
+
+// ReasonInvalidAnnotation is the Warning event recorded on a Service whose
+// portal-proxy.kubernetes.io/ annotations do not parse.
+const ReasonInvalidAnnotation = "InvalidAnnotation"
+
+// annotationWarnings remembers what was last reported about each Service's annotations, so that
+// an unchanged bad value (every resync, every unrelated update) is not reported again.
+type annotationWarnings struct {
+	mu   sync.Mutex
+	last map[service.NamespacedName]string
+}
+
+// changed records the Service's annotation errors (nil for none) and reports whether they differ
+// from the last ones.
+func (w *annotationWarnings) changed(name service.NamespacedName, errs []error) (string, bool) {
+	var msgs []string
+	for _, err := range errs {
+		if errors.Is(err, ErrInvalidAnnotation) {
+			msgs = append(msgs, err.Error())
+		}
+	}
+	msg := strings.Join(msgs, "; ")
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.last == nil {
+		w.last = map[service.NamespacedName]string{}
+	}
+	if w.last[name] == msg {
+		return msg, false
+	}
+	if msg == "" {
+		delete(w.last, name)
+	} else {
+		w.last[name] = msg
+	}
+	return msg, true
+}
+
+// warnAnnotations records a Warning event on a Service when its annotation errors change to a
+// new non-empty set. (The errors themselves are logged with the other conversion errors.)
+func (p *Proxier) warnAnnotations(name service.NamespacedName, errs []error) {
+	msg, changed := p.annotations.changed(name, errs)
+	if !changed || msg == "" || p.deps.Event == nil {
+		return
+	}
+	p.deps.Event(service.ServicePortName{Namespace: name.Namespace, Name: name.Name}, ReasonInvalidAnnotation, msg)
+}
+
+// ReasonEndpointEjected is the Warning event recorded on a Service when outlier detection takes
+// one of its endpoints out of rotation.
+const ReasonEndpointEjected = "EndpointEjected"
+
+// onEjection logs an ejection and records a Warning event on the Service. The balancer calls it
+// from the connection that saw the last failure, once per ejection.
+func (p *Proxier) onEjection(e loadbalancer.Ejection) {
+	name := e.Service
+	name.Port = strings.TrimSuffix(name.Port, externalName(service.ServicePortName{}).Port)
+	what := "failed dials"
+	if e.Reset {
+		what = "connections reset at once"
+	}
+	p.log.WithFields(logrus.Fields{
+		"service": name.String(), "endpoint": e.Endpoint.String(), "failures": e.Failures, "cause": what,
+		"ejected_for": e.Duration.String(), "ejections": e.Ejections,
+	}).Warn("Endpoint ejected from the rotation by outlier detection")
+	if p.deps.Event != nil {
+		p.deps.Event(name, ReasonEndpointEjected, fmt.Sprintf("endpoint %s ejected for %s after %d %s (ejection %d in a row)",
+			e.Endpoint, e.Duration, e.Failures, what, e.Ejections))
+	}
+}
+
+// balancingView is how the debug view shows a port's balancing policy.
+func balancingView(b service.Balancing) BalancingView {
+	v := BalancingView{Algorithm: string(b.Algorithm)}
+	if v.Algorithm == "" {
+		v.Algorithm = string(service.RoundRobin)
+	}
+	if o := b.Outlier; o.On() {
+		v.OutlierConsecutiveFailures = o.ConsecutiveFailures
+		v.OutlierEjectionTime = o.EjectionTime.String()
+		v.OutlierMaxEjectionPercent = o.MaxEjectionPercent
+	}
+	if b.SlowStart > 0 {
+		v.SlowStart = b.SlowStart.String()
+	}
+	return v
+}
+
+// outliers sums the outlier detection counters of a port's balancers (cluster and external).
+func (p *Proxier) outliers(name service.ServicePortName) (total uint64, ejected int) {
+	for _, key := range []service.ServicePortName{name, externalName(name)} {
+		if b := p.deps.Balancer.Lookup(key); b != nil {
+			t, e := b.Outliers()
+			total, ejected = total+t, ejected+e
+		}
+	}
+	return total, ejected
+}
