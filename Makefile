@@ -6,7 +6,7 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci cluster cluster-build cluster-smoke cluster-down clean
+.PHONY: build test unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -72,6 +72,11 @@ image:
 IMAGE_OCI := bin/kube-portal-proxy.oci.tar
 image-oci: build
 	hack/oci/image.sh $(BIN) $(IMAGE) $(IMAGE_OCI)
+
+# image-oci-test checks the tarball against the Dockerfile (packages, alternatives, binary,
+# symlink, entrypoint).
+image-oci-test: image-oci
+	KPP_IMAGE_OCI=$(abspath $(IMAGE_OCI)) $(GO) test -count=1 -run 'TestImageOCI|TestDockerfile' .
 
 # cluster starts a real single-node cluster (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, containerd, kubelet) in a network namespace of its own, with kube-portal-proxy
