@@ -214,6 +214,12 @@ sed -e "s#@DEPLOY@#$rel#" -e "s#@IMAGE_NAME@#${IMAGE%:*}#" -e "s#@IMAGE_TAG@#${I
   "$here/overlay/kustomization.yaml.in" >"$STATE/overlay/kustomization.yaml"
 cp "$here/overlay/apiserver-env.yaml" "$STATE/overlay/"
 sed -i -e "s#@API_HOST@#$NODE_IP#" -e "s#@API_PORT@#6443#" "$STATE/overlay/apiserver-env.yaml"
+# CAP_SYS_RESOURCE is bit 24 of the bounding set.
+if (( (16#$(awk '/^CapBnd/ {print $2}' /proc/self/status) >> 24 & 1) == 0 )); then
+  log "root lacks CAP_SYS_RESOURCE here: the DaemonSet runs without it (overlay/no-sys-resource.yaml)"
+  cp "$here/overlay/no-sys-resource.yaml" "$STATE/overlay/"
+  printf -- '- path: no-sys-resource.yaml\n' >>"$STATE/overlay/kustomization.yaml"
+fi
 kc apply -k "$STATE/overlay" >/dev/null
 kc -n kube-system rollout status daemonset/kube-portal-proxy --timeout=180s >/dev/null ||
   die "kube-portal-proxy not ready; kubectl -n kube-system logs ds/kube-portal-proxy"
