@@ -6,7 +6,7 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down clean
+.PHONY: build test unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -94,6 +94,10 @@ cluster-smoke:
 
 cluster-down:
 	hack/cluster/down.sh
+
+# cluster-test: make cluster, cluster-smoke, cluster-down, and the host compared before and after.
+cluster-test:
+	hack/cluster/test.sh
 
 clean:
 	rm -rf bin

@@ -5,12 +5,13 @@
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/kubelet-<kube version>
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/kube-controller-manager-<kube version>
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/kube-scheduler-<kube version>
+#   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/coredns-<coredns version>   (cluster DNS)
 #
 # The same way as controlplane-build.sh: a throwaway module that requires k8s.io/kubernetes and
 # replaces every staging module by its published v0.<minor>.<patch>, then one `go build` of the
 # three main packages (they share most of their packages, so one invocation compiles them once).
 # A cold build takes ~8 minutes on 2 cores. It prints NAME=path lines (KPP_KUBELET,
-# KPP_CONTROLLER_MANAGER, KPP_SCHEDULER).
+# KPP_CONTROLLER_MANAGER, KPP_SCHEDULER, KPP_COREDNS).
 #
 # Environment: KPP_CACHE, KPP_KUBE_VERSION (default v1.36.3), KPP_KEEP_GOCACHE=1 keeps the
 # private build cache.
@@ -24,6 +25,9 @@ work_dir=$cache/build
 kubelet=$bin_dir/kubelet-$kube_version
 kcm=$bin_dir/kube-controller-manager-$kube_version
 scheduler=$bin_dir/kube-scheduler-$kube_version
+# CoreDNS: the version kubeadm v1.36 deploys (cmd/kubeadm/app/constants CoreDNSVersion).
+coredns_version=${KPP_COREDNS_VERSION:-v1.14.2}
+coredns=$bin_dir/coredns-$coredns_version
 
 log() { printf 'cluster-build: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
@@ -78,20 +82,37 @@ build_node() {
   rm -rf "$dir"
 }
 
+build_coredns() {
+  local dir=$work_dir/coredns-$coredns_version
+  log "building coredns $coredns_version (~3 min cold on 2 cores)"
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  (
+    cd "$dir"
+    go mod init kpp.invalid/cluster-build/coredns >/dev/null 2>&1
+    go mod edit -require="github.com/coredns/coredns@$coredns_version" -tool=github.com/coredns/coredns
+    go mod tidy
+    CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$coredns.tmp" github.com/coredns/coredns
+    mv -f "$coredns.tmp" "$coredns"
+  )
+  rm -rf "$dir"
+}
+
 main() {
   mkdir -p "$bin_dir" "$work_dir"
   exec 9>"$work_dir/.lock-node"
   if command -v flock >/dev/null 2>&1; then flock 9; fi
-  if [ ! -x "$kubelet" ] || [ ! -x "$kcm" ] || [ ! -x "$scheduler" ]; then
+  if [ ! -x "$kubelet" ] || [ ! -x "$kcm" ] || [ ! -x "$scheduler" ] || [ ! -x "$coredns" ]; then
     command -v go >/dev/null 2>&1 || die "go not found in PATH (need Go >= 1.26)"
     export GOCACHE=$work_dir/gocache-node
-    build_node
+    { [ -x "$kubelet" ] && [ -x "$kcm" ] && [ -x "$scheduler" ]; } || build_node
+    [ -x "$coredns" ] || build_coredns
     if [ "${KPP_KEEP_GOCACHE:-}" != 1 ]; then
       go clean -cache >/dev/null 2>&1 || true
       rm -rf "$GOCACHE"
     fi
   fi
-  printf 'KPP_KUBELET=%s\nKPP_CONTROLLER_MANAGER=%s\nKPP_SCHEDULER=%s\n' "$kubelet" "$kcm" "$scheduler"
+  printf 'KPP_KUBELET=%s\nKPP_CONTROLLER_MANAGER=%s\nKPP_SCHEDULER=%s\nKPP_COREDNS=%s\n' "$kubelet" "$kcm" "$scheduler" "$coredns"
 }
 
 main "$@"
