@@ -6,7 +6,7 @@ BIN := bin/kube-portal-proxy
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image clean
+.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -70,6 +70,39 @@ IMAGE ?= ghcr.io/kube-portal-proxy/kube-portal-proxy:$(VERSION)
 # image needs a container engine (docker, or DOCKER=podman); machines without one cannot build it.
 image:
 	$(DOCKER) build --build-arg VERSION=$(VERSION) -t $(IMAGE) .
+
+# image-oci writes the same image as an OCI image layout tarball without a container engine
+# (root; needs mmdebstrap for the Debian layer, cached in ~/.cache/kube-portal-proxy/images):
+#   ctr -n k8s.io images import bin/kube-portal-proxy.oci.tar   (or docker load -i ...)
+IMAGE_OCI := bin/kube-portal-proxy.oci.tar
+image-oci: build
+	hack/oci/image.sh $(BIN) $(IMAGE) $(IMAGE_OCI)
+
+# image-oci-test checks the tarball against the Dockerfile (packages, alternatives, binary,
+# symlink, entrypoint).
+image-oci-test: image-oci
+	KPP_IMAGE_OCI=$(abspath $(IMAGE_OCI)) $(GO) test -count=1 -run 'TestImageOCI|TestDockerfile' .
+
+# cluster starts a real single-node cluster (etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, containerd, kubelet) in a network namespace of its own, with kube-portal-proxy
+# installed from deploy/ as its DaemonSet (root; see README "Real cluster"). cluster-build builds
+# the node components once (~8 min cold); cluster-smoke checks a Service from a pod and from the
+# node; cluster-down removes everything. Not part of make test.
+cluster-build: controlplane
+	hack/cluster/build.sh >/dev/null
+
+cluster: cluster-build image-oci
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) hack/cluster/up.sh
+
+cluster-smoke:
+	hack/cluster/smoke.sh
+
+cluster-down:
+	hack/cluster/down.sh
+
+# cluster-test: make cluster, cluster-smoke, cluster-down, and the host compared before and after.
+cluster-test:
+	hack/cluster/test.sh
 
 clean:
 	rm -rf bin

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"archive/tar"
 	"bufio"
+	"bytes"
 	"debug/buildinfo"
 	"debug/elf"
 	"encoding/json"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -314,4 +317,243 @@ func TestDeployRunsTheImage(t *testing.T) {
 	if diff := cmp.Diff([]string{imageEntrypoint(t)}, c.Command); diff != "" {
 		t.Errorf("command (-want +got), as the Dockerfile's ENTRYPOINT:\n%s", diff)
 	}
+}
+
+// shellVar is the value of a top-level NAME=value assignment in a script, quotes removed.
+func shellVar(t *testing.T, script, name string) string {
+	t.Helper()
+	data, err := os.ReadFile(script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^` + name + `=(.*)$`).FindSubmatch(data)
+	if m == nil {
+		t.Fatalf("%s: no %s=", script, name)
+	}
+	return strings.Trim(string(m[1]), `"'`)
+}
+
+// dockerfileImage is what the Dockerfile's runtime stage puts in the image, as
+// make image-oci's scripts spell it.
+type dockerfileImage struct {
+	Packages     []string
+	Alternatives []string // name=path
+	BinaryPath   string
+	Symlinks     []string // path=target
+	Entrypoint   string
+}
+
+func fromDockerfile(t *testing.T) dockerfileImage {
+	ins := dockerfile(t)
+	var img dockerfileImage
+	img.Packages = aptPackages(t)
+	slices.Sort(img.Packages)
+	for _, set := range find(ins, "RUN", "update-alternatives") {
+		for _, m := range regexp.MustCompile(`update-alternatives --set (\S+) (\S+)`).FindAllStringSubmatch(set, -1) {
+			img.Alternatives = append(img.Alternatives, m[1]+"="+m[2])
+		}
+	}
+	copies := find(ins, "COPY", "--from=build /out/kube-portal-proxy ")
+	if len(copies) != 1 {
+		t.Fatalf("want one COPY of the binary, got %q", copies)
+	}
+	img.BinaryPath = strings.Fields(copies[0])[2]
+	for _, ln := range find(ins, "RUN", "ln -s") {
+		f := strings.Fields(ln)
+		if len(f) != 4 {
+			t.Fatalf("RUN %s: want ln -s TARGET PATH", ln)
+		}
+		img.Symlinks = append(img.Symlinks, f[3]+"="+f[2])
+	}
+	img.Entrypoint = imageEntrypoint(t)
+	return img
+}
+
+// TestImageOCIScriptsDescribeTheDockerfileImage checks that make image-oci (hack/oci) builds
+// what the Dockerfile builds: the same Debian packages and iptables alternatives, the binary
+// at the same path, the same symlink and entrypoint.
+func TestImageOCIScriptsDescribeTheDockerfileImage(t *testing.T) {
+	var got dockerfileImage
+	got.Packages = strings.Fields(shellVar(t, "hack/oci/rootfs.sh", "PACKAGES"))
+	slices.Sort(got.Packages)
+	got.Alternatives = strings.Fields(shellVar(t, "hack/oci/rootfs.sh", "ALTERNATIVES"))
+	got.BinaryPath = shellVar(t, "hack/oci/image.sh", "BINARY_PATH")
+	got.Symlinks = strings.Fields(shellVar(t, "hack/oci/image.sh", "SYMLINK"))
+	got.Entrypoint = shellVar(t, "hack/oci/image.sh", "ENTRYPOINT")
+	if diff := cmp.Diff(fromDockerfile(t), got); diff != "" {
+		t.Errorf("make image-oci differs from the Dockerfile (-Dockerfile +hack/oci):\n%s", diff)
+	}
+	if base := find(dockerfile(t), "FROM", "debian:"); len(base) != 1 || base[0] != "debian:bookworm-slim" {
+		t.Errorf("runtime base %q: hack/oci/rootfs.sh installs bookworm minbase", base)
+	}
+	if !strings.Contains(readFile(t, "hack/oci/rootfs.sh"), "--variant=minbase") ||
+		!strings.Contains(readFile(t, "hack/oci/rootfs.sh"), " bookworm ") {
+		t.Error("hack/oci/rootfs.sh does not build bookworm minbase (what debian:bookworm-slim holds)")
+	}
+}
+
+func readFile(t *testing.T, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// TestImageOCIIsTheDockerfileImage opens an image make image-oci wrote (KPP_IMAGE_OCI, set by
+// make image-oci-test) and checks it against the Dockerfile: entrypoint and PATH in the config,
+// the static binary and the symlink in the layers, the packages installed in dpkg's status and
+// the alternatives selected.
+func TestImageOCIIsTheDockerfileImage(t *testing.T) {
+	file := os.Getenv("KPP_IMAGE_OCI")
+	if file == "" {
+		t.Skip("KPP_IMAGE_OCI not set (make image-oci-test builds the image and runs this)")
+	}
+	want := fromDockerfile(t)
+	img := readOCIImage(t, file)
+	if diff := cmp.Diff([]string{want.Entrypoint}, img.config.Config.Entrypoint); diff != "" {
+		t.Errorf("entrypoint (-Dockerfile +image):\n%s", diff)
+	}
+	if !slices.Contains(img.config.Config.Env, "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") {
+		t.Errorf("env %q lacks debian's PATH", img.config.Config.Env)
+	}
+	if img.config.Config.User != "" {
+		t.Errorf("user %q: the Dockerfile runs as root", img.config.Config.User)
+	}
+	binPath := strings.TrimPrefix(want.BinaryPath, "/")
+	bin, ok := img.files[binPath]
+	if !ok || bin.Typeflag != tar.TypeReg || bin.Mode&0o111 == 0 {
+		t.Fatalf("%s: not an executable file in the image", want.BinaryPath)
+	}
+	f, err := elf.NewFile(bytes.NewReader(img.bodies[binPath]))
+	if err != nil {
+		t.Fatalf("%s: %v", want.BinaryPath, err)
+	}
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			t.Errorf("%s is dynamically linked", want.BinaryPath)
+		}
+	}
+	for _, s := range append(want.Symlinks, alternativeLinks(want.Alternatives)...) {
+		p, target, _ := strings.Cut(s, "=")
+		if h, ok := img.files[strings.TrimPrefix(p, "/")]; !ok || h.Typeflag != tar.TypeSymlink || h.Linkname != target {
+			t.Errorf("%s: want a symlink to %s, got %+v", p, target, h)
+		}
+	}
+	status := string(img.bodies["var/lib/dpkg/status"])
+	for _, pkg := range want.Packages {
+		if !strings.Contains(status, "Package: "+pkg+"\nStatus: install ok installed\n") {
+			t.Errorf("package %s is not installed in the image", pkg)
+		}
+	}
+}
+
+func alternativeLinks(alts []string) []string {
+	var out []string
+	for _, a := range alts {
+		name, path, _ := strings.Cut(a, "=")
+		out = append(out, "/etc/alternatives/"+name+"="+path)
+	}
+	return out
+}
+
+type ociImage struct {
+	config struct {
+		Config struct {
+			Entrypoint, Env []string
+			User            string
+		} `json:"config"`
+	}
+	files  map[string]*tar.Header // merged layers, paths without ./ or /
+	bodies map[string][]byte      // contents of the files the test reads
+}
+
+func readOCIImage(t *testing.T, file string) ociImage {
+	t.Helper()
+	f, err := os.Open(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	blobs := map[string]string{} // name -> temp file
+	dir := t.TempDir()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h.Typeflag != tar.TypeReg {
+			continue
+		}
+		p := filepath.Join(dir, strings.ReplaceAll(h.Name, "/", "_"))
+		out, err := os.Create(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.Copy(out, tr); err != nil {
+			t.Fatal(err)
+		}
+		out.Close()
+		blobs[h.Name] = p
+	}
+	readJSON := func(name string, v any) {
+		t.Helper()
+		b, err := os.ReadFile(blobs[name])
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if err := json.Unmarshal(b, v); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+	type desc struct {
+		Digest      string
+		Annotations map[string]string
+	}
+	var idx struct{ Manifests []desc }
+	readJSON("index.json", &idx)
+	if len(idx.Manifests) != 1 || idx.Manifests[0].Annotations["io.containerd.image.name"] == "" {
+		t.Fatalf("index.json: want one manifest named by io.containerd.image.name, got %+v", idx.Manifests)
+	}
+	blobName := func(d string) string { return "blobs/sha256/" + strings.TrimPrefix(d, "sha256:") }
+	var m struct {
+		Config desc
+		Layers []desc
+	}
+	readJSON(blobName(idx.Manifests[0].Digest), &m)
+	var img ociImage
+	readJSON(blobName(m.Config.Digest), &img.config)
+	img.files, img.bodies = map[string]*tar.Header{}, map[string][]byte{}
+	for _, l := range m.Layers {
+		lf, err := os.Open(blobs[blobName(l.Digest)])
+		if err != nil {
+			t.Fatal(err)
+		}
+		lr := tar.NewReader(lf)
+		for {
+			h, err := lr.Next()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := strings.TrimPrefix(strings.TrimPrefix(h.Name, "./"), "/")
+			img.files[name] = h
+			if name == "var/lib/dpkg/status" || h.Typeflag == tar.TypeReg && strings.HasPrefix(name, "usr/local/bin/") {
+				b, err := io.ReadAll(lr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				img.bodies[name] = b
+			}
+		}
+		lf.Close()
+	}
+	return img
 }

@@ -1,0 +1,41 @@
+# common.sh: names and helpers shared by up.sh, down.sh and smoke.sh (sourced).
+# shellcheck shell=bash
+
+NS=${KPP_CLUSTER_NETNS:-kpp-cluster}        # the cluster's network namespace
+STATE=${KPP_CLUSTER_DIR:-/var/lib/kpp-cluster}
+NODE=kpp-node0                                # node name
+NODE_IP=10.99.0.2                             # on the port-less bridge node0
+NODE_CIDR=10.99.0.2/24
+POD_CIDR=10.244.0.0/24
+SERVICE_CIDR=10.96.0.0/12
+DNS_IP=10.96.0.10
+PAUSE_IMAGE=registry.k8s.io/pause:3.10.2
+SERVE_IMAGE=kpp.invalid/serve:1
+KUBECONFIG_ADMIN=$STATE/admin.kubeconfig
+SOCK=$STATE/containerd/containerd.sock
+# Paths outside $STATE that the components write to (fixed in their code): up.sh records which
+# existed before, down.sh removes the others.
+FIXED_PATHS="/var/lib/kubelet /var/log/containers /run/containerd /var/lib/cni"
+# Global sysctls kubelet sets (protectKernelDefaults: false): saved by up.sh, restored by down.sh.
+SYSCTLS="vm.overcommit_memory kernel.panic kernel.panic_on_oops"
+
+log() { printf 'cluster: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+ns() { nsenter --net="/run/netns/$NS" "$@"; }
+# kc runs kubectl as the cluster admin inside the cluster namespace.
+kc() { ns "$KPP_KUBECTL" --kubeconfig="$KUBECONFIG_ADMIN" "$@"; }
+
+# wait_for DESCRIPTION SECONDS COMMAND...: polls COMMAND every 0.5 s until it succeeds or the
+# deadline passes.
+wait_for() {
+  local what=$1 secs=$2 deadline
+  shift 2
+  deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS >= deadline)); then
+      log "timed out after ${secs}s waiting for $what"
+      return 1
+    fi
+    sleep 0.5
+  done
+}

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# down.sh removes what up.sh started and changed (make cluster-down): the containers, every
+# process by the PID up.sh recorded (and the containerd shims, found by the socket they serve),
+# the mounts under the cluster's directory, the kubepods cgroups, the network namespace, the
+# files kubelet and containerd write at fixed paths, and it restores the sysctls kubelet changed.
+# Safe to run on a half-started cluster and twice.
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=common.sh
+. "$here/common.sh"
+
+[ "$(id -u)" = 0 ] || die "make cluster-down needs root"
+
+# stop NAME: SIGTERM the recorded PID, SIGKILL after 15 s.
+stop() {
+  local f=$STATE/pids/$1 pid
+  [ -f "$f" ] || return 0
+  pid=$(cat "$f")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null
+    wait_for "$1 (pid $pid) to exit" 15 sh -c "! kill -0 $pid" || kill -KILL "$pid" 2>/dev/null
+    wait_for "$1 (pid $pid) to die" 5 sh -c "! kill -0 $pid"
+    log "stopped $1 (pid $pid)"
+  fi
+  rm -f "$f"
+}
+
+# The kubelet first, so it restarts nothing; then the containers through containerd.
+stop kubelet
+if [ -S "$SOCK" ]; then
+  for t in $(ctr -a "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+    ctr -a "$SOCK" -n k8s.io tasks kill -s SIGKILL "$t" >/dev/null 2>&1
+  done
+  for t in $(ctr -a "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+    wait_for "task $t to stop" 10 sh -c "ctr -a '$SOCK' -n k8s.io tasks ls | grep -q '^$t .*STOPPED'"
+    ctr -a "$SOCK" -n k8s.io tasks delete "$t" >/dev/null 2>&1
+  done
+  for ctn in $(ctr -a "$SOCK" -n k8s.io containers ls -q 2>/dev/null); do
+    ctr -a "$SOCK" -n k8s.io containers delete "$ctn" >/dev/null 2>&1
+  done
+fi
+stop containerd
+# Shims outlive containerd; each was started with "-address <our socket>".
+for p in /proc/[0-9]*; do
+  if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- "-address $SOCK"; then
+    pid=${p#/proc/}
+    kill -KILL "$pid" 2>/dev/null && log "killed containerd shim pid $pid"
+  fi
+done
+stop kube-scheduler
+stop kube-controller-manager
+stop kube-apiserver
+stop etcd
+
+# Mounts under the cluster's directory (volumes, netns files, snapshots), deepest first.
+if [ -d "$STATE" ]; then
+  awk -v s="$STATE/" 'index($5, s) == 1 { print $5 }' /proc/self/mountinfo | sort -r | while read -r m; do
+    umount "$m" 2>/dev/null || umount -l "$m" && log "unmounted $m"
+  done
+fi
+
+# kubepods cgroups, in every hierarchy, deepest first (only if up.sh found none there before).
+if [ -f "$STATE/preexisting-cgroups" ] && [ ! -s "$STATE/preexisting-cgroups" ]; then
+  for h in /sys/fs/cgroup/*/kubepods; do
+    [ -d "$h" ] || continue
+    find "$h" -depth -type d -exec rmdir {} \; 2>/dev/null
+    [ -d "$h" ] && log "could not remove $h (processes left in it?)" || log "removed $h"
+  done
+fi
+
+ip netns del "$NS" 2>/dev/null && log "deleted network namespace $NS"
+
+if [ -f "$STATE/sysctls" ]; then
+  while IFS== read -r k v; do
+    [ "$(sysctl -n "$k")" = "$v" ] || { sysctl -q -w "$k=$v" && log "restored $k=$v"; }
+  done <"$STATE/sysctls"
+fi
+
+if [ -f "$STATE/preexisting" ]; then
+  for p in $FIXED_PATHS; do
+    if ! grep -qx "$p" "$STATE/preexisting" && [ -e "$p" ]; then
+      rm -rf "$p" && log "removed $p"
+    fi
+  done
+  # In directories that existed before, only what this cluster wrote.
+  grep -qx /var/lib/kubelet "$STATE/preexisting" && rm -f /var/lib/kubelet/device-plugins/kubelet.sock
+  if grep -qx /var/log/containers "$STATE/preexisting"; then
+    find /var/log/containers -maxdepth 1 -type l -lname "$STATE/*" -delete
+  fi
+fi
+
+rm -rf "$STATE" && log "removed $STATE"
