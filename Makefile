@@ -3,7 +3,11 @@
 GO ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
 export PATH := $(dir $(GO)):$(PATH)
 BIN := bin/kube-portal-proxy
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+# Evaluated once per make run (a recursive variable would ask git again at every use, and a commit
+# made meanwhile would give the image and the manifests different tags).
+ifeq ($(origin VERSION),undefined)
+VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+endif
 LDFLAGS := -X main.version=$(VERSION)
 
 .PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test clean
