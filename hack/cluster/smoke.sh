@@ -63,8 +63,12 @@ log "Service smoke/serve: $ip:80 -> pods $pods"
 
 mode=$(ns "$STATE/bin/serve" -get http://127.0.0.1:10249/proxyMode) || fail "no proxy answers /proxyMode on the node"
 [ "$mode" = userspace ] || fail "/proxyMode = $mode, want userspace (kube-portal-proxy)"
+# The proxy refuses a Service until its endpoints are in and synced (as kube-proxy does), so wait
+# for the first answer (kube-proxy's e2e allows 30 s of endpoint lag; 60 s here), then count.
 wait_for "the proxy's rules for $ip" 60 sh -c "nsenter --net=/run/netns/$NS '$STATE/bin/serve' -get http://127.0.0.1:10249/debug/rules | grep -qF -- '$ip'" ||
   fail "kube-portal-proxy's /debug/rules never named $ip"
+wait_for "the first answer of $ip:80 from the node" 60 ns "$STATE/bin/serve" -get "http://$ip/" ||
+  fail "$ip:80 never answered from the node"
 
 # check FROM N CMD...: runs CMD N times; every run must answer with a serve pod's name, and both
 # pods must answer.
