@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/utils/clock"
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -213,29 +212,7 @@ func TestUDPSessionsAreCounted(t *testing.T) {
 // queue is full with one connection nobody accepts, so a connect to it waits until the dial's
 // deadline (the kernel retransmits the SYN only after a second).
 func blackHole(t *testing.T) netip.AddrPort {
-	t.Helper()
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatalf("socket: %v", err)
-	}
-	t.Cleanup(func() { unix.Close(fd) })
-	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 5}}); err != nil {
-		t.Fatalf("bind: %v", err)
-	}
-	if err := unix.Listen(fd, 0); err != nil {
-		t.Fatalf("listen: %v", err)
-	}
-	sa, err := unix.Getsockname(fd)
-	if err != nil {
-		t.Fatalf("getsockname: %v", err)
-	}
-	ap := netip.AddrPortFrom(netip.AddrFrom4(sa.(*unix.SockaddrInet4).Addr), uint16(sa.(*unix.SockaddrInet4).Port))
-	filler, err := net.DialTimeout("tcp4", ap.String(), 5*time.Second)
-	if err != nil {
-		t.Fatalf("fill the accept queue: %v", err)
-	}
-	t.Cleanup(func() { filler.Close() })
-	return ap
+	return testenv.UnansweredTCP(t, netip.MustParseAddr("127.0.0.5"))
 }
 
 // TestOutlierEjectionOfABlackHole runs a real proxy over two echo endpoints and one that drops

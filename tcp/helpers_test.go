@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
-	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -165,29 +165,7 @@ func refusedPort(t *testing.T) netip.AddrPort {
 // queue is full with one connection nobody accepts, so a connect to it stays in SYN_SENT until
 // the dial's deadline (the kernel retransmits the SYN only after a second).
 func unansweredPort(t *testing.T) netip.AddrPort {
-	t.Helper()
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatalf("socket: %v", err)
-	}
-	t.Cleanup(func() { unix.Close(fd) })
-	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 4}}); err != nil {
-		t.Fatalf("bind: %v", err)
-	}
-	if err := unix.Listen(fd, 0); err != nil {
-		t.Fatalf("listen: %v", err)
-	}
-	sa, err := unix.Getsockname(fd)
-	if err != nil {
-		t.Fatalf("getsockname: %v", err)
-	}
-	ap := netip.AddrPortFrom(netip.AddrFrom4(sa.(*unix.SockaddrInet4).Addr), uint16(sa.(*unix.SockaddrInet4).Port))
-	filler, err := net.DialTimeout("tcp4", ap.String(), 5*time.Second)
-	if err != nil {
-		t.Fatalf("fill the accept queue: %v", err)
-	}
-	t.Cleanup(func() { filler.Close() })
-	return ap
+	return testenv.UnansweredTCP(t, netip.MustParseAddr("127.0.0.4"))
 }
 
 // dialExpectReset connects to the proxy and reads: the proxy may reset the connection before the
