@@ -29,6 +29,7 @@ const (
 	EndpointRefused           // UDP: ICMP port unreachable from the endpoint
 	EndpointError             // UDP: any other error on the endpoint socket
 	SourceDenied              // the client is outside the allowed source ranges (TCP: reset; UDP: datagram dropped)
+	HoldTimeout               // TCP: held for want of an endpoint until the hold timeout; the client was reset
 
 	// NumEndReasons sizes arrays indexed by EndReason.
 	NumEndReasons
@@ -37,7 +38,7 @@ const (
 // One spelling scheme, for the access log and debug output: lower case, words joined by '-'.
 var endReasonNames = [NumEndReasons]string{"unknown", "client-closed", "endpoint-closed", "client-reset",
 	"endpoint-reset", "idle-timeout", "dial-failed", "no-endpoints", "endpoint-removed", "shutdown",
-	"evicted", "endpoint-refused", "endpoint-error", "source-denied"}
+	"evicted", "endpoint-refused", "endpoint-error", "source-denied", "hold-timeout"}
 
 func (r EndReason) String() string {
 	if r < NumEndReasons {
@@ -85,6 +86,11 @@ type Stats struct {
 	// TCP only.
 	DialAttempts, DialFailures, DialRetries uint64
 
+	// TCP only, a service port that holds connections while it has no endpoint: Held is how many
+	// wait now; Holds counts the holds by outcome.
+	Held  int64
+	Holds [NumHoldOutcomes]uint64
+
 	// UDP only: datagrams dropped.
 	DropsSessionSetup uint64 // an endpoint socket could not be opened (EMFILE, ...)
 	DropsToEndpoint   uint64 // sending to the endpoint failed
@@ -108,8 +114,33 @@ func (s *Stats) Add(b Stats) {
 	s.DialAttempts += b.DialAttempts
 	s.DialFailures += b.DialFailures
 	s.DialRetries += b.DialRetries
+	s.Held += b.Held
+	for i := range s.Holds {
+		s.Holds[i] += b.Holds[i]
+	}
 	s.DropsSessionSetup += b.DropsSessionSetup
 	s.DropsToEndpoint += b.DropsToEndpoint
 	s.DropsToClient += b.DropsToClient
 	s.DropsTruncated += b.DropsTruncated
+}
+
+// HoldOutcome is how a connection held for want of an endpoint left the hold.
+type HoldOutcome uint8
+
+// The outcomes of a hold.
+const (
+	HoldServed   HoldOutcome = iota // an endpoint appeared and the connection was dialed
+	HoldExpired                     // the hold timeout passed first; the client was reset (HoldTimeout)
+	HoldFull                        // not held: the port already held its limit; the client was reset (NoEndpoints)
+	HoldAborted                     // the proxy socket closed or shut down first
+	NumHoldOutcomes
+)
+
+var holdOutcomeNames = [NumHoldOutcomes]string{"served", "timeout", "full", "aborted"}
+
+func (o HoldOutcome) String() string {
+	if o < NumHoldOutcomes {
+		return holdOutcomeNames[o]
+	}
+	return fmt.Sprintf("HoldOutcome(%d)", o)
 }

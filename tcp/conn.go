@@ -11,6 +11,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 )
 
 // Observer is implemented by a Picker that wants to hear how its picks turned out (the
@@ -32,6 +33,7 @@ type conn struct {
 	clientAddr netip.AddrPort
 	start      int64        // unix nanoseconds on the proxy clock
 	last       atomic.Int64 // last byte moved, unix nanoseconds on the proxy clock
+	holding    atomic.Bool  // waiting for an endpoint (hold.go); the idle sweep skips it
 	up, down   direction    // client->endpoint, endpoint->client
 
 	mu       sync.Mutex
@@ -79,6 +81,15 @@ func (c *conn) serve() {
 		c.release()
 		return
 	}
+	if v := c.p.cfg.ProxyProtocol; v != proxyprotocol.Off {
+		if err := c.sendProxyHeader(be, v); err != nil {
+			be.resetOnClose()
+			be.close()
+			c.fail(flow.EndpointReset, fmt.Errorf("send the PROXY protocol header: %w", err))
+			c.release()
+			return
+		}
+	}
 	c.mu.Lock()
 	if c.closed { // terminated (Shutdown, idle timeout) while dialing
 		c.mu.Unlock()
@@ -104,10 +115,13 @@ func (c *conn) dial() (*sock, flow.EndReason, error) {
 	for i, timeout := range p.cfg.DialTimeouts {
 		ep, err := p.picker.Next(c.clientAddr.Addr(), reset)
 		if err != nil {
-			if i == 0 {
-				return nil, flow.NoEndpoints, c.noEndpoints(err)
+			if i > 0 {
+				break
 			}
-			break
+			var reason flow.EndReason
+			if ep, reason, err = c.hold(err); err != nil {
+				return nil, reason, err
+			}
 		}
 		c.attempt(ep, i)
 		// No bind before connect: bind(0.0.0.0:0)'s ephemeral port search dominated the profile

@@ -16,6 +16,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -60,6 +61,17 @@ type Config struct {
 	Allow func(client netip.Addr) bool
 	// Clock drives the idle timeout and timestamps; nil means the real clock.
 	Clock clock.WithTicker
+
+	// ProxyProtocol, unless Off, makes every connection to an endpoint start with a PROXY
+	// protocol header of that version (the client's address and the service address it
+	// connected to), written before any client byte.
+	ProxyProtocol proxyprotocol.Version
+	// HoldTimeout, if positive, holds a connection whose first pick finds no endpoint for up to
+	// this long instead of resetting it: it is dialed once WakeHeld signals endpoints and a pick
+	// succeeds, and reset with the reason flow.HoldTimeout when the time is up.
+	HoldTimeout time.Duration
+	// HoldLimit bounds the connections held at once; 0 means DefaultHoldLimit.
+	HoldLimit int
 }
 
 func (c Config) withDefaults() Config {
@@ -79,6 +91,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Clock == nil {
 		c.Clock = clock.RealClock{}
+	}
+	if c.HoldLimit <= 0 {
+		c.HoldLimit = DefaultHoldLimit
 	}
 	return c
 }
@@ -114,6 +129,10 @@ type Proxy struct {
 	mu     sync.Mutex
 	conns  map[uint64]*conn
 	nextID uint64
+
+	// holdMu guards wake, closed by WakeHeld to wake the held connections (hold.go).
+	holdMu sync.Mutex
+	wake   chan struct{}
 
 	stats counters
 }
@@ -326,7 +345,7 @@ func (p *Proxy) sweepIdle() {
 		case <-t.C():
 			now := p.cfg.Clock.Now().UnixNano()
 			for _, c := range p.snapshot() {
-				if now-c.last.Load() >= int64(p.cfg.IdleTimeout) {
+				if !c.holding.Load() && now-c.last.Load() >= int64(p.cfg.IdleTimeout) {
 					c.terminate(flow.IdleTimeout, false)
 				}
 			}
@@ -345,6 +364,8 @@ type counters struct {
 	dialAttempts, dialFailures, dialRetries, noEndpoints atomic.Int64
 	sourceDenied                                         atomic.Uint64
 	ended                                                [flow.NumEndReasons]atomic.Uint64
+	held                                                 atomic.Int64
+	holds                                                [flow.NumHoldOutcomes]atomic.Uint64
 }
 
 func (c *counters) snapshot() flow.Stats {
@@ -353,10 +374,13 @@ func (c *counters) snapshot() flow.Stats {
 		BytesToEndpoint: uint64(c.bytesIn.Load()), BytesToClient: uint64(c.bytesOut.Load()),
 		DialAttempts: uint64(c.dialAttempts.Load()), DialFailures: uint64(c.dialFailures.Load()),
 		DialRetries: uint64(c.dialRetries.Load()), NoEndpoint: uint64(c.noEndpoints.Load()),
-		SourceDenied: c.sourceDenied.Load(),
+		SourceDenied: c.sourceDenied.Load(), Held: c.held.Load(),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()
+	}
+	for i := range c.holds {
+		s.Holds[i] = c.holds[i].Load()
 	}
 	return s
 }

@@ -1,0 +1,91 @@
+package tcp
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+)
+
+// DefaultHoldLimit bounds how many connections one proxy socket holds at once while its service
+// port has no endpoint (Config.HoldLimit 0). Each costs its client socket and a goroutine waiting
+// (about 5 KiB), so the limit keeps a client that opens connections in a loop from eating the
+// node's descriptors; past it, new connections are reset as without a hold.
+const DefaultHoldLimit = 1024
+
+// hold is called when the first pick of a connection found no endpoint (pickErr). Without a hold
+// timeout it ends the connection as before: no endpoints. With one, the connection waits, its
+// client socket open and unread, until WakeHeld says the endpoints changed and a pick succeeds,
+// or until the timeout (HoldTimeout), and returns the endpoint to dial.
+//
+// The wake channel is taken before each pick, so an update that lands between a failed pick and
+// the wait still wakes it. A held connection is not idle-swept: it has not started.
+func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
+	p := c.p
+	timeout := p.cfg.HoldTimeout
+	if timeout <= 0 {
+		return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(pickErr)
+	}
+	if p.stats.held.Add(1) > int64(p.cfg.HoldLimit) {
+		p.stats.held.Add(-1)
+		p.stats.holds[flow.HoldFull].Add(1)
+		return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(fmt.Errorf("%d connections held already: %w", p.cfg.HoldLimit, pickErr))
+	}
+	c.holding.Store(true)
+	defer func() {
+		c.holding.Store(false)
+		c.last.Store(p.cfg.Clock.Now().UnixNano()) // the idle timeout counts from the end of the hold
+		p.stats.held.Add(-1)
+	}()
+	t := p.cfg.Clock.NewTimer(timeout)
+	defer t.Stop()
+	for {
+		wake := p.holdWake()
+		ep, err := p.picker.Next(c.clientAddr.Addr(), false)
+		if err == nil {
+			p.stats.holds[flow.HoldServed].Add(1)
+			return ep, flow.Unknown, nil
+		}
+		select {
+		case <-wake:
+			continue
+		case <-t.C():
+			p.stats.holds[flow.HoldExpired].Add(1)
+			return netip.AddrPort{}, flow.HoldTimeout, fmt.Errorf("no endpoint within the hold timeout %s: %w", timeout, err)
+		case <-p.ctx.Done():
+			p.stats.holds[flow.HoldAborted].Add(1)
+			return netip.AddrPort{}, flow.Shutdown, fmt.Errorf("held: %w", errClosed)
+		case <-p.closed:
+			// The socket closed (its service port is gone or changed): one last pick, then the
+			// client is reset and reconnects to whatever serves the port now.
+			if ep, err = p.picker.Next(c.clientAddr.Addr(), false); err == nil {
+				p.stats.holds[flow.HoldServed].Add(1)
+				return ep, flow.Unknown, nil
+			}
+			p.stats.holds[flow.HoldAborted].Add(1)
+			return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(fmt.Errorf("held, proxy socket closed: %w", err))
+		}
+	}
+}
+
+// holdWake returns the channel WakeHeld closes next. It is made on first use: a proxy that holds
+// nothing pays nothing for WakeHeld.
+func (p *Proxy) holdWake() <-chan struct{} {
+	p.holdMu.Lock()
+	defer p.holdMu.Unlock()
+	if p.wake == nil {
+		p.wake = make(chan struct{})
+	}
+	return p.wake
+}
+
+// WakeHeld tells the proxy its endpoints may have changed: every held connection picks again
+// (and is dialed if it finds an endpoint). Cheap when nothing is held.
+func (p *Proxy) WakeHeld() {
+	p.holdMu.Lock()
+	if p.wake != nil {
+		close(p.wake)
+		p.wake = nil
+	}
+	p.holdMu.Unlock()
+}
