@@ -129,10 +129,10 @@ type HoldOutcome uint8
 
 // The outcomes of a hold.
 const (
-	HoldServed   HoldOutcome = iota // an endpoint appeared and the connection was dialed
-	HoldExpired                     // the hold timeout passed first; the client was reset (HoldTimeout)
-	HoldFull                        // not held: the port already held its limit; the client was reset (NoEndpoints)
-	HoldAborted                     // the proxy socket closed or shut down first
+	HoldServed  HoldOutcome = iota // an endpoint appeared and the connection was dialed
+	HoldExpired                    // the hold timeout passed first; the client was reset (HoldTimeout)
+	HoldFull                       // not held: the port already held its limit; the client was reset (NoEndpoints)
+	HoldAborted                    // the proxy socket closed or shut down first
 	NumHoldOutcomes
 )
 

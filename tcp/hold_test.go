@@ -145,4 +145,3 @@ func TestWithoutHoldTimeoutNoEndpointsStillResets(t *testing.T) {
 		t.Errorf("holds %v, no-endpoint %d; want none, 1", st.Holds, st.NoEndpoint)
 	}
 }
-
