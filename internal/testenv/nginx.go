@@ -1,0 +1,112 @@
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// nginxBody is what the nginx of StartNginxProxyProtocol answers every request with:
+// the addresses the PROXY protocol header gave it, "client-ip:client-port server-ip:server-port"
+// ($proxy_protocol_addr:$proxy_protocol_port $proxy_protocol_server_addr:$proxy_protocol_server_port).
+const nginxBody = `"$proxy_protocol_addr:$proxy_protocol_port $proxy_protocol_server_addr:$proxy_protocol_server_port"`
+
+// FindNginx returns the nginx binary, or ends the test as Unavailable (Debian's nginx-light:
+// hack/install-deps.sh test).
+func FindNginx(t testing.TB) string {
+	t.Helper()
+	for _, p := range []string{"nginx", "/usr/sbin/nginx"} {
+		if path, err := exec.LookPath(p); err == nil {
+			return path
+		}
+	}
+	Unavailable(t, "nginx is not installed (apt-get install nginx-light, or hack/install-deps.sh test)")
+	return ""
+}
+
+// StartNginxProxyProtocol runs a real nginx, one process in the foreground with its files in a
+// temporary directory, whose HTTP server at listen expects the PROXY protocol (`listen ...
+// proxy_protocol`, which takes v1 and v2 alike) and answers every request with the addresses the
+// header carried: "client-ip:client-port server-ip:server-port". prefix, if any, is prepended to the command (for
+// example "ip netns exec pod1" to run it in a namespace). The test's cleanup stops it. It
+// returns when nginx has bound its port (checked with the test dialing it through dial, which is
+// nil for a plain dial from this namespace).
+func StartNginxProxyProtocol(t testing.TB, listen netip.AddrPort, prefix []string, dial func(netip.AddrPort) (net.Conn, error)) {
+	t.Helper()
+	bin := FindNginx(t)
+	dir := t.TempDir()
+	conf := fmt.Sprintf(`daemon off;
+master_process off;
+worker_processes 1;
+pid %[1]s/nginx.pid;
+error_log %[1]s/error.log info;
+events { worker_connections 64; }
+http {
+    access_log off;
+    client_body_temp_path %[1]s/body;
+    proxy_temp_path %[1]s/proxy;
+    fastcgi_temp_path %[1]s/fastcgi;
+    uwsgi_temp_path %[1]s/uwsgi;
+    scgi_temp_path %[1]s/scgi;
+    server {
+        listen %[2]s proxy_protocol;
+        location / {
+            default_type text/plain;
+            return 200 %[3]s;
+        }
+    }
+}
+`, dir, listen, nginxBody)
+	path := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := append(append([]string{}, prefix...), bin, "-p", dir, "-c", path, "-e", filepath.Join(dir, "error.log"))
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, args[0], args[1:]...)
+	out, err := os.Create(filepath.Join(dir, "stderr"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = out, out
+	cmd.WaitDelay = 5 * time.Second
+	if err := cmd.Start(); err != nil {
+		cancel()
+		t.Fatalf("start nginx: %v", err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cancel() // SIGKILL: nothing of nginx's state matters after the test
+		<-exited
+		out.Close()
+		if t.Failed() {
+			log, _ := os.ReadFile(filepath.Join(dir, "error.log"))
+			t.Logf("nginx error log:\n%s", log)
+		}
+	})
+	if dial == nil {
+		dial = func(a netip.AddrPort) (net.Conn, error) { return net.DialTimeout("tcp", a.String(), time.Second) }
+	}
+	WaitFor(t, "nginx to listen on "+listen.String(), func() bool {
+		select {
+		case err := <-exited:
+			exited <- err
+			log, _ := os.ReadFile(filepath.Join(dir, "stderr"))
+			t.Fatalf("nginx exited: %v\n%s", err, log)
+		default:
+		}
+		c, err := dial(listen)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		return true
+	})
+}
