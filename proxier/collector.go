@@ -19,6 +19,7 @@ type trafficCollector struct {
 	udpDrops, sourceDrops                            *prometheus.Desc
 	endpoints                                        *prometheus.Desc
 	ejections, ejected                               *prometheus.Desc
+	held, holds                                      *prometheus.Desc
 }
 
 // NewTrafficCollector returns the per-service-port traffic collector of p.
@@ -45,13 +46,15 @@ func NewTrafficCollector(p *Proxier) prometheus.Collector {
 		endpoints:    d("endpoints", "Endpoints the balancer uses for the service port."),
 		ejections:    d("outlier_ejections_total", "Endpoints taken out of rotation by outlier detection (service ports with it on)."),
 		ejected:      d("outlier_ejected_endpoints", "Endpoints out of rotation now by outlier detection (service ports with it on)."),
+		held:         d("tcp_held_connections", "TCP connections held now for want of an endpoint (service ports with a hold-timeout)."),
+		holds:        d("tcp_holds_total", "TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first).", "outcome"),
 	}
 }
 
 func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
 		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints,
-		c.ejections, c.ejected} {
+		c.ejections, c.ejected, c.held, c.holds} {
 		ch <- d
 	}
 }
@@ -104,6 +107,12 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(c.dialRetries, float64(st.DialRetries))
 			counter(c.rejects, float64(st.NoEndpoint), "tcp")
 			counter(c.sourceDrops, float64(st.SourceDenied), "tcp")
+			if a.port.Holds() {
+				gauge(c.held, float64(st.Held))
+				for o := range flow.NumHoldOutcomes {
+					counter(c.holds, float64(st.Holds[o]), o.String())
+				}
+			}
 		}
 	}
 }

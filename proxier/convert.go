@@ -80,6 +80,8 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 	var rangeErrs []error
 	common.LoadBalancerSourceRanges, rangeErrs = sourceRanges(svc)
 	errs = append(errs, rangeErrs...)
+	proxyProto, hold, connErrs := connectionPolicy(svc)
+	errs = append(errs, connErrs...)
 	for i := range svc.Spec.Ports {
 		sp := &svc.Spec.Ports[i]
 		name := service.ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
@@ -100,6 +102,9 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 		p.Protocol = proto
 		p.Port = uint16(sp.Port)
 		p.NodePort = uint16(sp.NodePort)
+		if err := setConnectionPolicy(&p, proxyProto, hold); err != nil {
+			errs = append(errs, err)
+		}
 		ports = append(ports, &p)
 	}
 	return ports, errs

@@ -36,7 +36,11 @@ type ServiceView struct {
 	Open                     bool         `json:"open"`
 	Affinity                 string       `json:"affinity"`
 	// Balancing is the policy the annotations ask for (portal-proxy.kubernetes.io/algorithm ...).
-	Balancing       BalancingView  `json:"balancing"`
+	Balancing BalancingView `json:"balancing"`
+	// ProxyProtocol is the PROXY protocol header the port's endpoints get ("v1", "v2"; TCP).
+	ProxyProtocol string `json:"proxyProtocol,omitempty"`
+	// Hold is the port's hold while it has no endpoint, when it has one (hold-timeout; TCP).
+	Hold            *HoldView      `json:"hold,omitempty"`
 	Endpoints       []EndpointView `json:"endpoints"`
 	AffinityEntries []AffinityView `json:"affinityEntries,omitempty"`
 	Active          int64          `json:"active"`
@@ -85,6 +89,15 @@ type BalancingView struct {
 	OutlierMaxEjectionPercent  int    `json:"outlierMaxEjectionPercent,omitempty"`
 	// SlowStart is the warm-up window of new and returning endpoints, when it is on.
 	SlowStart string `json:"slowStart,omitempty"`
+}
+
+// HoldView is a port's hold of new connections while it has no endpoint.
+type HoldView struct {
+	Timeout string `json:"timeout"`
+	// Limit is how many connections each of its proxy sockets holds at most.
+	Limit int `json:"limit"`
+	// Held is how many wait now.
+	Held int64 `json:"held"`
 }
 
 // AffinityView is one sticky client.
@@ -138,6 +151,7 @@ func (p *Proxier) Services() []ServiceView {
 		}
 		p.fillSelection(&v, port)
 		v.Balancing = balancingView(port.Balancing)
+		connectionPolicyView(&v, port, open)
 		inUse := map[netip.AddrPort]bool{}
 		states := map[netip.AddrPort]loadbalancer.EndpointState{}
 		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {

@@ -39,6 +39,9 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 				}
 			}
 			fmt.Fprintf(tw, "\t\t%s\n", balancingText(v))
+			if line := connectionPolicyText(v); line != "" {
+				fmt.Fprintf(tw, "\t\t%s\n", line)
+			}
 			for _, a := range v.AffinityEntries {
 				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
 			}

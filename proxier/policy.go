@@ -3,12 +3,16 @@ package proxier
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
@@ -116,4 +120,146 @@ func (p *Proxier) outliers(name service.ServicePortName) (total uint64, ejected 
 		}
 	}
 	return total, ejected
+}
+
+// Annotations of the connection policies of a Service's TCP ports: what the proxy does with the
+// connection itself rather than with the choice of endpoint.
+const (
+	// AnnotationProxyProtocol makes every connection to an endpoint start with a PROXY protocol
+	// header ("v1" or "v2") carrying the client's address. TCP only: ignored, with a warning, on
+	// UDP ports.
+	AnnotationProxyProtocol = "portal-proxy.kubernetes.io/proxy-protocol"
+	// AnnotationHoldTimeout holds new connections while the port has no endpoint, for up to this
+	// long (a Go duration), instead of refusing them. TCP only; unset: refuse.
+	AnnotationHoldTimeout = "portal-proxy.kubernetes.io/hold-timeout"
+)
+
+// Bounds of the hold timeout: clients give up on a connection that sends nothing after a minute
+// or so anyway, and scaling from zero takes seconds to minutes.
+const (
+	minHoldTimeout = time.Second
+	maxHoldTimeout = time.Hour
+)
+
+// connectionPolicy reads the PROXY protocol and hold annotations of a Service. A value that does
+// not parse is reported (wrapping ErrInvalidAnnotation) and the default used: off.
+func connectionPolicy(svc *v1.Service) (service.ProxyProtocol, time.Duration, []error) {
+	var errs []error
+	bad := func(key, value, why string) {
+		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%q: %s: %w", svc.Namespace, svc.Name, key, value, why, ErrInvalidAnnotation))
+	}
+	var pp service.ProxyProtocol
+	if v, ok := svc.Annotations[AnnotationProxyProtocol]; ok {
+		switch s := service.ProxyProtocol(strings.TrimSpace(v)); s {
+		case service.ProxyProtocolV1, service.ProxyProtocolV2:
+			pp = s
+		default:
+			bad(AnnotationProxyProtocol, v, "want v1 or v2; no PROXY header is sent")
+		}
+	}
+	var hold time.Duration
+	if v, ok := svc.Annotations[AnnotationHoldTimeout]; ok {
+		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= minHoldTimeout && d <= maxHoldTimeout {
+			hold = d
+		} else {
+			bad(AnnotationHoldTimeout, v, fmt.Sprintf("want a duration from %s to %s, such as 30s; connections are refused while there is no endpoint", minHoldTimeout, maxHoldTimeout))
+		}
+	}
+	return pp, hold, errs
+}
+
+// setConnectionPolicy gives a TCP port the Service's connection policies. A UDP port takes
+// neither: a PROXY protocol asked of it is reported (the Service's TCP ports still send it), a
+// hold is silently not applied (datagrams without an endpoint are dropped; the client retries).
+func setConnectionPolicy(p *service.Port, pp service.ProxyProtocol, hold time.Duration) error {
+	if p.Protocol == service.TCP {
+		p.ProxyProtocol, p.HoldTimeout = pp, hold
+		return nil
+	}
+	if pp != "" {
+		return fmt.Errorf("service port %s: annotation %s=%q: ignored on a UDP port, the PROXY protocol is TCP only: %w",
+			p.Name, AnnotationProxyProtocol, pp, ErrInvalidAnnotation)
+	}
+	return nil
+}
+
+// proxyProtocolVersion is the tcp package's spelling of a port's PROXY protocol.
+func proxyProtocolVersion(pp service.ProxyProtocol) proxyprotocol.Version {
+	switch pp {
+	case service.ProxyProtocolV1:
+		return proxyprotocol.V1
+	case service.ProxyProtocolV2:
+		return proxyprotocol.V2
+	}
+	return proxyprotocol.Off
+}
+
+// holder is a proxy socket that holds connections while its port has no endpoint (tcp.Proxy; a
+// multiSocket passes it on to its members).
+type holder interface {
+	WakeHeld()
+}
+
+var (
+	_ holder = (*tcp.Proxy)(nil)
+	_ holder = (*multiSocket)(nil)
+)
+
+// WakeHeld wakes the held connections of every member.
+func (m *multiSocket) WakeHeld() {
+	for _, s := range m.socks {
+		if h, ok := s.(holder); ok {
+			h.WakeHeld()
+		}
+	}
+}
+
+// wakeHeld tells the socket of a holding port's class of traffic that it has endpoints again, so
+// its held connections are dialed now. Called after the balancer has them.
+func (p *Proxier) wakeHeld(port *service.Port, external bool, usable []netip.AddrPort) {
+	if !port.Holds() || len(usable) == 0 {
+		return
+	}
+	p.activeMu.RLock()
+	a := p.active[port.Name]
+	if a != nil && external {
+		a = a.ext
+	}
+	p.activeMu.RUnlock()
+	if a == nil {
+		return
+	}
+	if h, ok := a.sock.(holder); ok {
+		h.WakeHeld()
+	}
+}
+
+// connectionPolicyView shows a port's connection policies, with the live held count of its
+// sockets when it holds.
+func connectionPolicyView(v *ServiceView, port *service.Port, open map[service.ServicePortName]activePort) {
+	v.ProxyProtocol = string(port.ProxyProtocol)
+	if !port.Holds() {
+		return
+	}
+	v.Hold = &HoldView{Timeout: port.HoldTimeout.String(), Limit: tcp.DefaultHoldLimit}
+	if a, ok := open[port.Name]; ok {
+		if st, ok := socketStats(a.observedSocket()); ok {
+			v.Hold.Held = st.Held
+		}
+	}
+}
+
+// connectionPolicyText is the /debug/services line of a port's connection policies, or "".
+func connectionPolicyText(v ServiceView) string {
+	var parts []string
+	if v.ProxyProtocol != "" {
+		parts = append(parts, "proxy-protocol "+v.ProxyProtocol)
+	}
+	if h := v.Hold; h != nil {
+		parts = append(parts, fmt.Sprintf("hold[%s, %d held, max %d]", h.Timeout, h.Held, h.Limit))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "connections: " + strings.Join(parts, " ")
 }

@@ -446,6 +446,7 @@ func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, u
 		before = p.deps.Balancer.Service(key).Endpoints()
 	}
 	p.deps.Balancer.SetEndpoints(key, usable)
+	p.wakeHeld(port, external, usable)
 	if sock != nil {
 		p.dropRemoved(sock, port, before, usable)
 	}

@@ -109,9 +109,11 @@ func (s Seed) port() *service.Port {
 
 // adoptable reports whether the first sync can keep a reopened socket for the real port: same
 // protocol, same families to listen in, and no per-port socket option the seed could not know
-// (the access log annotation). Otherwise the socket is reopened on the same proxy port.
+// (the access log, PROXY protocol and hold annotations). Otherwise the socket is reopened on the
+// same proxy port.
 func (p *Proxier) adoptable(a *activePort, port *service.Port) bool {
 	return p.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
+		port.ProxyProtocol == "" && port.HoldTimeout == 0 &&
 		slices.Equal(wildcards(a.port), wildcards(port))
 }
 

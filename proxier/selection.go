@@ -17,7 +17,8 @@ type portSelection struct {
 	// differ from the cluster IP's.
 	split bool
 	// rejectInternal: the cluster IPs (and, unsplit, every portal) have no endpoint to use.
-	// rejectExternal: the external portals have none.
+	// rejectExternal: the external portals have none. A port that holds (Port.Holds) refuses
+	// neither.
 	rejectInternal, rejectExternal bool
 }
 
@@ -34,6 +35,10 @@ func newPortSelection(p *service.Port, sel EndpointSelection) *portSelection {
 	ps.rejectExternal = ps.rejectInternal
 	if ps.split {
 		ps.rejectExternal = len(sel.External.Endpoints) == 0
+	}
+	if p.Holds() {
+		// The socket holds what finds no endpoint (hold-timeout): the traffic must reach it.
+		ps.rejectInternal, ps.rejectExternal = false, false
 	}
 	return ps
 }

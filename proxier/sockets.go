@@ -36,6 +36,7 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 			c = cfg.TCPConfigFor(p, c)
 		}
 		c.Allow = allow
+		c.ProxyProtocol, c.HoldTimeout = proxyProtocolVersion(p.ProxyProtocol), p.HoldTimeout
 		return tcp.New(p.Name, picker, c)
 	}
 }

@@ -109,7 +109,27 @@ type Port struct {
 	AccessLog bool
 	// Balancing is how the balancer spreads new flows over the endpoints (annotations).
 	Balancing Balancing
+	// ProxyProtocol is the PROXY protocol header a TCP port sends its endpoints ("" for none;
+	// an annotation, never set on a UDP port).
+	ProxyProtocol ProxyProtocol
+	// HoldTimeout, when positive on a TCP port, holds new connections that find no endpoint for
+	// up to this long instead of refusing them (an annotation; UDP ports ignore it).
+	HoldTimeout time.Duration
 }
+
+// ProxyProtocol is a PROXY protocol version, spelled as the portal-proxy.kubernetes.io/proxy-protocol
+// annotation takes it.
+type ProxyProtocol string
+
+// The PROXY protocol versions.
+const (
+	ProxyProtocolV1 ProxyProtocol = "v1"
+	ProxyProtocolV2 ProxyProtocol = "v2"
+)
+
+// Holds reports whether the port holds new connections while it has no endpoint (TCP with a
+// hold timeout), so that it must not be refused then.
+func (p *Port) Holds() bool { return p.Protocol == TCP && p.HoldTimeout > 0 }
 
 // Algorithm is how a service port's balancer picks the endpoint of a new connection or session.
 type Algorithm string
@@ -169,12 +189,14 @@ func (p *Port) Equal(o *Port) bool {
 }
 
 // SocketEqual reports whether a proxy socket opened for p can serve o unchanged: protocol, the
-// portal addresses and the access log (a socket hook) match. Affinity, traffic policies and
+// portal addresses, the access log (a socket hook), the PROXY protocol and the hold timeout
+// (socket settings) match. Affinity, traffic policies and
 // distribution (they change which endpoints are picked), the health check node port (served
 // elsewhere) and the source ranges (a filter in front of the socket) can change under a live
 // socket.
 func (p *Port) SocketEqual(o *Port) bool {
 	return p.Protocol == o.Protocol && p.Port == o.Port && p.NodePort == o.NodePort && p.AccessLog == o.AccessLog &&
+		p.ProxyProtocol == o.ProxyProtocol && p.HoldTimeout == o.HoldTimeout &&
 		slices.Equal(p.ClusterIPs, o.ClusterIPs) && slices.Equal(p.ExternalIPs, o.ExternalIPs) &&
 		slices.Equal(p.LoadBalancerIPs, o.LoadBalancerIPs)
 }

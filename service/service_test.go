@@ -51,6 +51,8 @@ func TestPortEquality(t *testing.T) {
 		}, false, true},
 		{"traffic_distribution_only", func(p *Port) { p.TrafficDistribution = PreferSameNode }, false, true},
 		{"node_port", func(p *Port) { p.NodePort = 30080 }, false, false},
+		{"proxy_protocol", func(p *Port) { p.ProxyProtocol = ProxyProtocolV2 }, false, false},
+		{"hold_timeout", func(p *Port) { p.HoldTimeout = 30 * time.Second }, false, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -63,6 +65,21 @@ func TestPortEquality(t *testing.T) {
 				t.Errorf("SocketEqual = %v, want %v", got, tc.sockEqual)
 			}
 		})
+	}
+}
+
+func TestHoldsOnlyTCPWithATimeout(t *testing.T) {
+	for _, tc := range []struct {
+		p    Port
+		want bool
+	}{
+		{Port{Protocol: TCP, HoldTimeout: time.Second}, true},
+		{Port{Protocol: TCP}, false},
+		{Port{Protocol: UDP, HoldTimeout: time.Second}, false},
+	} {
+		if got := tc.p.Holds(); got != tc.want {
+			t.Errorf("%s hold %v: Holds() = %v, want %v", tc.p.Protocol, tc.p.HoldTimeout, got, tc.want)
+		}
 	}
 }
 
