@@ -8,7 +8,8 @@
 #   demo  iproute2 (ip: the throwaway namespaces), iptables (iptables, iptables-save,
 #         iptables-restore: the proxy's portal rules)
 #   test  the demo's, plus conntrack (the conntrack cleanup benchmark fills and lists the table
-#         with it; the proxy itself clears entries over netlink), openssl, make and chromium
+#         with it; the proxy itself clears entries over netlink), openssl, make, chromium and
+#         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol)
 #
 # Nothing missing: exits 0 silently. Missing, as root with apt-get: installs them. Missing and
 # not root, without apt-get, or with --check: prints the exact command to run and exits 1, at once.
@@ -24,7 +25,7 @@ usage() {
 group_tools() {
   case "$1" in
     demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
-    test) echo "$(group_tools demo) conntrack:conntrack openssl:openssl make:make chromium:chromium" ;;
+    test) echo "$(group_tools demo) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light" ;;
   esac
 }
 
