@@ -11,6 +11,8 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -242,5 +244,53 @@ kube_portal_proxy_tcp_holds_total{outcome="timeout",service_port="ns/web:http"} 
 `
 	if err := testutil.CollectAndCompare(collector, strings.NewReader(served), "kube_portal_proxy_tcp_held_connections", "kube_portal_proxy_tcp_holds_total"); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestStatusPageShowsConnectionPolicies renders the status page in headless chromium with a
+// Service that sends the PROXY protocol and holds, one connection held, and checks the line
+// that shows both.
+func TestStatusPageShowsConnectionPolicies(t *testing.T) {
+	browser, err := exec.LookPath("chromium")
+	if err != nil {
+		testenv.Unavailable(t, "chromium not installed (apt-get install chromium); the status page test needs a real browser")
+	}
+	e := newRealEnv(t)
+	e.p.OnServiceAdd(makeService("ns", "held", "10.96.0.8", annotated(AnnotationHoldTimeout, "1m", AnnotationProxyProtocol, "v2"), tcpPort("tcp", 80)))
+	if err := e.p.sync(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var proxyAddr string
+	for _, a := range e.p.activeList() {
+		if a.port.Name.Name == "held" {
+			proxyAddr = a.sock.Addr().String()
+		}
+	}
+	c, err := net.Dial("tcp4", proxyAddr)
+	if err != nil {
+		t.Fatalf("dial the holding port: %v", err)
+	}
+	defer c.Close()
+	testenv.WaitFor(t, "the connection to be held", func() bool {
+		for _, v := range e.p.Services() {
+			if v.Name == "ns/held:tcp" {
+				return v.Hold != nil && v.Hold.Held == 1
+			}
+		}
+		return false
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+		"--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
+		"--user-data-dir="+t.TempDir(), "--virtual-time-budget=5000", "--dump-dom", e.srv.URL+"/")
+	cmd.Env = append(os.Environ(), "HOME="+t.TempDir())
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("chromium: %v", err)
+	}
+	want := "connections: PROXY protocol v2, held up to 1m0s while there is no endpoint (1 held, at most 1024)"
+	if dom := string(out); !strings.Contains(dom, want) || !strings.Contains(dom, `<span id="error"></span>`) {
+		t.Errorf("rendered page lacks %q or reports an error; page:\n%s", want, dom)
 	}
 }
