@@ -294,3 +294,54 @@ func TestStatusPageShowsConnectionPolicies(t *testing.T) {
 		t.Errorf("rendered page lacks %q or reports an error; page:\n%s", want, dom)
 	}
 }
+
+func (s *fakeSocket) WakeHeld() {
+	s.env.mu.Lock()
+	s.wakes++
+	s.env.mu.Unlock()
+}
+
+// TestEndpointsWakeTheHeldConnectionsOfTheirClassOfTraffic: an endpoint update wakes the socket
+// of each class of traffic (cluster; a Local port's external) that has endpoints after it, not
+// the others, and only on holding ports.
+func TestEndpointsWakeTheHeldConnectionsOfTheirClassOfTraffic(t *testing.T) {
+	local := func(s *v1.Service) {
+		s.Spec.Type = v1.ServiceTypeNodePort
+		s.Spec.Ports[0].NodePort = 30080
+		s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+		s.Annotations = map[string]string{AnnotationHoldTimeout: "30s"}
+	}
+	e := newFakeEnv(t, func(c *Config) { c.Node = NodeTopology{Name: "node-a"} })
+	e.p.OnServiceAdd(webService(local))
+	e.synced()
+	e.sync()
+	wakes := func() (cluster, external int) {
+		t.Helper()
+		e.p.activeMu.RLock()
+		a := e.p.active[webHTTP]
+		e.p.activeMu.RUnlock()
+		if a == nil || a.ext == nil {
+			t.Fatalf("want a cluster and an external socket for %s", webHTTP)
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		return a.sock.(*fakeSocket).wakes, a.ext.sock.(*fakeSocket).wakes
+	}
+	if s := e.spec(t); s.RejectInternal || s.RejectExternal {
+		t.Fatalf("holding port without endpoints refused: %+v", s)
+	}
+	e.p.OnEndpointSliceAdd(onNodes("10.244.2.1@node-b")) // a remote endpoint: cluster traffic only
+	if c, x := wakes(); c != 1 || x != 0 {
+		t.Errorf("after a remote endpoint: wakes cluster %d external %d, want 1 0", c, x)
+	}
+	e.p.OnEndpointSliceUpdate(nil, onNodes("10.244.2.1@node-b", "10.244.1.1@node-a")) // a local one too
+	if c, x := wakes(); c != 2 || x != 1 {
+		t.Errorf("after a local endpoint: wakes cluster %d external %d, want 2 1", c, x)
+	}
+	e.p.OnServiceUpdate(nil, webService(func(s *v1.Service) { local(s); s.Annotations = nil }))
+	e.sync() // the hold is a socket setting: new sockets
+	e.p.OnEndpointSliceUpdate(nil, onNodes("10.244.1.1@node-a"))
+	if c, x := wakes(); c != 0 || x != 0 {
+		t.Errorf("without hold-timeout: wakes cluster %d external %d, want none", c, x)
+	}
+}

@@ -37,6 +37,8 @@ type fakeSocket struct {
 	// allow is the source check the socket was built with; refusing, what SetRefusing last set.
 	allow    func(netip.Addr) bool
 	refusing bool
+	// wakes counts WakeHeld calls (connpolicy_test.go), guarded by env.mu.
+	wakes int
 }
 
 func (s *fakeSocket) Listen(addr netip.AddrPort) error {
