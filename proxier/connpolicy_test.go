@@ -345,3 +345,27 @@ func TestEndpointsWakeTheHeldConnectionsOfTheirClassOfTraffic(t *testing.T) {
 		t.Errorf("without hold-timeout: wakes cluster %d external %d, want none", c, x)
 	}
 }
+
+// TestReopenedSocketNotAdoptedForConnectionPolicies: a socket reopened at start was built without
+// knowing the Service's annotations, so the first sync opens a port with a PROXY protocol or a
+// hold again, on the proxy port the rules point at, as it does for the access log.
+func TestReopenedSocketNotAdoptedForConnectionPolicies(t *testing.T) {
+	for _, kv := range [][]string{{AnnotationProxyProtocol, "v1"}, {AnnotationHoldTimeout, "10s"}} {
+		t.Run(kv[0], func(t *testing.T) {
+			e := newFakeEnv(t, nil)
+			e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
+			e.p.reopen()
+			reopened := e.open[webHTTP]
+			e.p.OnServiceAdd(webService(annotated(kv...)))
+			e.synced()
+			e.sync()
+			s := e.open[webHTTP]
+			if s == nil || s == reopened || s.addr.Port() != 34001 {
+				t.Fatalf("socket after the first sync = %v; want a new one on 34001", s)
+			}
+			if s.port.ProxyProtocol == "" && s.port.HoldTimeout == 0 {
+				t.Errorf("new socket built for %+v, want the annotation's setting", s.port)
+			}
+		})
+	}
+}
