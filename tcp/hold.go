@@ -20,6 +20,11 @@ const DefaultHoldLimit = 1024
 //
 // The wake channel is taken before each pick, so an update that lands between a failed pick and
 // the wait still wakes it. A held connection is not idle-swept: it has not started.
+//
+// The client socket is not watched while held: a FIN from the client cannot be told from a
+// half-close (a request, then shutdown(SHUT_WR), then waiting for the answer), which must reach the
+// endpoint like any other, so a client that gave up is noticed when its connection is dialed and
+// its FIN forwarded. The hold's time and count bounds keep what such clients cost in check.
 func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 	p := c.p
 	timeout := p.cfg.HoldTimeout
