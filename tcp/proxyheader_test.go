@@ -59,6 +59,8 @@ func TestProxyProtocolHeaderPrecedesClientBytes(t *testing.T) {
 				if h != want {
 					t.Errorf("header %+v, want %+v", h, want)
 				}
+				// Counted once the bytes are written, which may be after the echo is back.
+				testenv.WaitFor(t, "the client's bytes to be counted", func() bool { return p.Stats().BytesToEndpoint >= uint64(len("first client bytes")) })
 				if st := p.Stats(); st.BytesToEndpoint != uint64(len("first client bytes")) {
 					t.Errorf("bytes to endpoint %d, want the client's %d only (the header is not the client's)", st.BytesToEndpoint, len("first client bytes"))
 				}
