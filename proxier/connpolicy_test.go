@@ -223,6 +223,9 @@ func TestHoldAndProxyProtocolWithRealSockets(t *testing.T) {
 	if got, want := connectionPolicyText(v), "connections: proxy-protocol v2 hold[1m0s, 1 held, max 1024]"; got != want {
 		t.Errorf("debug text %q, want %q", got, want)
 	}
+	if v.Internal == nil || !v.Internal.Held || v.Internal.Refused || !strings.HasPrefix(trafficText("cluster traffic", v.Internal), "cluster traffic: HELD") {
+		t.Errorf("cluster traffic view %+v, want held, not refused", v.Internal)
+	}
 
 	// The endpoint appears: the balancer gets it and the held connection is dialed, no sync.
 	p.OnEndpointSliceAdd(makeSlice("ns", "web", "a", discovery.AddressTypeIPv4,
@@ -289,9 +292,16 @@ func TestStatusPageShowsConnectionPolicies(t *testing.T) {
 	if err != nil {
 		t.Fatalf("chromium: %v", err)
 	}
-	want := "connections: PROXY protocol v2, held up to 1m0s while there is no endpoint (1 held, at most 1024)"
-	if dom := string(out); !strings.Contains(dom, want) || !strings.Contains(dom, `<span id="error"></span>`) {
-		t.Errorf("rendered page lacks %q or reports an error; page:\n%s", want, dom)
+	dom := string(out)
+	for _, want := range []string{
+		"connections: PROXY protocol v2, held up to 1m0s while there is no endpoint (1 held, at most 1024)",
+		// The held connection, no endpoint yet.
+		"<td><code>" + c.LocalAddr().String() + "</code></td><td><code>none</code></td>",
+		`<span id="error"></span>`,
+	} {
+		if !strings.Contains(dom, want) {
+			t.Errorf("rendered page lacks %q; page:\n%s", want, dom)
+		}
 	}
 }
 

@@ -55,6 +55,8 @@ type TrafficView struct {
 	// Reason is selectEndpoints' account, e.g. "policy=Local fallback=terminating".
 	Reason  string `json:"reason"`
 	Refused bool   `json:"refused"`
+	// Held: it has no endpoint, and new connections wait for one (hold-timeout) instead.
+	Held bool `json:"held,omitempty"`
 }
 
 // EndpointView is one endpoint with its conditions and whether the balancer uses it.

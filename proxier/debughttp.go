@@ -138,6 +138,9 @@ func trafficText(class string, t *TrafficView) string {
 	if t.Refused {
 		eps = "REFUSED (no endpoint)"
 	}
+	if t.Held {
+		eps = "HELD (no endpoint; new connections wait for one)"
+	}
 	return class + ": " + eps + " [" + t.Reason + "]"
 }
 

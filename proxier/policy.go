@@ -242,6 +242,11 @@ func connectionPolicyView(v *ServiceView, port *service.Port, open map[service.S
 		return
 	}
 	v.Hold = &HoldView{Timeout: port.HoldTimeout.String(), Limit: tcp.DefaultHoldLimit}
+	for _, t := range []*TrafficView{v.Internal, v.External} {
+		if t != nil && len(t.Endpoints) == 0 {
+			t.Held = true
+		}
+	}
 	if a, ok := open[port.Name]; ok {
 		if st, ok := socketStats(a.observedSocket()); ok {
 			v.Hold.Held = st.Held

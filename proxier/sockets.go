@@ -80,7 +80,7 @@ func connViews(s ProxySocket, name, protocol string, now time.Time) []ConnView {
 	}
 	var out []ConnView
 	for _, f := range o.Live() {
-		out = append(out, ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: f.Endpoint.String(),
+		out = append(out, ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: addrOrNone(f.Endpoint),
 			Age: now.Sub(f.Start).Round(time.Millisecond).String(), BytesToEndpoint: f.BytesToEndpoint, BytesToClient: f.BytesToClient})
 	}
 	return out
