@@ -7,6 +7,8 @@
 //     client connecting to the cluster IP;
 //   - kpp bind: the same binary in --portal-mode=bind;
 //   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address;
+//   - legacy v1.25: the real userspace kube-proxy of Kubernetes v1.25 (hack/legacy-build.sh),
+//     reading the suite's Services and Endpoints from a real API server (e2e/framework);
 //   - ceiling: ceiling/ceiling.c, compiled with cc, the leanest bulk-TCP and UDP forwarder we can
 //     write, to show how much of the direct rate any user-space proxy keeps on this machine.
 //
@@ -35,6 +37,7 @@ import (
 // config is the bench role's flags.
 type config struct {
 	proxy        string
+	legacy       string
 	reps         int
 	dur, warmup  time.Duration
 	bulkMiB      int64
@@ -57,6 +60,7 @@ func main() {
 	role := flag.String("role", "bench", "bench | backend | client (internal)")
 	var cfg config
 	flag.StringVar(&cfg.proxy, "proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary (make build)")
+	flag.StringVar(&cfg.legacy, "legacy", legacyBinary(), "the legacy v1.25 userspace kube-proxy (hack/legacy-build.sh)")
 	flag.IntVar(&cfg.reps, "reps", 3, "rounds over all targets; the table shows each figure's median")
 	flag.DurationVar(&cfg.dur, "dur", 2*time.Second, "measured time of each rate test")
 	flag.DurationVar(&cfg.warmup, "warmup", 200*time.Millisecond, "unmeasured time before the keep-alive and UDP tests")
@@ -65,7 +69,7 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,ceiling,compare); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,legacy,ceiling,compare); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")

@@ -71,7 +71,13 @@ func runBench(ctx context.Context, cfg config) error {
 		rep.note("ceiling is bench/suite/ceiling/ceiling.c, the leanest bulk-TCP and UDP forwarder we can write " +
 			"(blocking splice, a thread per direction; recvmmsg/sendmmsg): a reference for how much of the direct rate a forwarder keeps here")
 	}
-	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip)
+	api := &legacyAPI{}
+	defer func() {
+		if err := api.close(); err != nil {
+			fmt.Fprintf(os.Stderr, "bench/suite: control plane: %v\n", err)
+		}
+	}()
+	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip, api)
 	for round := range cfg.reps {
 		for i := range targets {
 			t := targets[(i+round)%len(targets)]
@@ -139,13 +145,14 @@ type candidate struct {
 
 // selectTargets returns the targets to run, noting the ones skipped. ceiling is the built ceiling
 // forwarder, or ceilingSkip why there is none.
-func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string) []target {
+func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string, api *legacyAPI) []target {
 	all := []candidate{
 		{"direct", directTarget(), ""},
 		{"iptables", kppTarget(cfg.proxy, "iptables"), available("iptables-restore")},
 		{"bind", kppTarget(cfg.proxy, "bind"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
+		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
 		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
 	}
 	if cfg.compare != "" {

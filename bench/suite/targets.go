@@ -33,11 +33,16 @@ type running struct {
 	stopSig    syscall.Signal
 	// bulkAndUDPOnly skips the connection, keep-alive and idle loads (the ceiling target).
 	bulkAndUDPOnly bool
+	// cleanup, when set, runs after the proxy has stopped (the legacy target's API relay).
+	cleanup func()
 }
 
 func (r *running) stop() {
 	if r.proc != nil {
 		r.proc.stop(r.stopSig, 10*time.Second)
+	}
+	if r.cleanup != nil {
+		r.cleanup()
 	}
 }
 
