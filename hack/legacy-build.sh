@@ -81,7 +81,7 @@ build() {
     edits+=("-replace=$mod=$mod@$served")
     count=$((count + 1))
   done < <(staging_replaces)
-  log "replacing $count staging modules by their v0.${kube_version#v1.} releases"
+  log "replaced $count staging modules by their v0.${kube_version#v1.} releases (or the newest served patch)"
   go mod edit "${edits[@]}" -require="k8s.io/kubernetes@$kube_version"
   go mod tidy
   local minor=${kube_version#v1.}

@@ -82,6 +82,8 @@ var legacyServices = []legacyService{
 	{"echo", echoVIP, corev1.ProtocolTCP, echoPort, "tcp"},
 	{"sink", sinkVIP, corev1.ProtocolTCP, sinkPort, "tcp"},
 	{"dns", dnsVIP, corev1.ProtocolUDP, udpPort, "udp"},
+	{"redis", redisVIP, corev1.ProtocolTCP, redisPort, "redis"},
+	{"unbound", realDNSIP, corev1.ProtocolUDP, dnsPort, "dns"},
 }
 
 // createLegacyObjects creates the namespace, the node and, for each service, a selectorless
@@ -153,7 +155,7 @@ func legacyTarget(binary string, api *legacyAPI) target {
 			rl.close()
 			return nil, err
 		}
-		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, pid: proc.pid(), proc: proc,
+		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, redis: redisVIP, dns: realDNSIP, pid: proc.pid(), proc: proc,
 			stopSig: syscall.SIGTERM, cleanup: rl.close}
 		if err := waitReady(ctx, b, r); err != nil {
 			r.stop()

@@ -38,6 +38,8 @@ import (
 type config struct {
 	proxy        string
 	legacy       string
+	real         bool
+	redisReqs    int
 	reps         int
 	dur, warmup  time.Duration
 	bulkMiB      int64
@@ -61,6 +63,8 @@ func main() {
 	var cfg config
 	flag.StringVar(&cfg.proxy, "proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary (make build)")
 	flag.StringVar(&cfg.legacy, "legacy", legacyBinary(), "the legacy v1.25 userspace kube-proxy (hack/legacy-build.sh)")
+	flag.BoolVar(&cfg.real, "real", true, "also measure real clients: redis-benchmark against redis-server, dnsperf against unbound")
+	flag.IntVar(&cfg.redisReqs, "redis-requests", 100000, "requests of each redis-benchmark test (SET, GET)")
 	flag.IntVar(&cfg.reps, "reps", 3, "rounds over all targets; the table shows each figure's median")
 	flag.DurationVar(&cfg.dur, "dur", 2*time.Second, "measured time of each rate test")
 	flag.DurationVar(&cfg.warmup, "warmup", 200*time.Millisecond, "unmeasured time before the keep-alive and UDP tests")
@@ -78,7 +82,7 @@ func main() {
 	flag.StringVar(&cfg.nginxModule, "nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 	flag.DurationVar(&cfg.timeout, "timeout", 10*time.Minute, "hard limit of the whole run")
 	flag.StringVar(&cfg.compare, "compare", "", "another TCP proxy command to add as target \"compare\" (see compareTarget), e.g. an older build of bench/tcp")
-	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 (explicit flags win)")
+	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 -redis-requests 20000 (explicit flags win)")
 	var spec loadSpec
 	flag.StringVar(&spec.Test, "test", "", "client: bulk, conn, keepalive, udp, idle")
 	flag.StringVar(&spec.Addr, "addr", "", "client: address to load")
@@ -127,6 +131,7 @@ func applyQuick(cfg *config) {
 		{"settle", func() { cfg.settle = time.Second }},
 		{"sync-idle", func() { cfg.syncIdle = time.Second }},
 		{"sync-changes", func() { cfg.syncChanges = 3 }},
+		{"redis-requests", func() { cfg.redisReqs = 20000 }},
 	}
 	for _, q := range quick {
 		if !set[q.name] {

@@ -60,6 +60,11 @@ func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool)
 	if err := measureUDP(ctx, cfg, b, r, s); err != nil {
 		return s, err
 	}
+	if cfg.real {
+		if err := measureReal(ctx, cfg, b, r, s); err != nil {
+			return s, err
+		}
+	}
 	if withIdle && hasCPU {
 		if err := measureIdle(ctx, cfg, b, r, s); err != nil {
 			return s, fmt.Errorf("idle: %w", err)

@@ -77,6 +77,16 @@ func runBench(ctx context.Context, cfg config) error {
 			fmt.Fprintf(os.Stderr, "bench/suite: control plane: %v\n", err)
 		}
 	}()
+	if cfg.real {
+		if skip := realClientsSkip(); skip != "" {
+			rep.note("real clients skipped: %s", skip)
+			cfg.real = false
+		} else {
+			rep.note("real clients: redis-benchmark -c %d -n %d -t set,get against redis-server, and dnsperf -c %d -T 2 -q 64 "+
+				"for %s against unbound (one static local zone, one thread), both servers in the pod; %s; %s",
+				cfg.conc, cfg.redisReqs, cfg.udpClients, cfg.dur, toolVersion("redis-server", "--version"), toolVersion("unbound", "-V"))
+		}
+	}
 	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip, api)
 	for round := range cfg.reps {
 		for i := range targets {
@@ -119,7 +129,7 @@ func runBench(ctx context.Context, cfg config) error {
 
 // runOne measures one target in a bed of its own.
 func runOne(ctx context.Context, cfg config, t target, withIdle bool) (_ sample, err error) {
-	b, err := newBed(ctx)
+	b, err := newBed(ctx, cfg.real)
 	if err != nil {
 		return nil, err
 	}

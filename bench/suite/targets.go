@@ -28,6 +28,7 @@ type target struct {
 type running struct {
 	echo, sink netip.AddrPort // TCP request/response and bulk
 	udp        netip.AddrPort // UDP echo; invalid when the target has no UDP
+	redis, dns netip.AddrPort // the real servers (TCP, UDP); invalid when the target does not serve them
 	pid        int            // the proxy; 0 for direct
 	proc       *child
 	stopSig    syscall.Signal
@@ -59,7 +60,8 @@ var (
 
 func directTarget() target {
 	return target{name: "direct", start: func(context.Context, *bed) (*running, error) {
-		return &running{echo: podAddr(echoPort), sink: podAddr(sinkPort), udp: podAddr(udpPort)}, nil
+		return &running{echo: podAddr(echoPort), sink: podAddr(sinkPort), udp: podAddr(udpPort),
+			redis: podAddr(redisPort), dns: podAddr(dnsPort)}, nil
 	}}
 }
 
@@ -86,7 +88,8 @@ func kppTarget(binary, mode string) target {
 		if err != nil {
 			return nil, err
 		}
-		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, pid: proc.pid(), proc: proc, stopSig: syscall.SIGTERM}
+		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, redis: redisVIP, dns: realDNSIP,
+			pid: proc.pid(), proc: proc, stopSig: syscall.SIGTERM}
 		if err := waitReady(ctx, b, r); err != nil {
 			r.stop()
 			tail, _ := os.ReadFile(logPath)
@@ -110,6 +113,8 @@ func servicesYAML() string {
 		{"echo", echoVIP, "TCP", 80, echoPort, "tcp"},
 		{"sink", sinkVIP, "TCP", 80, sinkPort, "tcp"},
 		{"dns", dnsVIP, "UDP", 53, udpPort, "udp"},
+		{"redis", redisVIP, "TCP", redisVIP.Port(), redisPort, "redis"},
+		{"unbound", realDNSIP, "UDP", 53, dnsPort, "dns"},
 	} {
 		fmt.Fprintf(&b, `apiVersion: v1
 kind: Service
@@ -146,12 +151,15 @@ listen echo
 listen sink
   bind %s
   server pod %s
-`, maxconn, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort))
+listen redis
+  bind %s
+  server pod %s
+`, maxconn, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort), nodeRedis, podAddr(redisPort))
 		path := filepath.Join(b.dir, "haproxy.cfg")
 		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 			return nil, err
 		}
-		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, stopSig: syscall.SIGTERM},
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, redis: nodeRedis, stopSig: syscall.SIGTERM},
 			"haproxy", "-db", "-q", "-f", path)
 	}}
 }
@@ -170,14 +178,18 @@ stream {
   server { listen %[5]s; proxy_pass %[6]s; proxy_half_close on; }
   server { listen %[7]s; proxy_pass %[8]s; proxy_half_close on; }
   server { listen %[9]s udp; proxy_pass %[10]s; proxy_timeout 10s; }
+  server { listen %[11]s; proxy_pass %[12]s; proxy_half_close on; }
+  server { listen %[13]s udp; proxy_pass %[14]s; proxy_timeout 10s; }
 }
-`, module, fdLimit, b.dir, fdLimit-500, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort), nodeUDP, podAddr(udpPort))
+`, module, fdLimit, b.dir, fdLimit-500, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort), nodeUDP, podAddr(udpPort),
+			nodeRedis, podAddr(redisPort), nodeDNS, podAddr(dnsPort))
 		path := filepath.Join(b.dir, "nginx.conf")
 		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 			return nil, err
 		}
 		// SIGTERM: the master stops its workers (SIGKILL would orphan them).
-		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, stopSig: syscall.SIGTERM},
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, redis: nodeRedis, dns: nodeDNS,
+			stopSig: syscall.SIGTERM},
 			"nginx", "-e", "stderr", "-p", b.dir, "-c", path)
 	}}
 }
