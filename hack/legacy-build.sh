@@ -13,6 +13,11 @@
 # release this old may need the toolchain of its day, which the module proxy serves as
 # golang.org/toolchain (set KPP_LEGACY_TOOLCHAIN=go1.20.14, say).
 #
+# One file is patched (in the wrapper's vendor/ tree), nothing else: pkg/proxy/userspace/rlimit.go.
+# The userspace proxier sets RLIMIT_NOFILE to 64000 (soft and hard) and refuses to start when it
+# may not - as in a container without CAP_SYS_RESOURCE whose hard limit is lower. The overlay
+# tries exactly that first and, only when refused, raises the soft limit to the hard one instead.
+#
 # Environment:
 #   KPP_CACHE               cache root (default $HOME/.cache/kube-portal-proxy)
 #   KPP_LEGACY_VERSION      k8s.io/kubernetes version (default v1.25.16, the last v1.25 patch)
@@ -65,6 +70,42 @@ served_patch() {
   printf '%s\n' "$ver"
 }
 
+# patch_rlimit replaces the vendored pkg/proxy/userspace/rlimit.go at $1 (see the header).
+patch_rlimit() {
+  grep -q 'Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Max: limit, Cur: limit})' "$1" ||
+    die "$1 is not the rlimit.go this patch expects"
+  cat >"$1" <<'GO'
+//go:build !windows
+
+package userspace
+
+import (
+	"errors"
+
+	"golang.org/x/sys/unix"
+)
+
+// setRLimit is upstream's (soft and hard limit to limit); when the process may not raise its
+// hard limit (EPERM: no CAP_SYS_RESOURCE), it raises the soft limit to the hard one instead.
+func setRLimit(limit uint64) error {
+	err := unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Max: limit, Cur: limit})
+	if !errors.Is(err, unix.EPERM) {
+		return err
+	}
+	var cur unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &cur); err != nil {
+		return err
+	}
+	// No min(): the package builds at kubernetes' language version, go 1.19.
+	cur.Cur = cur.Max
+	if limit < cur.Max {
+		cur.Cur = limit
+	}
+	return unix.Setrlimit(unix.RLIMIT_NOFILE, &cur)
+}
+GO
+}
+
 build() {
   local dir=$work_dir/kube-proxy-$kube_version
   log "building kube-proxy $kube_version with GOTOOLCHAIN=$toolchain"
@@ -91,7 +132,9 @@ build() {
     ldflags+=" -X $pkg.gitVersion=$kube_version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$proxy.tmp" k8s.io/kubernetes/cmd/kube-proxy
+  go mod vendor
+  patch_rlimit "$dir/vendor/k8s.io/kubernetes/pkg/proxy/userspace/rlimit.go"
+  CGO_ENABLED=0 go build -mod=vendor -trimpath -ldflags "$ldflags" -o "$proxy.tmp" k8s.io/kubernetes/cmd/kube-proxy
   mv -f "$proxy.tmp" "$proxy"
   cd /
   rm -rf "$dir"

@@ -168,12 +168,16 @@ func legacyTarget(binary string, api *legacyAPI) target {
 
 // legacyArgs are the legacy proxy's flags: userspace mode as its users ran it, except that it
 // leaves the conntrack sysctls alone (they are not the bed's to set) and keeps its OOM score.
-// Its health and metrics servers listen on the node namespace's loopback.
+// Its health and metrics servers listen on the node namespace's loopback. --bind-address: with
+// the default 0.0.0.0 the userspace proxier picks the host address from the default route, and
+// the node namespace has none (it refuses to start); its portal listeners then bind the node
+// address, where REDIRECT sends the client's packets anyway.
 func legacyArgs(kubeconfig string) []string {
 	return []string{
 		"--proxy-mode=userspace",
 		"--kubeconfig=" + kubeconfig,
 		"--hostname-override=" + legacyNode,
+		"--bind-address=" + testbed.NodeClientIP.String(),
 		"--healthz-bind-address=127.0.0.1:10256",
 		"--metrics-bind-address=127.0.0.1:10249",
 		"--conntrack-max-per-core=0",
