@@ -103,6 +103,27 @@ func (b *bed) probeTCP(ctx context.Context, addr netip.AddrPort, exited <-chan s
 	})
 }
 
+// halfClose reports whether a reply sent after the client's FIN comes back through addr (the
+// sink acks at EOF): a proxy that closes both sides at the first EOF fails it.
+func (b *bed) halfClose(addr netip.AddrPort) bool {
+	c, err := testbed.Dial(b.tb.Client, addr, time.Second)
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		return false
+	}
+	tc, ok := c.(*net.TCPConn)
+	if !ok || tc.CloseWrite() != nil {
+		return false
+	}
+	ack := make([]byte, 1)
+	_, err = io.ReadFull(c, ack)
+	return err == nil
+}
+
 // probeUDP waits until a datagram through addr is echoed back to the client namespace.
 func (b *bed) probeUDP(ctx context.Context, addr netip.AddrPort, exited <-chan struct{}) error {
 	return b.probe(ctx, exited, func() error {

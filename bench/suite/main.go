@@ -84,7 +84,7 @@ func main() {
 	flag.StringVar(&cfg.compare, "compare", "", "another TCP proxy command to add as target \"compare\" (see compareTarget), e.g. an older build of bench/tcp")
 	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 -redis-requests 20000 (explicit flags win)")
 	var spec loadSpec
-	flag.StringVar(&spec.Test, "test", "", "client: bulk, conn, keepalive, udp, idle")
+	flag.StringVar(&spec.Test, "test", "", "client: bulk, bulk-framed, conn, keepalive, udp, idle")
 	flag.StringVar(&spec.Addr, "addr", "", "client: address to load")
 	flag.IntVar(&spec.PID, "pid", 0, "client: proxy PID to measure")
 	flag.Int64Var(&spec.Bytes, "bytes", 0, "client: bulk bytes")

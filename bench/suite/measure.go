@@ -27,6 +27,7 @@ const (
 	mIdleKiBConn = "idle_kib_per_conn"
 	mIdleFds     = "idle_fds"
 	mIdleFdsConn = "idle_fds_per_conn"
+	mHalfClose   = "half_close" // 1: a client's FIN reaches the pod and the reply still comes back
 )
 
 // sample is one measurement of one target: metric key -> value. A metric the target does not
@@ -37,7 +38,15 @@ type sample map[string]float64
 func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool) (sample, error) {
 	s := sample{}
 	hasCPU := r.pid != 0
-	res, err := runLoad(ctx, b, loadSpec{Test: "bulk", Addr: r.sink.String(), PID: r.pid, Bytes: cfg.bulkMiB << 20})
+	s[mHalfClose] = 0
+	if b.halfClose(r.sink) {
+		s[mHalfClose] = 1
+	}
+	bulkTest := "bulk"
+	if s[mHalfClose] == 0 {
+		bulkTest = "bulk-framed" // the plain test's ack could never come back
+	}
+	res, err := runLoad(ctx, b, loadSpec{Test: bulkTest, Addr: r.sink.String(), PID: r.pid, Bytes: cfg.bulkMiB << 20})
 	if err != nil {
 		return s, fmt.Errorf("bulk: %w", err)
 	}

@@ -160,6 +160,7 @@ var (
 		{"KiB/conn", mIdleKiBConn, "%.1f", false},
 		{"fds", mIdleFds, "%.0f", false},
 		{"fds/conn", mIdleFdsConn, "%.2f", false},
+		{"half-close", mHalfClose, "%.0f", false},
 	}
 	// realColumns are the real clients' figures; latencies are followed by their multiple of
 	// direct's (the goal: redis p99 <= 1.5x direct, rate >= 0.8x).
