@@ -230,14 +230,15 @@ func parseRedisCSV(out []byte) (map[string]redisRow, error) {
 	for i, h := range recs[0] {
 		col[h] = i
 	}
+	iTest, ok0 := col["test"]
 	iRPS, ok1 := col["rps"]
 	iP99, ok2 := col["p99_latency_ms"]
-	if !ok1 || !ok2 {
-		return nil, fmt.Errorf("csv: header %q lacks rps or p99_latency_ms", recs[0])
+	if !ok0 || !ok1 || !ok2 {
+		return nil, fmt.Errorf("csv: header %q lacks test, rps or p99_latency_ms", recs[0])
 	}
 	rows := map[string]redisRow{}
 	for _, rec := range recs[1:] {
-		if len(rec) <= max(iRPS, iP99) {
+		if len(rec) <= max(iTest, iRPS, iP99) {
 			continue
 		}
 		rps, err1 := strconv.ParseFloat(rec[iRPS], 64)
@@ -245,7 +246,7 @@ func parseRedisCSV(out []byte) (map[string]redisRow, error) {
 		if err1 != nil || err2 != nil {
 			return nil, fmt.Errorf("csv: row %q: bad number", rec)
 		}
-		rows[rec[0]] = redisRow{rps: rps, p99ms: p99}
+		rows[rec[iTest]] = redisRow{rps: rps, p99ms: p99}
 	}
 	return rows, nil
 }
