@@ -22,6 +22,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
@@ -45,6 +46,8 @@ func (l *legacyAPI) get(ctx context.Context) (*framework.ControlPlane, error) {
 	if l.cp != nil || l.err != nil {
 		return l.cp, l.err
 	}
+	// Creating core/v1 Endpoints is deliberate; the API server's deprecation warning is not news.
+	rest.SetDefaultWarningHandler(rest.NoWarnings{})
 	startCtx, cancel := context.WithTimeout(ctx, framework.DefaultStartTimeout)
 	defer cancel()
 	cp, err := framework.Start(startCtx, framework.Options{})
