@@ -159,7 +159,7 @@ func legacyTarget(binary string, api *legacyAPI) target {
 			return nil, err
 		}
 		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, redis: redisVIP, dns: realDNSIP, pid: proc.pid(), proc: proc,
-			stopSig: syscall.SIGTERM, cleanup: rl.close}
+			stopSig: syscall.SIGTERM, cleanup: rl.close, idleMax: legacyIdleMax()}
 		if err := waitReady(ctx, b, r); err != nil {
 			r.stop()
 			tail, _ := os.ReadFile(logPath)
@@ -167,6 +167,22 @@ func legacyTarget(binary string, api *legacyAPI) target {
 		}
 		return r, nil
 	}}
+}
+
+// legacyFDsPerConn is what the legacy proxy holds per proxied TCP connection: both sockets and,
+// because its io.Copy between two TCP connections splices, a pipe (2 descriptors) per direction
+// for the connection's life - 6, measured.
+const legacyFDsPerConn = 6
+
+// legacyIdleMax is the most idle connections the legacy proxy holds within its descriptor limit
+// (64,000, or the hard limit when it may not raise it): at the limit its accept loop panics
+// ("Accept failed: ... too many open files") and the process exits.
+func legacyIdleMax() int {
+	hard, err := fdHardLimit()
+	if err != nil {
+		return 0
+	}
+	return (int(min(hard, 64000)) - fdHeadroom) / legacyFDsPerConn
 }
 
 // legacyArgs are the legacy proxy's flags: userspace mode as its users ran it, except that it

@@ -112,7 +112,11 @@ func measureIdle(ctx context.Context, cfg config, b *bed, r *running, s sample) 
 	rss0, fds0 := procstat.RSSKiB(r.pid), procstat.FDCount(r.pid)
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	c, err := startSelf(ctx, b.tb.Client, "client", loadSpec{Test: "idle", Addr: r.echo.String(), N: cfg.idle}.args()...)
+	n := cfg.idle
+	if r.idleMax > 0 && n > r.idleMax {
+		n = r.idleMax
+	}
+	c, err := startSelf(ctx, b.tb.Client, "client", loadSpec{Test: "idle", Addr: r.echo.String(), N: n}.args()...)
 	if err != nil {
 		return err
 	}
@@ -129,13 +133,16 @@ func measureIdle(ctx context.Context, cfg config, b *bed, r *running, s sample) 
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	if r.proc != nil && !r.proc.alive() {
+		return fmt.Errorf("the proxy exited holding %d connections", res.Open)
+	}
 	rss1, fds1 := procstat.RSSKiB(r.pid), procstat.FDCount(r.pid)
-	n := float64(res.Open)
-	s[mIdleConns] = n
+	open := float64(res.Open)
+	s[mIdleConns] = open
 	s[mIdleRSS] = float64(rss1) / 1024
-	s[mIdleKiBConn] = float64(rss1-rss0) / n
+	s[mIdleKiBConn] = float64(rss1-rss0) / open
 	s[mIdleFds] = float64(fds1)
-	s[mIdleFdsConn] = float64(fds1-fds0) / n
+	s[mIdleFdsConn] = float64(fds1-fds0) / open
 	return nil
 }
 

@@ -87,6 +87,10 @@ func runBench(ctx context.Context, cfg config) error {
 				cfg.conc, cfg.redisReqs, cfg.udpClients, cfg.dur, toolVersion("redis-server", "--version"), toolVersion("unbound", "-V"))
 		}
 	}
+	if cfg.wants("legacy") {
+		rep.note("legacy v1.25 holds %d descriptors per connection and panics when it runs out (EMFILE in accept or dial); "+
+			"its idle test holds at most %d connections", legacyFDsPerConn, legacyIdleMax())
+	}
 	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip, api)
 	for round := range cfg.reps {
 		for i := range targets {

@@ -36,6 +36,9 @@ type running struct {
 	bulkAndUDPOnly bool
 	// cleanup, when set, runs after the proxy has stopped (the legacy target's API relay).
 	cleanup func()
+	// idleMax, when set, caps the idle-connection test below the suite's count: the most the
+	// proxy can hold within its descriptor limit.
+	idleMax int
 }
 
 func (r *running) stop() {
