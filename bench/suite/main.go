@@ -80,7 +80,7 @@ func main() {
 	flag.IntVar(&cfg.syncChanges, "sync-changes", 5, "bench/scale -changes")
 	flag.StringVar(&cfg.goTool, "go", "go", "the go command, to build bench/scale")
 	flag.StringVar(&cfg.nginxModule, "nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
-	flag.DurationVar(&cfg.timeout, "timeout", 10*time.Minute, "hard limit of the whole run")
+	flag.DurationVar(&cfg.timeout, "timeout", 25*time.Minute, "hard limit of the whole run (3 rounds of every target with -dur 5s took 11 min here)")
 	flag.StringVar(&cfg.compare, "compare", "", "another TCP proxy command to add as target \"compare\" (see compareTarget), e.g. an older build of bench/tcp")
 	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 -redis-requests 20000 (explicit flags win)")
 	var spec loadSpec
