@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -20,6 +21,10 @@ const (
 	sinkPort = 8081
 	udpPort  = 5353
 )
+
+// bulkMagic starts a framed bulk stream: then 8 bytes of length (big endian), then the data.
+// The plain bulk test sends zeros, so it never starts with it.
+const bulkMagic = "KPPBULK1"
 
 // runBackend serves until stdin closes (the harness is gone or done), printing "ready" first.
 func runBackend(ctx context.Context) error {
@@ -86,11 +91,27 @@ func echo(c net.Conn) {
 	}
 }
 
-// sink reads to EOF and acks with one byte, so the sender knows every byte arrived.
+// sink reads to EOF and acks with one byte, so the sender knows every byte arrived. A stream
+// that starts with bulkMagic announces its length instead (the framed bulk test, for proxies
+// without half-close): the ack follows that many bytes, no EOF needed.
 func sink(c net.Conn) {
-	if _, err := io.Copy(io.Discard, c); err == nil {
-		_, _ = c.Write([]byte{1})
+	var hdr [16]byte
+	n, err := io.ReadFull(c, hdr[:])
+	switch {
+	case err == nil && string(hdr[:8]) == bulkMagic:
+		if _, err := io.CopyN(io.Discard, c, int64(binary.BigEndian.Uint64(hdr[8:]))); err != nil {
+			return
+		}
+	case err == nil:
+		if _, err := io.Copy(io.Discard, c); err != nil {
+			return
+		}
+	case n > 0 && errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, io.EOF):
+		// a short stream, already at EOF
+	default:
+		return
 	}
+	_, _ = c.Write([]byte{1})
 }
 
 func udpEcho(pc *net.UDPConn) {

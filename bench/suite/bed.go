@@ -24,7 +24,8 @@ type bed struct {
 	lab     *netns.Lab
 	tb      *testbed.Bed
 	backend *child
-	dir     string // scratch files of the targets
+	servers []*child // the real servers (redis-server, unbound), when the real clients run
+	dir     string   // scratch files of the targets
 }
 
 // podAddr is the pod's address for port.
@@ -38,7 +39,8 @@ var nsSysctls = map[string][]string{
 	"client": {"net.ipv4.tcp_tw_reuse=1", "net.ipv4.ip_local_port_range=1024 65000"},
 }
 
-func newBed(ctx context.Context) (_ *bed, err error) {
+// newBed builds the namespaces and starts the backend; real adds redis-server and unbound.
+func newBed(ctx context.Context, real bool) (_ *bed, err error) {
 	lab, err := netns.NewLab()
 	if err != nil {
 		return nil, err
@@ -68,12 +70,20 @@ func newBed(ctx context.Context) (_ *bed, err error) {
 	if l, err := b.backend.line(); err != nil || l != "ready" {
 		return nil, fmt.Errorf("bed: backend did not start: %q %v", l, err)
 	}
+	if real {
+		if err := b.startRealServers(ctx); err != nil {
+			return nil, fmt.Errorf("bed: %w", err)
+		}
+	}
 	return b, nil
 }
 
 func (b *bed) close() error {
 	if b.backend != nil {
 		b.backend.stop(syscall.SIGTERM, 5*time.Second)
+	}
+	for _, s := range b.servers {
+		s.stop(syscall.SIGTERM, 5*time.Second)
 	}
 	if b.dir != "" {
 		os.RemoveAll(b.dir)
@@ -91,6 +101,27 @@ func (b *bed) probeTCP(ctx context.Context, addr netip.AddrPort, exited <-chan s
 		defer c.Close()
 		return exchange(c, "probe")
 	})
+}
+
+// halfClose reports whether a reply sent after the client's FIN comes back through addr (the
+// sink acks at EOF): a proxy that closes both sides at the first EOF fails it.
+func (b *bed) halfClose(addr netip.AddrPort) bool {
+	c, err := testbed.Dial(b.tb.Client, addr, time.Second)
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		return false
+	}
+	tc, ok := c.(*net.TCPConn)
+	if !ok || tc.CloseWrite() != nil {
+		return false
+	}
+	ack := make([]byte, 1)
+	_, err = io.ReadFull(c, ack)
+	return err == nil
 }
 
 // probeUDP waits until a datagram through addr is echoed back to the client namespace.

@@ -25,6 +25,8 @@ type child struct {
 	stdin  io.WriteCloser
 	out    *bufio.Reader
 	exited chan struct{}
+	// closeOut closes the read end of stdout; stop calls it once the child is gone.
+	closeOut func() error
 }
 
 // startChild runs argv in ns. stderr goes to errw (nil: the harness's stderr); stdout is read
@@ -41,15 +43,23 @@ func startChild(ctx context.Context, ns *netns.NS, name string, errw io.Writer, 
 	if err != nil {
 		return nil, err
 	}
-	stdout, err := cmd.StdoutPipe()
+	// Not StdoutPipe: Wait (in the goroutine below) closes that pipe as soon as the child exits,
+	// and a client that prints its result and exits at once would lose it ("file already
+	// closed"). The read end of an os.Pipe is ours; it reads the rest, then EOF.
+	stdout, w, err := os.Pipe()
 	if err != nil {
 		return nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	cmd.Stdout = w
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		stdout.Close()
 		return nil, fmt.Errorf("%s: start: %w", name, err)
 	}
 	c := &child{name: name, cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout), exited: make(chan struct{})}
 	go func() { _ = cmd.Wait(); close(c.exited) }()
+	c.closeOut = stdout.Close
 	return c, nil
 }
 
@@ -86,6 +96,7 @@ func (c *child) stop(sig syscall.Signal, grace time.Duration) {
 		_ = c.cmd.Process.Kill()
 		<-c.exited
 	}
+	_ = c.closeOut()
 }
 
 // alive reports whether the child still runs.

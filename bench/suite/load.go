@@ -5,6 +5,7 @@ package main
 // namespace is shared), at the edges of the measured window.
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -54,6 +55,8 @@ func runClient(spec loadSpec) error {
 	switch spec.Test {
 	case "bulk":
 		res, err = bulk(spec)
+	case "bulk-framed":
+		res, err = bulkFramed(spec)
 	case "conn":
 		res = rateLoop(spec, connOnce)
 	case "keepalive":
@@ -104,6 +107,36 @@ func bulk(spec loadSpec) (loadResult, error) {
 	}
 	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
 		return res, err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		return res, fmt.Errorf("bulk ack: %w", err)
+	}
+	w.close(&res)
+	return res, nil
+}
+
+// bulkFramed is bulk for proxies that close both sides at the first EOF (the legacy userspace
+// proxy): the length goes first, and the sink acks after that many bytes, before any FIN.
+func bulkFramed(spec loadSpec) (loadResult, error) {
+	var res loadResult
+	c, err := net.DialTimeout("tcp4", spec.Addr, spec.Timeout)
+	if err != nil {
+		return res, err
+	}
+	defer c.Close()
+	buf := make([]byte, 1<<20)
+	w := openWindow(spec.PID)
+	hdr := binary.BigEndian.AppendUint64([]byte(bulkMagic), uint64(spec.Bytes))
+	if _, err := c.Write(hdr); err != nil {
+		return res, fmt.Errorf("bulk header: %w", err)
+	}
+	for res.Ops < spec.Bytes {
+		n, err := c.Write(buf[:min(int64(len(buf)), spec.Bytes-res.Ops)])
+		res.Ops += int64(n)
+		if err != nil {
+			return res, fmt.Errorf("bulk write: %w", err)
+		}
 	}
 	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
 	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {

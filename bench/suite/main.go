@@ -7,6 +7,8 @@
 //     client connecting to the cluster IP;
 //   - kpp bind: the same binary in --portal-mode=bind;
 //   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address;
+//   - legacy v1.25: the real userspace kube-proxy of Kubernetes v1.25 (hack/legacy-build.sh),
+//     reading the suite's Services and Endpoints from a real API server (e2e/framework);
 //   - ceiling: ceiling/ceiling.c, compiled with cc, the leanest bulk-TCP and UDP forwarder we can
 //     write, to show how much of the direct rate any user-space proxy keeps on this machine.
 //
@@ -35,6 +37,9 @@ import (
 // config is the bench role's flags.
 type config struct {
 	proxy        string
+	legacy       string
+	real         bool
+	redisReqs    int
 	reps         int
 	dur, warmup  time.Duration
 	bulkMiB      int64
@@ -57,6 +62,9 @@ func main() {
 	role := flag.String("role", "bench", "bench | backend | client (internal)")
 	var cfg config
 	flag.StringVar(&cfg.proxy, "proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary (make build)")
+	flag.StringVar(&cfg.legacy, "legacy", legacyBinary(), "the legacy v1.25 userspace kube-proxy (hack/legacy-build.sh)")
+	flag.BoolVar(&cfg.real, "real", true, "also measure real clients: redis-benchmark against redis-server, dnsperf against unbound")
+	flag.IntVar(&cfg.redisReqs, "redis-requests", 100000, "requests of each redis-benchmark test (SET, GET)")
 	flag.IntVar(&cfg.reps, "reps", 3, "rounds over all targets; the table shows each figure's median")
 	flag.DurationVar(&cfg.dur, "dur", 2*time.Second, "measured time of each rate test")
 	flag.DurationVar(&cfg.warmup, "warmup", 200*time.Millisecond, "unmeasured time before the keep-alive and UDP tests")
@@ -65,18 +73,18 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,ceiling,compare); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,legacy,ceiling,compare); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")
 	flag.IntVar(&cfg.syncChanges, "sync-changes", 5, "bench/scale -changes")
 	flag.StringVar(&cfg.goTool, "go", "go", "the go command, to build bench/scale")
 	flag.StringVar(&cfg.nginxModule, "nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
-	flag.DurationVar(&cfg.timeout, "timeout", 10*time.Minute, "hard limit of the whole run")
+	flag.DurationVar(&cfg.timeout, "timeout", 25*time.Minute, "hard limit of the whole run (3 rounds of every target with -dur 5s took 11 min here)")
 	flag.StringVar(&cfg.compare, "compare", "", "another TCP proxy command to add as target \"compare\" (see compareTarget), e.g. an older build of bench/tcp")
-	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 (explicit flags win)")
+	quick := flag.Bool("quick", false, "one short round: -reps 1 -dur 1s -bulk-mib 256 -idle 3000 -settle 1s -sync-idle 1s -sync-changes 3 -redis-requests 20000 (explicit flags win)")
 	var spec loadSpec
-	flag.StringVar(&spec.Test, "test", "", "client: bulk, conn, keepalive, udp, idle")
+	flag.StringVar(&spec.Test, "test", "", "client: bulk, bulk-framed, conn, keepalive, udp, idle")
 	flag.StringVar(&spec.Addr, "addr", "", "client: address to load")
 	flag.IntVar(&spec.PID, "pid", 0, "client: proxy PID to measure")
 	flag.Int64Var(&spec.Bytes, "bytes", 0, "client: bulk bytes")
@@ -123,6 +131,7 @@ func applyQuick(cfg *config) {
 		{"settle", func() { cfg.settle = time.Second }},
 		{"sync-idle", func() { cfg.syncIdle = time.Second }},
 		{"sync-changes", func() { cfg.syncChanges = 3 }},
+		{"redis-requests", func() { cfg.redisReqs = 20000 }},
 	}
 	for _, q := range quick {
 		if !set[q.name] {

@@ -27,6 +27,7 @@ const (
 	mIdleKiBConn = "idle_kib_per_conn"
 	mIdleFds     = "idle_fds"
 	mIdleFdsConn = "idle_fds_per_conn"
+	mHalfClose   = "half_close" // 1: a client's FIN reaches the pod and the reply still comes back
 )
 
 // sample is one measurement of one target: metric key -> value. A metric the target does not
@@ -37,7 +38,15 @@ type sample map[string]float64
 func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool) (sample, error) {
 	s := sample{}
 	hasCPU := r.pid != 0
-	res, err := runLoad(ctx, b, loadSpec{Test: "bulk", Addr: r.sink.String(), PID: r.pid, Bytes: cfg.bulkMiB << 20})
+	s[mHalfClose] = 0
+	if b.halfClose(r.sink) {
+		s[mHalfClose] = 1
+	}
+	bulkTest := "bulk"
+	if s[mHalfClose] == 0 {
+		bulkTest = "bulk-framed" // the plain test's ack could never come back
+	}
+	res, err := runLoad(ctx, b, loadSpec{Test: bulkTest, Addr: r.sink.String(), PID: r.pid, Bytes: cfg.bulkMiB << 20})
 	if err != nil {
 		return s, fmt.Errorf("bulk: %w", err)
 	}
@@ -59,6 +68,11 @@ func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool)
 	perOp(s, res, mReq, mCPUPerReq, hasCPU)
 	if err := measureUDP(ctx, cfg, b, r, s); err != nil {
 		return s, err
+	}
+	if cfg.real {
+		if err := measureReal(ctx, cfg, b, r, s); err != nil {
+			return s, err
+		}
 	}
 	if withIdle && hasCPU {
 		if err := measureIdle(ctx, cfg, b, r, s); err != nil {
@@ -98,7 +112,11 @@ func measureIdle(ctx context.Context, cfg config, b *bed, r *running, s sample) 
 	rss0, fds0 := procstat.RSSKiB(r.pid), procstat.FDCount(r.pid)
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	c, err := startSelf(ctx, b.tb.Client, "client", loadSpec{Test: "idle", Addr: r.echo.String(), N: cfg.idle}.args()...)
+	n := cfg.idle
+	if r.idleMax > 0 && n > r.idleMax {
+		n = r.idleMax
+	}
+	c, err := startSelf(ctx, b.tb.Client, "client", loadSpec{Test: "idle", Addr: r.echo.String(), N: n}.args()...)
 	if err != nil {
 		return err
 	}
@@ -115,13 +133,16 @@ func measureIdle(ctx context.Context, cfg config, b *bed, r *running, s sample) 
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	if r.proc != nil && !r.proc.alive() {
+		return fmt.Errorf("the proxy exited holding %d connections", res.Open)
+	}
 	rss1, fds1 := procstat.RSSKiB(r.pid), procstat.FDCount(r.pid)
-	n := float64(res.Open)
-	s[mIdleConns] = n
+	open := float64(res.Open)
+	s[mIdleConns] = open
 	s[mIdleRSS] = float64(rss1) / 1024
-	s[mIdleKiBConn] = float64(rss1-rss0) / n
+	s[mIdleKiBConn] = float64(rss1-rss0) / open
 	s[mIdleFds] = float64(fds1)
-	s[mIdleFdsConn] = float64(fds1-fds0) / n
+	s[mIdleFdsConn] = float64(fds1-fds0) / open
 	return nil
 }
 

@@ -71,7 +71,27 @@ func runBench(ctx context.Context, cfg config) error {
 		rep.note("ceiling is bench/suite/ceiling/ceiling.c, the leanest bulk-TCP and UDP forwarder we can write " +
 			"(blocking splice, a thread per direction; recvmmsg/sendmmsg): a reference for how much of the direct rate a forwarder keeps here")
 	}
-	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip)
+	api := &legacyAPI{}
+	defer func() {
+		if err := api.close(); err != nil {
+			fmt.Fprintf(os.Stderr, "bench/suite: control plane: %v\n", err)
+		}
+	}()
+	if cfg.real {
+		if skip := realClientsSkip(); skip != "" {
+			rep.note("real clients skipped: %s", skip)
+			cfg.real = false
+		} else {
+			rep.note("real clients: redis-benchmark -c %d -n %d -t set,get against redis-server, and dnsperf -c %d -T 2 -q 64 "+
+				"for %s against unbound (one static local zone, one thread), both servers in the pod; %s; %s",
+				cfg.conc, cfg.redisReqs, cfg.udpClients, cfg.dur, toolVersion("redis-server", "--version"), toolVersion("unbound", "-V"))
+		}
+	}
+	if cfg.wants("legacy") {
+		rep.note("legacy v1.25 holds %d descriptors per connection and panics when it runs out (EMFILE in accept or dial); "+
+			"its idle test holds at most %d connections", legacyFDsPerConn, legacyIdleMax())
+	}
+	targets := rep.selectTargets(cfg, int(hard), ceiling, ceilingSkip, api)
 	for round := range cfg.reps {
 		for i := range targets {
 			t := targets[(i+round)%len(targets)]
@@ -113,7 +133,7 @@ func runBench(ctx context.Context, cfg config) error {
 
 // runOne measures one target in a bed of its own.
 func runOne(ctx context.Context, cfg config, t target, withIdle bool) (_ sample, err error) {
-	b, err := newBed(ctx)
+	b, err := newBed(ctx, cfg.real)
 	if err != nil {
 		return nil, err
 	}
@@ -139,13 +159,14 @@ type candidate struct {
 
 // selectTargets returns the targets to run, noting the ones skipped. ceiling is the built ceiling
 // forwarder, or ceilingSkip why there is none.
-func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string) []target {
+func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string, api *legacyAPI) []target {
 	all := []candidate{
 		{"direct", directTarget(), ""},
 		{"iptables", kppTarget(cfg.proxy, "iptables"), available("iptables-restore")},
 		{"bind", kppTarget(cfg.proxy, "bind"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
+		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
 		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
 	}
 	if cfg.compare != "" {

@@ -28,16 +28,25 @@ type target struct {
 type running struct {
 	echo, sink netip.AddrPort // TCP request/response and bulk
 	udp        netip.AddrPort // UDP echo; invalid when the target has no UDP
+	redis, dns netip.AddrPort // the real servers (TCP, UDP); invalid when the target does not serve them
 	pid        int            // the proxy; 0 for direct
 	proc       *child
 	stopSig    syscall.Signal
 	// bulkAndUDPOnly skips the connection, keep-alive and idle loads (the ceiling target).
 	bulkAndUDPOnly bool
+	// cleanup, when set, runs after the proxy has stopped (the legacy target's API relay).
+	cleanup func()
+	// idleMax, when set, caps the idle-connection test below the suite's count: the most the
+	// proxy can hold within its descriptor limit.
+	idleMax int
 }
 
 func (r *running) stop() {
 	if r.proc != nil {
 		r.proc.stop(r.stopSig, 10*time.Second)
+	}
+	if r.cleanup != nil {
+		r.cleanup()
 	}
 }
 
@@ -54,7 +63,8 @@ var (
 
 func directTarget() target {
 	return target{name: "direct", start: func(context.Context, *bed) (*running, error) {
-		return &running{echo: podAddr(echoPort), sink: podAddr(sinkPort), udp: podAddr(udpPort)}, nil
+		return &running{echo: podAddr(echoPort), sink: podAddr(sinkPort), udp: podAddr(udpPort),
+			redis: podAddr(redisPort), dns: podAddr(dnsPort)}, nil
 	}}
 }
 
@@ -81,7 +91,8 @@ func kppTarget(binary, mode string) target {
 		if err != nil {
 			return nil, err
 		}
-		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, pid: proc.pid(), proc: proc, stopSig: syscall.SIGTERM}
+		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, redis: redisVIP, dns: realDNSIP,
+			pid: proc.pid(), proc: proc, stopSig: syscall.SIGTERM}
 		if err := waitReady(ctx, b, r); err != nil {
 			r.stop()
 			tail, _ := os.ReadFile(logPath)
@@ -105,6 +116,8 @@ func servicesYAML() string {
 		{"echo", echoVIP, "TCP", 80, echoPort, "tcp"},
 		{"sink", sinkVIP, "TCP", 80, sinkPort, "tcp"},
 		{"dns", dnsVIP, "UDP", 53, udpPort, "udp"},
+		{"redis", redisVIP, "TCP", redisVIP.Port(), redisPort, "redis"},
+		{"unbound", realDNSIP, "UDP", 53, dnsPort, "dns"},
 	} {
 		fmt.Fprintf(&b, `apiVersion: v1
 kind: Service
@@ -141,12 +154,15 @@ listen echo
 listen sink
   bind %s
   server pod %s
-`, maxconn, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort))
+listen redis
+  bind %s
+  server pod %s
+`, maxconn, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort), nodeRedis, podAddr(redisPort))
 		path := filepath.Join(b.dir, "haproxy.cfg")
 		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 			return nil, err
 		}
-		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, stopSig: syscall.SIGTERM},
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, redis: nodeRedis, stopSig: syscall.SIGTERM},
 			"haproxy", "-db", "-q", "-f", path)
 	}}
 }
@@ -165,14 +181,18 @@ stream {
   server { listen %[5]s; proxy_pass %[6]s; proxy_half_close on; }
   server { listen %[7]s; proxy_pass %[8]s; proxy_half_close on; }
   server { listen %[9]s udp; proxy_pass %[10]s; proxy_timeout 10s; }
+  server { listen %[11]s; proxy_pass %[12]s; proxy_half_close on; }
+  server { listen %[13]s udp; proxy_pass %[14]s; proxy_timeout 10s; }
 }
-`, module, fdLimit, b.dir, fdLimit-500, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort), nodeUDP, podAddr(udpPort))
+`, module, fdLimit, b.dir, fdLimit-500, nodeEcho, podAddr(echoPort), nodeSink, podAddr(sinkPort), nodeUDP, podAddr(udpPort),
+			nodeRedis, podAddr(redisPort), nodeDNS, podAddr(dnsPort))
 		path := filepath.Join(b.dir, "nginx.conf")
 		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 			return nil, err
 		}
 		// SIGTERM: the master stops its workers (SIGKILL would orphan them).
-		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, stopSig: syscall.SIGTERM},
+		return startInNode(ctx, b, running{echo: nodeEcho, sink: nodeSink, udp: nodeUDP, redis: nodeRedis, dns: nodeDNS,
+			stopSig: syscall.SIGTERM},
 			"nginx", "-e", "stderr", "-p", b.dir, "-c", path)
 	}}
 }
