@@ -35,7 +35,7 @@ import (
 )
 
 var (
-	role       = flag.String("role", "bench", "bench | backend | proxy | evloop (internal)")
+	role       = flag.String("role", "bench", "bench | backend | proxy | evloop | iouring (internal)")
 	echoEP     = flag.String("echo", "", "echo endpoint (role proxy)")
 	sinkEP     = flag.String("sink", "", "sink endpoint (role proxy)")
 	listenEcho = flag.String("listen-echo", "127.0.0.1:0", "where the proxy roles serve the echo endpoint (bench/suite -compare runs them in its node namespace)")
@@ -45,7 +45,7 @@ var (
 	conc       = flag.Int("conc", 16, "concurrent clients in the rate tests")
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,haproxy,nginx,compare); empty = all")
+	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,haproxy,nginx,compare); empty = all")
 	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
@@ -60,6 +60,8 @@ func main() {
 		err = runProxy()
 	case "evloop":
 		err = runEvloop()
+	case "iouring":
+		err = runIouring()
 	default:
 		err = runBench()
 	}
@@ -163,6 +165,7 @@ func runBench() error {
 		}},
 		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
 		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
+		{"iouring", func() (target, error) { return startOwn(self, "iouring", "iouring", addrs) }},
 		{"haproxy", func() (target, error) { return startHAProxy(addrs) }},
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
