@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -47,6 +48,7 @@ var (
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
 	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,haproxy,nginx,compare); empty = all")
 	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
+	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
 
@@ -172,26 +174,70 @@ func runBench() error {
 	if *compare != "" {
 		starters = append(starters, starter{"compare", func() (target, error) { return startOwn(*compare, "proxy", filepath.Base(*compare), addrs) }})
 	}
-	var rows []result
+	var chosen []starter
 	for _, s := range starters {
-		if *only != "" && !strings.Contains(","+*only+",", ","+s.name+",") {
-			continue
+		if *only == "" || strings.Contains(","+*only+",", ","+s.name+",") {
+			chosen = append(chosen, s)
 		}
-		t, err := s.start()
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "%s: %v (skipped)\n", s.name, err)
-			continue
+	}
+	// Each repetition starts one target later than the previous one, so a drift in the machine's
+	// load does not always fall on the same target; the table shows each figure's median.
+	byTarget := map[string][]result{}
+	var names []string
+	for rep := range *reps {
+		for i := range chosen {
+			s := chosen[(i+rep)%len(chosen)]
+			t, err := s.start()
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "%s: %v (skipped)\n", s.name, err)
+				continue
+			}
+			fmt.Fprintf(os.Stderr, "rep %d: running %s...\n", rep+1, t.name)
+			r, err := measure(t)
+			t.stop()
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "%s: %v\n", t.name, err)
+			}
+			if *reps > 1 {
+				printTable([]result{r})
+			}
+			if _, ok := byTarget[r.name]; !ok {
+				names = append(names, r.name)
+			}
+			byTarget[r.name] = append(byTarget[r.name], r)
 		}
-		fmt.Fprintf(os.Stderr, "running %s...\n", t.name)
-		r, err := measure(t)
-		t.stop()
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "%s: %v\n", t.name, err)
-		}
-		rows = append(rows, r)
+	}
+	var rows []result
+	for _, n := range names {
+		rows = append(rows, medianResult(byTarget[n]))
+	}
+	if *reps > 1 {
+		fmt.Printf("median of %d repetitions:\n", *reps)
 	}
 	printTable(rows)
 	return nil
+}
+
+// medianResult is the median of every figure over rs, figure by figure.
+func medianResult(rs []result) result {
+	med := func(f func(r *result) *float64) float64 {
+		v := make([]float64, len(rs))
+		for i := range rs {
+			v[i] = *f(&rs[i])
+		}
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	m := rs[0]
+	for _, f := range []func(r *result) *float64{
+		func(r *result) *float64 { return &r.gbps }, func(r *result) *float64 { return &r.cpuPerGB },
+		func(r *result) *float64 { return &r.connRate }, func(r *result) *float64 { return &r.cpuPerConn },
+		func(r *result) *float64 { return &r.reqRate }, func(r *result) *float64 { return &r.cpuPerReq },
+		func(r *result) *float64 { return &r.rssPerConn }, func(r *result) *float64 { return &r.fdPerCon },
+	} {
+		*f(&m) = med(f)
+	}
+	return m
 }
 
 // startChild runs this binary in another role and reads "name addr" lines until the address count.
