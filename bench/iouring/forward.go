@@ -19,8 +19,6 @@ const (
 	tagRecv1 // endpoint -> client
 	tagSend0
 	tagSend1
-	tagShut0
-	tagShut1
 	tagClose
 )
 
@@ -122,6 +120,16 @@ type loop struct {
 	lns    []int
 	conns  []*conn
 	free   []uint32
+	bufs   [][]byte // buffers of closed connections, for the next ones (no garbage per connection)
+}
+
+func (l *loop) getBuf() []byte {
+	if n := len(l.bufs); n > 0 {
+		b := l.bufs[n-1]
+		l.bufs = l.bufs[:n-1]
+		return b
+	}
+	return make([]byte, BufSize)
 }
 
 func (f *Forwarder) loop(lns []int) error {
@@ -167,10 +175,6 @@ func (l *loop) complete(c *cqe) {
 		l.received(id, cn, tag-tagRecv0, c.res)
 	case tagSend0, tagSend1:
 		l.sent(id, cn, tag-tagSend0, c.res)
-	case tagShut0, tagShut1:
-		if c.res < 0 {
-			l.fail(id, cn)
-		}
 	}
 	if cn.inflight == 0 {
 		switch {
@@ -179,6 +183,7 @@ func (l *loop) complete(c *cqe) {
 		case cn.closing && cn.cfd < 0 && cn.bfd < 0:
 			l.conns[id] = nil
 			l.free = append(l.free, id)
+			l.bufs = append(l.bufs, cn.buf[0], cn.buf[1])
 		}
 	}
 }
@@ -191,8 +196,7 @@ func (l *loop) accepted(route int, cfd int32) {
 	}
 	unix.SetsockoptInt(bfd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	cn := &conn{cfd: cfd, bfd: int32(bfd)}
-	cn.buf[0] = make([]byte, BufSize)
-	cn.buf[1] = make([]byte, BufSize)
+	cn.buf[0], cn.buf[1] = l.getBuf(), l.getBuf()
 	ep := l.routes[route].Endpoint
 	cn.sa = unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: ep.Addr().As4()}
 	p := (*[2]byte)(unsafe.Pointer(&cn.sa.Port))
@@ -239,12 +243,15 @@ func (l *loop) send(id uint32, cn *conn, dir int) {
 	cn.inflight++
 }
 
+// shutdown forwards a FIN with a direct system call: the kernel never runs IORING_OP_SHUTDOWN
+// inline (io_shutdown refuses the non-blocking issue), so every one went to an io-wq worker
+// thread, a wake-up and a thread hand-off per connection (3.7% + 3.4% of the samples in the
+// iou-wrk threads, perf, bench/tcp conn test).
 func (l *loop) shutdown(id uint32, cn *conn, dir int) {
 	_, dst := l.fds(cn, dir)
-	s := l.r.get()
-	s.opcode, s.fd, s.len = opShutdownK, dst, unix.SHUT_WR
-	s.userData = uint64(id)<<8 | uint64(tagShut0+dir)
-	cn.inflight++
+	if err := unix.Shutdown(int(dst), unix.SHUT_WR); err != nil {
+		l.fail(id, cn)
+	}
 }
 
 func (l *loop) connected(id uint32, cn *conn, res int32) {

@@ -266,8 +266,8 @@ func startChild(self string, args ...string) (func(), map[string]string, error) 
 
 // startOwn runs a proxy child: this binary (or another build, -compare) in role (proxy:
 // kube-portal-proxy's TCP proxy; evloop: the experiment in evloop.go).
-func startOwn(self, role, name string, be map[string]string) (target, error) {
-	cmd := exec.Command(self, "-role", role, "-echo", be["echo"], "-sink", be["sink"])
+func startOwn(self, role, name string, be map[string]string, extra ...string) (target, error) {
+	cmd := exec.Command(self, append([]string{"-role", role, "-echo", be["echo"], "-sink", be["sink"]}, extra...)...)
 	cmd.Stderr = os.Stderr
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
