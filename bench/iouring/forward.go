@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -38,6 +39,7 @@ type Forwarder struct {
 	routes  []Route
 	threads int
 	lns     [][]int // [thread][route] listening fds
+	closed  atomic.Bool
 }
 
 // New opens the listeners (threads per route, in one reuseport group) and returns the bound
@@ -59,7 +61,18 @@ func New(routes []Route, threads int) (*Forwarder, []netip.AddrPort, error) {
 	return f, bound, nil
 }
 
-// Run starts the loops; they run until the process exits.
+// Close stops accepting: shutting a listener down fails its multishot accept, and a loop whose
+// accepts have all ended returns. Connections still open are left as they are.
+func (f *Forwarder) Close() {
+	f.closed.Store(true)
+	for _, lns := range f.lns {
+		for _, fd := range lns {
+			unix.Shutdown(fd, unix.SHUT_RDWR)
+		}
+	}
+}
+
+// Run runs the loops, one per thread, until Close; it returns the first loop's error.
 func (f *Forwarder) Run() error {
 	errs := make(chan error, f.threads)
 	for t := range f.threads {
@@ -68,7 +81,18 @@ func (f *Forwarder) Run() error {
 			errs <- f.loop(f.lns[t])
 		}()
 	}
-	return <-errs
+	var first error
+	for range f.threads {
+		if err := <-errs; err != nil && first == nil {
+			first = err
+		}
+	}
+	for _, lns := range f.lns {
+		for _, fd := range lns {
+			unix.Close(fd)
+		}
+	}
+	return first
 }
 
 func listen(addr netip.AddrPort) (int, netip.AddrPort, error) {
@@ -121,6 +145,9 @@ type loop struct {
 	conns  []*conn
 	free   []uint32
 	bufs   [][]byte // buffers of closed connections, for the next ones (no garbage per connection)
+
+	closed    *atomic.Bool
+	accepting int // listeners with an accept armed
 }
 
 func (l *loop) getBuf() []byte {
@@ -138,14 +165,15 @@ func (f *Forwarder) loop(lns []int) error {
 		return err
 	}
 	defer r.close()
-	l := &loop{r: r, routes: f.routes, lns: lns}
+	l := &loop{r: r, routes: f.routes, lns: lns, closed: &f.closed, accepting: len(lns)}
 	for i := range lns {
 		l.armAccept(i)
 	}
-	for {
+	for l.accepting > 0 {
 		r.enter(1) // submit everything queued and wait for at least one completion
 		r.reap(l.complete)
 	}
+	return nil
 }
 
 func (l *loop) armAccept(i int) {
@@ -158,7 +186,11 @@ func (l *loop) armAccept(i int) {
 func (l *loop) complete(c *cqe) {
 	tag, id := int(c.userData&0xff), uint32(c.userData>>8)
 	if tag == tagAccept {
-		if c.flags&cqeFMore == 0 {
+		if c.flags&cqeFMore == 0 { // the multishot accept ended: re-arm it, unless closing
+			if l.closed.Load() {
+				l.accepting--
+				return
+			}
 			l.armAccept(int(id))
 		}
 		if c.res >= 0 {
