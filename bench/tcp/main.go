@@ -20,7 +20,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -37,21 +36,20 @@ import (
 )
 
 var (
-	role        = flag.String("role", "bench", "bench | backend | proxy | evloop | iouring (internal)")
-	echoEP      = flag.String("echo", "", "echo endpoint (role proxy)")
-	sinkEP      = flag.String("sink", "", "sink endpoint (role proxy)")
-	listenEcho  = flag.String("listen-echo", "127.0.0.1:0", "where the proxy roles serve the echo endpoint (bench/suite -compare runs them in its node namespace)")
-	listenSink  = flag.String("listen-sink", "127.0.0.1:0", "where the proxy roles serve the sink endpoint")
-	bulkMiB     = flag.Int("bulk-mib", 512, "bytes sent per bulk test, MiB")
-	dur         = flag.Duration("dur", 2*time.Second, "duration of the rate tests")
-	conc        = flag.Int("conc", 16, "concurrent clients in the rate tests")
-	idleN       = flag.Int("idle", 9000, "idle connections held for the memory test")
-	settle      = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only        = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,haproxy,nginx,compare); empty = all")
-	compare     = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
-	acceptLoops = flag.Int("accept-loops", runtime.GOMAXPROCS(0), "role proxy: tcp.Config.AcceptLoops (1: one listener)")
-	reps        = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
-	nginxMod    = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
+	role       = flag.String("role", "bench", "bench | backend | proxy | evloop | iouring (internal)")
+	echoEP     = flag.String("echo", "", "echo endpoint (role proxy)")
+	sinkEP     = flag.String("sink", "", "sink endpoint (role proxy)")
+	listenEcho = flag.String("listen-echo", "127.0.0.1:0", "where the proxy roles serve the echo endpoint (bench/suite -compare runs them in its node namespace)")
+	listenSink = flag.String("listen-sink", "127.0.0.1:0", "where the proxy roles serve the sink endpoint")
+	bulkMiB    = flag.Int("bulk-mib", 512, "bytes sent per bulk test, MiB")
+	dur        = flag.Duration("dur", 2*time.Second, "duration of the rate tests")
+	conc       = flag.Int("conc", 16, "concurrent clients in the rate tests")
+	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
+	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
+	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,haproxy,nginx,compare); empty = all")
+	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
+	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
+	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
 
 func main() {
@@ -126,7 +124,7 @@ func runProxy() error {
 	log.SetLevel(logrus.WarnLevel)
 	for _, ep := range []struct{ name, addr, listen string }{{"echo", *echoEP, *listenEcho}, {"sink", *sinkEP, *listenSink}} {
 		p := tcp.New(service.ServicePortName{Namespace: "bench", Name: ep.name},
-			fixed(netip.MustParseAddrPort(ep.addr)), tcp.Config{Logger: log, AcceptLoops: *acceptLoops})
+			fixed(netip.MustParseAddrPort(ep.addr)), tcp.Config{Logger: log})
 		if err := p.Listen(netip.MustParseAddrPort(ep.listen)); err != nil {
 			return err
 		}
