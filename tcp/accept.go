@@ -35,10 +35,6 @@ func (p *Proxy) acceptLoop() error {
 		aerr error
 	)
 	accept := acceptFn(&fd, &peer, &aerr)
-	var queue queueWatch
-	if p.cfg.AcceptLoops > 1 {
-		accept = queue.wrap(accept)
-	}
 	backoff := time.Duration(0)
 	// The listener is looked up again only when waiting on it fails (SetRefusing closed or
 	// replaced it), so accepting takes no lock.
@@ -66,36 +62,27 @@ func (p *Proxy) acceptLoop() error {
 			// The listener itself is broken; retrying would spin.
 			return fmt.Errorf("tcp proxy %s: wait for connections: %w", p.name, err)
 		}
-		if queue.streak() >= spreadAfter {
-			p.spread(ln)
+		if aerr == nil {
+			backoff = 0
+			if p.cfg.Allow != nil && !p.cfg.Allow(peer.Addr()) {
+				p.deny(fd, peer)
+				continue
+			}
+			p.handle(fd, peer)
+			continue
 		}
-		if !p.dispatch(fd, peer, aerr, &backoff) {
+		err := os.NewSyscallError("accept4", aerr)
+		if !outOfResources(err) {
+			// ECONNABORTED and friends concern one connection; the listener is fine.
+			p.logger().WithError(err).Debug("accept failed")
+			continue
+		}
+		backoff = nextBackoff(backoff)
+		p.logger().WithError(err).WithField("backoff", backoff).Warn("accept: out of resources, backing off")
+		if !p.sleep(backoff) {
 			return nil
 		}
 	}
-}
-
-// dispatch serves what one accept returned: the connection, or the error. It returns false if
-// the proxy was closed while backing off.
-func (p *Proxy) dispatch(fd int, peer netip.AddrPort, aerr error, backoff *time.Duration) bool {
-	if aerr == nil {
-		*backoff = 0
-		if p.cfg.Allow != nil && !p.cfg.Allow(peer.Addr()) {
-			p.deny(fd, peer)
-			return true
-		}
-		p.handle(fd, peer)
-		return true
-	}
-	err := os.NewSyscallError("accept4", aerr)
-	if !outOfResources(err) {
-		// ECONNABORTED and friends concern one connection; the listener is fine.
-		p.logger().WithError(err).Debug("accept failed")
-		return true
-	}
-	*backoff = nextBackoff(*backoff)
-	p.logger().WithError(err).WithField("backoff", *backoff).Warn("accept: out of resources, backing off")
-	return p.sleep(*backoff)
 }
 
 // deny resets a client that Config.Allow refused. The kernel completed its handshake before
@@ -139,9 +126,8 @@ func (p *Proxy) SetRefusing(on bool) error {
 	var old *sock
 	if on {
 		old, p.ln = p.ln, nil
-		p.closeExtraLocked()
 	} else {
-		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive, p.cfg.AcceptLoops > 1)
+		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive)
 		if err != nil {
 			return fmt.Errorf("tcp proxy %s: listen again on %s: %w", p.name, p.addr, err)
 		}

@@ -60,11 +60,6 @@ type Config struct {
 	Allow func(client netip.Addr) bool
 	// Clock drives the idle timeout and timestamps; nil means the real clock.
 	Clock clock.WithTicker
-	// AcceptLoops is how many listening sockets, one SO_REUSEPORT group with an accept loop
-	// each, the proxy may spread its port over; 0 or 1 means one socket (see spread.go). The
-	// extra sockets are opened only once connections queue up between wake-ups, so an idle
-	// service port still holds one descriptor.
-	AcceptLoops int
 }
 
 func (c Config) withDefaults() Config {
@@ -99,7 +94,6 @@ type Proxy struct {
 	lnMu      sync.Mutex
 	ln        *sock // listening; nil while refusing
 	lnChanged chan struct{}
-	extra     []*sock // further listeners in ln's SO_REUSEPORT group (spread.go)
 	addr      netip.AddrPort
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
@@ -146,7 +140,7 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 func (p *Proxy) Listen(addr netip.AddrPort) error {
 	// TCP_NODELAY and keepalive are set once on the listening socket: accepted sockets inherit them
 	// (TestKeepAliveOnBothLegs checks), which saves four setsockopt calls on every accepted connection.
-	ln, bound, err := listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive, p.cfg.AcceptLoops > 1)
+	ln, bound, err := listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
@@ -179,7 +173,6 @@ func (p *Proxy) Close() error {
 		p.lnMu.Lock()
 		ln := p.ln
 		p.ln = nil
-		p.closeExtraLocked()
 		p.lnMu.Unlock()
 		if ln != nil {
 			err = ln.close()

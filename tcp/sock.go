@@ -151,10 +151,10 @@ func (w *connectWait) probe(fd uintptr) bool {
 }
 
 // listenSock opens a listening socket on addr as package net would (SO_REUSEADDR, IPV6_V6ONLY for
-// IPv6, the largest backlog the kernel allows), plus IP_FREEBIND and SO_REUSEPORT if asked and the options every
+// IPv6, the largest backlog the kernel allows), plus IP_FREEBIND if asked and the options every
 // accepted socket inherits (setLegOptions). It is an os.File, not a net.TCPListener, because the
 // accept loop calls accept4 itself through RawConn.Read, which a listener's RawConn refuses.
-func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration, reusePort bool) (*sock, netip.AddrPort, error) {
+func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
 	domain := sockopt.Family(addr.Addr())
 	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -176,11 +176,6 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration, reu
 		}
 		if err := setLegOptions(fd, keepAlive); err != nil {
 			return err
-		}
-		if reusePort { // only where asked: the group lets any socket of our user share the port
-			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
-				return os.NewSyscallError("setsockopt SO_REUSEPORT", err)
-			}
 		}
 		if err := unix.Bind(fd, sockopt.ToSockaddr(addr)); err != nil {
 			return os.NewSyscallError("bind", err)
