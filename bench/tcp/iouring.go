@@ -12,7 +12,10 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
 )
 
-var iouThreads = flag.Int("iouring-threads", 0, "io_uring loops (role iouring); 0 = GOMAXPROCS")
+var (
+	iouThreads = flag.Int("iouring-threads", 0, "io_uring loops (role iouring); 0 = GOMAXPROCS")
+	iouSpareP  = flag.Bool("iouring-spare-p", false, "role iouring: GOMAXPROCS = loops+1, so a P is idle while every loop waits in io_uring_enter")
+)
 
 // runIouring runs the io_uring forwarder experiment (bench/iouring) for the echo and sink
 // endpoints, one ring and one SO_REUSEPORT listener per route on each of its threads.
@@ -21,6 +24,11 @@ func runIouring() error {
 	threads := *iouThreads
 	if threads <= 0 {
 		threads = runtime.GOMAXPROCS(0)
+	}
+	if *iouSpareP {
+		// With every P in a system call and none idle, sysmon hands a waiting loop's P to another
+		// thread after 20 µs (retake, handoffp, a futex wake-up), in every wait.
+		runtime.GOMAXPROCS(threads + 1)
 	}
 	routes := []iouring.Route{
 		{Listen: netip.MustParseAddrPort(*listenEcho), Endpoint: netip.MustParseAddrPort(*echoEP)},

@@ -46,7 +46,7 @@ var (
 	conc       = flag.Int("conc", 16, "concurrent clients in the rate tests")
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,haproxy,nginx,compare); empty = all")
+	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,iouring-spare-p,haproxy,nginx,compare); empty = all")
 	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
 	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
@@ -168,6 +168,9 @@ func runBench() error {
 		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
 		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
 		{"iouring", func() (target, error) { return startOwn(self, "iouring", "iouring", addrs) }},
+		{"iouring-spare-p", func() (target, error) {
+			return startOwn(self, "iouring", "iouring-spare-p", addrs, "-iouring-spare-p")
+		}},
 		{"haproxy", func() (target, error) { return startHAProxy(addrs) }},
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
