@@ -1,7 +1,10 @@
 // Command tcp benchmarks the TCP proxy socket side by side with a direct connection, HAProxy and
 // nginx stream, in one run on loopback only (not run in CI):
 //
-//	go run ./bench/tcp [-bulk-mib 512] [-dur 2s] [-conc 16] [-idle 9000]
+//	go run ./bench/tcp [-bulk-mib 512] [-dur 2s] [-conc 16] [-idle 9000] [-reps 1] [-only kpp,iouring,nginx]
+//
+// Targets besides direct, kpp, HAProxy and nginx: evloop (evloop.go) and iouring (bench/iouring,
+// role iouring), two forwarder experiments, and -compare (another build, for A/B).
 //
 // Every proxy runs in its own process (ours is this binary re-executed with -role proxy) so its CPU
 // time (utime+stime from /proc, summed over the process tree), RSS and descriptors can be read.
