@@ -1,7 +1,10 @@
 // Command tcp benchmarks the TCP proxy socket side by side with a direct connection, HAProxy and
 // nginx stream, in one run on loopback only (not run in CI):
 //
-//	go run ./bench/tcp [-bulk-mib 512] [-dur 2s] [-conc 16] [-idle 9000]
+//	go run ./bench/tcp [-bulk-mib 512] [-dur 2s] [-conc 16] [-idle 9000] [-reps 1] [-only kpp,iouring,nginx]
+//
+// Targets besides direct, kpp, HAProxy and nginx: evloop (evloop.go) and iouring (bench/iouring,
+// role iouring), two forwarder experiments, and -compare (another build, for A/B).
 //
 // Every proxy runs in its own process (ours is this binary re-executed with -role proxy) so its CPU
 // time (utime+stime from /proc, summed over the process tree), RSS and descriptors can be read.
@@ -20,6 +23,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -35,7 +39,7 @@ import (
 )
 
 var (
-	role       = flag.String("role", "bench", "bench | backend | proxy | evloop (internal)")
+	role       = flag.String("role", "bench", "bench | backend | proxy | evloop | iouring (internal)")
 	echoEP     = flag.String("echo", "", "echo endpoint (role proxy)")
 	sinkEP     = flag.String("sink", "", "sink endpoint (role proxy)")
 	listenEcho = flag.String("listen-echo", "127.0.0.1:0", "where the proxy roles serve the echo endpoint (bench/suite -compare runs them in its node namespace)")
@@ -45,8 +49,9 @@ var (
 	conc       = flag.Int("conc", 16, "concurrent clients in the rate tests")
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,haproxy,nginx,compare); empty = all")
+	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,iouring-spare-p,haproxy,nginx,compare); empty = all")
 	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
+	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
 
@@ -60,6 +65,8 @@ func main() {
 		err = runProxy()
 	case "evloop":
 		err = runEvloop()
+	case "iouring":
+		err = runIouring()
 	default:
 		err = runBench()
 	}
@@ -163,32 +170,80 @@ func runBench() error {
 		}},
 		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
 		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
+		{"iouring", func() (target, error) { return startOwn(self, "iouring", "iouring", addrs) }},
+		{"iouring-spare-p", func() (target, error) {
+			return startOwn(self, "iouring", "iouring-spare-p", addrs, "-iouring-spare-p")
+		}},
 		{"haproxy", func() (target, error) { return startHAProxy(addrs) }},
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
 	if *compare != "" {
 		starters = append(starters, starter{"compare", func() (target, error) { return startOwn(*compare, "proxy", filepath.Base(*compare), addrs) }})
 	}
-	var rows []result
+	var chosen []starter
 	for _, s := range starters {
-		if *only != "" && !strings.Contains(","+*only+",", ","+s.name+",") {
-			continue
+		if *only == "" || strings.Contains(","+*only+",", ","+s.name+",") {
+			chosen = append(chosen, s)
 		}
-		t, err := s.start()
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "%s: %v (skipped)\n", s.name, err)
-			continue
+	}
+	// Each repetition starts one target later than the previous one, so a drift in the machine's
+	// load does not always fall on the same target; the table shows each figure's median.
+	byTarget := map[string][]result{}
+	var names []string
+	for rep := range *reps {
+		for i := range chosen {
+			s := chosen[(i+rep)%len(chosen)]
+			t, err := s.start()
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "%s: %v (skipped)\n", s.name, err)
+				continue
+			}
+			fmt.Fprintf(os.Stderr, "rep %d: running %s...\n", rep+1, t.name)
+			r, err := measure(t)
+			t.stop()
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "%s: %v\n", t.name, err)
+			}
+			if *reps > 1 {
+				printTable([]result{r})
+			}
+			if _, ok := byTarget[r.name]; !ok {
+				names = append(names, r.name)
+			}
+			byTarget[r.name] = append(byTarget[r.name], r)
 		}
-		fmt.Fprintf(os.Stderr, "running %s...\n", t.name)
-		r, err := measure(t)
-		t.stop()
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "%s: %v\n", t.name, err)
-		}
-		rows = append(rows, r)
+	}
+	var rows []result
+	for _, n := range names {
+		rows = append(rows, medianResult(byTarget[n]))
+	}
+	if *reps > 1 {
+		fmt.Printf("median of %d repetitions:\n", *reps)
 	}
 	printTable(rows)
 	return nil
+}
+
+// medianResult is the median of every figure over rs, figure by figure.
+func medianResult(rs []result) result {
+	med := func(f func(r *result) *float64) float64 {
+		v := make([]float64, len(rs))
+		for i := range rs {
+			v[i] = *f(&rs[i])
+		}
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	m := rs[0]
+	for _, f := range []func(r *result) *float64{
+		func(r *result) *float64 { return &r.gbps }, func(r *result) *float64 { return &r.cpuPerGB },
+		func(r *result) *float64 { return &r.connRate }, func(r *result) *float64 { return &r.cpuPerConn },
+		func(r *result) *float64 { return &r.reqRate }, func(r *result) *float64 { return &r.cpuPerReq },
+		func(r *result) *float64 { return &r.rssPerConn }, func(r *result) *float64 { return &r.fdPerCon },
+	} {
+		*f(&m) = med(f)
+	}
+	return m
 }
 
 // startChild runs this binary in another role and reads "name addr" lines until the address count.
@@ -217,8 +272,8 @@ func startChild(self string, args ...string) (func(), map[string]string, error) 
 
 // startOwn runs a proxy child: this binary (or another build, -compare) in role (proxy:
 // kube-portal-proxy's TCP proxy; evloop: the experiment in evloop.go).
-func startOwn(self, role, name string, be map[string]string) (target, error) {
-	cmd := exec.Command(self, "-role", role, "-echo", be["echo"], "-sink", be["sink"])
+func startOwn(self, role, name string, be map[string]string, extra ...string) (target, error) {
+	cmd := exec.Command(self, append([]string{"-role", role, "-echo", be["echo"], "-sink", be["sink"]}, extra...)...)
 	cmd.Stderr = os.Stderr
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
