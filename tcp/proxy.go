@@ -60,6 +60,11 @@ type Config struct {
 	Allow func(client netip.Addr) bool
 	// Clock drives the idle timeout and timestamps; nil means the real clock.
 	Clock clock.WithTicker
+	// Adopt, if set, is asked by Listen for a listening socket already bound to the address,
+	// handed over by the process this one replaces (package handover); the proxy takes
+	// ownership of the descriptor and binds nothing, so the socket's accept queue never lacks
+	// an owner. Nil, or no socket for the address, means Listen binds as usual.
+	Adopt func(addr netip.AddrPort) (fd int, ok bool)
 }
 
 func (c Config) withDefaults() Config {
@@ -140,7 +145,14 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 func (p *Proxy) Listen(addr netip.AddrPort) error {
 	// TCP_NODELAY and keepalive are set once on the listening socket: accepted sockets inherit them
 	// (TestKeepAliveOnBothLegs checks), which saves four setsockopt calls on every accepted connection.
-	ln, bound, err := listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+	var ln *sock
+	var bound netip.AddrPort
+	var err error
+	if fd, ok := p.adopt(addr); ok {
+		ln, bound, err = adoptSock(fd, p.cfg.KeepAlive)
+	} else {
+		ln, bound, err = listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+	}
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
@@ -148,6 +160,13 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	p.ln, p.addr = ln, bound
 	p.lnMu.Unlock()
 	return nil
+}
+
+func (p *Proxy) adopt(addr netip.AddrPort) (int, bool) {
+	if p.cfg.Adopt == nil || addr.Port() == 0 {
+		return -1, false
+	}
+	return p.cfg.Adopt(addr)
 }
 
 // Addr is the bound address (with the kernel-chosen port), valid after Listen.
@@ -189,6 +208,11 @@ func (p *Proxy) Close() error {
 	}
 	return nil
 }
+
+// Drained is closed once the proxy is closed (Close) and its last connection has ended, or at
+// Shutdown. A process that handed its sockets to a successor closes every proxy, then waits for
+// this before it exits, so the connections it accepted finish instead of being reset.
+func (p *Proxy) Drained() <-chan struct{} { return p.bgDone }
 
 // Shutdown closes the listener and resets every connection, then waits for all goroutines.
 func (p *Proxy) Shutdown() {
