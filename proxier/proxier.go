@@ -161,6 +161,8 @@ type Proxier struct {
 	firstSynced bool
 	socketWG    sync.WaitGroup
 	runCtx      context.Context
+	// handOff is set by HandOff (see handoff.go).
+	handOff handOffState
 }
 
 // activePort is a service port with an open proxy socket.
@@ -233,10 +235,16 @@ func New(cfg Config, deps Deps) *Proxier {
 // goroutines. Portal rules are left in place on purpose: a restarted proxy reopens its sockets and
 // swaps the rules in one restore, so service traffic is never black-holed.
 func (p *Proxier) Run(ctx context.Context) {
-	p.runCtx = ctx
+	// The sockets outlive the sync loop when the proxy hands over (HandOff): they finish their
+	// connections first. Otherwise they end with it, as before.
+	sockets, endSockets := context.WithCancel(context.WithoutCancel(ctx))
+	defer endSockets()
+	p.runCtx = sockets
 	p.deps.Health.QueuedUpdate()
 	p.reopen()
-	p.runner.Run(ctx)
+	p.runner.Run(p.syncContext(ctx))
+	p.drain()
+	endSockets()
 	p.shutdown()
 }
 

@@ -209,6 +209,10 @@ func (p *Proxy) Close() error {
 	return nil
 }
 
+// Release stops accepting and keeps the established connections, as Close does: after a
+// hand-over the successor accepts on the same socket.
+func (p *Proxy) Release() { _ = p.Close() }
+
 // Drained is closed once the proxy is closed (Close) and its last connection has ended, or at
 // Shutdown. A process that handed its sockets to a successor closes every proxy, then waits for
 // this before it exits, so the connections it accepted finish instead of being reset.

@@ -1,16 +1,15 @@
 package udp
 
 import (
-	"io"
-
 	"context"
-	"github.com/sirupsen/logrus"
+	"io"
 	"net"
 	"net/netip"
 	"os"
 	"testing"
 	"time"
 
+	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 	clocktesting "k8s.io/utils/clock/testing"
 
