@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 )
 
 // httpServer is one HTTP address and what it serves; an empty address disables it.
@@ -19,14 +21,19 @@ type httpServer struct {
 
 // listenHTTP opens every server's listener, so an address in use fails the start, and returns
 // the tasks that serve them until their context ends.
-func (d *Daemon) listenHTTP(servers []httpServer) ([]func(context.Context), error) {
+// An address the running proxy handed over (inh) is taken over rather than bound.
+func (d *Daemon) listenHTTP(servers []httpServer, inh *handover.Inherited) ([]func(context.Context), error) {
 	var tasks []func(context.Context)
 	var opened []net.Listener
 	for _, s := range servers {
 		if s.addr == "" {
 			continue
 		}
-		ln, err := d.deps.listen(s.addr)
+		ln, ok := inh.Listener("tcp", s.addr)
+		var err error
+		if !ok {
+			ln, err = d.listenRetrying(s.addr)
+		}
 		if err != nil {
 			for _, l := range opened {
 				_ = l.Close()

@@ -112,3 +112,16 @@ func members(s ProxySocket) []ProxySocket {
 	}
 	return out
 }
+
+// FirstSync is closed once the first portal sync has worked: every socket of the Services known
+// then is open and the portals point at them. A successor tells its predecessor it is ready then.
+func (p *Proxier) FirstSync() <-chan struct{} { return p.firstSync }
+
+func (p *Proxier) markFirstSync() { p.firstSyncOnce.Do(func() { close(p.firstSync) }) }
+
+// ReopenCounts says how many service ports Run reopened, before the first sync, on the proxy
+// ports the portal rules in force point at (Reopen), and how many it could not (their first sync
+// allocates another proxy port and rewrites their rules).
+func (p *Proxier) ReopenCounts() (reopened, reallocated int) {
+	return int(p.reopened.Load()), int(p.reallocated.Load())
+}

@@ -9,6 +9,7 @@ import (
 	"maps"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -163,6 +164,12 @@ type Proxier struct {
 	runCtx      context.Context
 	// handOff is set by HandOff (see handoff.go).
 	handOff handOffState
+	// firstSync is closed after the first portal sync that worked (FirstSync).
+	firstSync     chan struct{}
+	firstSyncOnce sync.Once
+	// reopened and reallocated count the seeds reopened on their proxy port, and those that
+	// could not be (the first sync allocates another port): ReopenCounts.
+	reopened, reallocated atomic.Int64
 }
 
 // activePort is a service port with an open proxy socket.
@@ -223,6 +230,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		seeded:         make(map[service.ServicePortName]bool),
 		keepPort:       make(map[service.ServicePortName]uint16),
 		endpointsReady: make(chan struct{}),
+		firstSync:      make(chan struct{}),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {

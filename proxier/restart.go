@@ -85,6 +85,8 @@ func (p *Proxier) reopen() {
 		p.seeded[s.Name] = true
 		opened++
 	}
+	p.reopened.Store(int64(opened))
+	p.reallocated.Store(int64(len(p.seeds) - opened))
 	p.log.WithFields(logrus.Fields{"reopened": opened, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
 		Info("Reopened the proxy sockets the portal rules in force point at")
 	p.seeds = nil
