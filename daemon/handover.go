@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -166,8 +167,11 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 			stats.inherited.Store(int64(taken))
 			stats.handover.Store(int64(took))
 			reopened, reallocated := px.ReopenCounts()
-			log := d.log.WithFields(logrus.Fields{"inherited": taken, "received": in.Received(), "closedUnused": unclaimed,
+			log := d.log.WithFields(logrus.Fields{"inherited": taken, "received": in.Received(), "closedUnused": len(unclaimed),
 				"reopened": reopened, "reallocated": reallocated, "transfer": in.Duration().String(), "duration": took.String()})
+			if len(unclaimed) > 0 {
+				d.log.WithField("sockets", strings.Join(unclaimed, " ")).Info("Closed the inherited sockets this process does not serve")
+			}
 			if err != nil {
 				log.WithError(err).Warn("Took over the running proxy's sockets, but could not tell it; it stops at its SIGTERM")
 			} else {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -26,6 +27,7 @@ type Inherited struct {
 
 	mu    sync.Mutex
 	socks map[key][]int
+	names map[int]string // descriptor -> manifest name, for the report of unclaimed sockets
 	taken int
 }
 
@@ -50,7 +52,7 @@ func Receive(ctx context.Context, path string, timeout time.Duration) (*Inherite
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
 	deadline(c, start, timeout)
-	in := &Inherited{conn: c, socks: map[key][]int{}}
+	in := &Inherited{conn: c, socks: map[key][]int{}, names: map[int]string{}}
 	if err := in.receive(); err != nil {
 		in.Close()
 		return nil, fmt.Errorf("handover from %s: %w", path, err)
@@ -92,6 +94,7 @@ func (in *Inherited) receive() error {
 				return err
 			}
 			in.socks[k] = append(in.socks[k], fds[i])
+			in.names[fds[i]] = e.Name
 			in.received++
 		}
 	}
@@ -188,8 +191,8 @@ func (in *Inherited) file(network, address string) (*os.File, bool) {
 
 // Ready tells the predecessor that this process serves now, so it stops accepting and finishes
 // its connections, and closes the sockets nobody took (ports the predecessor had that this
-// process does not serve). It returns how many were closed.
-func (in *Inherited) Ready() (unclaimed int, err error) {
+// process does not serve). It returns their names.
+func (in *Inherited) Ready() (unclaimed []string, err error) {
 	unclaimed = in.closeUnclaimed()
 	deadline(in.conn, time.Now(), DefaultTimeout)
 	err = send(in.conn, reply{Ready: true}, nil)
@@ -207,14 +210,17 @@ func (in *Inherited) Close() {
 	_ = in.conn.Close()
 }
 
-func (in *Inherited) closeUnclaimed() int {
+func (in *Inherited) closeUnclaimed() []string {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	n := 0
+	var names []string
 	for k, fds := range in.socks {
+		for _, fd := range fds {
+			names = append(names, in.names[fd])
+		}
 		closeAll(fds)
-		n += len(fds)
 		delete(in.socks, k)
 	}
-	return n
+	slices.Sort(names)
+	return names
 }

@@ -172,7 +172,7 @@ func TestHandOver(t *testing.T) {
 		}
 	})
 
-	t.Run("connected sockets are not handed over", func(t *testing.T) {
+	t.Run("connected sockets are not handed over, and each socket once", func(t *testing.T) {
 		ln, err := net.Listen("tcp4", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -188,6 +188,12 @@ func TestHandOver(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer u.Close()
+		// A second descriptor of the same listener (as os.File and dup make) is not a second socket.
+		f, err := ln.(*net.TCPListener).File()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
 		socks, err := Collect()
 		if err != nil {
 			t.Fatal(err)

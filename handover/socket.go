@@ -68,7 +68,8 @@ type socket struct {
 // bound, unconnected UDP sockets (the proxy sockets, the held node ports, the health check node
 // ports, the health and metrics listeners). Each comes as a duplicate the caller must close, so
 // a descriptor that another goroutine closes meanwhile cannot be mistaken for another: what the
-// manifest says is what the duplicate is. Connected sockets (proxied connections, UDP sessions'
+// manifest says is what the duplicate is. A socket with several descriptors is listed once.
+// Connected sockets (proxied connections, UDP sessions'
 // upstream sockets) and other kinds (netlink, Unix) are left out.
 func Collect() ([]socket, error) {
 	dir, err := os.ReadDir("/proc/self/fd")
@@ -76,6 +77,7 @@ func Collect() ([]socket, error) {
 		return nil, fmt.Errorf("handover: list descriptors: %w", err)
 	}
 	var out []socket
+	seen := map[uint64]bool{} // socket inodes
 	for _, d := range dir {
 		n, err := strconv.Atoi(d.Name())
 		if err != nil {
@@ -85,7 +87,9 @@ func Collect() ([]socket, error) {
 		if err != nil {
 			continue // closed since the directory was read (or the directory's own descriptor)
 		}
-		if e, ok := classify(dup); ok {
+		var st unix.Stat_t
+		if e, ok := classify(dup); ok && unix.Fstat(dup, &st) == nil && !seen[st.Ino] {
+			seen[st.Ino] = true
 			out = append(out, socket{Entry: e, fd: dup})
 			continue
 		}
