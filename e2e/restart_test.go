@@ -42,10 +42,24 @@ type prober struct {
 }
 
 func startProber(from *netns.NS, targets map[string]netip.AddrPort) *prober {
+	return startProberWith(from, targets, nil)
+}
+
+// startProberWith also sends one UDP query (a new socket, so a new session) to each of udp in
+// turn.
+func startProberWith(from *netns.NS, targets, udp map[string]netip.AddrPort) *prober {
 	p := &prober{stop: make(chan struct{}), results: make(chan []attempt, 1)}
-	names := make([]string, 0, len(targets))
-	for name := range targets {
-		names = append(names, name)
+	type target struct {
+		name string
+		addr netip.AddrPort
+		ask  asker
+	}
+	var all []target
+	for name, addr := range targets {
+		all = append(all, target{name, addr, whoTCP})
+	}
+	for name, addr := range udp {
+		all = append(all, target{name, addr, whoUDP})
 	}
 	go func() {
 		var out []attempt
@@ -59,9 +73,9 @@ func startProber(from *netns.NS, targets map[string]netip.AddrPort) *prober {
 				return
 			case <-tick.C:
 			}
-			name := names[i%len(names)]
-			a := attempt{target: name, start: time.Now()}
-			_, a.err = whoTCP(from, targets[name])
+			tg := all[i%len(all)]
+			a := attempt{target: tg.name, start: time.Now()}
+			_, a.err = tg.ask(from, tg.addr)
 			a.end = time.Now()
 			out = append(out, a)
 			p.made.Add(1)
@@ -120,14 +134,15 @@ func summarize(got []attempt, since time.Time) failures {
 	return f
 }
 
-// restartNode is a node with a NodePort web service on two pods, and its targets.
-func restartNode(t *testing.T) (*clusterNode, map[string]netip.AddrPort) {
+// restartNode is a node with a NodePort web service on two pods, and its TCP and UDP targets.
+func restartNode(t *testing.T) (n *clusterNode, tcp, udp map[string]netip.AddrPort) {
 	t.Helper()
-	n := newClusterNode(t, 2)
+	n = newClusterNode(t, 2)
 	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort))
 	n.setEndpoints(t, svc, 1, 2)
 	tg := targetsOf(t, svc)
-	return n, map[string]netip.AddrPort{"cluster IP": tg.clusterTCP, "node port": tg.nodePort}
+	return n, map[string]netip.AddrPort{"cluster IP": tg.clusterTCP, "node port": tg.nodePort},
+		map[string]netip.AddrPort{"cluster IP udp": tg.clusterUDP}
 }
 
 func waitAllAnswer(t *testing.T, p *proxyProcess, n *clusterNode, targets map[string]netip.AddrPort, what string) {
@@ -142,7 +157,7 @@ func waitAllAnswer(t *testing.T, p *proxyProcess, n *clusterNode, targets map[st
 // proxy ports they point at before it reads anything, so only the moments with no process fail.
 func TestRestartAfterSIGKILL(t *testing.T) {
 	t.Parallel()
-	n, targets := restartNode(t)
+	n, targets, _ := restartNode(t)
 	first := n.startProxy(t)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
 
@@ -218,7 +233,7 @@ func (l *longConn) finish() error {
 // must finish its exchange and end with a clean close.
 func TestRestartByHandOver(t *testing.T) {
 	t.Parallel()
-	n, targets := restartNode(t)
+	n, targets, udpTargets := restartNode(t)
 	flags := []string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s"}
 	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
@@ -244,7 +259,7 @@ func TestRestartByHandOver(t *testing.T) {
 	}
 	exchangeAll("before the hand-over")
 
-	pr := startProber(n.bed.Client, targets)
+	pr := startProberWith(n.bed.Client, targets, udpTargets)
 	pr.madeAtLeast(t, "the prober never ran", 40)
 	started := time.Now()
 	second := n.startProxy(t, flags...)

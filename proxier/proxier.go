@@ -170,6 +170,9 @@ type Proxier struct {
 	// reopened and reallocated count the seeds reopened on their proxy port, and those that
 	// could not be (the first sync allocates another port): ReopenCounts.
 	reopened, reallocated atomic.Int64
+	// gate opens reopened UDP sockets (reopenGate).
+	gate     chan struct{}
+	gateOnce sync.Once
 }
 
 // activePort is a service port with an open proxy socket.

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -146,4 +147,45 @@ func quietLogger() *logrus.Logger {
 	l := logrus.New()
 	l.SetOutput(io.Discard)
 	return l
+}
+
+// gatePicker is a Gate that records whether a pick happened before it opened.
+type gatePicker struct {
+	*fakePicker
+	ready  chan struct{}
+	opened atomic.Bool
+	early  atomic.Int64
+}
+
+func (g *gatePicker) Ready() <-chan struct{} { return g.ready }
+
+func (g *gatePicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
+	if !g.opened.Load() {
+		g.early.Add(1)
+	}
+	return g.fakePicker.Next(client, reset)
+}
+
+// TestGate: a proxy whose picker cannot pick yet (a restarted proxy before its endpoints are in)
+// reads nothing; the datagram waits in the queue and is answered once the gate opens.
+func TestGate(t *testing.T) {
+	backend := echoServer(t, "127.0.0.2", "echo:")
+	g := &gatePicker{fakePicker: newFakePicker(backend), ready: make(chan struct{})}
+	p := startProxy(t, g, Config{Logger: quietLogger()})
+	c := newClient(t, "127.0.0.1", p.Addr())
+	c.send([]byte("early"))
+	testenv.WaitFor(t, "Run to start", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.running
+	})
+	g.opened.Store(true)
+	close(g.ready)
+	got, err := c.recv()
+	if err != nil || string(got) != "echo:early" {
+		t.Fatalf("reply %q, %v; want echo:early (queued until the gate opened, not dropped)", got, err)
+	}
+	if n := g.early.Load(); n != 0 {
+		t.Errorf("%d picks before the gate opened", n)
+	}
 }

@@ -45,6 +45,14 @@ type Picker interface {
 	Next(client netip.Addr, reset bool) (netip.AddrPort, error)
 }
 
+// Gate is implemented by a Picker that cannot pick yet: a restarted proxy's, before it has its
+// endpoints. Run reads no datagram until Ready is closed, so datagrams wait in the socket's queue
+// (or, after a hand-over, go to the predecessor still reading the same socket) instead of being
+// dropped for want of an endpoint.
+type Gate interface {
+	Ready() <-chan struct{}
+}
+
 // Config tunes a Proxy. The zero value is usable.
 type Config struct {
 	// IdleTimeout (--udp-timeout) ends a session after this long without traffic either way.
@@ -116,6 +124,7 @@ type Proxy struct {
 	released bool          // Release: no more client datagrams are read
 	drained  chan struct{} // closed once released (or closed) with no session left
 	drainOne sync.Once
+	stopped  chan struct{} // closed by Close
 	running  bool
 	lfd      int // listening socket, -1 until Listen
 	addr     netip.AddrPort
@@ -137,6 +146,7 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 		log:      cfg.Logger.WithField("service", name.String()),
 		lfd:      -1,
 		drained:  make(chan struct{}),
+		stopped:  make(chan struct{}),
 		sessions: make(map[netip.AddrPort]*session),
 		byFD:     make(map[int32]*session),
 	}
@@ -207,6 +217,13 @@ func (p *Proxy) Run(ctx context.Context) error {
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Go(func() { p.expireLoop(ctx, stop) })
+	if g, ok := p.picker.(Gate); ok {
+		select {
+		case <-g.Ready():
+		case <-ctx.Done(): // expireLoop closes the proxy; serve sees it
+		case <-p.stopped:
+		}
+	}
 	err := p.serve()
 	close(stop)
 	wg.Wait()
@@ -255,6 +272,7 @@ func (p *Proxy) Close() error {
 		return nil
 	}
 	p.closed = true
+	close(p.stopped)
 	p.markDrained()
 	var errs []error
 	for _, s := range p.sessions {
