@@ -31,9 +31,9 @@ import (
 )
 
 // bindRetryFor bounds how long a start whose hand-over failed retries binding an HTTP address the
-// running process still holds: it lets go when it exits (SIGTERM, then at most its
-// --shutdown-timeout).
-const bindRetryFor = 30 * time.Second
+// running process still holds (see bindWhenFree). Past it the address stays unserved: the
+// liveness probe then fails and the kubelet restarts this process, which binds it at last.
+const bindRetryFor = 2 * time.Minute
 
 // receiveHandover takes over the running proxy's sockets, if --handover-socket is set and a proxy
 // answers there. nil means a normal start (no predecessor, or the hand-over failed: logged).
@@ -96,25 +96,31 @@ func healthListen(in *handover.Inherited) func(ctx context.Context, network, add
 	}
 }
 
-// listenRetrying binds addr, retrying for bindRetryFor while the address is in use and a
-// hand-over is configured: the running process may still hold it if the hand-over failed.
-func (d *Daemon) listenRetrying(addr string) (net.Listener, error) {
-	var deadline time.Time
+// bindWhenFree binds addr once the process holding it lets go, trying every 100 ms for at most
+// bindRetryFor or until ctx ends. A start whose hand-over failed (or whose predecessor cannot hand
+// over: an older version) finds the health and metrics addresses still held by the running proxy,
+// which lets go only when it exits, and it exits only once this process is ready, which its
+// readiness probe, answered meanwhile by the old process, says soon. So the start goes on and the
+// address is served when it is free.
+func (d *Daemon) bindWhenFree(ctx context.Context, addr string) (net.Listener, error) {
+	deadline := d.deps.clock.Now().Add(bindRetryFor)
 	for {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-d.deps.clock.After(100 * time.Millisecond):
+		}
 		ln, err := d.deps.listen(addr)
-		if err == nil || d.o.handoverSocket == "" || !errors.Is(err, syscall.EADDRINUSE) {
+		if err == nil || !errors.Is(err, syscall.EADDRINUSE) || d.deps.clock.Now().After(deadline) {
 			return ln, err
 		}
-		now := d.deps.clock.Now()
-		if deadline.IsZero() {
-			deadline = now.Add(bindRetryFor)
-			d.log.WithField("address", addr).Warn("Address in use, probably by the running proxy; retrying until it lets go")
-		}
-		if now.After(deadline) {
-			return nil, err
-		}
-		<-d.deps.clock.After(100 * time.Millisecond)
 	}
+}
+
+// inUseByPredecessor reports whether a bind failed because the address is in use while a
+// hand-over is configured: then the running proxy probably holds it.
+func (d *Daemon) inUseByPredecessor(err error) bool {
+	return d.o.handoverSocket != "" && errors.Is(err, syscall.EADDRINUSE)
 }
 
 // restartStats is what the last start took over, for the metrics.

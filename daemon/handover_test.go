@@ -127,26 +127,24 @@ func socketExists(flag string) bool {
 	return err == nil && st.Mode()&os.ModeSocket != 0
 }
 
-// TestListenRetrying: after a failed hand-over the running proxy may still hold the health and
-// metrics addresses until it exits; binding them is retried for a bounded time, and only then.
-func TestListenRetrying(t *testing.T) {
+// TestBindWhenFree: after a failed hand-over the running proxy may still hold the health and
+// metrics addresses until it exits; binding them is retried, for a bounded time.
+func TestBindWhenFree(t *testing.T) {
 	inUse := &net.OpError{Op: "listen", Net: "tcp", Err: os.NewSyscallError("bind", syscall.EADDRINUSE)}
 	for _, tc := range []struct {
 		name      string
-		handover  string
 		busyCalls int // calls that fail with EADDRINUSE before one succeeds
 		wantCalls int
 		wantErr   bool
 	}{
-		{name: "address_in_use_until_the_old_process_lets_go", handover: "/run/h.sock", busyCalls: 3, wantCalls: 4},
-		{name: "gives_up_after_the_bound", handover: "/run/h.sock", busyCalls: 1 << 30, wantCalls: int(bindRetryFor/(100*time.Millisecond)) + 2, wantErr: true},
-		{name: "no_retry_without_a_hand-over_socket", busyCalls: 1 << 30, wantCalls: 1, wantErr: true},
+		{name: "address_in_use_until_the_old_process_lets_go", busyCalls: 3, wantCalls: 4},
+		{name: "gives_up_after_the_bound", busyCalls: 1 << 30, wantCalls: int(bindRetryFor/(100*time.Millisecond)) + 1, wantErr: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			fc := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 			var calls atomic.Int64
 			log, _ := logtest.NewNullLogger()
-			d := &Daemon{o: &Options{handoverSocket: tc.handover}, log: log, deps: deps{clock: fc,
+			d := &Daemon{o: &Options{handoverSocket: "/run/h.sock"}, log: log, deps: deps{clock: fc,
 				listen: func(string) (net.Listener, error) {
 					if calls.Add(1) <= int64(tc.busyCalls) {
 						return nil, inUse
@@ -155,7 +153,7 @@ func TestListenRetrying(t *testing.T) {
 				}}}
 			done := make(chan error, 1)
 			go func() {
-				ln, err := d.listenRetrying("127.0.0.1:10256")
+				ln, err := d.bindWhenFree(t.Context(), "127.0.0.1:10256")
 				if ln != nil {
 					ln.Close()
 				}
@@ -165,7 +163,7 @@ func TestListenRetrying(t *testing.T) {
 				select {
 				case err := <-done:
 					if (err != nil) != tc.wantErr || (err != nil && !errors.Is(err, syscall.EADDRINUSE)) {
-						t.Errorf("listenRetrying = %v, want error %v (EADDRINUSE)", err, tc.wantErr)
+						t.Errorf("bindWhenFree = %v, want error %v (EADDRINUSE)", err, tc.wantErr)
 					}
 					if got := calls.Load(); got != int64(tc.wantCalls) {
 						t.Errorf("%d binds, want %d", got, tc.wantCalls)
@@ -177,6 +175,34 @@ func TestListenRetrying(t *testing.T) {
 					fc.Step(100 * time.Millisecond)
 				}
 				runtime.Gosched()
+			}
+		})
+	}
+}
+
+// TestAddressInUseWithoutHandOver: without --handover-socket an address in use fails the start,
+// as before; with it, the start goes on.
+func TestAddressInUseWithoutHandOver(t *testing.T) {
+	held, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	for _, tc := range []struct {
+		name     string
+		handover string
+		wantErr  bool
+	}{
+		{name: "fails_the_start", wantErr: true},
+		{name: "served_later_with_a_hand-over_socket", handover: "/run/h.sock"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			log, _ := logtest.NewNullLogger()
+			d := &Daemon{o: &Options{handoverSocket: tc.handover}, log: log, deps: deps{clock: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)),
+				listen: func(addr string) (net.Listener, error) { return net.Listen("tcp4", addr) }}}
+			tasks, err := d.listenHTTP([]httpServer{{held.Addr().String(), http.NotFoundHandler()}}, nil)
+			if (err != nil) != tc.wantErr || (err == nil && len(tasks) != 1) {
+				t.Errorf("listenHTTP = %d tasks, %v; want error %v", len(tasks), err, tc.wantErr)
 			}
 		})
 	}

@@ -32,7 +32,11 @@ func (d *Daemon) listenHTTP(servers []httpServer, inh *handover.Inherited) ([]fu
 		ln, ok := inh.Listener("tcp", s.addr)
 		var err error
 		if !ok {
-			ln, err = d.listenRetrying(s.addr)
+			ln, err = d.deps.listen(s.addr)
+		}
+		if d.inUseByPredecessor(err) {
+			tasks = append(tasks, d.serveWhenFree(s, err))
+			continue
 		}
 		if err != nil {
 			for _, l := range opened {
@@ -44,6 +48,23 @@ func (d *Daemon) listenHTTP(servers []httpServer, inh *handover.Inherited) ([]fu
 		tasks = append(tasks, serveHTTP(ln, s.handler, d.log.WithField("address", s.addr)))
 	}
 	return tasks, nil
+}
+
+// serveWhenFree serves s once its address is free (bindWhenFree): the running proxy holds it.
+func (d *Daemon) serveWhenFree(s httpServer, inUse error) func(context.Context) {
+	log := d.log.WithField("address", s.addr)
+	log.WithError(inUse).Warn("Address in use, probably by the running proxy, which did not hand it over; serving it once it lets go")
+	return func(ctx context.Context) {
+		ln, err := d.bindWhenFree(ctx, s.addr)
+		if err != nil {
+			if ctx.Err() == nil {
+				log.WithError(err).Error("Cannot listen; this address stays unserved until a restart")
+			}
+			return
+		}
+		log.Info("Address free at last: serving it")
+		serveHTTP(ln, s.handler, log)(ctx)
+	}
 }
 
 // serveHTTP serves h on ln until ctx is done, then shuts the server down: a second for requests
