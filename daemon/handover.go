@@ -153,9 +153,11 @@ func (s *restartStats) collector() prometheus.Collector {
 	}}
 }
 
-// handoverTask waits for the first sync, tells the predecessor (if any) that this process serves
-// now, then answers a successor's request on --handover-socket until ctx ends; handedOff runs
-// when a successor is ready.
+// handoverTask waits for the first sync, takes the --handover-socket path over, tells the
+// predecessor (if any) that this process serves now, then answers a successor's request until
+// ctx ends; handedOff runs when a successor is ready. The path is taken before ready is sent, so
+// the predecessor, which removes the socket file at exit only while it is its own, never removes
+// this process's.
 func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats *restartStats, started time.Time, handedOff func()) func(context.Context) {
 	return func(ctx context.Context) {
 		select {
@@ -166,6 +168,8 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 			}
 			return
 		}
+		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock})
+		listenErr := srv.Listen()
 		if in != nil {
 			taken := in.Taken()
 			unclaimed, err := in.Ready()
@@ -184,9 +188,8 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 				log.Info("Took over from the running proxy")
 			}
 		}
-		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock})
-		if err := srv.Listen(); err != nil {
-			d.log.WithError(err).Error("Cannot listen on the hand-over socket; a successor will have to bind anew")
+		if listenErr != nil {
+			d.log.WithError(listenErr).Error("Cannot listen on the hand-over socket; a successor will have to bind anew")
 			return
 		}
 		srv.Run(ctx, handedOff)

@@ -343,6 +343,26 @@ func TestHandOverFallback(t *testing.T) {
 		}
 	})
 
+	t.Run("a predecessor told to stop while it waits for ready stops at once", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		s := NewServer(ServerConfig{Path: path, Logger: quietLog()})
+		if err := s.Listen(); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		stopped, handedOff := make(chan struct{}), false
+		go func() { defer close(stopped); s.Run(ctx, func() { handedOff = true }) }()
+		receiveOK(t, path) // the successor is starting: no ready yet
+		cancel()           // SIGTERM to the predecessor
+		waitClosed(t, stopped, "the server to stop while it waited for ready")
+		if handedOff {
+			t.Error("a stop before ready was taken for a hand-over")
+		}
+		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the socket file outlived its server: %v", err)
+		}
+	})
+
 	t.Run("the socket file is replaced atomically and removed only by its owner", func(t *testing.T) {
 		path := filepath.Join(t.TempDir(), "handover.sock")
 		first := NewServer(ServerConfig{Path: path, Logger: quietLog()})

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
 	"k8s.io/utils/clock"
 )
 
@@ -115,7 +116,9 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 			}
 			return
 		}
+		stopConn := context.AfterFunc(ctx, func() { _ = c.Close() }) // a SIGTERM does not wait for ready
 		err = s.serve(c)
+		stopConn()
 		_ = c.Close()
 		if err == nil {
 			handedOff()
@@ -128,6 +131,9 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 // serve runs one hand-over on c; nil means the successor is ready.
 func (s *Server) serve(c *net.UnixConn) error {
 	start := s.cfg.Clock.Now()
+	if err := samePeerUser(c); err != nil {
+		return err
+	}
 	deadline(c, time.Now(), s.cfg.Timeout)
 	var h hello
 	if _, err := receive(c, &h); err != nil {
@@ -198,3 +204,24 @@ func (s *Server) close() {
 }
 
 func closeFD(fd int) error { return syscall.Close(fd) }
+
+// samePeerUser refuses a peer that runs as another user: the socket file is the owner's only
+// (0600), and the sockets handed over are the node's service ports.
+func samePeerUser(c *net.UnixConn) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("handover: peer credentials: %w", err)
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) { cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) }); err != nil {
+		return fmt.Errorf("handover: peer credentials: %w", err)
+	}
+	if cerr != nil {
+		return fmt.Errorf("handover: peer credentials: %w", cerr)
+	}
+	if int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("handover: refusing a peer running as uid %d (pid %d); this process runs as uid %d", cred.Uid, cred.Pid, os.Geteuid())
+	}
+	return nil
+}
