@@ -177,7 +177,7 @@ func (s *Server) serve(c *net.UnixConn) error {
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
 	if _, err := receive(c, &r); err != nil || !r.Ready {
-		return fmt.Errorf("handover: successor went away before it was ready: %v", orNot(err, r))
+		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, r))
 	}
 	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
 		Info("Successor is ready: no longer accepting; finishing established connections")
