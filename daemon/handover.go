@@ -127,23 +127,27 @@ func (d *Daemon) inUseByPredecessor(err error) bool {
 type restartStats struct {
 	inherited   atomic.Int64 // sockets taken from the predecessor
 	handover    atomic.Int64 // nanoseconds from asking for the sockets to telling it we are ready
-	reopened    func() (reopened, reallocated int)
+	reopened    func() (reopened, reboundSockets, reallocated int)
 	handedOffAt atomic.Int64 // unix nanoseconds this process handed over to a successor; 0: not
 }
 
 func (s *restartStats) collector() prometheus.Collector {
 	socks := prometheus.NewDesc("kube_portal_proxy_restart_sockets",
-		"What this process found at start: sockets inherited from the running proxy (hand-over), service ports reopened on the proxy port the portal rules in force point at (inherited or bound anew), and service ports whose proxy port could not be reopened and were reallocated.",
+		"Listening sockets this process took over at start: inherited, handed over by the running proxy; rebound, proxy sockets bound anew on the proxy ports the portal rules in force point at (their process was gone: SIGKILL, crash).",
 		[]string{"origin"}, nil)
+	ports := prometheus.NewDesc("kube_portal_proxy_restart_service_ports",
+		"Service ports found in the portal rules in force at start: reopened on the proxy port the rules point at (inherited or rebound), or reallocated (that port could not be had; the first sync gave another).",
+		[]string{"result"}, nil)
 	dur := prometheus.NewDesc("kube_portal_proxy_handover_duration_seconds",
 		"How long taking over from the running proxy took, from asking for its sockets to telling it this process serves (0 without a hand-over).", nil, nil)
 	handedOff := prometheus.NewDesc("kube_portal_proxy_handed_over",
 		"1 once this process has handed its sockets to a successor and only finishes its connections.", nil, nil)
-	return collectorFunc{descs: []*prometheus.Desc{socks, dur, handedOff}, collect: func(ch chan<- prometheus.Metric) {
-		reopened, reallocated := s.reopened()
+	return collectorFunc{descs: []*prometheus.Desc{socks, ports, dur, handedOff}, collect: func(ch chan<- prometheus.Metric) {
+		reopened, rebound, reallocated := s.reopened()
 		ch <- prometheus.MustNewConstMetric(socks, prometheus.GaugeValue, float64(s.inherited.Load()), "inherited")
-		ch <- prometheus.MustNewConstMetric(socks, prometheus.GaugeValue, float64(reopened), "reopened")
-		ch <- prometheus.MustNewConstMetric(socks, prometheus.GaugeValue, float64(reallocated), "reallocated")
+		ch <- prometheus.MustNewConstMetric(socks, prometheus.GaugeValue, float64(rebound), "rebound")
+		ch <- prometheus.MustNewConstMetric(ports, prometheus.GaugeValue, float64(reopened), "reopened")
+		ch <- prometheus.MustNewConstMetric(ports, prometheus.GaugeValue, float64(reallocated), "reallocated")
 		ch <- prometheus.MustNewConstMetric(dur, prometheus.GaugeValue, time.Duration(s.handover.Load()).Seconds())
 		v := 0.0
 		if s.handedOffAt.Load() != 0 {
@@ -176,9 +180,9 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 			took := d.deps.clock.Since(started)
 			stats.inherited.Store(int64(taken))
 			stats.handover.Store(int64(took))
-			reopened, reallocated := px.ReopenCounts()
+			reopened, rebound, reallocated := px.ReopenCounts()
 			log := d.log.WithFields(logrus.Fields{"inherited": taken, "received": in.Received(), "closedUnused": len(unclaimed),
-				"reopened": reopened, "reallocated": reallocated, "transfer": in.Duration().String(), "duration": took.String()})
+				"reopened": reopened, "rebound": rebound, "reallocated": reallocated, "transfer": in.Duration().String(), "duration": took.String()})
 			if len(unclaimed) > 0 {
 				d.log.WithField("sockets", strings.Join(unclaimed, " ")).Info("Closed the inherited sockets this process does not serve")
 			}

@@ -98,7 +98,8 @@ func TestDaemonHandsOver(t *testing.T) {
 			t.Errorf("GET /healthz = %d %q", code, body)
 		}
 		_, m := get(t, "http://"+metrics+"/metrics")
-		for _, want := range []string{`kube_portal_proxy_restart_sockets{origin="inherited"} 2`, "kube_portal_proxy_handed_over 0"} {
+		for _, want := range []string{`kube_portal_proxy_restart_sockets{origin="inherited"} 2`, `kube_portal_proxy_restart_sockets{origin="rebound"} 0`,
+			`kube_portal_proxy_restart_service_ports{result="reallocated"} 0`, "kube_portal_proxy_handed_over 0"} {
 			if !strings.Contains(m, want) {
 				t.Errorf("the successor's /metrics lacks %q", want)
 			}

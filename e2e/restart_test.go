@@ -179,6 +179,11 @@ func TestRestartAfterSIGKILL(t *testing.T) {
 	if f.window > 2*time.Second {
 		t.Errorf("clients saw failures for %v across the restart; want under 2s", f.window)
 	}
+	line := lineWith(second.LogTail(2000), "Reopened the proxy sockets the portal rules in force point at")
+	t.Logf("new process: %s", line)
+	if strings.Contains(line, " reboundSockets=0 ") || line == "" {
+		t.Errorf("the restarted process did not rebind the proxy sockets of the rules in force: %q", line)
+	}
 }
 
 // longConn is a connection kept open across the hand-over: greeted by its pod, then echoing.
@@ -316,6 +321,11 @@ func TestRestartByHandOver(t *testing.T) {
 		if line := lineWith(second.LogTail(2000), msg); line != "" {
 			t.Logf("new process: %s", line)
 		}
+	}
+	// Every proxy port the rules point at was inherited: nothing was bound anew.
+	if line := lineWith(second.LogTail(2000), "Took over from the running proxy"); !strings.Contains(line, " rebound=0 ") ||
+		strings.Contains(line, " inherited=0 ") {
+		t.Errorf("the new process bound proxy sockets anew or inherited none: %s", line)
 	}
 	waitAllAnswer(t, second, n, targets, "the new proxy stopped serving after the old one exited")
 }

@@ -8,6 +8,9 @@ package proxier
 import (
 	"context"
 	"sync"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // handOffState is HandOff's request to Run.
@@ -120,8 +123,17 @@ func (p *Proxier) FirstSync() <-chan struct{} { return p.firstSync }
 func (p *Proxier) markFirstSync() { p.firstSyncOnce.Do(func() { close(p.firstSync) }) }
 
 // ReopenCounts says how many service ports Run reopened, before the first sync, on the proxy
-// ports the portal rules in force point at (Reopen), and how many it could not (their first sync
-// allocates another proxy port and rewrites their rules).
-func (p *Proxier) ReopenCounts() (reopened, reallocated int) {
-	return int(p.reopened.Load()), int(p.reallocated.Load())
+// ports the portal rules in force point at (Reopen); how many of their sockets it had to bind
+// anew (not handed over by a running predecessor: the SIGKILL path); and how many service ports
+// it could not reopen (their first sync allocates another proxy port and rewrites their rules).
+func (p *Proxier) ReopenCounts() (reopened, reboundSockets, reallocated int) {
+	return int(p.reopened.Load()), int(p.rebound.Load()), int(p.reallocated.Load())
 }
+
+// adopter is a socket that says whether it took a handed-over socket (both proxies).
+type adopter interface{ Adopted() bool }
+
+var (
+	_ adopter = (*tcp.Proxy)(nil)
+	_ adopter = (*udp.Proxy)(nil)
+)

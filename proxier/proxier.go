@@ -169,7 +169,7 @@ type Proxier struct {
 	firstSyncOnce sync.Once
 	// reopened and reallocated count the seeds reopened on their proxy port, and those that
 	// could not be (the first sync allocates another port): ReopenCounts.
-	reopened, reallocated atomic.Int64
+	reopened, rebound, reallocated atomic.Int64
 	// gate opens reopened UDP sockets (reopenGate).
 	gate     chan struct{}
 	gateOnce sync.Once

@@ -58,6 +58,16 @@ func (p *Proxier) reopen() {
 	}
 	start := p.cfg.Clock.Now()
 	opened := 0
+	var inherited, rebound int
+	count := func(sock ProxySocket) {
+		for _, m := range members(sock) {
+			if a, ok := m.(adopter); ok && a.Adopted() {
+				inherited++
+			} else {
+				rebound++
+			}
+		}
+	}
 	for _, s := range p.seeds {
 		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		if !p.ports.take(s.ProxyPort) {
@@ -71,10 +81,12 @@ func (p *Proxier) reopen() {
 			log.WithField("proxyPort", s.ProxyPort).WithError(err).Warn("Cannot reopen the proxy port the portal rules point at; the first sync allocates another")
 			continue
 		}
+		count(sock)
 		a := p.serve(port, sock, s.ProxyPort, log)
 		if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
 			ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name)))
 			if err == nil {
+				count(ext)
 				a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
 			} else {
 				p.ports.release(s.ExternalProxyPort)
@@ -88,8 +100,9 @@ func (p *Proxier) reopen() {
 		opened++
 	}
 	p.reopened.Store(int64(opened))
+	p.rebound.Store(int64(rebound))
 	p.reallocated.Store(int64(len(p.seeds) - opened))
-	p.log.WithFields(logrus.Fields{"reopened": opened, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
+	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
 		Info("Reopened the proxy sockets the portal rules in force point at")
 	p.seeds = nil
 }

@@ -43,8 +43,8 @@ func TestHandOver(t *testing.T) {
 			t.Fatalf("Listen with an adopted socket: %v", err)
 		}
 		old.Close() // the predecessor lets go; the socket lives on in p
-		if p.Addr() != addr || len(asked) != 1 || asked[0] != addr {
-			t.Fatalf("Addr() = %v, Adopt asked for %v; want %v", p.Addr(), asked, addr)
+		if p.Addr() != addr || len(asked) != 1 || asked[0] != addr || !p.Adopted() {
+			t.Fatalf("Addr() = %v, Adopt asked for %v, Adopted() = %v; want %v, adopted", p.Addr(), asked, p.Adopted(), addr)
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
@@ -57,6 +57,9 @@ func TestHandOver(t *testing.T) {
 	t.Run("a closed proxy finishes its connections, then is drained", func(t *testing.T) {
 		backend := serve(t, "127.0.0.3", echo)
 		p := startProxy(t, &fakePicker{eps: []netip.AddrPort{backend}}, Config{})
+		if p.Adopted() {
+			t.Error("Adopted() without an Adopt")
+		}
 		c := dial(t, p)
 		roundTrip(t, c, "before")
 		p.Close()

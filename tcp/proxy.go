@@ -100,6 +100,7 @@ type Proxy struct {
 	ln        *sock // listening; nil while refusing
 	lnChanged chan struct{}
 	addr      netip.AddrPort
+	adopted   bool // Listen took a handed-over socket (Config.Adopt)
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
 	pkMu      sync.Mutex
@@ -148,7 +149,8 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	var ln *sock
 	var bound netip.AddrPort
 	var err error
-	if fd, ok := p.adopt(addr); ok {
+	fd, adopted := p.adopt(addr)
+	if adopted {
 		ln, bound, err = adoptSock(fd, p.cfg.KeepAlive)
 	} else {
 		ln, bound, err = listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
@@ -157,7 +159,7 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
 	p.lnMu.Lock()
-	p.ln, p.addr = ln, bound
+	p.ln, p.addr, p.adopted = ln, bound, adopted
 	p.lnMu.Unlock()
 	return nil
 }
@@ -167,6 +169,13 @@ func (p *Proxy) adopt(addr netip.AddrPort) (int, bool) {
 		return -1, false
 	}
 	return p.cfg.Adopt(addr)
+}
+
+// Adopted reports whether Listen took a handed-over socket instead of binding one.
+func (p *Proxy) Adopted() bool {
+	p.lnMu.Lock()
+	defer p.lnMu.Unlock()
+	return p.adopted
 }
 
 // Addr is the bound address (with the kernel-chosen port), valid after Listen.

@@ -37,6 +37,9 @@ func TestHandOver(t *testing.T) {
 			t.Fatalf("Listen with an adopted socket: %v", err)
 		}
 		old.Close()
+		if !p.Adopted() {
+			t.Error("Adopted() = false after Listen took the handed-over socket")
+		}
 		runProxy(t, p)
 		got, err := c.recv()
 		if err != nil || string(got) != "echo:queued" {

@@ -128,6 +128,7 @@ type Proxy struct {
 	running  bool
 	lfd      int // listening socket, -1 until Listen
 	addr     netip.AddrPort
+	adopted  bool // Listen took a handed-over socket (Config.Adopt)
 	poll     *poller
 	sessions map[netip.AddrPort]*session
 	byFD     map[int32]*session
@@ -162,7 +163,7 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	case p.lfd >= 0:
 		return fmt.Errorf("udp %s: listen %s: already listening on %s", p.name, addr, p.addr)
 	}
-	fd, bound, err := p.listenOrAdopt(addr)
+	fd, bound, adopted, err := p.listenOrAdopt(addr)
 	if err != nil {
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 	}
@@ -176,17 +177,26 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 		closeFD(fd)
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 	}
-	p.lfd, p.addr, p.poll = fd, bound, poll
+	p.lfd, p.addr, p.poll, p.adopted = fd, bound, poll, adopted
 	return nil
 }
 
-func (p *Proxy) listenOrAdopt(addr netip.AddrPort) (int, netip.AddrPort, error) {
+func (p *Proxy) listenOrAdopt(addr netip.AddrPort) (fd int, bound netip.AddrPort, adopted bool, err error) {
 	if p.cfg.Adopt != nil && addr.Port() != 0 {
 		if fd, ok := p.cfg.Adopt(addr); ok {
-			return adoptUDP(fd, addr)
+			fd, bound, err = adoptUDP(fd, addr)
+			return fd, bound, true, err
 		}
 	}
-	return listenUDP(addr, p.cfg.FreeBind)
+	fd, bound, err = listenUDP(addr, p.cfg.FreeBind)
+	return fd, bound, false, err
+}
+
+// Adopted reports whether Listen took a handed-over socket instead of binding one.
+func (p *Proxy) Adopted() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.adopted
 }
 
 // Addr is the address Listen bound, with the kernel-chosen port.
