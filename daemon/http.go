@@ -20,8 +20,9 @@ type httpServer struct {
 }
 
 // listenHTTP opens every server's listener, so an address in use fails the start, and returns
-// the tasks that serve them until their context ends.
-// An address the running proxy handed over (inh) is taken over rather than bound.
+// the tasks that serve them until their context ends. An address the running proxy handed over
+// (inh) is taken over rather than bound; with --handover-socket, an address in use is probably
+// the running proxy's, which did not hand it over: it is served once free (serveWhenFree).
 func (d *Daemon) listenHTTP(servers []httpServer, inh *handover.Inherited) ([]func(context.Context), error) {
 	var tasks []func(context.Context)
 	var opened []net.Listener

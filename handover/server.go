@@ -103,7 +103,7 @@ func (s *Server) Listen() error {
 // Run answers hand-over requests until ctx is done or one completes: then it calls handedOff (the
 // successor is ready; stop accepting and finish what is established) and returns. A request that
 // fails leaves this process serving as before, and the next one is answered. Run closes the
-// listener and removes the socket file, unless a successor has replaced it.
+// listener and removes the socket file, unless a successor has replaced it. Call Listen first.
 func (s *Server) Run(ctx context.Context, handedOff func()) {
 	defer s.close()
 	stop := context.AfterFunc(ctx, func() { _ = s.ln.Close() })
@@ -123,6 +123,9 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 		if err == nil {
 			handedOff()
 			return
+		}
+		if ctx.Err() != nil {
+			return // stopping anyway: the successor serves the sockets it took
 		}
 		s.cfg.Logger.WithError(err).Warn("Hand-over to a successor failed; still serving")
 	}
