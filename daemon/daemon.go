@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
@@ -70,6 +71,12 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 
+	started := d.deps.clock.Now()
+	inh := d.receiveHandover(ctx)
+	if inh != nil {
+		defer inh.Close() // what no one took; after Ready there is nothing left
+	}
+
 	node := nodeName(o)
 	var client kubernetes.Interface
 	var nodeAddrs []netip.Addr
@@ -91,36 +98,58 @@ func (d *Daemon) Run(ctx context.Context) error {
 
 	events, stopEvents := newServiceEvents(ctx, client, node, log)
 	defer stopEvents()
-	pm, err := d.deps.portals(ctx, o, hostIPs, events, log)
+	pm, err := d.deps.portals(ctx, o, hostIPs, events, inh, log)
 	if err != nil {
 		return err
 	}
 	defer pm.close()
-	w, err := d.wire(client, pm, events)
+	w, err := d.wire(client, pm, events, inh)
 	if err != nil {
 		return err
 	}
 	seedReopen(ctx, pm, w.proxier, log)
 	target := nodeTarget{health: w.health, proxier: w.proxier}
 	target.apply(node, nodeObj) // the zone is known before the first sync
-	tasks := []func(context.Context){w.proxier.Run, w.svcHealth.Run, func(ctx context.Context) {
+	// serving ends with ctx, or earlier when this process hands over to a successor: then
+	// everything but the proxy sockets' draining stops.
+	serving, stopServing := context.WithCancel(ctx)
+	defer stopServing()
+	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
 		if err := w.source.Run(ctx); err != nil && ctx.Err() == nil {
 			log.WithError(err).Error("Source stopped")
 		}
 	}}
 	if w.reload != nil {
-		tasks = append(tasks, d.reloadOnSignal(w.reload))
+		servingTasks = append(servingTasks, d.reloadOnSignal(w.reload))
 	}
 	if client != nil {
-		tasks = append(tasks, watchNode(client, node, o.configSyncPeriod, target, log))
+		servingTasks = append(servingTasks, watchNode(client, node, o.configSyncPeriod, target, log))
 	}
-	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}})
+	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}}, inh)
 	if err != nil {
 		return err
 	}
-	tasks = append(tasks, servers...)
+	servingTasks = append(servingTasks, servers...)
+	tasks := []func(context.Context){w.proxier.Run}
+	for _, task := range servingTasks {
+		tasks = append(tasks, func(context.Context) { task(serving) })
+	}
+	if o.handoverSocket != "" {
+		drain, endDrain := drainContext(ctx, d.deps.clock, drainBudget(o.shutdownTimeout))
+		defer endDrain()
+		tasks = append(tasks, d.handoverTask(inh, w.proxier, w.restart, started, func() {
+			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
+			w.proxier.HandOff(drain)
+			stopServing()
+			log.Info("Handed over to a successor: no longer syncing or accepting; finishing established connections, exiting at SIGTERM")
+		}))
+	}
 	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, tasks...)
 }
+
+// drainBudget is how long, after SIGTERM, a process that handed over lets its connections
+// finish: most of --shutdown-timeout, keeping the rest for ending what is left.
+func drainBudget(shutdownTimeout time.Duration) time.Duration { return shutdownTimeout * 3 / 4 }
 
 // wiring is the daemon's pieces, connected: the proxier, its source, and the HTTP handlers.
 type wiring struct {
@@ -129,12 +158,13 @@ type wiring struct {
 	health    *healthcheck.ProxyHealth
 	source    source
 	reload    func() // reloads the services file; nil in cluster mode
+	restart   *restartStats
 	healthz   http.Handler
 	metrics   http.Handler
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
-func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents) (*wiring, error) {
+func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents, inh *handover.Inherited) (*wiring, error) {
 	o, log, clk := d.o, d.log, d.deps.clock
 	reg := prometheus.NewRegistry()
 	metrics := proxier.NewMetrics()
@@ -143,7 +173,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	}
 	health := healthcheck.NewProxyHealth(clk, 2*o.syncPeriod)
 	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceConfig{
-		NodePortAddresses: o.nodePorts, Proxier: health, Logger: log,
+		NodePortAddresses: o.nodePorts, Proxier: health, Logger: log, Listen: healthListen(inh),
 		OnListenError: func(svc service.NamespacedName, port uint16, err error) {
 			log.WithFields(logrus.Fields{"service": svc.String(), "port": port}).WithError(err).Warn("Cannot open health check node port")
 			events.ServiceWarning(svc, healthcheck.ReasonFailedToStart, err.Error())
@@ -165,12 +195,13 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: metrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
-			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind},
-			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind},
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp")},
+			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
+	restart := &restartStats{reopened: px.ReopenCounts}
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		proxier.NewTrafficCollector(px)}
+		proxier.NewTrafficCollector(px), restart.collector()}
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
 	}
@@ -181,7 +212,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	}
 
 	events.uid = px.ServiceUID
-	w := &wiring{proxier: px, health: health, svcHealth: svcHealth, healthz: healthMux(health), metrics: metricsMux(reg, health.Healthz(), px, pm.describe)}
+	w := &wiring{proxier: px, restart: restart, health: health, svcHealth: svcHealth, healthz: healthMux(health), metrics: metricsMux(reg, health.Healthz(), px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := proxier.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload

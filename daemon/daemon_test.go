@@ -39,6 +39,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
@@ -145,7 +146,7 @@ func newHarness(t *testing.T, args ...string) *harness {
 		client: func(*Options, string) (kubernetes.Interface, error) {
 			return nil, errors.New("the file mode must not build an API client")
 		},
-		portals: func(context.Context, *Options, map[portal.Family]netip.Addr, *serviceEvents, logrus.FieldLogger) (*portalMode, error) {
+		portals: func(context.Context, *Options, map[portal.Family]netip.Addr, *serviceEvents, *handover.Inherited, logrus.FieldLogger) (*portalMode, error) {
 			return &portalMode{portals: h.portals, collector: portalCollector(rules), describe: rules.Rules, close: func() {}}, nil
 		},
 		listen: func(addr string) (net.Listener, error) {
@@ -546,9 +547,9 @@ func TestDaemonServesFromTheAPIServer(t *testing.T) {
 		"--healthz-bind-address=", "--metrics-bind-address=")
 	var gotHostIPs map[portal.Family]netip.Addr
 	portals := h.d.deps.portals
-	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
+	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error) {
 		gotHostIPs = hostIPs
-		return portals(ctx, o, hostIPs, ev, log)
+		return portals(ctx, o, hostIPs, ev, inh, log)
 	}
 	h.d.deps.client = func(*Options, string) (kubernetes.Interface, error) { return client, nil }
 	stop := h.start(t)

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -87,13 +88,43 @@ func TestDeployManifests(t *testing.T) {
 			t.Errorf("tolerations %+v do not tolerate every taint", pod.Tolerations)
 		}
 		u := ds.Spec.UpdateStrategy
-		if u.Type != "RollingUpdate" || u.RollingUpdate == nil || u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.String() != "1" {
-			t.Errorf("update strategy %+v, want RollingUpdate with maxUnavailable 1", u)
+		if u.Type != "RollingUpdate" || u.RollingUpdate == nil || u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.String() != "0" ||
+			u.RollingUpdate.MaxSurge == nil || u.RollingUpdate.MaxSurge.String() != "1" {
+			t.Errorf("update strategy %+v, want RollingUpdate with maxSurge 1, maxUnavailable 0 (the new pod takes over from the old one)", u)
 		}
 		for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
 			if q, ok := c.Resources.Requests[r]; !ok || q.IsZero() {
 				t.Errorf("no %s request", r)
 			}
+		}
+	})
+
+	t.Run("surge_pod_schedulable_next_to_the_old_one", func(t *testing.T) {
+		// With hostNetwork a containerPort is a hostPort; the scheduler's NodePorts filter would
+		// keep the surge pod off the node its predecessor runs on.
+		for _, ctr := range append(slices.Clone(pod.InitContainers), pod.Containers...) {
+			if len(ctr.Ports) > 0 {
+				t.Errorf("container %s declares ports %+v: the surge pod of an update could not be scheduled", ctr.Name, ctr.Ports)
+			}
+		}
+	})
+
+	t.Run("handover_socket_on_a_host_path", func(t *testing.T) {
+		var path string
+		for _, a := range c.Args {
+			if v, ok := strings.CutPrefix(a, "--handover-socket="); ok {
+				path = v
+			}
+		}
+		if path == "" {
+			t.Fatalf("args %q lack --handover-socket: an update would refuse connections", c.Args)
+		}
+		// The mount itself (hostPath, DirectoryOrCreate) is checked in host_mounts.
+		if !slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool { return vm.MountPath == filepath.Dir(path) }) {
+			t.Errorf("the hand-over socket %s is not in a mounted host directory (mounts %+v)", path, c.VolumeMounts)
+		}
+		if o.handoverSocket != filepath.Join(filepath.Dir(cfg), "handover.sock") {
+			t.Errorf("run locally, the hand-over socket is %s, want it beside the local config", o.handoverSocket)
 		}
 	})
 
@@ -135,8 +166,9 @@ func TestDeployManifests(t *testing.T) {
 			readOnly bool
 			typ      corev1.HostPathType
 		}{
-			"/run/xtables.lock": {"/run/xtables.lock", false, corev1.HostPathFileOrCreate},
-			"/lib/modules":      {"/lib/modules", true, ""},
+			"/run/xtables.lock":          {"/run/xtables.lock", false, corev1.HostPathFileOrCreate},
+			"/lib/modules":               {"/lib/modules", true, ""},
+			"/var/run/kube-portal-proxy": {"/var/run/kube-portal-proxy", false, corev1.HostPathDirectoryOrCreate},
 		}
 		for _, vm := range c.VolumeMounts {
 			w, ok := want[vm.MountPath]

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
@@ -36,7 +37,7 @@ type portalMode struct {
 
 // newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
 // first checks, with one iptables-restore, that the node can NAT.
-func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error) {
+func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error) {
 	if o.portalMode == "bind" {
 		nl := &bind.Netlink{}
 		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)
@@ -67,7 +68,7 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
 	}, runner)
 	return &portalMode{
-		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log}), Logger: log,
+		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log, Listen: holdListen(inh)}), Logger: log,
 			OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }},
 		conntrack: &conntrack.Netlink{},
 		collector: portalCollector(rules),

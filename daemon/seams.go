@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
@@ -31,7 +32,8 @@ type deps struct {
 	// client builds the API client (cluster mode only).
 	client func(o *Options, version string) (kubernetes.Interface, error)
 	// portals builds what --portal-mode needs: rules or addresses, conntrack, listen plan.
-	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, log logrus.FieldLogger) (*portalMode, error)
+	// Ports the running proxy handed over (inh, nil without) are held on its sockets.
+	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error)
 	// listen opens the listener of an HTTP server (--healthz-bind-address, --metrics-bind-address).
 	listen func(addr string) (net.Listener, error)
 	// notifyReload relays the reload signal (SIGHUP) to c until stop is called.

@@ -62,7 +62,7 @@ func NewPortHolder(cfg HolderConfig) *PortHolder {
 		cfg.LocalAddrs = interfaceAddrs
 	}
 	if cfg.Listen == nil {
-		cfg.Listen = listenHold
+		cfg.Listen = ListenHold
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = DiscardLogger()
@@ -212,7 +212,9 @@ func WithoutFailed(specs []Spec, failed map[service.ServicePortName]error) []Spe
 	return out
 }
 
-func listenHold(proto service.Protocol, addr netip.AddrPort) (io.Closer, error) {
+// ListenHold is how a PortHolder holds a port by default: a real TCP listener or UDP socket on
+// addr (the zero address means every address, of both families where the node has IPv6).
+func ListenHold(proto service.Protocol, addr netip.AddrPort) (io.Closer, error) {
 	hostport := ":" + strconv.Itoa(int(addr.Port()))
 	if addr.Addr().IsValid() {
 		hostport = addr.String()

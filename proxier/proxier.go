@@ -9,6 +9,7 @@ import (
 	"maps"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -161,6 +162,17 @@ type Proxier struct {
 	firstSynced bool
 	socketWG    sync.WaitGroup
 	runCtx      context.Context
+	// handOff is set by HandOff (see handoff.go).
+	handOff handOffState
+	// firstSync is closed after the first portal sync that worked (FirstSync).
+	firstSync     chan struct{}
+	firstSyncOnce sync.Once
+	// reopened and reallocated count the seeds reopened on their proxy port, and those that
+	// could not be (the first sync allocates another port): ReopenCounts.
+	reopened, rebound, reallocated atomic.Int64
+	// gate opens reopened UDP sockets (reopenGate).
+	gate     chan struct{}
+	gateOnce sync.Once
 }
 
 // activePort is a service port with an open proxy socket.
@@ -221,6 +233,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		seeded:         make(map[service.ServicePortName]bool),
 		keepPort:       make(map[service.ServicePortName]uint16),
 		endpointsReady: make(chan struct{}),
+		firstSync:      make(chan struct{}),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {
@@ -233,10 +246,16 @@ func New(cfg Config, deps Deps) *Proxier {
 // goroutines. Portal rules are left in place on purpose: a restarted proxy reopens its sockets and
 // swaps the rules in one restore, so service traffic is never black-holed.
 func (p *Proxier) Run(ctx context.Context) {
-	p.runCtx = ctx
+	// The sockets outlive the sync loop when the proxy hands over (HandOff): they finish their
+	// connections first. Otherwise they end with it, as before.
+	sockets, endSockets := context.WithCancel(context.WithoutCancel(ctx))
+	defer endSockets()
+	p.runCtx = sockets
 	p.deps.Health.QueuedUpdate()
 	p.reopen()
-	p.runner.Run(ctx)
+	p.runner.Run(p.syncContext(ctx))
+	p.drain()
+	endSockets()
 	p.shutdown()
 }
 

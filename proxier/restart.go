@@ -20,6 +20,8 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
 // DefaultReopenHold bounds how long a reopened socket holds a connection that finds no endpoint
@@ -56,6 +58,16 @@ func (p *Proxier) reopen() {
 	}
 	start := p.cfg.Clock.Now()
 	opened := 0
+	var inherited, rebound int
+	count := func(sock ProxySocket) {
+		for _, m := range members(sock) {
+			if a, ok := m.(adopter); ok && a.Adopted() {
+				inherited++
+			} else {
+				rebound++
+			}
+		}
+	}
 	for _, s := range p.seeds {
 		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		if !p.ports.take(s.ProxyPort) {
@@ -69,10 +81,12 @@ func (p *Proxier) reopen() {
 			log.WithField("proxyPort", s.ProxyPort).WithError(err).Warn("Cannot reopen the proxy port the portal rules point at; the first sync allocates another")
 			continue
 		}
+		count(sock)
 		a := p.serve(port, sock, s.ProxyPort, log)
 		if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
 			ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name)))
 			if err == nil {
+				count(ext)
 				a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
 			} else {
 				p.ports.release(s.ExternalProxyPort)
@@ -85,7 +99,10 @@ func (p *Proxier) reopen() {
 		p.seeded[s.Name] = true
 		opened++
 	}
-	p.log.WithFields(logrus.Fields{"reopened": opened, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
+	p.reopened.Store(int64(opened))
+	p.rebound.Store(int64(rebound))
+	p.reallocated.Store(int64(len(p.seeds) - opened))
+	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
 		Info("Reopened the proxy sockets the portal rules in force point at")
 	p.seeds = nil
 }
@@ -131,16 +148,77 @@ func (p *Proxier) dropUnwantedSeeds() {
 }
 
 // holdingBuild builds a reopened socket: TCP ones hold connections that find no endpoint until
-// the initial endpoints are in. UDP sockets do not: the pick happens on their event loop, which
-// must not block; a datagram without an endpoint is dropped and the client's retry gets through.
+// the initial endpoints are in. UDP sockets cannot hold (the pick happens on their event loop,
+// which must not block), so they read nothing until then (udp.Gate): datagrams wait in the
+// socket's queue, or after a hand-over go to the predecessor, which reads the same socket.
 // Reopening is iptables mode only, where the rules check source ranges, so no allow-check.
 func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName) func(netip.AddrPort) ProxySocket {
 	return func(netip.AddrPort) ProxySocket {
 		var picker Picker = p.deps.Balancer.Service(key)
 		if port.Protocol == service.TCP {
 			picker = &holdPicker{next: picker, ready: p.endpointsReady, done: p.runCtx.Done(), clock: p.cfg.Clock, hold: p.cfg.ReopenHold}
+		} else {
+			picker = &gatedPicker{next: picker, ready: p.reopenGate()}
 		}
 		return p.deps.Sockets(port, picker, nil)
+	}
+}
+
+// reopenGate is closed once the initial endpoints are in, or ReopenHold after the first call, or
+// when Run ends: reopened UDP sockets start reading then.
+func (p *Proxier) reopenGate() <-chan struct{} {
+	p.gateOnce.Do(func() {
+		p.gate = make(chan struct{})
+		t := p.cfg.Clock.NewTimer(p.cfg.ReopenHold)
+		go func() {
+			defer close(p.gate)
+			defer t.Stop()
+			select {
+			case <-p.endpointsReady:
+			case <-t.C():
+			case <-p.runCtx.Done():
+			}
+		}()
+	})
+	return p.gate
+}
+
+// gatedPicker is a reopened UDP socket's picker: a udp.Gate until the initial endpoints are in.
+type gatedPicker struct {
+	next  Picker
+	ready <-chan struct{}
+}
+
+var (
+	_ udp.Gate     = (*gatedPicker)(nil)
+	_ udp.Observer = (*gatedPicker)(nil)
+	_ tcp.Observer = (*holdPicker)(nil)
+)
+
+func (g *gatedPicker) Ready() <-chan struct{} { return g.ready }
+
+func (g *gatedPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
+	return g.next.Next(client, reset)
+}
+
+// DialDone and FlowDone pass the outcomes on to the balancer (least connections, outliers).
+func (g *gatedPicker) DialDone(ep netip.AddrPort, err error) { observe(g.next, ep, err) }
+
+func (g *gatedPicker) FlowDone(ep netip.AddrPort, reset bool) { flowDone(g.next, ep, reset) }
+
+func (h *holdPicker) DialDone(ep netip.AddrPort, err error) { observe(h.next, ep, err) }
+
+func (h *holdPicker) FlowDone(ep netip.AddrPort, reset bool) { flowDone(h.next, ep, reset) }
+
+func observe(p Picker, ep netip.AddrPort, err error) {
+	if o, ok := p.(tcp.Observer); ok {
+		o.DialDone(ep, err)
+	}
+}
+
+func flowDone(p Picker, ep netip.AddrPort, reset bool) {
+	if o, ok := p.(tcp.Observer); ok {
+		o.FlowDone(ep, reset)
 	}
 }
 

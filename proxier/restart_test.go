@@ -77,6 +77,22 @@ func TestReopen(t *testing.T) {
 	})
 }
 
+func TestReopenCounts(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.failListen[service.ServicePortName{Namespace: "ns", Name: "taken", Port: "http"}] = errors.New("address in use")
+	e.p.Reopen([]Seed{
+		seed("ns", "web", "http", service.TCP, 34001),
+		seed("ns", "dns", "", service.UDP, 34002),
+		seed("ns", "taken", "http", service.TCP, 34003),
+	})
+	e.p.reopen()
+	// The fake sockets bind anew (no hand-over): each reopened port's socket is rebound.
+	reopened, rebound, reallocated := e.p.ReopenCounts()
+	if reopened != 2 || rebound != 2 || reallocated != 1 {
+		t.Errorf("ReopenCounts() = %d reopened, %d rebound, %d reallocated; want 2, 2, 1", reopened, rebound, reallocated)
+	}
+}
+
 func TestReopenKeepsToTheProxyPortRange(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.PortRange = PortRange{Base: 34000, Size: 10} })
 	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001), seed("ns", "other", "", service.TCP, 35000)})

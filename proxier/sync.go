@@ -72,6 +72,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		// the process's heap. Hand it back now rather than over the next minutes.
 		p.firstSynced = true
 		debug.FreeOSMemory()
+		p.markFirstSync()
 	}
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
 	for _, t := range first {

@@ -72,6 +72,12 @@ type Config struct {
 	HoldTimeout time.Duration
 	// HoldLimit bounds the connections held at once; 0 means DefaultHoldLimit.
 	HoldLimit int
+
+	// Adopt, if set, is asked by Listen for a listening socket already bound to the address,
+	// handed over by the process this one replaces (package handover); the proxy takes
+	// ownership of the descriptor and binds nothing, so the socket's accept queue never lacks
+	// an owner. Nil, or no socket for the address, means Listen binds as usual.
+	Adopt func(addr netip.AddrPort) (fd int, ok bool)
 }
 
 func (c Config) withDefaults() Config {
@@ -110,6 +116,7 @@ type Proxy struct {
 	ln        *sock // listening; nil while refusing
 	lnChanged chan struct{}
 	addr      netip.AddrPort
+	adopted   bool // Listen took a handed-over socket (Config.Adopt)
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
 	pkMu      sync.Mutex
@@ -159,14 +166,36 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 func (p *Proxy) Listen(addr netip.AddrPort) error {
 	// TCP_NODELAY and keepalive are set once on the listening socket: accepted sockets inherit them
 	// (TestKeepAliveOnBothLegs checks), which saves four setsockopt calls on every accepted connection.
-	ln, bound, err := listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+	var ln *sock
+	var bound netip.AddrPort
+	var err error
+	fd, adopted := p.adopt(addr)
+	if adopted {
+		ln, bound, err = adoptSock(fd, p.cfg.KeepAlive)
+	} else {
+		ln, bound, err = listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+	}
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
 	}
 	p.lnMu.Lock()
-	p.ln, p.addr = ln, bound
+	p.ln, p.addr, p.adopted = ln, bound, adopted
 	p.lnMu.Unlock()
 	return nil
+}
+
+func (p *Proxy) adopt(addr netip.AddrPort) (int, bool) {
+	if p.cfg.Adopt == nil || addr.Port() == 0 {
+		return -1, false
+	}
+	return p.cfg.Adopt(addr)
+}
+
+// Adopted reports whether Listen took a handed-over socket instead of binding one.
+func (p *Proxy) Adopted() bool {
+	p.lnMu.Lock()
+	defer p.lnMu.Unlock()
+	return p.adopted
 }
 
 // Addr is the bound address (with the kernel-chosen port), valid after Listen.
@@ -208,6 +237,15 @@ func (p *Proxy) Close() error {
 	}
 	return nil
 }
+
+// Release stops accepting and keeps the established connections, as Close does: after a
+// hand-over the successor accepts on the same socket.
+func (p *Proxy) Release() { _ = p.Close() }
+
+// Drained is closed once the proxy is closed (Close) and its last connection has ended, or at
+// Shutdown. A process that handed its sockets to a successor closes every proxy, then waits for
+// this before it exits, so the connections it accepted finish instead of being reset.
+func (p *Proxy) Drained() <-chan struct{} { return p.bgDone }
 
 // Shutdown closes the listener and resets every connection, then waits for all goroutines.
 func (p *Proxy) Shutdown() {

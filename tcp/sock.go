@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"syscall"
@@ -191,6 +192,25 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*s
 	if err != nil {
 		unix.Close(fd)
 		return nil, netip.AddrPort{}, err
+	}
+	return newSock(fd), sockopt.FromSockaddr(bound), nil
+}
+
+// adoptSock takes a listening socket another process bound (a hand-over) and sets on it what
+// listenSock would, for accepted sockets to inherit: the predecessor may be another version.
+func adoptSock(fd int, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
+	err := os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, true))
+	if err == nil {
+		err = setLegOptions(fd, keepAlive)
+	}
+	var bound unix.Sockaddr
+	if err == nil {
+		bound, err = unix.Getsockname(fd)
+		err = os.NewSyscallError("getsockname", err)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return nil, netip.AddrPort{}, fmt.Errorf("adopt a handed-over socket: %w", err)
 	}
 	return newSock(fd), sockopt.FromSockaddr(bound), nil
 }

@@ -307,6 +307,7 @@ func (p *Proxy) end(s *session, reason flow.EndReason) {
 	}
 	delete(p.sessions, s.client)
 	p.lru.remove(s)
+	p.checkDrained()
 }
 
 func temporary(err error) bool {

@@ -45,6 +45,14 @@ type Picker interface {
 	Next(client netip.Addr, reset bool) (netip.AddrPort, error)
 }
 
+// Gate is implemented by a Picker that cannot pick yet: a restarted proxy's, before it has its
+// endpoints. Run reads no datagram until Ready is closed, so datagrams wait in the socket's queue
+// (or, after a hand-over, go to the predecessor still reading the same socket) instead of being
+// dropped for want of an endpoint.
+type Gate interface {
+	Ready() <-chan struct{}
+}
+
 // Config tunes a Proxy. The zero value is usable.
 type Config struct {
 	// IdleTimeout (--udp-timeout) ends a session after this long without traffic either way.
@@ -72,6 +80,11 @@ type Config struct {
 	// OnEnd, if set, is called once per ended session (the access log), from the goroutine that
 	// ended it and without proxy locks held. It must not block for long.
 	OnEnd func(flow.Info)
+	// Adopt, if set, is asked by Listen for a socket already bound to the address, handed over
+	// by the process this one replaces (package handover); the proxy takes ownership of the
+	// descriptor and binds nothing, so datagrams queued meanwhile are not lost. Nil, or no
+	// socket for the address, means Listen binds as usual.
+	Adopt func(addr netip.AddrPort) (fd int, ok bool)
 }
 
 func (c Config) withDefaults() Config {
@@ -108,9 +121,14 @@ type Proxy struct {
 
 	mu       sync.Mutex
 	closed   bool
+	released bool          // Release: no more client datagrams are read
+	drained  chan struct{} // closed once released (or closed) with no session left
+	drainOne sync.Once
+	stopped  chan struct{} // closed by Close
 	running  bool
 	lfd      int // listening socket, -1 until Listen
 	addr     netip.AddrPort
+	adopted  bool // Listen took a handed-over socket (Config.Adopt)
 	poll     *poller
 	sessions map[netip.AddrPort]*session
 	byFD     map[int32]*session
@@ -128,6 +146,8 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 		cfg:      cfg,
 		log:      cfg.Logger.WithField("service", name.String()),
 		lfd:      -1,
+		drained:  make(chan struct{}),
+		stopped:  make(chan struct{}),
 		sessions: make(map[netip.AddrPort]*session),
 		byFD:     make(map[int32]*session),
 	}
@@ -143,7 +163,7 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	case p.lfd >= 0:
 		return fmt.Errorf("udp %s: listen %s: already listening on %s", p.name, addr, p.addr)
 	}
-	fd, bound, err := listenUDP(addr, p.cfg.FreeBind)
+	fd, bound, adopted, err := p.listenOrAdopt(addr)
 	if err != nil {
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 	}
@@ -157,8 +177,26 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 		closeFD(fd)
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 	}
-	p.lfd, p.addr, p.poll = fd, bound, poll
+	p.lfd, p.addr, p.poll, p.adopted = fd, bound, poll, adopted
 	return nil
+}
+
+func (p *Proxy) listenOrAdopt(addr netip.AddrPort) (fd int, bound netip.AddrPort, adopted bool, err error) {
+	if p.cfg.Adopt != nil && addr.Port() != 0 {
+		if fd, ok := p.cfg.Adopt(addr); ok {
+			fd, bound, err = adoptUDP(fd, addr)
+			return fd, bound, true, err
+		}
+	}
+	fd, bound, err = listenUDP(addr, p.cfg.FreeBind)
+	return fd, bound, false, err
+}
+
+// Adopted reports whether Listen took a handed-over socket instead of binding one.
+func (p *Proxy) Adopted() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.adopted
 }
 
 // Addr is the address Listen bound, with the kernel-chosen port.
@@ -189,6 +227,13 @@ func (p *Proxy) Run(ctx context.Context) error {
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Go(func() { p.expireLoop(ctx, stop) })
+	if g, ok := p.picker.(Gate); ok {
+		select {
+		case <-g.Ready():
+		case <-ctx.Done(): // expireLoop closes the proxy; serve sees it
+		case <-p.stopped:
+		}
+	}
 	err := p.serve()
 	close(stop)
 	wg.Wait()
@@ -237,6 +282,8 @@ func (p *Proxy) Close() error {
 		return nil
 	}
 	p.closed = true
+	close(p.stopped)
+	p.markDrained()
 	var errs []error
 	for _, s := range p.sessions {
 		p.end(s, flow.Shutdown)
@@ -274,7 +321,7 @@ func (p *Proxy) Close() error {
 // itself. It fails if the address cannot be bound again; after Close it does nothing.
 func (p *Proxy) SetRefusing(on bool) error {
 	p.mu.Lock()
-	if p.closed || !p.addr.IsValid() || on == (p.lfd < 0) {
+	if p.closed || p.released || !p.addr.IsValid() || on == (p.lfd < 0) {
 		p.mu.Unlock()
 		return nil
 	}
@@ -312,6 +359,44 @@ func (p *Proxy) relisten() error {
 	p.lfd = fd
 	return nil
 }
+
+// Release stops reading client datagrams, so that a successor holding the same socket (a
+// hand-over) gets every new one, and keeps the sessions: their replies still leave through the
+// socket, so conntrack un-NATs them, until each session ends by itself (idle timeout, endpoint
+// removed). Drained is closed once none is left; Close ends them at once.
+func (p *Proxy) Release() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed || p.released {
+		return
+	}
+	p.released = true
+	if p.lfd >= 0 && p.poll != nil {
+		if err := p.poll.remove(p.lfd); err != nil {
+			p.log.WithError(err).Warn("Cannot stop reading client datagrams")
+		}
+	}
+	p.checkDrained()
+}
+
+// Drained is closed once the proxy is released with no session left, or closed.
+func (p *Proxy) Drained() <-chan struct{} { return p.drained }
+
+// checkDrained closes drained if the proxy is released and no session is live. Called with mu
+// held, after a session ended.
+func (p *Proxy) checkDrained() {
+	if !p.released {
+		return
+	}
+	for _, s := range p.sessions {
+		if s.fd >= 0 {
+			return
+		}
+	}
+	p.markDrained()
+}
+
+func (p *Proxy) markDrained() { p.drainOne.Do(func() { close(p.drained) }) }
 
 // Shutdown is Close: a UDP proxy has no connection that could outlive its socket, so closing
 // already ends every session. It is here so that both proxies stop alike.

@@ -73,6 +73,27 @@ func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) 
 	return fd, sockopt.FromSockaddr(sa), nil
 }
 
+// adoptUDP takes a socket another process bound (a hand-over) and sets on it what listenUDP
+// would: the predecessor may be another version.
+func adoptUDP(fd int, addr netip.AddrPort) (int, netip.AddrPort, error) {
+	err := os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, true))
+	if err == nil {
+		err = enablePktinfo(fd, sockopt.Family(addr.Addr()))
+	}
+	var sa unix.Sockaddr
+	if err == nil {
+		setBuffer(fd, unix.SO_RCVBUFFORCE, unix.SO_RCVBUF)
+		setBuffer(fd, unix.SO_SNDBUFFORCE, unix.SO_SNDBUF)
+		sa, err = unix.Getsockname(fd)
+		err = os.NewSyscallError("getsockname", err)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, netip.AddrPort{}, fmt.Errorf("adopt a handed-over socket: %w", err)
+	}
+	return fd, sockopt.FromSockaddr(sa), nil
+}
+
 // setBuffer sizes a socket buffer, beyond the sysctl cap when the proxy has CAP_NET_ADMIN (the
 // *FORCE option), else up to the cap. Best effort: a smaller buffer still works.
 func setBuffer(fd, force, capped int) {
@@ -181,6 +202,10 @@ func (p *poller) openWatch() error {
 func (p *poller) add(fd int) error {
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}
 	return os.NewSyscallError("epoll_ctl", unix.EpollCtl(p.fd, unix.EPOLL_CTL_ADD, fd, &ev))
+}
+
+func (p *poller) remove(fd int) error {
+	return os.NewSyscallError("epoll_ctl del", unix.EpollCtl(p.fd, unix.EPOLL_CTL_DEL, fd, nil))
 }
 
 // wait blocks until events are ready. The wake eventfd's event is among them after wake.

@@ -282,11 +282,17 @@ func (m *Manifests) configMapVolume(name string) (*corev1.ConfigMapVolumeSource,
 }
 
 // LocalArgs are the arguments for running the binary outside a pod as the DaemonSet runs it on
-// node nodeName, with --config pointing at configFile (a copy of ConfigFile).
+// node nodeName, with --config pointing at configFile (a copy of ConfigFile) and the hand-over
+// socket, a host path in the pod, beside it: two local runs must not meet on the host's socket.
 func (m *Manifests) LocalArgs(nodeName, configFile string) ([]string, error) {
 	args, err := m.ProxyArgs(map[string]string{"spec.nodeName": nodeName})
 	if err != nil {
 		return nil, err
+	}
+	for i, a := range args {
+		if strings.HasPrefix(a, "--handover-socket=") {
+			args[i] = "--handover-socket=" + filepath.Join(filepath.Dir(configFile), "handover.sock")
+		}
 	}
 	for i, a := range args {
 		if strings.HasPrefix(a, "--config=") {

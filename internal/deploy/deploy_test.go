@@ -26,7 +26,8 @@ func TestLoadRepositoryManifests(t *testing.T) {
 	if err != nil {
 		t.Fatalf("LocalArgs: %v", err)
 	}
-	if diff := cmp.Diff([]string{"--config=/tmp/kpp/config.conf", "--hostname-override=node-1"}, args); diff != "" {
+	// The hand-over socket, a host path in the pod, moves beside the local config.
+	if diff := cmp.Diff([]string{"--config=/tmp/kpp/config.conf", "--hostname-override=node-1", "--handover-socket=/tmp/kpp/handover.sock"}, args); diff != "" {
 		t.Errorf("LocalArgs (-want +got):\n%s", diff)
 	}
 	p, err := m.ConfigPath()
@@ -107,7 +108,7 @@ func TestLoadRejects(t *testing.T) {
 	}{
 		{"unknown_field", "daemonset.yaml", replace("hostNetwork: true", "hostNetwork: true\n      hostNetwrk: true"), []string{"daemonset.yaml", `unknown field "spec.template.spec.hostNetwrk"`}},
 		{"duplicate_field", "serviceaccount.yaml", replace("  name: kube-portal-proxy\n", "  name: kube-portal-proxy\n  name: other\n"), []string{"serviceaccount.yaml", `"name"`}},
-		{"wrong_type", "daemonset.yaml", replace("maxUnavailable: 1", "maxUnavailable: [1]"), []string{"daemonset.yaml", "maxUnavailable"}},
+		{"wrong_type", "daemonset.yaml", replace("maxUnavailable: 0", "maxUnavailable: [0]"), []string{"daemonset.yaml", "maxUnavailable"}},
 		{"unexpected_kind", "serviceaccount.yaml", replace("kind: ServiceAccount", "kind: Secret"), []string{"serviceaccount.yaml", "unexpected object /v1, Kind=Secret"}},
 		{"unlisted_file", "kustomization.yaml", replace("- configmap.yaml\n", ""), []string{"configmap.yaml", "not listed"}},
 	}

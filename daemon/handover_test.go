@@ -1,0 +1,210 @@
+package daemon
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	logtest "github.com/sirupsen/logrus/hooks/test"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// freeAddr returns 127.0.0.1:port with a port nothing listens on now.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func logged(hook *logtest.Hook, msg string) map[string]any {
+	for _, e := range hook.AllEntries() {
+		if e.Message == msg {
+			return e.Data
+		}
+	}
+	return nil
+}
+
+// TestDaemonHandsOver runs two daemons on one --handover-socket, as a planned restart does: the
+// second takes the first one's health and metrics listeners (it would fail to bind them
+// otherwise), and the first stops serving but lets its established connection finish. Address
+// plan: HTTP on 127.0.0.1 at fixed free ports (both daemons ask for the same), the echo endpoint
+// on 127.0.0.1, proxy sockets on 127.0.0.1 at kernel-chosen ports.
+func TestDaemonHandsOver(t *testing.T) {
+	backend := echoServer(t)
+	dir := t.TempDir()
+	writeService(t, dir, "echo", "10.96.0.10", backend)
+	healthz, metrics := freeAddr(t), freeAddr(t)
+	args := []string{"--services-file=" + dir, "--iptables-min-sync-period=0", "--healthz-bind-address=" + healthz,
+		"--metrics-bind-address=" + metrics, "--handover-socket=" + filepath.Join(t.TempDir(), "run", "handover.sock")}
+	echoName := service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"}
+
+	first := newHarness(t, args...)
+	stopFirst := first.start(t)
+	proxyPort := first.portals.waitProxyPort(t, echoName)
+	testenv.WaitFor(t, "the first daemon to listen on the hand-over socket", func() bool {
+		return logged(first.log, "No running proxy to take over from") != nil && socketExists(args[4])
+	})
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", proxyPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := bufio.NewReader(c)
+	exchange := func(msg string) error {
+		_ = c.SetDeadline(time.Now().Add(waitFor))
+		if _, err := fmt.Fprintln(c, msg); err != nil {
+			return err
+		}
+		got, err := r.ReadString('\n')
+		if err != nil || got != msg+"\n" {
+			return fmt.Errorf("echo of %q: %q, %v", msg, got, err)
+		}
+		return nil
+	}
+	if err := exchange("before"); err != nil {
+		t.Fatal(err)
+	}
+
+	second := newHarness(t, args...)
+	second.start(t)
+	testenv.WaitFor(t, "the second daemon to take over and the first to hand over", func() bool {
+		return logged(second.log, "Took over from the running proxy") != nil && logged(first.log, "Handed over to a successor: no longer syncing or accepting; finishing established connections, exiting at SIGTERM") != nil
+	})
+	took := logged(second.log, "Took over from the running proxy")
+	if took["inherited"] != 2 {
+		t.Errorf("inherited %v sockets, want 2 (health and metrics listeners); log fields %v", took["inherited"], took)
+	}
+
+	t.Run("the_successor_serves_the_health_and_metrics_addresses", func(t *testing.T) {
+		if code, body := get(t, "http://"+healthz+"/healthz"); code != http.StatusOK {
+			t.Errorf("GET /healthz = %d %q", code, body)
+		}
+		_, m := get(t, "http://"+metrics+"/metrics")
+		for _, want := range []string{`kube_portal_proxy_restart_sockets{origin="inherited"} 2`, `kube_portal_proxy_restart_sockets{origin="rebound"} 0`,
+			`kube_portal_proxy_restart_service_ports{result="reallocated"} 0`, "kube_portal_proxy_handed_over 0"} {
+			if !strings.Contains(m, want) {
+				t.Errorf("the successor's /metrics lacks %q", want)
+			}
+		}
+	})
+	t.Run("the_predecessor_finishes_its_connection", func(t *testing.T) {
+		if err := exchange("after the hand-over"); err != nil {
+			t.Fatal(err)
+		}
+	})
+	c.Close()
+	if err := stopFirst(); err != nil {
+		t.Fatalf("the first daemon's Run: %v", err)
+	}
+	if lines := errorLines(first.log); len(lines) > 0 {
+		t.Errorf("errors logged by the first daemon: %q", lines)
+	}
+	if code, _ := get(t, "http://"+healthz+"/healthz"); code != http.StatusOK {
+		t.Errorf("GET /healthz after the first daemon exited = %d", code)
+	}
+}
+
+func socketExists(flag string) bool {
+	_, path, _ := strings.Cut(flag, "=")
+	st, err := os.Stat(path)
+	return err == nil && st.Mode()&os.ModeSocket != 0
+}
+
+// TestBindWhenFree: after a failed hand-over the running proxy may still hold the health and
+// metrics addresses until it exits; binding them is retried, for a bounded time.
+func TestBindWhenFree(t *testing.T) {
+	inUse := &net.OpError{Op: "listen", Net: "tcp", Err: os.NewSyscallError("bind", syscall.EADDRINUSE)}
+	for _, tc := range []struct {
+		name      string
+		busyCalls int // calls that fail with EADDRINUSE before one succeeds
+		wantCalls int
+		wantErr   bool
+	}{
+		{name: "address_in_use_until_the_old_process_lets_go", busyCalls: 3, wantCalls: 4},
+		{name: "gives_up_after_the_bound", busyCalls: 1 << 30, wantCalls: int(bindRetryFor/(100*time.Millisecond)) + 1, wantErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fc := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+			var calls atomic.Int64
+			log, _ := logtest.NewNullLogger()
+			d := &Daemon{o: &Options{handoverSocket: "/run/h.sock"}, log: log, deps: deps{clock: fc,
+				listen: func(string) (net.Listener, error) {
+					if calls.Add(1) <= int64(tc.busyCalls) {
+						return nil, inUse
+					}
+					return net.Listen("tcp4", "127.0.0.1:0")
+				}}}
+			done := make(chan error, 1)
+			go func() {
+				ln, err := d.bindWhenFree(t.Context(), "127.0.0.1:10256")
+				if ln != nil {
+					ln.Close()
+				}
+				done <- err
+			}()
+			for {
+				select {
+				case err := <-done:
+					if (err != nil) != tc.wantErr || (err != nil && !errors.Is(err, syscall.EADDRINUSE)) {
+						t.Errorf("bindWhenFree = %v, want error %v (EADDRINUSE)", err, tc.wantErr)
+					}
+					if got := calls.Load(); got != int64(tc.wantCalls) {
+						t.Errorf("%d binds, want %d", got, tc.wantCalls)
+					}
+					return
+				default:
+				}
+				if fc.HasWaiters() {
+					fc.Step(100 * time.Millisecond)
+				}
+				runtime.Gosched()
+			}
+		})
+	}
+}
+
+// TestAddressInUseWithoutHandOver: without --handover-socket an address in use fails the start,
+// as before; with it, the start goes on.
+func TestAddressInUseWithoutHandOver(t *testing.T) {
+	held, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	for _, tc := range []struct {
+		name     string
+		handover string
+		wantErr  bool
+	}{
+		{name: "fails_the_start", wantErr: true},
+		{name: "served_later_with_a_hand-over_socket", handover: "/run/h.sock"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			log, _ := logtest.NewNullLogger()
+			d := &Daemon{o: &Options{handoverSocket: tc.handover}, log: log, deps: deps{clock: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)),
+				listen: func(addr string) (net.Listener, error) { return net.Listen("tcp4", addr) }}}
+			tasks, err := d.listenHTTP([]httpServer{{held.Addr().String(), http.NotFoundHandler()}}, nil)
+			if (err != nil) != tc.wantErr || (err == nil && len(tasks) != 1) {
+				t.Errorf("listenHTTP = %d tasks, %v; want error %v", len(tasks), err, tc.wantErr)
+			}
+		})
+	}
+}

@@ -1,0 +1,341 @@
+package e2e
+
+// Restarts under load (issue #17): a client pod connects in a loop through a cluster IP and a
+// node port while the proxy is (a) SIGKILLed and started again, (b) replaced through the
+// hand-over (a new process started with the same flags, then SIGTERM to the old one, as a
+// DaemonSet rolling update with maxSurge does). Address plan: the testbed's (client pod 10.244.x,
+// node IP testbed.NodeExtIP, cluster IPs in 10.96.0.0/16, two backend pods).
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+)
+
+// attempt is one connection of the prober.
+type attempt struct {
+	target     string
+	start, end time.Time
+	err        error
+}
+
+// prober connects from a client namespace to its targets in turn, every 5 ms, until stopped:
+// at most 40,000 attempts and 60 s.
+type prober struct {
+	made    atomic.Int64
+	stop    chan struct{}
+	results chan []attempt
+}
+
+func startProber(from *netns.NS, targets map[string]netip.AddrPort) *prober {
+	return startProberWith(from, targets, nil)
+}
+
+// startProberWith also sends one UDP query (a new socket, so a new session) to each of udp in
+// turn.
+func startProberWith(from *netns.NS, targets, udp map[string]netip.AddrPort) *prober {
+	p := &prober{stop: make(chan struct{}), results: make(chan []attempt, 1)}
+	type target struct {
+		name string
+		addr netip.AddrPort
+		ask  asker
+	}
+	var all []target
+	for name, addr := range targets {
+		all = append(all, target{name, addr, whoTCP})
+	}
+	for name, addr := range udp {
+		all = append(all, target{name, addr, whoUDP})
+	}
+	go func() {
+		var out []attempt
+		deadline := time.Now().Add(60 * time.Second)
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for i := 0; len(out) < 40000 && time.Now().Before(deadline); i++ {
+			select {
+			case <-p.stop:
+				p.results <- out
+				return
+			case <-tick.C:
+			}
+			tg := all[i%len(all)]
+			a := attempt{target: tg.name, start: time.Now()}
+			_, a.err = tg.ask(from, tg.addr)
+			a.end = time.Now()
+			out = append(out, a)
+			p.made.Add(1)
+		}
+		p.results <- out
+	}()
+	return p
+}
+
+// madeAtLeast waits until the prober has made n attempts.
+func (p *prober) madeAtLeast(t *testing.T, what string, n int64) {
+	t.Helper()
+	eventually(t, 20*time.Second, what, func() error {
+		if got := p.made.Load(); got < n {
+			return fmt.Errorf("%d attempts, want %d", got, n)
+		}
+		return nil
+	})
+}
+
+func (p *prober) finish() []attempt {
+	close(p.stop)
+	return <-p.results
+}
+
+// failures summarises the attempts that started after since: how many, how many failed per
+// target, and the refused window (first failed attempt's start to the last one's end).
+type failures struct {
+	after, failed int
+	byTarget      map[string]int
+	window        time.Duration
+	last          error
+}
+
+func summarize(got []attempt, since time.Time) failures {
+	f := failures{byTarget: map[string]int{}}
+	var first, last attempt
+	for _, a := range got {
+		if a.start.After(since) {
+			f.after++
+		}
+		if a.err == nil {
+			continue
+		}
+		if f.failed == 0 {
+			first = a
+		}
+		last = a
+		f.failed++
+		f.byTarget[a.target]++
+	}
+	if f.failed > 0 {
+		f.window = last.end.Sub(first.start)
+		f.last = last.err
+	}
+	return f
+}
+
+// restartNode is a node with a NodePort web service on two pods, and its TCP and UDP targets.
+func restartNode(t *testing.T) (n *clusterNode, tcp, udp map[string]netip.AddrPort) {
+	t.Helper()
+	n = newClusterNode(t, 2)
+	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort))
+	n.setEndpoints(t, svc, 1, 2)
+	tg := targetsOf(t, svc)
+	return n, map[string]netip.AddrPort{"cluster IP": tg.clusterTCP, "node port": tg.nodePort},
+		map[string]netip.AddrPort{"cluster IP udp": tg.clusterUDP}
+}
+
+func waitAllAnswer(t *testing.T, p *proxyProcess, n *clusterNode, targets map[string]netip.AddrPort, what string) {
+	t.Helper()
+	for name, addr := range targets {
+		p.waitAnswers(t, n.bed.Client, addr, what+" ("+name+")")
+	}
+}
+
+// TestRestartAfterSIGKILL measures the window in which new connections fail when the proxy is
+// SIGKILLed and started again at once: the rules stay in force, and the new process reopens the
+// proxy ports they point at before it reads anything, so only the moments with no process fail.
+func TestRestartAfterSIGKILL(t *testing.T) {
+	t.Parallel()
+	n, targets, _ := restartNode(t)
+	first := n.startProxy(t)
+	waitAllAnswer(t, first, n, targets, "the service never answered")
+
+	pr := startProber(n.bed.Client, targets)
+	pr.madeAtLeast(t, "the prober never ran", 40)
+	killed := time.Now()
+	first.Kill()
+	second := n.startProxy(t)
+	restarted := time.Now()
+	waitAllAnswer(t, second, n, targets, "traffic never came back after the restart")
+	pr.madeAtLeast(t, "the prober never ran after the restart", pr.made.Load()+100)
+	f := summarize(pr.finish(), killed)
+
+	t.Logf("SIGKILL at +0, restart started +%v: %d attempts after the kill, %d failed %v, refused window %v (last error: %v)",
+		restarted.Sub(killed).Round(time.Millisecond), f.after, f.failed, f.byTarget, f.window.Round(time.Millisecond), f.last)
+	if f.after < 40 {
+		t.Fatalf("only %d attempts after the kill: the prober did not measure the restart", f.after)
+	}
+	if f.window > 2*time.Second {
+		t.Errorf("clients saw failures for %v across the restart; want under 2s", f.window)
+	}
+	line := lineWith(second.LogTail(2000), "Reopened the proxy sockets the portal rules in force point at")
+	t.Logf("new process: %s", line)
+	if strings.Contains(line, " reboundSockets=0 ") || line == "" {
+		t.Errorf("the restarted process did not rebind the proxy sockets of the rules in force: %q", line)
+	}
+}
+
+// longConn is a connection kept open across the hand-over: greeted by its pod, then echoing.
+type longConn struct {
+	name string
+	c    net.Conn
+	r    *bufio.Reader
+}
+
+func openLong(t *testing.T, from *netns.NS, name string, addr netip.AddrPort) *longConn {
+	t.Helper()
+	c, err := testbed.Dial(from, addr, requestTimeout)
+	if err != nil {
+		t.Fatalf("%s: connect: %v", name, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	l := &longConn{name: name, c: c, r: bufio.NewReader(c)}
+	_ = c.SetDeadline(time.Now().Add(requestTimeout))
+	if _, err := l.r.ReadString('\n'); err != nil {
+		t.Fatalf("%s: greeting: %v", name, err)
+	}
+	return l
+}
+
+// exchange sends a line and reads its echo.
+func (l *longConn) exchange(msg string) error {
+	_ = l.c.SetDeadline(time.Now().Add(requestTimeout))
+	if _, err := fmt.Fprintf(l.c, "%s\n", msg); err != nil {
+		return fmt.Errorf("%s: send %q: %w", l.name, msg, err)
+	}
+	got, err := l.r.ReadString('\n')
+	if err != nil || strings.TrimSpace(got) != msg {
+		return fmt.Errorf("%s: echo of %q: %q, %w", l.name, msg, got, err)
+	}
+	return nil
+}
+
+// finish half-closes and reads to the end: a clean EOF, not a reset.
+func (l *longConn) finish() error {
+	_ = l.c.SetDeadline(time.Now().Add(requestTimeout))
+	if err := l.c.(*net.TCPConn).CloseWrite(); err != nil {
+		return fmt.Errorf("%s: close write: %w", l.name, err)
+	}
+	if rest, err := l.r.ReadString('\n'); !errors.Is(err, io.EOF) || rest != "" {
+		return fmt.Errorf("%s: after the FIN: %q, %v; want a clean EOF", l.name, rest, err)
+	}
+	return nil
+}
+
+// TestRestartByHandOver replaces the proxy through --handover-socket while clients connect in a
+// loop and long-lived connections stay open: no connection may fail, and every long-lived one
+// must finish its exchange and end with a clean close.
+func TestRestartByHandOver(t *testing.T) {
+	t.Parallel()
+	n, targets, udpTargets := restartNode(t)
+	flags := []string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s"}
+	first := n.startProxy(t, flags...)
+	waitAllAnswer(t, first, n, targets, "the service never answered")
+	eventually(t, 30*time.Second, "the first proxy never listened on the hand-over socket", func() error {
+		if !strings.Contains(first.LogTail(2000), "No running proxy to take over from") {
+			return errors.New("not yet")
+		}
+		return first.exited()
+	})
+
+	long := []*longConn{
+		openLong(t, n.bed.Client, "long-1 (cluster IP)", targets["cluster IP"]),
+		openLong(t, n.bed.Client, "long-2 (cluster IP)", targets["cluster IP"]),
+		openLong(t, n.bed.Client, "long-3 (node port)", targets["node port"]),
+	}
+	exchangeAll := func(step string) {
+		t.Helper()
+		for _, l := range long {
+			if err := l.exchange(step); err != nil {
+				t.Errorf("%s: %v", step, err)
+			}
+		}
+	}
+	exchangeAll("before the hand-over")
+
+	pr := startProberWith(n.bed.Client, targets, udpTargets)
+	pr.madeAtLeast(t, "the prober never ran", 40)
+	started := time.Now()
+	second := n.startProxy(t, flags...)
+	eventually(t, 30*time.Second, "the new proxy never took over", func() error {
+		if err := second.exited(); err != nil {
+			return err
+		}
+		if !strings.Contains(second.LogTail(2000), "Took over from the running proxy") {
+			return errors.New("no \"Took over\" line yet")
+		}
+		if !strings.Contains(first.LogTail(2000), "Handed over to a successor") {
+			return errors.New("the old proxy has not said it handed over")
+		}
+		return nil
+	})
+	tookOver := time.Now()
+	exchangeAll("after the hand-over, served by the old process")
+	pr.madeAtLeast(t, "the prober never ran after the hand-over", pr.made.Load()+100)
+
+	// SIGTERM the old process as the DaemonSet controller would, without waiting: it must let
+	// the established connections finish.
+	if err := first.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	termed := time.Now()
+	exchangeAll("after SIGTERM to the old process")
+	for _, l := range long {
+		if err := l.finish(); err != nil {
+			t.Error(err)
+		}
+	}
+	select {
+	case <-first.Done():
+	case <-time.After(proxyStopGrace):
+		t.Fatalf("the old proxy did not exit within %v of SIGTERM once its connections ended", proxyStopGrace)
+	}
+	exited := time.Now()
+	if err := first.Err(); err != nil {
+		t.Errorf("the old proxy failed on exit: %v\n%s", err, first.LogTail(20))
+	}
+	pr.madeAtLeast(t, "the prober never ran after the old process exited", pr.made.Load()+100)
+	f := summarize(pr.finish(), started)
+
+	t.Logf("hand-over: new process started +0, took over +%v, old SIGTERMed +%v, exited +%v; %d attempts since the start, %d failed %v (last error: %v); %d long-lived connections finished",
+		tookOver.Sub(started).Round(time.Millisecond), termed.Sub(started).Round(time.Millisecond), exited.Sub(started).Round(time.Millisecond),
+		f.after, f.failed, f.byTarget, f.last, len(long))
+	if f.after < 200 {
+		t.Fatalf("only %d attempts across the hand-over: the prober did not measure it", f.after)
+	}
+	if f.failed != 0 {
+		t.Errorf("%d connections failed across the hand-over (%v), want none; last error: %v", f.failed, f.byTarget, f.last)
+	}
+	for _, msg := range []string{"Took over from the running proxy", "Closed the inherited sockets"} {
+		if line := lineWith(second.LogTail(2000), msg); line != "" {
+			t.Logf("new process: %s", line)
+		}
+	}
+	// Every proxy port the rules point at was inherited: nothing was bound anew.
+	if line := lineWith(second.LogTail(2000), "Took over from the running proxy"); !strings.Contains(line, " rebound=0 ") ||
+		strings.Contains(line, " inherited=0 ") {
+		t.Errorf("the new process bound proxy sockets anew or inherited none: %s", line)
+	}
+	waitAllAnswer(t, second, n, targets, "the new proxy stopped serving after the old one exited")
+}
+
+// lineWith returns the first line of s containing sub.
+func lineWith(s, sub string) string {
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}

@@ -1,0 +1,401 @@
+package handover
+
+// Address plan: everything on 127.0.0.1 with kernel-chosen ports; the hand-over socket in the
+// test's temporary directory. Both sides run in the test process, as two processes would: the
+// server collects the process's listening sockets from /proc/self/fd, so these tests do not run
+// in parallel.
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
+)
+
+// serveOnce runs a server on path until it hands over or the test ends; handedOff is closed when
+// the successor said it is ready.
+func serveOnce(t *testing.T, path string) (handedOff <-chan struct{}, stopped <-chan struct{}) {
+	t.Helper()
+	s := NewServer(ServerConfig{Path: path, Logger: quietLog()})
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ho, done := make(chan struct{}), make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { defer close(done); s.Run(ctx, func() { close(ho) }) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return ho, done
+}
+
+func quietLog() logrus.FieldLogger {
+	l := logrus.New()
+	l.SetOutput(io.Discard)
+	return l
+}
+
+func receiveOK(t *testing.T, path string) *Inherited {
+	t.Helper()
+	in, err := Receive(t.Context(), path, 5*time.Second)
+	if err != nil {
+		t.Fatalf("Receive: %v", err)
+	}
+	t.Cleanup(in.Close)
+	return in
+}
+
+func TestHandOver(t *testing.T) {
+	t.Run("a connection waiting in the accept queue is accepted by the successor", func(t *testing.T) {
+		old, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := old.Addr().String()
+		// Connected, but nobody has accepted it yet: it waits in the listener's queue.
+		client, err := net.Dial("tcp4", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer client.Close()
+
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		handedOff, stopped := serveOnce(t, path)
+		in := receiveOK(t, path)
+		ln, ok := in.Listener("tcp4", addr)
+		if !ok {
+			t.Fatalf("no inherited listener for tcp4 %s", addr)
+		}
+		defer ln.Close()
+		// The old process closes its descriptor: the socket and its queue stay with the new one.
+		old.Close()
+		if _, err := in.Ready(); err != nil {
+			t.Fatal(err)
+		}
+		waitClosed(t, handedOff, "the server never reported the hand-over")
+		waitClosed(t, stopped, "the server did not stop after handing over")
+
+		conn, err := ln.Accept()
+		if err != nil {
+			t.Fatalf("accept on the inherited listener: %v", err)
+		}
+		defer conn.Close()
+		if _, err := client.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 4)
+		if _, err := io.ReadFull(conn, buf); err != nil || string(buf) != "ping" {
+			t.Fatalf("read %q, %v; want ping", buf, err)
+		}
+		// A new connection after the old descriptor closed is not refused either.
+		c2, err := net.Dial("tcp4", addr)
+		if err != nil {
+			t.Fatalf("connect after the hand-over: %v", err)
+		}
+		c2.Close()
+	})
+
+	t.Run("a queued datagram is read by the successor", func(t *testing.T) {
+		old, err := net.ListenPacket("udp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := old.LocalAddr().String()
+		client, err := net.Dial("udp4", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer client.Close()
+		if _, err := client.Write([]byte("query")); err != nil {
+			t.Fatal(err)
+		}
+
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		serveOnce(t, path)
+		in := receiveOK(t, path)
+		pc, ok := in.PacketConn("udp4", addr)
+		if !ok {
+			t.Fatalf("no inherited UDP socket for %s", addr)
+		}
+		defer pc.Close()
+		old.Close()
+		_ = pc.SetReadDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 16)
+		n, from, err := pc.ReadFrom(buf)
+		if err != nil || string(buf[:n]) != "query" {
+			t.Fatalf("read %q, %v; want query", buf[:n], err)
+		}
+		if _, err := pc.WriteTo([]byte("answer"), from); err != nil {
+			t.Fatal(err)
+		}
+		_ = client.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if n, err := client.Read(buf); err != nil || string(buf[:n]) != "answer" {
+			t.Fatalf("client read %q, %v; want answer", buf[:n], err)
+		}
+	})
+
+	t.Run("a proxy socket is taken by its exact address and family", func(t *testing.T) {
+		old, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer old.Close()
+		ap := netip.MustParseAddrPort(old.Addr().String())
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		serveOnce(t, path)
+		in := receiveOK(t, path)
+		if _, ok := in.TakeFD("udp", ap); ok {
+			t.Errorf("a UDP take matched a TCP listener")
+		}
+		if _, ok := in.TakeFD("tcp", netip.AddrPortFrom(netip.IPv4Unspecified(), ap.Port())); ok {
+			t.Errorf("a take on 0.0.0.0 matched a listener on 127.0.0.1")
+		}
+		fd, ok := in.TakeFD("tcp", ap)
+		if !ok {
+			t.Fatalf("no inherited socket for tcp %s", ap)
+		}
+		f := os.NewFile(uintptr(fd), "inherited")
+		defer f.Close()
+		if _, ok := in.TakeFD("tcp", ap); ok {
+			t.Errorf("the same socket was taken twice")
+		}
+		if got := in.Taken(); got != 1 {
+			t.Errorf("Taken() = %d, want 1", got)
+		}
+	})
+
+	t.Run("connected sockets are not handed over, and each socket once", func(t *testing.T) {
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		c, err := net.Dial("tcp4", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		u, err := net.Dial("udp4", "127.0.0.1:9")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer u.Close()
+		// A second descriptor of the same listener (as os.File and dup make) is not a second socket.
+		f, err := ln.(*net.TCPListener).File()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		socks, err := Collect()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, s := range socks {
+			names = append(names, s.Name)
+			closeFD(s.fd)
+		}
+		want := "tcp/" + ln.Addr().String()
+		if len(names) != 1 || names[0] != want {
+			t.Errorf("Collect() = %v, want only [%s]", names, want)
+		}
+	})
+
+	t.Run("a wildcard listener of package net matches both spellings of the wildcard", func(t *testing.T) {
+		old, err := net.Listen("tcp", ":0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer old.Close()
+		_, port, _ := net.SplitHostPort(old.Addr().String())
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		serveOnce(t, path)
+		in := receiveOK(t, path)
+		ln, ok := in.Listener("tcp", "0.0.0.0:"+port)
+		if !ok {
+			t.Fatalf("no inherited listener for tcp 0.0.0.0:%s (received %d)", port, in.Received())
+		}
+		ln.Close()
+	})
+}
+
+func TestHandOverFallback(t *testing.T) {
+	t.Run("no socket file: no predecessor", func(t *testing.T) {
+		_, err := Receive(t.Context(), filepath.Join(t.TempDir(), "missing.sock"), time.Second)
+		if !errors.Is(err, ErrNoPredecessor) {
+			t.Fatalf("Receive = %v, want ErrNoPredecessor", err)
+		}
+	})
+
+	t.Run("stale socket file of a killed process: no predecessor", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ln.SetUnlinkOnClose(false)
+		ln.Close() // the file stays, as after SIGKILL
+		_, err = Receive(t.Context(), path, time.Second)
+		if !errors.Is(err, ErrNoPredecessor) {
+			t.Fatalf("Receive = %v, want ErrNoPredecessor", err)
+		}
+	})
+
+	t.Run("a predecessor that never answers times out", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		start := time.Now()
+		_, err = Receive(t.Context(), path, 300*time.Millisecond)
+		if err == nil || errors.Is(err, ErrNoPredecessor) || !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("Receive = %v, want a deadline error", err)
+		}
+		if d := time.Since(start); d > 3*time.Second {
+			t.Errorf("Receive took %v with a 300ms timeout", d)
+		}
+	})
+
+	t.Run("another protocol version is refused clearly and the predecessor keeps serving", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		handedOff, _ := serveOnce(t, path)
+		c, err := net.Dial("unixpacket", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		uc := c.(*net.UnixConn)
+		if err := send(uc, hello{Version: Version + 1}, nil); err != nil {
+			t.Fatal(err)
+		}
+		var h header
+		_ = uc.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := receive(uc, &h); err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+		if !strings.Contains(h.Error, "version") {
+			t.Errorf("header error %q does not name the version mismatch", h.Error)
+		}
+		// The same server then hands over to a successor of the right version.
+		in := receiveOK(t, path)
+		if _, err := in.Ready(); err != nil {
+			t.Fatal(err)
+		}
+		waitClosed(t, handedOff, "the server never handed over after refusing a version")
+	})
+
+	t.Run("a predecessor of another version is reported as a version mismatch", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		go func() {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			var h hello
+			_, _ = receive(c, &h)
+			_ = send(c, header{Version: Version + 1}, nil)
+			_, _ = c.Read(make([]byte, 1)) // until the successor hangs up
+		}()
+		_, err = Receive(t.Context(), path, 5*time.Second)
+		if !errors.Is(err, ErrVersion) {
+			t.Fatalf("Receive = %v, want ErrVersion", err)
+		}
+	})
+
+	t.Run("a successor that goes away before it is ready leaves the predecessor serving", func(t *testing.T) {
+		old, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer old.Close()
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		handedOff, _ := serveOnce(t, path)
+		in, err := Receive(t.Context(), path, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in.Close() // the successor died during its start
+		// The predecessor answers the next successor: it is still serving.
+		in2 := receiveOK(t, path)
+		if _, ok := in2.Listener("tcp4", old.Addr().String()); !ok {
+			t.Fatalf("the second successor got no listener")
+		}
+		select {
+		case <-handedOff:
+			t.Fatal("the server reported a hand-over to a successor that never said ready")
+		default:
+		}
+	})
+
+	t.Run("a predecessor told to stop while it waits for ready stops at once", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		s := NewServer(ServerConfig{Path: path, Logger: quietLog()})
+		if err := s.Listen(); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		stopped, handedOff := make(chan struct{}), false
+		go func() { defer close(stopped); s.Run(ctx, func() { handedOff = true }) }()
+		receiveOK(t, path) // the successor is starting: no ready yet
+		cancel()           // SIGTERM to the predecessor
+		waitClosed(t, stopped, "the server to stop while it waited for ready")
+		if handedOff {
+			t.Error("a stop before ready was taken for a hand-over")
+		}
+		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the socket file outlived its server: %v", err)
+		}
+	})
+
+	t.Run("the socket file is replaced atomically and removed only by its owner", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		first := NewServer(ServerConfig{Path: path, Logger: quietLog()})
+		if err := first.Listen(); err != nil {
+			t.Fatal(err)
+		}
+		second := NewServer(ServerConfig{Path: path, Logger: quietLog()})
+		if err := second.Listen(); err != nil {
+			t.Fatalf("a second server could not replace the socket file: %v", err)
+		}
+		first.close() // the predecessor exits after the successor took the path
+		if _, err := os.Stat(path); err != nil {
+			t.Fatalf("the predecessor removed its successor's socket file: %v", err)
+		}
+		second.close()
+		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("the socket file is still there after its owner exited: %v", err)
+		}
+		entries, _ := os.ReadDir(filepath.Dir(path))
+		if len(entries) != 0 {
+			t.Errorf("left behind in the socket directory: %v", entries)
+		}
+	})
+}
+
+func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	testenv.WaitFor(t, what, func() bool {
+		select {
+		case <-ch:
+			return true
+		default:
+			return false
+		}
+	})
+}

@@ -1,0 +1,230 @@
+package handover
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
+	"k8s.io/utils/clock"
+)
+
+// Defaults for the zero values of ServerConfig and ClientConfig.
+const (
+	// DefaultTimeout bounds each step of a hand-over (hello, transfer, adopted).
+	DefaultTimeout = 5 * time.Second
+	// DefaultReadyTimeout bounds how long the old process waits for its successor to be ready
+	// (its first sync, at scale a few seconds after the API's initial list).
+	DefaultReadyTimeout = 2 * time.Minute
+)
+
+// ServerConfig configures the running process's side.
+type ServerConfig struct {
+	// Path is the Unix socket's path (--handover-socket).
+	Path string
+	// Timeout bounds each step before ready; 0 means DefaultTimeout.
+	Timeout time.Duration
+	// ReadyTimeout bounds the wait for ready; 0 means DefaultReadyTimeout.
+	ReadyTimeout time.Duration
+	// Collect lists the sockets to hand over; nil means Collect (every listening socket).
+	Collect func() ([]socket, error)
+	Logger  logrus.FieldLogger
+	Clock   clock.PassiveClock
+}
+
+// Server answers a successor's hand-over request.
+type Server struct {
+	cfg ServerConfig
+	ln  *net.UnixListener
+	ino uint64 // the socket file's inode, to remove it at exit only while it is still ours
+}
+
+// NewServer returns a server for cfg. It opens nothing: Listen does.
+func NewServer(cfg ServerConfig) *Server {
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.ReadyTimeout <= 0 {
+		cfg.ReadyTimeout = DefaultReadyTimeout
+	}
+	if cfg.Collect == nil {
+		cfg.Collect = Collect
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = logrus.StandardLogger()
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	return &Server{cfg: cfg}
+}
+
+// Listen creates the socket file, replacing any that is there (a predecessor's, which has handed
+// over or is gone) atomically: it binds a temporary name in the same directory and renames it over
+// the path, so a successor never finds the path missing or half made.
+func (s *Server) Listen() error {
+	dir := filepath.Dir(s.cfg.Path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("handover socket %s: %w", s.cfg.Path, err)
+	}
+	tmp := filepath.Join(dir, "."+filepath.Base(s.cfg.Path)+"."+strconv.Itoa(os.Getpid()))
+	_ = os.Remove(tmp)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("handover socket %s: %w", s.cfg.Path, err)
+	}
+	ln.SetUnlinkOnClose(false)
+	err = os.Chmod(tmp, 0o600)
+	if err == nil {
+		err = os.Rename(tmp, s.cfg.Path)
+	}
+	var st os.FileInfo
+	if err == nil {
+		st, err = os.Stat(s.cfg.Path)
+	}
+	if err != nil {
+		_ = ln.Close()
+		_ = os.Remove(tmp)
+		return fmt.Errorf("handover socket %s: %w", s.cfg.Path, err)
+	}
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
+		s.ino = sys.Ino
+	}
+	s.ln = ln
+	return nil
+}
+
+// Run answers hand-over requests until ctx is done or one completes: then it calls handedOff (the
+// successor is ready; stop accepting and finish what is established) and returns. A request that
+// fails leaves this process serving as before, and the next one is answered. Run closes the
+// listener and removes the socket file, unless a successor has replaced it. Call Listen first.
+func (s *Server) Run(ctx context.Context, handedOff func()) {
+	defer s.close()
+	stop := context.AfterFunc(ctx, func() { _ = s.ln.Close() })
+	defer stop()
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() == nil {
+				s.cfg.Logger.WithError(err).Error("Hand-over socket failed; a successor will start without the sockets")
+			}
+			return
+		}
+		stopConn := context.AfterFunc(ctx, func() { _ = c.Close() }) // a SIGTERM does not wait for ready
+		err = s.serve(c)
+		stopConn()
+		_ = c.Close()
+		if err == nil {
+			handedOff()
+			return
+		}
+		if ctx.Err() != nil {
+			return // stopping anyway: the successor serves the sockets it took
+		}
+		s.cfg.Logger.WithError(err).Warn("Hand-over to a successor failed; still serving")
+	}
+}
+
+// serve runs one hand-over on c; nil means the successor is ready.
+func (s *Server) serve(c *net.UnixConn) error {
+	start := s.cfg.Clock.Now()
+	if err := samePeerUser(c); err != nil {
+		return err
+	}
+	deadline(c, time.Now(), s.cfg.Timeout)
+	var h hello
+	if _, err := receive(c, &h); err != nil {
+		return fmt.Errorf("handover: read hello: %w", err)
+	}
+	if h.Version != Version {
+		err := fmt.Errorf("%w: the successor speaks version %d, this process %d", ErrVersion, h.Version, Version)
+		_ = send(c, header{Version: Version, Error: err.Error()}, nil)
+		return err
+	}
+	socks, err := s.cfg.Collect()
+	if err != nil {
+		_ = send(c, header{Version: Version, Error: err.Error()}, nil)
+		return err
+	}
+	defer func() {
+		for _, sk := range socks {
+			_ = closeFD(sk.fd)
+		}
+	}()
+	parts := chunks(len(socks))
+	if err := send(c, header{Version: Version, Sockets: len(socks), Chunks: len(parts)}, nil); err != nil {
+		return fmt.Errorf("handover: send header: %w", err)
+	}
+	for _, p := range parts {
+		entries := make([]Entry, 0, p[1]-p[0])
+		fds := make([]int, 0, p[1]-p[0])
+		for _, sk := range socks[p[0]:p[1]] {
+			entries = append(entries, sk.Entry)
+			fds = append(fds, sk.fd)
+		}
+		if err := send(c, entries, fds); err != nil {
+			return fmt.Errorf("handover: send sockets: %w", err)
+		}
+	}
+	var r reply
+	if _, err := receive(c, &r); err != nil || r.Adopted == nil {
+		return fmt.Errorf("handover: successor did not confirm adoption: %v", orNot(err, r))
+	}
+	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted,
+		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
+	deadline(c, time.Now(), s.cfg.ReadyTimeout)
+	if _, err := receive(c, &r); err != nil || !r.Ready {
+		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, r))
+	}
+	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
+		Info("Successor is ready: no longer accepting; finishing established connections")
+	return nil
+}
+
+func orNot(err error, r reply) any {
+	if err != nil {
+		return err
+	}
+	return fmt.Sprintf("unexpected reply %+v", r)
+}
+
+// close closes the listener and removes the socket file if it is still the one Listen made.
+func (s *Server) close() {
+	_ = s.ln.Close()
+	st, err := os.Stat(s.cfg.Path)
+	if err != nil {
+		return
+	}
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok && sys.Ino == s.ino {
+		_ = os.Remove(s.cfg.Path)
+	}
+}
+
+func closeFD(fd int) error { return syscall.Close(fd) }
+
+// samePeerUser refuses a peer that runs as another user: the socket file is the owner's only
+// (0600), and the sockets handed over are the node's service ports.
+func samePeerUser(c *net.UnixConn) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("handover: peer credentials: %w", err)
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) { cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) }); err != nil {
+		return fmt.Errorf("handover: peer credentials: %w", err)
+	}
+	if cerr != nil {
+		return fmt.Errorf("handover: peer credentials: %w", cerr)
+	}
+	if int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("handover: refusing a peer running as uid %d (pid %d); this process runs as uid %d", cred.Uid, cred.Pid, os.Geteuid())
+	}
+	return nil
+}
