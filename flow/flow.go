@@ -29,6 +29,7 @@ const (
 	EndpointRefused           // UDP: ICMP port unreachable from the endpoint
 	EndpointError             // UDP: any other error on the endpoint socket
 	SourceDenied              // the client is outside the allowed source ranges (TCP: reset; UDP: datagram dropped)
+	DrainTimeout              // the endpoint left the rotation and its drain deadline passed (TCP: FIN both ways, then reset)
 
 	// NumEndReasons sizes arrays indexed by EndReason.
 	NumEndReasons
@@ -37,7 +38,7 @@ const (
 // One spelling scheme, for the access log and debug output: lower case, words joined by '-'.
 var endReasonNames = [NumEndReasons]string{"unknown", "client-closed", "endpoint-closed", "client-reset",
 	"endpoint-reset", "idle-timeout", "dial-failed", "no-endpoints", "endpoint-removed", "shutdown",
-	"evicted", "endpoint-refused", "endpoint-error", "source-denied"}
+	"evicted", "endpoint-refused", "endpoint-error", "source-denied", "drain-timeout"}
 
 func (r EndReason) String() string {
 	if r < NumEndReasons {

@@ -19,6 +19,9 @@ type AccessLog struct {
 	// portal-proxy.kubernetes.io/access-log: "true".
 	All bool
 	Log logrus.FieldLogger
+	// Pods, if set, names the pod (namespace/name) behind an endpoint and its node, for the
+	// "pod" and "node" fields (Proxier.EndpointPod).
+	Pods func(service.ServicePortName, netip.AddrPort) (pod, node string)
 }
 
 func (a AccessLog) on(p *service.Port) bool { return a.Log != nil && (a.All || p.AccessLog) }
@@ -47,6 +50,15 @@ func (a AccessLog) OnEnd(p *service.Port) func(flow.Info) {
 		}
 		if f.Err != nil {
 			fields["error"] = f.Err.Error()
+		}
+		if a.Pods != nil && f.Endpoint.IsValid() {
+			pod, node := a.Pods(p.Name, f.Endpoint)
+			if pod != "" {
+				fields["pod"] = pod
+			}
+			if node != "" {
+				fields["node"] = node
+			}
 		}
 		a.Log.WithFields(fields).Info(msg)
 	}

@@ -123,6 +123,7 @@ type Proxier struct {
 	node            NodeTopology
 
 	annotations annotationWarnings
+	pods        podIndex
 
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
 	epMu sync.Mutex
@@ -386,6 +387,7 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	defer p.epMu.Unlock()
 	rulesChanged := false
 	for _, port := range ports {
+		p.pods.invalidate(port.Name)
 		sel := newPortSelection(port, selectEndpoints(port, endpointsFor(port, sl), node))
 		p.setBalancer(port, port.Name, sel.Internal.Endpoints, false)
 		if sel.split {

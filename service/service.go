@@ -109,6 +109,10 @@ type Port struct {
 	AccessLog bool
 	// Balancing is how the balancer spreads new flows over the endpoints (annotations).
 	Balancing Balancing
+	// DrainTimeout is how long the flows of an endpoint that left the rotation (terminating or
+	// removed) may continue before what is left is closed (FIN, then reset); 0 means unset: the
+	// node's --drain-removed-endpoints decides (an annotation).
+	DrainTimeout time.Duration
 }
 
 // Algorithm is how a service port's balancer picks the endpoint of a new connection or session.
@@ -164,7 +168,7 @@ func (p *Port) Equal(o *Port) bool {
 	return p.SocketEqual(o) && p.Name == o.Name && p.Affinity == o.Affinity &&
 		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal &&
 		p.HealthCheckNodePort == o.HealthCheckNodePort && p.TrafficDistribution == o.TrafficDistribution &&
-		p.Balancing == o.Balancing &&
+		p.Balancing == o.Balancing && p.DrainTimeout == o.DrainTimeout &&
 		slices.Equal(p.LoadBalancerSourceRanges, o.LoadBalancerSourceRanges)
 }
 
