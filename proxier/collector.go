@@ -1,6 +1,8 @@
 package proxier
 
 import (
+	"strings"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
@@ -19,6 +21,7 @@ type trafficCollector struct {
 	udpDrops, sourceDrops                            *prometheus.Desc
 	endpoints                                        *prometheus.Desc
 	ejections, ejected                               *prometheus.Desc
+	drained                                          *prometheus.Desc
 }
 
 // NewTrafficCollector returns the per-service-port traffic collector of p.
@@ -45,13 +48,14 @@ func NewTrafficCollector(p *Proxier) prometheus.Collector {
 		endpoints:    d("endpoints", "Endpoints the balancer uses for the service port."),
 		ejections:    d("outlier_ejections_total", "Endpoints taken out of rotation by outlier detection (service ports with it on)."),
 		ejected:      d("outlier_ejected_endpoints", "Endpoints out of rotation now by outlier detection (service ports with it on)."),
+		drained:      d("drain_closed_total", "TCP connections or UDP sessions closed by their endpoint's drain deadline (service ports with a drain-timeout).", "protocol"),
 	}
 }
 
 func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
 		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints,
-		c.ejections, c.ejected} {
+		c.ejections, c.ejected, c.drained} {
 		ch <- d
 	}
 }
@@ -74,6 +78,15 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			gauge(c.ejected, float64(out))
 		}
 		st, ok := socketStats(a.observedSocket())
+		if ok && a.port.DrainTimeout > 0 {
+			drained := st.Ended[flow.DrainTimeout]
+			if a.ext != nil {
+				if ext, ok := socketStats(a.ext.observedSocket()); ok {
+					drained += ext.Ended[flow.DrainTimeout]
+				}
+			}
+			counter(c.drained, float64(drained), strings.ToLower(string(a.port.Protocol)))
+		}
 		switch {
 		case !ok:
 		case a.port.Protocol == service.UDP:
