@@ -3,7 +3,6 @@ package proxier
 import (
 	"errors"
 	"fmt"
-	"net/netip"
 	"strings"
 	"sync"
 
@@ -117,64 +116,4 @@ func (p *Proxier) outliers(name service.ServicePortName) (total uint64, ejected 
 		}
 	}
 	return total, ejected
-}
-
-// podIndex maps the endpoints of service ports to the pods behind them, for the access log. A
-// port's map is built on its first lookup and dropped whenever its endpoints change, so only
-// ports whose access log is on pay for one (at 50,000 endpoints a copy for every port would
-// cost megabytes for nothing).
-type podIndex struct {
-	mu sync.Mutex
-	m  map[service.ServicePortName]map[netip.AddrPort]podRef
-}
-
-type podRef struct{ pod, node string }
-
-func (x *podIndex) invalidate(name service.ServicePortName) {
-	x.mu.Lock()
-	delete(x.m, name)
-	x.mu.Unlock()
-}
-
-// EndpointPod names the pod (namespace/name, from the EndpointSlice's targetRef) behind an
-// endpoint of a service port and the node it runs on; "" for what is not known.
-func (p *Proxier) EndpointPod(name service.ServicePortName, ep netip.AddrPort) (pod, node string) {
-	p.pods.mu.Lock()
-	refs, ok := p.pods.m[name]
-	p.pods.mu.Unlock()
-	if !ok {
-		refs = p.podRefs(name)
-		p.pods.mu.Lock()
-		if p.pods.m == nil {
-			p.pods.m = map[service.ServicePortName]map[netip.AddrPort]podRef{}
-		}
-		p.pods.m[name] = refs
-		p.pods.mu.Unlock()
-	}
-	r := refs[ep]
-	return r.pod, r.node
-}
-
-func (p *Proxier) podRefs(name service.ServicePortName) map[netip.AddrPort]podRef {
-	p.mu.Lock()
-	var port *service.Port
-	for _, sp := range p.latest[name.ServiceName()] {
-		if sp.Name == name {
-			port = sp
-		}
-	}
-	p.mu.Unlock()
-	refs := map[netip.AddrPort]podRef{}
-	if port == nil {
-		return refs
-	}
-	for _, e := range endpointsFor(port, p.slices.get(name.ServiceName())) {
-		var r podRef
-		if e.TargetRef.Name != "" {
-			r.pod = e.TargetRef.String()
-		}
-		r.node = e.NodeName
-		refs[e.Addr] = r
-	}
-	return refs
 }

@@ -92,6 +92,9 @@ type Deps struct {
 	// load balancers: it is told the ports after each sync and the local ready endpoints per
 	// Service whenever they change.
 	ServiceHealth ServiceHealth
+	// Pods, if set, is kept up to date with the pods behind the endpoints of the ports whose
+	// access log is on (AccessLog.Pods).
+	Pods *PodIndex
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
@@ -129,7 +132,6 @@ type Proxier struct {
 	node            NodeTopology
 
 	annotations annotationWarnings
-	pods        podIndex
 	drains      drains
 
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
@@ -233,6 +235,9 @@ func New(cfg Config, deps Deps) *Proxier {
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {
 		deps.Balancer.OnEjection(p.onEjection)
+	}
+	if deps.Pods != nil {
+		deps.Pods.source = p.endpointsOf
 	}
 	return p
 }
@@ -395,8 +400,8 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	defer p.epMu.Unlock()
 	rulesChanged := false
 	for _, port := range ports {
-		p.pods.invalidate(port.Name)
 		eps := endpointsFor(port, sl)
+		p.deps.Pods.update(port.Name, eps)
 		serving := func(ep netip.AddrPort) bool {
 			i, ok := slices.BinarySearchFunc(eps, ep, func(e service.Endpoint, a netip.AddrPort) int { return e.Addr.Compare(a) })
 			return ok && eps[i].Serving
@@ -486,4 +491,20 @@ func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
 
 func nsName(ns, name string) service.NamespacedName {
 	return service.NamespacedName{Namespace: ns, Name: name}
+}
+
+// endpointsOf is the current endpoints of a service port (none if it is not known).
+func (p *Proxier) endpointsOf(name service.ServicePortName) []service.Endpoint {
+	p.mu.Lock()
+	var port *service.Port
+	for _, sp := range p.latest[name.ServiceName()] {
+		if sp.Name == name {
+			port = sp
+		}
+	}
+	p.mu.Unlock()
+	if port == nil {
+		return nil
+	}
+	return endpointsFor(port, p.slices.get(name.ServiceName()))
 }
