@@ -214,3 +214,161 @@ func TestInvalidAnnotationWarns(t *testing.T) {
 		return nil
 	})
 }
+
+// TestAlgorithmAnnotation: with least-connections or random-two-choices, short connections go to
+// the pod with fewer live ones: three long connections are held on pod1 (the only pod when they
+// opened), then pod2 joins and gets every new short connection, where round robin would send
+// half of them to pod1.
+func TestAlgorithmAnnotation(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 2)
+	algos := []string{"least-connections", "random-two-choices"}
+	svcs := map[string]*corev1.Service{}
+	for _, a := range algos {
+		svcs[a] = n.annotatedService(t, a, map[string]string{"portal-proxy.kubernetes.io/algorithm": a})
+		n.setPods(t, svcs[a], map[int]podState{1: podReady})
+	}
+	proxy := n.startProxy(t)
+	for _, a := range algos {
+		t.Run(a, func(t *testing.T) {
+			svc := svcs[a]
+			addr := targetsOf(t, svc).clusterTCP
+			proxy.waitAnswers(t, n.bed.Client, addr, a+" service never answered")
+			for range 3 {
+				dialPod(t, n.bed.Client, addr, "pod1", 1)
+			}
+			n.setPods(t, svc, map[int]podState{1: podReady, 2: podReady})
+			eventually(t, 30*time.Second, "pod2 in the rotation", func() error {
+				if who, err := whoTCP(n.bed.Client, addr); err != nil || who != "pod2" {
+					return fmt.Errorf("answered by %q, %v", who, err)
+				}
+				return nil
+			})
+			if got := tally(t, whoTCP, n.bed.Client, addr, 8); got["pod2"] != 8 {
+				t.Errorf("short connections with 3 long ones on pod1: %v, want all 8 on pod2 (fewer live connections)", got)
+			}
+		})
+	}
+}
+
+// TestOutlierAnnotation: a pod that black-holes new connections (its namespace drops SYNs) is
+// ejected after outlier-consecutive-failures failed dials, so requests stop paying the 250 ms
+// dial timeout; an EndpointEjected event names it; once it answers again it returns after the
+// ejection time.
+func TestOutlierAnnotation(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 3)
+	svc := n.annotatedService(t, "outlier", map[string]string{
+		"portal-proxy.kubernetes.io/outlier-consecutive-failures": "2",
+		"portal-proxy.kubernetes.io/outlier-ejection-time":        "2s",
+		"portal-proxy.kubernetes.io/outlier-max-ejection-percent": "50"})
+	n.setPods(t, svc, map[int]podState{1: podReady, 2: podReady, 3: podReady})
+	proxy := n.startProxy(t)
+	addr := targetsOf(t, svc).clusterTCP
+	proxy.waitAnswers(t, n.bed.Client, addr, "the outlier service never answered")
+
+	pod3 := n.bed.Pods[2].NS
+	drop := []string{"iptables", "-w", "-I", "INPUT", "-p", "tcp", "--dport", "8080", "--syn", "-j", "DROP"}
+	pod3.MustExec(t, drop...)
+	// Requests still succeed (the dial to pod3 times out and fails over), slowly, until pod3 has
+	// failed twice.
+	timed := func(k int) (slow int, who map[string]int) {
+		who = map[string]int{}
+		for range k {
+			start := time.Now()
+			w, err := whoTCP(n.bed.Client, addr)
+			if err != nil {
+				t.Fatalf("request while pod3 black-holes: %v", err)
+			}
+			who[w]++
+			if time.Since(start) >= 200*time.Millisecond {
+				slow++
+			}
+		}
+		return slow, who
+	}
+	slowBefore, _ := timed(9)
+	if slowBefore < 2 {
+		t.Errorf("%d of 9 requests paid the dial timeout before the ejection, want at least 2", slowBefore)
+	}
+	slowAfter, who := timed(9)
+	if slowAfter != 0 || who["pod3"] != 0 {
+		t.Errorf("after the ejection: %d of 9 requests slow, answers %v, want none slow and none from pod3", slowAfter, who)
+	}
+	eventually(t, 30*time.Second, "an EndpointEjected event naming pod3", func() error {
+		evs, err := n.admin.CoreV1().Events(svc.Namespace).List(t.Context(), metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		for _, e := range evs.Items {
+			if e.Reason == "EndpointEjected" && e.InvolvedObject.Name == "outlier" && strings.Contains(e.Message, testbed.PodIP(3).String()) {
+				return nil
+			}
+		}
+		return errors.New("none yet")
+	})
+	pod3.MustExec(t, append([]string{"iptables", "-w", "-D"}, drop[3:]...)...)
+	eventually(t, 30*time.Second, "pod3 back in the rotation after its ejection time", func() error {
+		if got := tally(t, whoTCP, n.bed.Client, addr, 3); got["pod3"] == 0 {
+			return fmt.Errorf("answers %v", got)
+		}
+		return nil
+	})
+}
+
+// TestSlowStartAnnotation: a pod that joins a slow-start Service gets a small share of new
+// connections at first, growing over the window; /debug/services shows its warming percent rise.
+func TestSlowStartAnnotation(t *testing.T) {
+	t.Parallel()
+	n := newClusterNode(t, 2)
+	svc := n.annotatedService(t, "slow", map[string]string{"portal-proxy.kubernetes.io/slow-start": "10s"})
+	n.setPods(t, svc, map[int]podState{1: podReady})
+	proxy := n.startProxy(t)
+	addr := targetsOf(t, svc).clusterTCP
+	proxy.waitAnswers(t, n.bed.Client, addr, "the slow-start service never answered")
+	n.setPods(t, svc, map[int]podState{1: podReady, 2: podReady})
+	warming := func() int {
+		var views []struct {
+			Name      string `json:"name"`
+			Endpoints []struct {
+				Address        string `json:"address"`
+				WarmingPercent int    `json:"warmingPercent"`
+			} `json:"endpoints"`
+		}
+		w := -1
+		eventually(t, 10*time.Second, "pod2 in /debug/services", func() error {
+			code, body, err := httpGet(n.bed.Node, "http://"+metricsAddr+"/debug/services?format=json")
+			if err != nil || code != 200 {
+				return fmt.Errorf("GET /debug/services: %d %v", code, err)
+			}
+			if err := json.Unmarshal([]byte(body), &views); err != nil {
+				return err
+			}
+			for _, v := range views {
+				for _, e := range v.Endpoints {
+					if v.Name == svc.Namespace+"/slow:http" && e.Address == testbed.PodIP(2).String()+":8080" {
+						w = e.WarmingPercent
+						return nil
+					}
+				}
+			}
+			return errors.New("not listed yet")
+		})
+		return w
+	}
+	eventually(t, 30*time.Second, "pod2 warming", func() error {
+		if w := warming(); w <= 0 {
+			return fmt.Errorf("warming %d%%", w)
+		}
+		return nil
+	})
+	first := warming()
+	got := tally(t, whoTCP, n.bed.Client, addr, 20)
+	if got["pod2"] >= 8 {
+		t.Errorf("answers right after pod2 joined: %v, want pod2 well under half (warming %d%%)", got, first)
+	}
+	waitUntil(t, time.Now().Add(3*time.Second))
+	if later := warming(); later <= first || later >= 100 {
+		t.Errorf("warming percent %d%% then %d%% 3s later, want it rising within the 10s window", first, later)
+	}
+}
