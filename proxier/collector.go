@@ -95,7 +95,7 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(c.udpSessions, float64(st.Ended[flow.IdleTimeout]), "expired")
 			counter(c.udpSessions, float64(st.Ended[flow.Evicted]), "evicted")
 			counter(c.udpSessions, float64(st.Ended[flow.EndpointRefused]), "refused")
-			counter(c.udpSessions, float64(st.Ended[flow.EndpointRemoved]+st.Ended[flow.EndpointError]+st.Ended[flow.Shutdown]), "closed")
+			counter(c.udpSessions, float64(st.Ended[flow.EndpointRemoved]+st.Ended[flow.EndpointError]+st.Ended[flow.Shutdown]+st.Ended[flow.DrainTimeout]), "closed")
 			counter(c.udpPackets, float64(st.PacketsToEndpoint), "to_endpoint")
 			counter(c.udpPackets, float64(st.PacketsToClient), "to_client")
 			counter(c.udpBytes, float64(st.BytesToEndpoint), "to_endpoint")
