@@ -187,14 +187,15 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		}
 		kernelPorts = kp
 	}
+	pods := proxier.NewPodIndex() // the access log names the pod behind each endpoint
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)},
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
-		Metrics: metrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning,
-		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log}.SocketConfigs(proxier.SocketConfig{
+		Metrics: metrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
+		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp")},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),

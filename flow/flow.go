@@ -30,6 +30,7 @@ const (
 	EndpointError             // UDP: any other error on the endpoint socket
 	SourceDenied              // the client is outside the allowed source ranges (TCP: reset; UDP: datagram dropped)
 	HoldTimeout               // TCP: held for want of an endpoint until the hold timeout; the client was reset
+	DrainTimeout              // the endpoint left the rotation and its drain deadline passed (TCP: FIN both ways, then reset)
 
 	// NumEndReasons sizes arrays indexed by EndReason.
 	NumEndReasons
@@ -38,7 +39,7 @@ const (
 // One spelling scheme, for the access log and debug output: lower case, words joined by '-'.
 var endReasonNames = [NumEndReasons]string{"unknown", "client-closed", "endpoint-closed", "client-reset",
 	"endpoint-reset", "idle-timeout", "dial-failed", "no-endpoints", "endpoint-removed", "shutdown",
-	"evicted", "endpoint-refused", "endpoint-error", "source-denied", "hold-timeout"}
+	"evicted", "endpoint-refused", "endpoint-error", "source-denied", "hold-timeout", "drain-timeout"}
 
 func (r EndReason) String() string {
 	if r < NumEndReasons {

@@ -1,6 +1,8 @@
 package proxier
 
 import (
+	"strings"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
@@ -20,6 +22,7 @@ type trafficCollector struct {
 	endpoints                                        *prometheus.Desc
 	ejections, ejected                               *prometheus.Desc
 	held, holds                                      *prometheus.Desc
+	drained                                          *prometheus.Desc
 }
 
 // NewTrafficCollector returns the per-service-port traffic collector of p.
@@ -48,13 +51,14 @@ func NewTrafficCollector(p *Proxier) prometheus.Collector {
 		ejected:      d("outlier_ejected_endpoints", "Endpoints out of rotation now by outlier detection (service ports with it on)."),
 		held:         d("tcp_held_connections", "TCP connections held now for want of an endpoint (service ports with a hold-timeout)."),
 		holds:        d("tcp_holds_total", "TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first).", "outcome"),
+		drained:      d("drain_closed_total", "TCP connections or UDP sessions closed by their endpoint's drain deadline (service ports with a drain-timeout).", "protocol"),
 	}
 }
 
 func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
 		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints,
-		c.ejections, c.ejected, c.held, c.holds} {
+		c.ejections, c.ejected, c.held, c.holds, c.drained} {
 		ch <- d
 	}
 }
@@ -77,6 +81,15 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			gauge(c.ejected, float64(out))
 		}
 		st, ok := socketStats(a.observedSocket())
+		if ok && a.port.DrainTimeout > 0 {
+			drained := st.Ended[flow.DrainTimeout]
+			if a.ext != nil {
+				if ext, ok := socketStats(a.ext.observedSocket()); ok {
+					drained += ext.Ended[flow.DrainTimeout]
+				}
+			}
+			counter(c.drained, float64(drained), strings.ToLower(string(a.port.Protocol)))
+		}
 		switch {
 		case !ok:
 		case a.port.Protocol == service.UDP:
@@ -85,7 +98,7 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(c.udpSessions, float64(st.Ended[flow.IdleTimeout]), "expired")
 			counter(c.udpSessions, float64(st.Ended[flow.Evicted]), "evicted")
 			counter(c.udpSessions, float64(st.Ended[flow.EndpointRefused]), "refused")
-			counter(c.udpSessions, float64(st.Ended[flow.EndpointRemoved]+st.Ended[flow.EndpointError]+st.Ended[flow.Shutdown]), "closed")
+			counter(c.udpSessions, float64(st.Ended[flow.EndpointRemoved]+st.Ended[flow.EndpointError]+st.Ended[flow.Shutdown]+st.Ended[flow.DrainTimeout]), "closed")
 			counter(c.udpPackets, float64(st.PacketsToEndpoint), "to_endpoint")
 			counter(c.udpPackets, float64(st.PacketsToClient), "to_client")
 			counter(c.udpBytes, float64(st.BytesToEndpoint), "to_endpoint")

@@ -37,6 +37,31 @@ const (
 	AnnotationSlowStart = "portal-proxy.kubernetes.io/slow-start"
 )
 
+// AnnotationDrainTimeout is how long the connections and sessions of an endpoint that leaves
+// the rotation (terminating, or removed) may go on before what is left is closed: FIN both ways,
+// then a reset after DrainResetGrace (a Go duration from 1s to 24h). Unset, the node's
+// --drain-removed-endpoints decides.
+const AnnotationDrainTimeout = "portal-proxy.kubernetes.io/drain-timeout"
+
+// maxDrainTimeout bounds drain-timeout: a day is longer than any terminationGracePeriodSeconds
+// a rolling update would wait for.
+const maxDrainTimeout = 24 * time.Hour
+
+// drainTimeout reads the drain-timeout annotation; a value that does not parse is reported
+// (wrapping ErrInvalidAnnotation) and the node default (0) used.
+func drainTimeout(svc *v1.Service) (time.Duration, error) {
+	v, ok := svc.Annotations[AnnotationDrainTimeout]
+	if !ok {
+		return 0, nil
+	}
+	d, err := time.ParseDuration(strings.TrimSpace(v))
+	if err != nil || d < time.Second || d > maxDrainTimeout {
+		return 0, fmt.Errorf("service %s/%s: annotation %s=%q: want a duration from 1s to 24h, such as 60s; the node's --drain-removed-endpoints applies: %w",
+			svc.Namespace, svc.Name, AnnotationDrainTimeout, v, ErrInvalidAnnotation)
+	}
+	return d, nil
+}
+
 // ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
 var ErrInvalidAnnotation = errors.New("invalid annotation, using the default")
 
@@ -74,6 +99,9 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 	common.Balancing, balErrs = balancing(svc)
 	errs = append(errs, balErrs...)
 	var err error
+	if common.DrainTimeout, err = drainTimeout(svc); err != nil {
+		errs = append(errs, err)
+	}
 	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
 		errs = append(errs, err)
 	}

@@ -40,7 +40,11 @@ type ServiceView struct {
 	// ProxyProtocol is the PROXY protocol header the port's endpoints get ("v1", "v2"; TCP).
 	ProxyProtocol string `json:"proxyProtocol,omitempty"`
 	// Hold is the port's hold while it has no endpoint, when it has one (hold-timeout; TCP).
-	Hold            *HoldView      `json:"hold,omitempty"`
+	Hold *HoldView `json:"hold,omitempty"`
+	// DrainTimeout is the drain-timeout annotation ("" when unset: --drain-removed-endpoints).
+	DrainTimeout string `json:"drainTimeout,omitempty"`
+	// Draining lists the endpoints out of rotation whose flows wait for their drain deadline.
+	Draining        []DrainView    `json:"draining,omitempty"`
 	Endpoints       []EndpointView `json:"endpoints"`
 	AffinityEntries []AffinityView `json:"affinityEntries,omitempty"`
 	Active          int64          `json:"active"`
@@ -68,6 +72,8 @@ type EndpointView struct {
 	InUse       bool   `json:"inUse"`
 	Node        string `json:"node,omitempty"`
 	Zone        string `json:"zone,omitempty"`
+	// Pod is the object behind the endpoint (namespace/name, the EndpointSlice's targetRef).
+	Pod string `json:"pod,omitempty"`
 	// Hints are the zones and nodes the endpoint is hinted for ("zone:a", "node:n").
 	Hints []string `json:"hints,omitempty"`
 	// Active is the flows the balancer counts on the endpoint (dials, connections, sessions),
@@ -154,6 +160,10 @@ func (p *Proxier) Services() []ServiceView {
 		p.fillSelection(&v, port)
 		v.Balancing = balancingView(port.Balancing)
 		connectionPolicyView(&v, port, open)
+		if port.DrainTimeout > 0 {
+			v.DrainTimeout = port.DrainTimeout.String()
+		}
+		v.Draining = append(p.drains.views(port.Name, now), p.drains.views(externalName(port.Name), now)...)
 		inUse := map[netip.AddrPort]bool{}
 		states := map[netip.AddrPort]loadbalancer.EndpointState{}
 		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
@@ -183,6 +193,9 @@ func (p *Proxier) Services() []ServiceView {
 		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
 			ev := EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
 				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
+			if e.TargetRef.Name != "" {
+				ev.Pod = e.TargetRef.String()
+			}
 			if st, ok := states[e.Addr]; ok {
 				ev.Active, ev.Ejections = st.Active, st.Ejections
 				if st.Weight < 1 {

@@ -42,6 +42,9 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 			if line := connectionPolicyText(v); line != "" {
 				fmt.Fprintf(tw, "\t\t%s\n", line)
 			}
+			if line := drainText(v); line != "" {
+				fmt.Fprintf(tw, "\t\t%s\n", line)
+			}
 			for _, a := range v.AffinityEntries {
 				fmt.Fprintf(tw, "\t\tsticky %s -> %s (idle %s)\t\t\t\t\t\t\n", a.Client, a.Endpoint, a.IdleFor)
 			}
@@ -158,4 +161,20 @@ func writeJSON(w http.ResponseWriter, v any) {
 func textWriter(w http.ResponseWriter) *tabwriter.Writer {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+}
+
+// drainText is a port's drain-timeout and its endpoints waiting for their deadline; "" when it
+// has neither.
+func drainText(v ServiceView) string {
+	if v.DrainTimeout == "" && len(v.Draining) == 0 {
+		return ""
+	}
+	line := "drain: node default (--drain-removed-endpoints)"
+	if v.DrainTimeout != "" {
+		line = "drain: close " + v.DrainTimeout + " after leaving the rotation"
+	}
+	for _, d := range v.Draining {
+		line += "; " + d.Endpoint + " closes in " + d.ClosesIn
+	}
+	return line
 }

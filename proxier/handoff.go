@@ -23,8 +23,8 @@ type handOffState struct {
 // releaser is a socket that can stop accepting new clients but keep what it has (both proxies).
 type releaser interface{ Release() }
 
-// drainer is a socket that says when its last connection or session has ended after Release.
-type drainer interface{ Drained() <-chan struct{} }
+// drainWaiter is a socket that says when its last connection or session has ended after Release.
+type drainWaiter interface{ Drained() <-chan struct{} }
 
 // HandOff stops the sync loop and makes Run, instead of ending every connection, stop accepting
 // on every proxy socket and wait until their established connections and UDP sessions have
@@ -80,7 +80,7 @@ func (p *Proxier) drain() {
 	}
 	waiting := 0
 	for _, s := range socks {
-		d, ok := s.(drainer)
+		d, ok := s.(drainWaiter)
 		if !ok {
 			continue
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/netip"
 	"sync"
+	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
@@ -107,6 +108,16 @@ func (m *multiSocket) DropEndpoint(ep netip.AddrPort) int {
 	n := 0
 	for _, s := range m.socks {
 		n += s.DropEndpoint(ep)
+	}
+	return n
+}
+
+func (m *multiSocket) DrainEndpoint(ep netip.AddrPort, grace time.Duration) int {
+	n := 0
+	for _, s := range m.socks {
+		if d, ok := s.(drainer); ok {
+			n += d.DrainEndpoint(ep, grace)
+		}
 	}
 	return n
 }

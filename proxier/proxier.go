@@ -8,6 +8,7 @@ import (
 	"errors"
 	"maps"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -58,8 +59,13 @@ type Config struct {
 	MinSyncPeriod time.Duration
 	SyncPeriod    time.Duration
 	// DrainTCP ends established TCP connections to endpoints that were removed (UDP sessions to
-	// removed endpoints always end, so the client's next datagram reaches a live endpoint).
+	// removed endpoints always end, so the client's next datagram reaches a live endpoint), but
+	// not those of an endpoint still serving while terminating, until it stops serving. A
+	// Service's drain-timeout annotation overrides it (see drain.go).
 	DrainTCP bool
+	// DrainGrace is how long a TCP connection closed by its drain deadline has between the FINs
+	// and the reset; 0 means DefaultDrainGrace.
+	DrainGrace time.Duration
 	// ListenPlan, if set, lists the addresses a service port's sockets listen on (bind mode: each
 	// portal IP at the service port, node addresses at the node port). Nil means one socket on
 	// ListenIP at a port from PortRange, for the portal rules to redirect to (iptables mode).
@@ -87,6 +93,9 @@ type Deps struct {
 	// load balancers: it is told the ports after each sync and the local ready endpoints per
 	// Service whenever they change.
 	ServiceHealth ServiceHealth
+	// Pods, if set, is kept up to date with the pods behind the endpoints of the ports whose
+	// access log is on (AccessLog.Pods).
+	Pods *PodIndex
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
@@ -124,6 +133,7 @@ type Proxier struct {
 	node            NodeTopology
 
 	annotations annotationWarnings
+	drains      drains
 
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
 	epMu sync.Mutex
@@ -239,6 +249,9 @@ func New(cfg Config, deps Deps) *Proxier {
 	if deps.Balancer != nil {
 		deps.Balancer.OnEjection(p.onEjection)
 	}
+	if deps.Pods != nil {
+		deps.Pods.source = p.endpointsOf
+	}
 	return p
 }
 
@@ -276,6 +289,7 @@ func (p *Proxier) shutdown() {
 	}
 	p.activeMu.Unlock()
 	p.socketWG.Wait()
+	p.drains.wg.Wait() // they stop on the run context
 }
 
 // Sync asks for a sync soon (bounded by the minimum sync period).
@@ -405,10 +419,16 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	defer p.epMu.Unlock()
 	rulesChanged := false
 	for _, port := range ports {
-		sel := newPortSelection(port, selectEndpoints(port, endpointsFor(port, sl), node))
-		p.setBalancer(port, port.Name, sel.Internal.Endpoints, false)
+		eps := endpointsFor(port, sl)
+		p.deps.Pods.update(port.Name, eps)
+		serving := func(ep netip.AddrPort) bool {
+			i, ok := slices.BinarySearchFunc(eps, ep, func(e service.Endpoint, a netip.AddrPort) int { return e.Addr.Compare(a) })
+			return ok && eps[i].Serving
+		}
+		sel := newPortSelection(port, selectEndpoints(port, eps, node))
+		p.setBalancer(port, port.Name, sel.Internal.Endpoints, false, serving)
 		if sel.split {
-			p.setBalancer(port, externalName(port.Name), sel.External.Endpoints, true)
+			p.setBalancer(port, externalName(port.Name), sel.External.Endpoints, true, serving)
 		}
 		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) {
 			rulesChanged = true
@@ -455,8 +475,8 @@ func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service
 }
 
 // setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
-// traffic) its endpoints, ending what used removed endpoints where that is the policy.
-func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool) {
+// traffic) its endpoints, and ends or drains the flows of those that left it (endRemoved).
+func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool, serving func(netip.AddrPort) bool) {
 	p.deps.Balancer.SetAffinity(key, port.Affinity)
 	p.deps.Balancer.SetBalancing(key, port.Balancing)
 	sock := p.drainable(port, external)
@@ -467,14 +487,14 @@ func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, u
 	p.deps.Balancer.SetEndpoints(key, usable)
 	p.wakeHeld(port, external, usable)
 	if sock != nil {
-		p.dropRemoved(sock, port, before, usable)
+		p.endRemoved(sock, port, key, before, usable, serving)
 	}
 }
 
-// drainable returns the open socket of a port whose connections to removed endpoints must end
-// (UDP always, TCP with DrainTCP), or nil.
+// drainable returns the open socket of a port whose flows on endpoints leaving the rotation are
+// ended or drained (UDP always, TCP with DrainTCP or a drain-timeout), or nil.
 func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
-	if port.Protocol == service.TCP && !p.cfg.DrainTCP {
+	if port.Protocol == service.TCP && !p.cfg.DrainTCP && port.DrainTimeout == 0 {
 		return nil
 	}
 	p.activeMu.RLock()
@@ -489,21 +509,22 @@ func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
 	return nil
 }
 
-func (p *Proxier) dropRemoved(sock ProxySocket, port *service.Port, before, after []netip.AddrPort) {
-	keep := make(map[netip.AddrPort]bool, len(after))
-	for _, ep := range after {
-		keep[ep] = true
-	}
-	for _, ep := range before {
-		if !keep[ep] {
-			if n := sock.DropEndpoint(ep); n > 0 {
-				p.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": ep.String(), "count": n}).
-					Info("Closed connections to a removed endpoint")
-			}
-		}
-	}
-}
-
 func nsName(ns, name string) service.NamespacedName {
 	return service.NamespacedName{Namespace: ns, Name: name}
+}
+
+// endpointsOf is the current endpoints of a service port (none if it is not known).
+func (p *Proxier) endpointsOf(name service.ServicePortName) []service.Endpoint {
+	p.mu.Lock()
+	var port *service.Port
+	for _, sp := range p.latest[name.ServiceName()] {
+		if sp.Name == name {
+			port = sp
+		}
+	}
+	p.mu.Unlock()
+	if port == nil {
+		return nil
+	}
+	return endpointsFor(port, p.slices.get(name.ServiceName()))
 }

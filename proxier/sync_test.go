@@ -34,6 +34,7 @@ type fakeSocket struct {
 	closed  chan struct{}
 	once    sync.Once
 	dropped []netip.AddrPort
+	drained []netip.AddrPort // DrainEndpoint calls (drain_test.go)
 	// allow is the source check the socket was built with; refusing, what SetRefusing last set.
 	allow    func(netip.Addr) bool
 	refusing bool

@@ -115,6 +115,10 @@ type Port struct {
 	// HoldTimeout, when positive on a TCP port, holds new connections that find no endpoint for
 	// up to this long instead of refusing them (an annotation; UDP ports ignore it).
 	HoldTimeout time.Duration
+	// DrainTimeout is how long the flows of an endpoint that left the rotation (terminating or
+	// removed) may continue before what is left is closed (FIN, then reset); 0 means unset: the
+	// node's --drain-removed-endpoints decides (an annotation).
+	DrainTimeout time.Duration
 }
 
 // ProxyProtocol is a PROXY protocol version, spelled as the portal-proxy.kubernetes.io/proxy-protocol
@@ -184,7 +188,7 @@ func (p *Port) Equal(o *Port) bool {
 	return p.SocketEqual(o) && p.Name == o.Name && p.Affinity == o.Affinity &&
 		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal &&
 		p.HealthCheckNodePort == o.HealthCheckNodePort && p.TrafficDistribution == o.TrafficDistribution &&
-		p.Balancing == o.Balancing &&
+		p.Balancing == o.Balancing && p.DrainTimeout == o.DrainTimeout &&
 		slices.Equal(p.LoadBalancerSourceRanges, o.LoadBalancerSourceRanges)
 }
 

@@ -47,6 +47,7 @@ type conn struct {
 	live     int  // owners not yet released: the dialing goroutine, then one per direction
 	eofs     int  // directions that saw FIN
 	counted  bool // endpoint connected and reported to the Observer: finish reports the end
+	drained  bool // drain deadline passed: both legs were sent FIN (see drain)
 }
 
 // handle starts serving an accepted connection (fd, from peer) on its own goroutine.
@@ -307,7 +308,9 @@ func (c *conn) terminate(reason flow.EndReason, rst bool) bool {
 		return false
 	}
 	c.closed = true
-	if c.end == flow.Unknown || (reason != flow.ClientClosed && reason != flow.EndpointClosed) {
+	// A drained connection ends for its drain deadline, whatever finishes it (a peer's FIN, the
+	// reset after the grace, a write to a leg that was shut down).
+	if !c.drained && (c.end == flow.Unknown || (reason != flow.ClientClosed && reason != flow.EndpointClosed)) {
 		c.end = reason
 	}
 	for _, d := range []*direction{&c.up, &c.down} {
@@ -372,6 +375,33 @@ func (c *conn) finish() {
 	if c.p.cfg.OnEnd != nil {
 		c.p.cfg.OnEnd(c.info())
 	}
+}
+
+// drain starts the end of an established connection whose endpoint's drain deadline passed: FIN
+// to both peers (shutdown for writing), so each reads EOF after what is in flight and can close
+// cleanly; the directions keep forwarding what the peers still send. It reports false if the
+// connection is closing, was drained already, or has no endpoint connection yet.
+func (c *conn) drain() bool {
+	c.mu.Lock()
+	if c.closed || c.drained || c.backend == nil {
+		c.mu.Unlock()
+		return false
+	}
+	c.drained = true
+	c.end = flow.DrainTimeout
+	be := c.backend
+	c.mu.Unlock()
+	// Errors (a peer already gone) are left to the directions, which see them on their sockets.
+	_ = c.client.closeWrite()
+	_ = be.closeWrite()
+	return true
+}
+
+// isDrained reports whether drain sent this connection's FINs and it is still open.
+func (c *conn) isDrained() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.drained && !c.closed
 }
 
 func (c *conn) info() flow.Info {

@@ -270,6 +270,39 @@ func (p *Proxy) DropEndpoint(ep netip.AddrPort) int {
 	return n
 }
 
+// DrainEndpoint ends the connections that use ep because its drain deadline passed (the endpoint
+// left the rotation that long ago): each peer is sent FIN at once, so a client that closes on EOF
+// ends cleanly, and what is still open after grace is reset. Ended connections report
+// flow.DrainTimeout. It returns how many connections it sent FIN.
+func (p *Proxy) DrainEndpoint(ep netip.AddrPort, grace time.Duration) int {
+	var drained []*conn
+	for _, c := range p.snapshot() {
+		if c.endpointAddr() == ep && c.drain() {
+			drained = append(drained, c)
+		}
+	}
+	if len(drained) == 0 {
+		return 0
+	}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		t := p.cfg.Clock.NewTimer(grace)
+		defer t.Stop()
+		select {
+		case <-t.C():
+		case <-p.ctx.Done(): // Shutdown resets them all anyway
+			return
+		}
+		for _, c := range drained {
+			if c.isDrained() {
+				c.terminate(flow.DrainTimeout, true)
+			}
+		}
+	}()
+	return len(drained)
+}
+
 // Live is a snapshot of the live connections, for a debug view.
 func (p *Proxy) Live() []flow.Info {
 	conns := p.snapshot()

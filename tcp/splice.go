@@ -247,8 +247,11 @@ func (d *direction) eof() {
 	// shutdown would be a wasted syscall. Nothing is unread on either socket (both reads saw EOF),
 	// so the close sends FIN, not RST.
 	last := c.eofs == 1
+	// drain shut both destinations down already; a second shutdown may fail (ENOTCONN once the
+	// peer's FIN completed the close) and would be taken for a broken leg.
+	drained := c.drained
 	c.mu.Unlock()
-	if !last {
+	if !last && !drained {
 		if err := d.dst.closeWrite(); err != nil {
 			d.broken(true, err)
 			return

@@ -404,12 +404,21 @@ func (p *Proxy) Shutdown() { _ = p.Close() }
 
 // DropEndpoint ends every session whose endpoint is ep (the endpoint went away) and returns how
 // many. The clients' next datagrams open new sessions to a live endpoint.
-func (p *Proxy) DropEndpoint(ep netip.AddrPort) int {
+func (p *Proxy) DropEndpoint(ep netip.AddrPort) int { return p.endEndpoint(ep, flow.EndpointRemoved) }
+
+// DrainEndpoint ends every session whose endpoint is ep because its drain deadline passed, and
+// returns how many. UDP has no FIN to send first, so grace is not used: the clients' next
+// datagrams open new sessions to an endpoint in the rotation.
+func (p *Proxy) DrainEndpoint(ep netip.AddrPort, grace time.Duration) int {
+	return p.endEndpoint(ep, flow.DrainTimeout)
+}
+
+func (p *Proxy) endEndpoint(ep netip.AddrPort, reason flow.EndReason) int {
 	p.mu.Lock()
 	n := 0
 	for _, s := range p.sessions {
 		if s.endpoint == ep && s.fd >= 0 {
-			p.end(s, flow.EndpointRemoved)
+			p.end(s, reason)
 			n++
 		}
 	}
