@@ -3,12 +3,15 @@
 #
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/e2e.test-<kube version>   (sig-network specs)
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/agnhost-<agnhost version> (static)
+#   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/ginkgo-<kube version>     (the ginkgo CLI of
+#       the version e2e.test links, which runs it in parallel processes)
 #
 # e2e.test is `go test -c` of hack/conformance/e2e (a TestMain of ours around the upstream
 # entry point, blank-importing k8s.io/kubernetes/test/e2e/network), compiled in a copy of that
 # folder whose go.mod requires k8s.io/kubernetes and replaces every staging module by its
 # published v0.<minor>.<patch>, as hack/cluster/build.sh does. agnhost (the test image's
-# binary) is built in the same module. It prints KPP_E2E_TEST=path and KPP_AGNHOST=path.
+# binary) and the ginkgo CLI are built in the same module. It prints KPP_E2E_TEST=path,
+# KPP_AGNHOST=path and KPP_GINKGO=path.
 #
 # Environment: KPP_CACHE, KPP_KUBE_VERSION (default v1.36.3), KPP_KEEP_GOCACHE=1 keeps the
 # private build cache.
@@ -23,6 +26,7 @@ bin_dir=$cache/bin
 work_dir=$cache/build
 e2e=$bin_dir/e2e.test-$kube_version
 agnhost=$bin_dir/agnhost-$agnhost_version
+ginkgo=$bin_dir/ginkgo-$kube_version
 
 log() { printf 'conformance-build: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
@@ -43,7 +47,7 @@ staging_replaces() {
 
 build() {
   local dir=$work_dir/e2e-$kube_version
-  log "building e2e.test $kube_version and agnhost $agnhost_version (~2-5 min cold on 2 cores)"
+  log "building e2e.test $kube_version and agnhost $agnhost_version (~10 min cold on 2 cores)"
   rm -rf "$dir"
   mkdir -p "$dir"
   cp "$here/e2e/go.mod" "$here/e2e/e2e_test.go" "$dir/"
@@ -54,7 +58,7 @@ build() {
   (
     cd "$dir"
     go mod edit "${edits[@]}" -require="k8s.io/kubernetes@$kube_version" \
-      -tool=k8s.io/kubernetes/test/images/agnhost
+      -tool=k8s.io/kubernetes/test/images/agnhost -tool=github.com/onsi/ginkgo/v2/ginkgo
     go mod tidy
     local minor=${kube_version#v1.}
     minor=${minor%%.*}
@@ -71,6 +75,10 @@ build() {
       CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$agnhost.tmp" k8s.io/kubernetes/test/images/agnhost
       mv -f "$agnhost.tmp" "$agnhost"
     fi
+    if [ ! -x "$ginkgo" ]; then
+      CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$ginkgo.tmp" github.com/onsi/ginkgo/v2/ginkgo
+      mv -f "$ginkgo.tmp" "$ginkgo"
+    fi
   )
   rm -rf "$dir"
 }
@@ -79,7 +87,7 @@ main() {
   mkdir -p "$bin_dir" "$work_dir"
   exec 9>"$work_dir/.lock-e2e"
   if command -v flock >/dev/null 2>&1; then flock 9; fi
-  if [ ! -x "$e2e" ] || [ ! -x "$agnhost" ]; then
+  if [ ! -x "$e2e" ] || [ ! -x "$agnhost" ] || [ ! -x "$ginkgo" ]; then
     command -v go >/dev/null 2>&1 || die "go not found in PATH (need Go >= 1.26)"
     export GOCACHE=$work_dir/gocache-e2e
     build
@@ -88,7 +96,7 @@ main() {
       rm -rf "$GOCACHE"
     fi
   fi
-  printf 'KPP_E2E_TEST=%s\nKPP_AGNHOST=%s\n' "$e2e" "$agnhost"
+  printf 'KPP_E2E_TEST=%s\nKPP_AGNHOST=%s\nKPP_GINKGO=%s\n' "$e2e" "$agnhost" "$ginkgo"
 }
 
 main "$@"

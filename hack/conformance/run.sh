@@ -47,15 +47,21 @@ done
 
 # e2e.test's -report-dir gets junit_01.xml; the framework checks kube-system's pods are Running
 # and the node Ready before the first spec.
-args=(--kubeconfig="$KUBECONFIG_ADMIN" --provider=skeleton --num-nodes=1
-  --report-dir="$out" --e2e-output-dir="$out" --dump-logs-on-failure=false
-  --ginkgo.focus="$focus" --ginkgo.skip="$skip"
-  --ginkgo.timeout="${CONFORMANCE_TIMEOUT:-3h}" --ginkgo.no-color --ginkgo.v)
-log "e2e.test $(basename "$KPP_E2E_TEST"): focus $focus"
+args=(--kubeconfig="$KUBECONFIG_ADMIN" --kubectl-path="$KPP_KUBECTL" --provider=skeleton --num-nodes=1
+  --report-dir="$out" --e2e-output-dir="$out" --dump-logs-on-failure=false)
+ginkgo_args=(--focus="$focus" --skip="$skip" --timeout="${CONFORMANCE_TIMEOUT:-3h}" --no-color --v)
+procs=${CONFORMANCE_PROCS:-1}
+log "e2e.test $(basename "$KPP_E2E_TEST") in $procs process(es): focus $focus"
 log "skip $skip"
 started=$SECONDS
 status=0
-ns "$KPP_E2E_TEST" "${args[@]}" >"$out/e2e.log" 2>&1 || status=$?
+if [ "$procs" -gt 1 ]; then
+  # The ginkgo CLI runs the compiled suite in parallel processes ([Serial] specs last, alone),
+  # as kube-proxy's kind jobs do.
+  ns "$KPP_GINKGO" --procs="$procs" "${ginkgo_args[@]}" "$KPP_E2E_TEST" -- "${args[@]}" >"$out/e2e.log" 2>&1 || status=$?
+else
+  ns "$KPP_E2E_TEST" "${args[@]}" "${ginkgo_args[@]/#--/--ginkgo.}" >"$out/e2e.log" 2>&1 || status=$?
+fi
 log "e2e.test exited $status after $((SECONDS - started))s (log $out/e2e.log)"
 
 if ls "$out"/junit_*.xml >/dev/null 2>&1; then
