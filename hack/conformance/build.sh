@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # build.sh builds, once per Kubernetes version, what make conformance runs into the cache:
 #
-#   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/e2e.test-<kube version>   (sig-network specs)
+#   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/e2e-<kube version>.test   (sig-network specs)
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/agnhost-<agnhost version> (static)
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/ginkgo-<kube version>     (the ginkgo CLI of
 #       the version e2e.test links, which runs it in parallel processes)
@@ -24,7 +24,8 @@ agnhost_version=${KPP_AGNHOST_VERSION:-2.63.0}
 cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
 bin_dir=$cache/bin
 work_dir=$cache/build
-e2e=$bin_dir/e2e.test-$kube_version
+# The ginkgo CLI runs a compiled suite only when its name ends in .test.
+e2e=$bin_dir/e2e-$kube_version.test
 agnhost=$bin_dir/agnhost-$agnhost_version
 ginkgo=$bin_dir/ginkgo-$kube_version
 

@@ -3,8 +3,8 @@
 # image layout tarballs (hack/oci), into OUT_DIR — no registry, no container engine:
 #
 #   agnhost.tar  registry.k8s.io/e2e-test-images/agnhost:2.63.0  the static agnhost binary on a
-#                Debian minbase (dash as /bin/sh, bash, curl, netcat-openbsd, and busybox-static
-#                for the utilities minbase lacks: wget, nslookup, ip), /agnhost-2, the users and
+#                Debian minbase (dash as /bin/sh, bash, curl, wget, netcat-openbsd, and
+#                busybox-static for the utilities minbase lacks: nslookup, ip, ping), /agnhost-2, the users and
 #                groups the specs name; entrypoint /agnhost, command pause (as upstream)
 #   busybox.tar  registry.k8s.io/e2e-test-images/busybox:1.37.0-1  busybox-static and its applets
 #   nginx.tar    registry.k8s.io/e2e-test-images/nginx:1.15-4       a stand-in: the agnhost image
@@ -28,9 +28,10 @@ E2E_REGISTRY=registry.k8s.io/e2e-test-images
 AGNHOST_IMAGE=$E2E_REGISTRY/agnhost:2.63.0
 BUSYBOX_IMAGE=$E2E_REGISTRY/busybox:1.37.0-1
 NGINX_IMAGE=$E2E_REGISTRY/nginx:1.15-4
-PACKAGES="bash curl netcat-openbsd busybox-static"
-# Utilities the specs call that minbase does not have, served by busybox.
-BUSYBOX_APPLETS="wget nslookup ip ping"
+PACKAGES="bash curl wget netcat-openbsd busybox-static"
+# Utilities the specs call that minbase does not have, served by busybox. Not wget: bookworm's
+# static busybox wget dies of SIGSEGV with -T (the timeout the Services specs pass); GNU wget.
+BUSYBOX_APPLETS="nslookup ip ping"
 # The cached Debian layers are keyed by what goes into them (change ROOTFS_REVISION with the hooks).
 ROOTFS_REVISION=1
 key=$(echo "$PACKAGES|$BUSYBOX_APPLETS|$ROOTFS_REVISION" | sha256sum | cut -c1-12)
