@@ -114,14 +114,16 @@ cluster-test:
 # "Conformance"). JUnit, log and summary.md in bin/conformance. conformance-ci runs the subset CI
 # runs (hack/conformance/ci-focus.txt). conformance-build builds e2e.test and agnhost once.
 CONFORMANCE_OUT := bin/conformance
+# Parallel ginkgo processes (the specs mostly wait on the API server and pods).
+CONFORMANCE_PROCS ?= 4
 conformance-build: controlplane
 	hack/conformance/build.sh >/dev/null
 
 conformance: cluster-build conformance-build image-oci
-	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_PROCS=$(CONFORMANCE_PROCS) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
 conformance-ci: cluster-build conformance-build image-oci
-	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_FOCUS=ci hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_FOCUS=ci CONFORMANCE_PROCS=2 hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
 # cluster-swap: on a running make cluster, kube-proxy's own DaemonSet and ConfigMap as kubeadm
 # writes them, with this image swapped in, take over from the kube-portal-proxy DaemonSet; a
