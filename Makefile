@@ -10,7 +10,7 @@ VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 endif
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test clean
+.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap conformance conformance-ci conformance-build clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -107,6 +107,29 @@ cluster-down:
 # cluster-test: make cluster, cluster-smoke, cluster-down, and the host compared before and after.
 cluster-test:
 	hack/cluster/test.sh
+
+# conformance runs the upstream sig-network e2e specs that can run on one node (Services, the
+# Services granular checks, EndpointSlice, KubeProxy, Conntrack; kube-proxy's kind-job skips) with
+# e2e.test v1.36 against make cluster's cluster, starting it when it is not up (root; README
+# "Conformance"). JUnit, log and summary.md in bin/conformance. conformance-ci runs the subset CI
+# runs (hack/conformance/ci-focus.txt). conformance-build builds e2e.test and agnhost once.
+CONFORMANCE_OUT := bin/conformance
+# Parallel ginkgo processes (the specs mostly wait on the API server and pods).
+CONFORMANCE_PROCS ?= 4
+conformance-build: controlplane
+	hack/conformance/build.sh >/dev/null
+
+conformance: cluster-build conformance-build image-oci
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_PROCS=$(CONFORMANCE_PROCS) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
+
+conformance-ci: cluster-build conformance-build image-oci
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_FOCUS=ci CONFORMANCE_PROCS=2 hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
+
+# cluster-swap: on a running make cluster, kube-proxy's own DaemonSet and ConfigMap as kubeadm
+# writes them, with this image swapped in, take over from the kube-portal-proxy DaemonSet; a
+# Service is checked before, during and after (README "Install on a cluster").
+cluster-swap:
+	hack/cluster/swap.sh
 
 clean:
 	rm -rf bin

@@ -24,6 +24,8 @@
 #   KPP_KUBE_VERSION   k8s.io/kubernetes version (default v1.36.3)
 #   KPP_ETCD_VERSION   go.etcd.io/etcd/server/v3 version (default v3.6.16)
 #   KPP_KEEP_GOCACHE   set to 1 to keep the private build cache (faster rebuilds of other versions)
+#   KPP_GOCACHE        a build cache shared with hack/cluster/build.sh and hack/conformance/build.sh
+#                      (kept; .ci/run uses one so that the three cold builds compile k8s.io once)
 set -euo pipefail
 
 kube_version=${KPP_KUBE_VERSION:-v1.36.3}
@@ -136,10 +138,10 @@ main() {
   if [ ! -x "$apiserver" ] || [ ! -x "$kubectl" ] || [ ! -x "$etcd" ]; then
     check_go
     # A private build cache: the k8s build leaves ~2.5 GB in it, which nothing else reuses.
-    export GOCACHE=$work_dir/gocache
+    export GOCACHE=${KPP_GOCACHE:-$work_dir/gocache}
     [ -x "$etcd" ] || build_etcd
     { [ -x "$apiserver" ] && [ -x "$kubectl" ]; } || build_kubernetes
-    if [ "${KPP_KEEP_GOCACHE:-}" != 1 ]; then
+    if [ "${KPP_KEEP_GOCACHE:-}" != 1 ] && [ -z "${KPP_GOCACHE:-}" ]; then
       go clean -cache >/dev/null 2>&1 || true
       rm -rf "$GOCACHE"
     fi

@@ -10,6 +10,9 @@
 #   test  the demo's, plus conntrack (the conntrack cleanup benchmark fills and lists the table
 #         with it; the proxy itself clears entries over netlink), openssl, make, chromium and
 #         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol)
+#   cluster  make cluster and make conformance: containerd, runc, the CNI plugins (bridge,
+#         host-local, loopback), mmdebstrap (the images' Debian layers), nsenter/setsid
+#         (util-linux), iproute2, iptables, openssl, curl
 #
 # Nothing missing: exits 0 silently. Missing, as root with apt-get: installs them. Missing and
 # not root, without apt-get, or with --check: prints the exact command to run and exits 1, at once.
@@ -17,7 +20,7 @@
 set -euo pipefail
 
 usage() {
-  echo "usage: $0 [--check] demo|test..." >&2
+  echo "usage: $0 [--check] demo|test|cluster..." >&2
   exit 2
 }
 
@@ -26,12 +29,14 @@ group_tools() {
   case "$1" in
     demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
     test) echo "$(group_tools demo) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light" ;;
+    cluster) echo "$(group_tools demo) containerd:containerd containerd-shim-runc-v2:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins mmdebstrap:mmdebstrap nsenter:util-linux setsid:util-linux openssl:openssl curl:curl" ;;
   esac
 }
 
 # have reports whether a command exists. Debian leaves /usr/sbin and /sbin out of a normal
 # user's PATH, where iptables, ip and conntrack live, so look there too.
 have() {
+  case $1 in /*) [ -x "$1" ]; return ;; esac
   command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]
 }
 
@@ -42,8 +47,8 @@ for a in "$@"; do
     --check) check=1 ;;
     -h|--help) usage ;;
     -*) usage ;;
-    demo|test) groups+=("$a") ;;
-    *) echo "$0: unknown group $a (want demo or test)" >&2; exit 2 ;;
+    demo|test|cluster) groups+=("$a") ;;
+    *) echo "$0: unknown group $a (want demo, test or cluster)" >&2; exit 2 ;;
   esac
 done
 [ ${#groups[@]} -gt 0 ] || usage

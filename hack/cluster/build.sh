@@ -14,7 +14,8 @@
 # KPP_CONTROLLER_MANAGER, KPP_SCHEDULER, KPP_COREDNS).
 #
 # Environment: KPP_CACHE, KPP_KUBE_VERSION (default v1.36.3), KPP_KEEP_GOCACHE=1 keeps the
-# private build cache.
+# private build cache, KPP_GOCACHE a
+# build cache shared with the other builds of k8s.io/kubernetes (kept; see controlplane-build.sh).
 set -euo pipefail
 
 kube_version=${KPP_KUBE_VERSION:-v1.36.3}
@@ -104,10 +105,10 @@ main() {
   if command -v flock >/dev/null 2>&1; then flock 9; fi
   if [ ! -x "$kubelet" ] || [ ! -x "$kcm" ] || [ ! -x "$scheduler" ] || [ ! -x "$coredns" ]; then
     command -v go >/dev/null 2>&1 || die "go not found in PATH (need Go >= 1.26)"
-    export GOCACHE=$work_dir/gocache-node
+    export GOCACHE=${KPP_GOCACHE:-$work_dir/gocache-node}
     { [ -x "$kubelet" ] && [ -x "$kcm" ] && [ -x "$scheduler" ]; } || build_node
     [ -x "$coredns" ] || build_coredns
-    if [ "${KPP_KEEP_GOCACHE:-}" != 1 ]; then
+    if [ "${KPP_KEEP_GOCACHE:-}" != 1 ] && [ -z "${KPP_GOCACHE:-}" ]; then
       go clean -cache >/dev/null 2>&1 || true
       rm -rf "$GOCACHE"
     fi

@@ -5,6 +5,11 @@
 # afterwards: iptables (nft and legacy) and the nft ruleset, links, addresses and routes of the
 # root namespace, ip_forward and the sysctls kubelet sets, the fixed paths, kubepods cgroups,
 # the cluster's namespace, mounts and processes.
+#
+# KPP_CLUSTER_TEST_STEPS: the make targets run on the cluster between make cluster and
+# make cluster-down (default cluster-smoke). CI runs
+# "cluster-smoke cluster-swap conformance-ci": the cluster is removed and the host compared
+# even when a step fails.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,9 +38,15 @@ fingerprint() {
 before=$(fingerprint)
 rc=0
 make -C "$repo" cluster || rc=$?
+started=$SECONDS
 if [ $rc = 0 ]; then
-  make -C "$repo" cluster-smoke || rc=$?
+  for step in ${KPP_CLUSTER_TEST_STEPS:-cluster-smoke}; do
+    t0=$SECONDS
+    make -C "$repo" "$step" || { rc=$?; log "FAIL: make $step"; }
+    log "make $step: $((SECONDS - t0))s"
+  done
 fi
+log "cluster up and steps: $((SECONDS - started))s"
 make -C "$repo" cluster-down || rc=$?
 after=$(fingerprint)
 if ! diff -u <(echo "$before") <(echo "$after") >&2; then
@@ -43,5 +54,5 @@ if ! diff -u <(echo "$before") <(echo "$after") >&2; then
   exit 1
 fi
 log "host state after cluster-down identical to before (root namespace rules, links, routes, sysctls, paths, cgroups, mounts, processes)"
-[ $rc = 0 ] || { log "FAIL: make cluster or cluster-smoke failed"; exit 1; }
+[ $rc = 0 ] || { log "FAIL: make cluster or a step (${KPP_CLUSTER_TEST_STEPS:-cluster-smoke}) failed"; exit 1; }
 log "PASS"

@@ -57,7 +57,9 @@ log "building the pause and serve images"
   go run ./hack/oci -o "$STATE/images/pause.tar" -name "$PAUSE_IMAGE" -add "$STATE/bin/pause=/pause" \
     -entrypoint /pause -user 65535:65535 &&
   go run ./hack/oci -o "$STATE/images/serve.tar" -name "$SERVE_IMAGE" -add "$STATE/bin/serve=/serve" \
-    -entrypoint /serve -user 65534:65534)
+    -entrypoint /serve -user 65534:65534 &&
+  go run ./hack/oci -o "$STATE/images/coredns.tar" -name "$COREDNS_IMAGE" -add "$KPP_COREDNS=/coredns" \
+    -entrypoint /coredns)
 
 # --- the namespace ---------------------------------------------------------------------------
 log "network namespace $NS: lo, bridge node0 $NODE_CIDR, route $SERVICE_CIDR on node0, no default route"
@@ -164,7 +166,7 @@ CNI
 start containerd containerd --config="$c/config.toml"
 wait_for "containerd" 60 ctr -a "$SOCK" version
 alive containerd
-for img in "$STATE/images/pause.tar" "$STATE/images/serve.tar" "$IMAGE_OCI"; do
+for img in "$STATE/images/pause.tar" "$STATE/images/serve.tar" "$STATE/images/coredns.tar" "$IMAGE_OCI"; do
   ctr -a "$SOCK" -n k8s.io images import "$img" >/dev/null
 done
 log "images imported: $(ctr -a "$SOCK" -n k8s.io images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
@@ -186,6 +188,7 @@ readOnlyPort: 0
 podLogsDir: $STATE/pod-logs
 resolvConf: $STATE/resolv.conf
 clusterDomain: cluster.local
+clusterDNS: [$DNS_IP]
 # The API server presents no client certificate; nothing outside the namespace reaches 10250.
 authentication:
   anonymous: {enabled: true}
@@ -223,7 +226,14 @@ fi
 kc apply -k "$STATE/overlay" >/dev/null
 kc -n kube-system rollout status daemonset/kube-portal-proxy --timeout=180s >/dev/null ||
   die "kube-portal-proxy not ready; kubectl -n kube-system logs ds/kube-portal-proxy"
-log "kube-portal-proxy DaemonSet ready; cluster up in $((SECONDS - started))s"
+log "kube-portal-proxy DaemonSet ready"
+
+# --- cluster DNS: CoreDNS as kubeadm installs it (it reaches the API server through the
+# kubernetes Service, so through the proxy) ------------------------------------------------------
+sed -e "s#@IMAGE@#$COREDNS_IMAGE#" -e "s#@DNS_IP@#$DNS_IP#" "$here/coredns.yaml" | kc apply -f - >/dev/null
+kc -n kube-system rollout status deployment/coredns --timeout=180s >/dev/null ||
+  die "CoreDNS not ready; kubectl -n kube-system logs deploy/coredns"
+log "CoreDNS ready at $DNS_IP; cluster up in $((SECONDS - started))s"
 
 cat <<USAGE
 

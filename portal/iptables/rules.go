@@ -344,13 +344,16 @@ func (b *ruleBuilder) loadBalancerPortal(s *portal.Spec, ip netip.Addr) {
 	b.rule(tableFilter, ChainFirewall, m, "-j DROP")
 }
 
-// externalPortal is the portal of an external IP: pods reach it through the proxy only when the
-// packet did not come in on a bridge port or the IP is local; the host only when the IP is local.
+// externalPortal is the portal of an external IP: every packet that comes in for it (from pods,
+// bridged or routed, and from outside) reaches the proxy, as in every kube-proxy mode since the
+// userspace one; the node's own traffic only when the IP is local. (Legacy userspace mode left
+// packets that came in on a bridge port alone unless the IP was local, so pods on a bridge CNI
+// could not reach a Service through an external IP no node holds: upstream's "should be possible
+// to connect to a service via ExternalIP when the external IP is not assigned to a node".)
 func (b *ruleBuilder) externalPortal(s *portal.Spec, ip netip.Addr) {
 	m := b.common(hostPrefix(ip), s.Port)
 	b.podsAsCluster(ChainPortalsContainer, m)
-	b.steer(ChainPortalsContainer, m+" -m physdev ! --physdev-is-in", b.external, b.rejectExt)
-	b.steer(ChainPortalsContainer, m+" -m addrtype --dst-type LOCAL", b.external, b.rejectExt)
+	b.steer(ChainPortalsContainer, m, b.external, b.rejectExt)
 	b.steer(ChainPortalsHost, m+" -m addrtype --dst-type LOCAL", b.host, b.rejectInt)
 	b.reject(m)
 }

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# run.sh runs the upstream sig-network e2e specs (e2e.test, built by build.sh) against the make
+# cluster cluster (make conformance, make conformance-ci): brings the cluster up when it is not,
+# imports the e2e test images (images.sh) into its containerd, runs e2e.test inside the cluster's
+# network namespace, and writes the JUnit report, the log and summary.md to OUT_DIR.
+#
+#   run.sh OUT_DIR           the full selection: FOCUS below, minus skips.txt
+#   CONFORMANCE_FOCUS=ci     the CI subset (ci-focus.txt), minus skips.txt
+#   CONFORMANCE_FOCUS=RE     any other -ginkgo.focus
+#
+# Exit status: e2e.test's (non-zero when a spec failed). The cluster stays up (make cluster-down).
+# Environment: IMAGE, IMAGE_OCI (for make cluster), CONFORMANCE_FOCUS, CONFORMANCE_TIMEOUT
+# (ginkgo's suite timeout, default 3h), CONFORMANCE_PROCS (parallel ginkgo processes, default 1).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+# shellcheck source=../cluster/common.sh
+. "$repo/hack/cluster/common.sh"
+out=${1:?usage: run.sh OUT_DIR}
+[ "$(id -u)" = 0 ] || die "make conformance needs root (the cluster's network namespace)"
+
+# Everything the sig-network Services suites hold that can run on one node: the Services specs,
+# the Services granular checks, EndpointSlice (and its mirroring), KubeProxy and Conntrack.
+FOCUS='\[sig-network\] (Services |Networking Granular Checks: Services |EndpointSlice|KubeProxy |Conntrack )'
+joined() { grep -v '^#' "$1" | grep -v '^[[:space:]]*$' | cut -f1 | paste -sd'|'; }
+case ${CONFORMANCE_FOCUS:-} in
+"") focus=$FOCUS ;;
+ci) focus=$(joined "$here/ci-focus.txt") ;;
+*) focus=$CONFORMANCE_FOCUS ;;
+esac
+skip=$(joined "$here/skips.txt")
+
+eval "$("$repo/hack/controlplane-build.sh")"
+eval "$("$here/build.sh")"
+if [ ! -e "/run/netns/$NS" ]; then
+  log "no cluster: starting one (make cluster)"
+  "$repo/hack/cluster/up.sh"
+fi
+
+mkdir -p "$out"
+rm -f "$out"/junit_*.xml "$out/summary.md"
+"$here/images.sh" "$KPP_AGNHOST" "$STATE/images/e2e"
+for img in "$STATE"/images/e2e/*.tar; do
+  ctr -a "$SOCK" -n k8s.io images import "$img" >/dev/null
+done
+
+# e2e.test's -report-dir gets junit_01.xml; the framework checks kube-system's pods are Running
+# and the node Ready before the first spec.
+args=(--kubeconfig="$KUBECONFIG_ADMIN" --kubectl-path="$KPP_KUBECTL" --provider=skeleton --num-nodes=1
+  --report-dir="$out" --e2e-output-dir="$out" --dump-logs-on-failure=false)
+ginkgo_args=(--focus="$focus" --skip="$skip" --timeout="${CONFORMANCE_TIMEOUT:-3h}" --no-color --v)
+procs=${CONFORMANCE_PROCS:-1}
+log "e2e.test $(basename "$KPP_E2E_TEST") in $procs process(es): focus $focus"
+log "skip $skip"
+started=$SECONDS
+status=0
+if [ "$procs" -gt 1 ]; then
+  # The ginkgo CLI runs the compiled suite in parallel processes ([Serial] specs last, alone),
+  # as kube-proxy's kind jobs do.
+  ns "$KPP_GINKGO" --procs="$procs" "${ginkgo_args[@]}" "$KPP_E2E_TEST" -- "${args[@]}" >"$out/e2e.log" 2>&1 || status=$?
+else
+  ns "$KPP_E2E_TEST" "${args[@]}" "${ginkgo_args[@]/#--/--ginkgo.}" >"$out/e2e.log" 2>&1 || status=$?
+fi
+log "e2e.test exited $status after $((SECONDS - started))s (log $out/e2e.log)"
+
+if ls "$out"/junit_*.xml >/dev/null 2>&1; then
+  (cd "$repo" && go run ./hack/conformance/summary -junit "$(ls "$out"/junit_*.xml | head -1)" \
+    -skips "$here/skips.txt" -focus "$focus" -o "$out/summary.md")
+  sed -n 3p "$out/summary.md" >&2
+  log "summary: $out/summary.md"
+else
+  log "no JUnit report in $out; see $out/e2e.log"
+  [ "$status" != 0 ] || status=1
+fi
+exit "$status"
