@@ -4,6 +4,9 @@
 //
 //	serve -listen :8080          answer "<hostname>\n"
 //	serve -get URL [-timeout D]  print the body of GET URL; exit 1 on any error
+//	serve -listen :8080 -probe URL [-probe URL...] [-probe-every D] [-probe-for D]
+//	                             also GET each URL on a new connection every D, counting
+//	                             answers and failures: GET /stats, GET /stop (probe.go)
 package main
 
 import (
@@ -15,6 +18,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -22,7 +26,11 @@ import (
 func main() {
 	listen := flag.String("listen", ":8080", "address to serve on")
 	get := flag.String("get", "", "fetch this URL, print its body and exit")
-	timeout := flag.Duration("timeout", 5*time.Second, "deadline of -get")
+	timeout := flag.Duration("timeout", 5*time.Second, "deadline of -get and of each -probe request")
+	var urls urlList
+	flag.Var(&urls, "probe", "GET this URL in a loop (repeatable)")
+	every := flag.Duration("probe-every", 20*time.Millisecond, "interval of the -probe requests")
+	limit := flag.Duration("probe-for", 10*time.Minute, "stop the -probe loops after this long at the latest")
 	flag.Parse()
 	if *get != "" {
 		if err := fetch(*get, *timeout); err != nil {
@@ -35,9 +43,13 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	srv := &http.Server{Addr: *listen, ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	var h http.Handler = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, host)
-	})}
+	})
+	if len(urls) > 0 {
+		h = startProbes(urls, *every, *timeout, *limit).handle(h)
+	}
+	srv := &http.Server{Addr: *listen, ReadHeaderTimeout: 5 * time.Second, Handler: h}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	go func() {
@@ -64,3 +76,9 @@ func fetch(url string, timeout time.Duration) error {
 	_, err = io.Copy(os.Stdout, resp.Body)
 	return err
 }
+
+// urlList is a repeatable flag.
+type urlList []string
+
+func (l *urlList) String() string     { return strings.Join(*l, ",") }
+func (l *urlList) Set(v string) error { *l = append(*l, v); return nil }
