@@ -10,7 +10,7 @@ VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 endif
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap conformance conformance-ci conformance-build clean
+.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -130,6 +130,12 @@ conformance-ci: cluster-build conformance-build image-oci
 # Service is checked before, during and after (README "Install on a cluster").
 cluster-swap:
 	hack/cluster/swap.sh
+
+# cluster-rollout: on a running make cluster, kubectl rollout restart of the kube-portal-proxy
+# DaemonSet while a client pod connects every 20 ms through a cluster IP and a node port: the new
+# pod takes the old one's sockets over (README "Restarts and upgrades"), zero failures allowed.
+cluster-rollout:
+	hack/cluster/rollout.sh
 
 clean:
 	rm -rf bin
