@@ -137,7 +137,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if o.handoverSocket != "" {
 		drain, endDrain := drainContext(ctx, d.deps.clock, drainBudget(o.shutdownTimeout))
 		defer endDrain()
-		tasks = append(tasks, d.handoverTask(inh, w.proxier, w.restart, started, func() {
+		tasks = append(tasks, d.handoverTask(inh, w.proxier, w.restart, w.gate, started, func() {
 			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
 			w.proxier.HandOff(drain)
 			stopServing()
@@ -159,6 +159,7 @@ type wiring struct {
 	source    source
 	reload    func() // reloads the services file; nil in cluster mode
 	restart   *restartStats
+	gate      *handoverGate // fails /healthz while a hand-over is under way
 	healthz   http.Handler
 	metrics   http.Handler
 }
@@ -213,7 +214,11 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	}
 
 	events.uid = px.ServiceUID
-	w := &wiring{proxier: px, restart: restart, health: health, svcHealth: svcHealth, healthz: healthMux(health), metrics: metricsMux(reg, health.Healthz(), px, pm.describe)}
+	// A successor is not ready before it has taken over (see handoverGate).
+	gate := &handoverGate{}
+	gate.busy.Store(inh != nil)
+	healthz := gate.wrap(health.Healthz())
+	w := &wiring{proxier: px, restart: restart, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := proxier.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload
@@ -226,10 +231,10 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 // healthMux serves --healthz-bind-address: /healthz fails when syncs stall or the node is being
 // deleted (so load balancers drain it), /livez only when syncs stall (KEP-3836: a node being
 // drained must not get its proxy restarted, which would drop every proxied connection).
-func healthMux(health *healthcheck.ProxyHealth) http.Handler {
+func healthMux(healthz, livez http.Handler) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/healthz", health.Healthz())
-	mux.Handle("/livez", health.Livez())
+	mux.Handle("/healthz", healthz)
+	mux.Handle("/livez", livez)
 	return mux
 }
 

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -157,12 +158,33 @@ func (s *restartStats) collector() prometheus.Collector {
 	}}
 }
 
+// handoverGate fails /healthz (the readiness probe) while two processes accept on the same
+// health listener: from the moment a successor has the sockets until it is ready. The kubelet
+// probes the old and the new pod at the same host address, and either process may accept a
+// probe; were the old one to answer "ready" for the new pod, the DaemonSet controller would
+// delete the old pod (SIGTERM) before the new one has synced and taken over. Both processes
+// answer "not ready" meanwhile, so the new pod turns Ready only once the old one has stopped
+// accepting and the new one answers alone. /livez is left alone: a failed liveness probe
+// restarts a container.
+type handoverGate struct{ busy atomic.Bool }
+
+// wrap answers 503 while a hand-over is under way, h otherwise.
+func (g *handoverGate) wrap(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if g.busy.Load() {
+			http.Error(w, "hand-over in progress: not ready", http.StatusServiceUnavailable)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
 // handoverTask waits for the first sync, takes the --handover-socket path over, tells the
 // predecessor (if any) that this process serves now, then answers a successor's request until
 // ctx ends; handedOff runs when a successor is ready. The path is taken before ready is sent, so
 // the predecessor, which removes the socket file at exit only while it is its own, never removes
 // this process's.
-func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats *restartStats, started time.Time, handedOff func()) func(context.Context) {
+func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats *restartStats, gate *handoverGate, started time.Time, handedOff func()) func(context.Context) {
 	return func(ctx context.Context) {
 		select {
 		case <-px.FirstSync():
@@ -172,11 +194,12 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 			}
 			return
 		}
-		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock})
+		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store})
 		listenErr := srv.Listen()
 		if in != nil {
 			taken := in.Taken()
 			unclaimed, err := in.Ready()
+			gate.busy.Store(false) // the predecessor stops accepting now (or is gone)
 			took := d.deps.clock.Since(started)
 			stats.inherited.Store(int64(taken))
 			stats.handover.Store(int64(took))

@@ -18,6 +18,7 @@ import (
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -207,4 +208,39 @@ func TestAddressInUseWithoutHandOver(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestNotReadyWhileHandingOver: from the moment a successor holds the sockets until it is ready,
+// /healthz (the readiness probe) fails, so the kubelet, whose probes of the old and the new pod
+// land on either process, cannot mark the new pod Ready before it has taken over; /livez stays
+// up. A successor that goes away makes the predecessor ready again. Address plan: HTTP on
+// 127.0.0.1 at fixed free ports, the successor is this test holding the received sockets
+// without serving them (so the predecessor answers every request).
+func TestNotReadyWhileHandingOver(t *testing.T) {
+	backend := echoServer(t)
+	dir := t.TempDir()
+	writeService(t, dir, "echo", "10.96.0.10", backend)
+	healthz, sock := freeAddr(t), filepath.Join(t.TempDir(), "handover.sock")
+	d := newHarness(t, "--services-file="+dir, "--iptables-min-sync-period=0", "--healthz-bind-address="+healthz,
+		"--metrics-bind-address="+freeAddr(t), "--handover-socket="+sock)
+	d.start(t)
+	testenv.WaitFor(t, "the daemon to listen on the hand-over socket", func() bool {
+		return logged(d.log, "No running proxy to take over from") != nil && socketExists("="+sock)
+	})
+	code := func(path string) int { c, _ := get(t, "http://"+healthz+path); return c }
+	if c := code("/healthz"); c != http.StatusOK {
+		t.Fatalf("GET /healthz before any successor = %d, want 200", c)
+	}
+
+	in, err := handover.Receive(t.Context(), sock, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, "/healthz to fail while the successor is pending", func() bool { return code("/healthz") == http.StatusServiceUnavailable })
+	if c := code("/livez"); c != http.StatusOK {
+		t.Errorf("GET /livez during the hand-over = %d, want 200 (a liveness failure restarts the container)", c)
+	}
+
+	in.Close() // the successor dies before it is ready
+	testenv.WaitFor(t, "/healthz to succeed again once the successor is gone", func() bool { return code("/healthz") == http.StatusOK })
 }

@@ -13,10 +13,13 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
@@ -398,4 +401,58 @@ func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
 			return false
 		}
 	})
+}
+
+// TestPendingHandOver: the predecessor is told when a successor serves its sockets alongside it
+// (it then answers its readiness probe "not ready", as the probes of both pods reach either
+// process), and when that ends without a hand-over. Address plan: one listener on 127.0.0.1 at a
+// kernel-chosen port, the hand-over socket in a temporary directory.
+func TestPendingHandOver(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		finish   func(in *Inherited) error
+		want     []bool
+		handsOff bool
+	}{
+		{"from_adoption_until_the_successor_is_ready", func(in *Inherited) error { _, err := in.Ready(); return err }, []bool{true}, true},
+		{"until_a_successor_that_goes_away_before_it_is_ready", func(in *Inherited) error { in.Close(); return nil }, []bool{true, false}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp4", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			path := filepath.Join(t.TempDir(), "handover.sock")
+			var mu sync.Mutex
+			var got []bool
+			s := NewServer(ServerConfig{Path: path, Logger: quietLog(), Pending: func(p bool) {
+				mu.Lock()
+				defer mu.Unlock()
+				got = append(got, p)
+			}})
+			if err := s.Listen(); err != nil {
+				t.Fatal(err)
+			}
+			ho, done := make(chan struct{}), make(chan struct{})
+			ctx, cancel := context.WithCancel(context.Background())
+			go func() { defer close(done); s.Run(ctx, func() { close(ho) }) }()
+			defer func() { cancel(); <-done }()
+			calls := func() []bool { mu.Lock(); defer mu.Unlock(); return slices.Clone(got) }
+
+			in := receiveOK(t, path)
+			testenv.WaitFor(t, "the predecessor to report the successor pending", func() bool { return len(calls()) > 0 })
+			if err := tc.finish(in); err != nil {
+				t.Fatal(err)
+			}
+			if tc.handsOff {
+				waitClosed(t, ho, "the server never handed over")
+			} else {
+				testenv.WaitFor(t, "the predecessor to report the hand-over over", func() bool { return len(calls()) == len(tc.want) })
+			}
+			if diff := cmp.Diff(tc.want, calls()); diff != "" {
+				t.Errorf("Pending calls (-want +got):\n%s", diff)
+			}
+		})
+	}
 }

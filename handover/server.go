@@ -36,6 +36,12 @@ type ServerConfig struct {
 	Collect func() ([]socket, error)
 	Logger  logrus.FieldLogger
 	Clock   clock.PassiveClock
+	// Pending, if set, is called with true once a successor has adopted the sockets (from then on
+	// both processes accept on them, the health listener included, until the successor is
+	// ready), and with false if that successor fails before it is ready. A process answers its
+	// readiness probe "not ready" meanwhile: the kubelet probes the old and the new pod on the
+	// same host port, and either process may accept the probe.
+	Pending func(bool)
 }
 
 // Server answers a successor's hand-over request.
@@ -178,13 +184,21 @@ func (s *Server) serve(c *net.UnixConn) error {
 	}
 	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted,
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
+	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
 	if _, err := receive(c, &r); err != nil || !r.Ready {
+		s.pending(false)
 		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, r))
 	}
 	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
 		Info("Successor is ready: no longer accepting; finishing established connections")
 	return nil
+}
+
+func (s *Server) pending(p bool) {
+	if s.cfg.Pending != nil {
+		s.cfg.Pending(p)
+	}
 }
 
 func orNot(err error, r reply) any {
