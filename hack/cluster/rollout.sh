@@ -25,7 +25,13 @@ PROXY_LABEL=app.kubernetes.io/name=kube-portal-proxy
 work=$(mktemp -d)
 watcher=""
 oldlog=""
-fail() { log "FAIL: $*"; exit 1; }
+client_ip=""
+fail() {
+  log "FAIL: $*"
+  [ -z "$client_ip" ] || ns "$STATE/bin/serve" -get "http://$client_ip:8080/stats" 2>&1 | sed 's/^/cluster:   client: /' >&2 || true
+  [ ! -s "$work/old.log" ] || tail -5 "$work/old.log" | sed 's/^/cluster:   old pod: /' >&2
+  exit 1
+}
 cleanup() {
   [ -z "$watcher" ] || kill "$watcher" 2>/dev/null || true
   [ -z "$oldlog" ] || kill "$oldlog" 2>/dev/null || true
