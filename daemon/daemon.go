@@ -134,15 +134,21 @@ func (d *Daemon) Run(ctx context.Context) error {
 	for _, task := range servingTasks {
 		tasks = append(tasks, func(context.Context) { task(serving) })
 	}
+	serves := w.proxier.FirstSync() // closed once this process serves
 	if o.handoverSocket != "" {
 		drain, endDrain := drainContext(ctx, d.deps.clock, drainBudget(o.shutdownTimeout))
 		defer endDrain()
-		tasks = append(tasks, d.handoverTask(inh, w.proxier, w.restart, w.gate, started, func() {
+		tookOver := make(chan struct{})
+		serves = tookOver
+		tasks = append(tasks, d.handoverTask(inh, w.proxier, w.restart, w.gate, tookOver, started, func() {
 			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
 			w.proxier.HandOff(drain)
 			stopServing()
 			log.Info("Handed over to a successor: no longer syncing or accepting; finishing established connections, exiting at SIGTERM")
 		}))
+	}
+	if o.readyFile != "" {
+		tasks = append(tasks, readyFileTask(o.readyFile, serves, log))
 	}
 	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, tasks...)
 }

@@ -128,6 +128,32 @@ func TestDeployManifests(t *testing.T) {
 		}
 	})
 
+	t.Run("new_pod_ready_only_once_its_own_process_serves", func(t *testing.T) {
+		// The HTTP probes of the new pod of an update reach the old process too (shared health
+		// port); only a file in the new container's own filesystem speaks for the new process.
+		var path string
+		for _, a := range c.Args {
+			if v, ok := strings.CutPrefix(a, "--ready-file="); ok {
+				path = v
+			}
+		}
+		if path == "" {
+			t.Fatalf("args %q lack --ready-file: the new pod of an update could turn Ready on the old process's answer", c.Args)
+		}
+		p := c.StartupProbe
+		if p == nil || p.Exec == nil || !slices.Equal(p.Exec.Command, []string{"test", "-e", path}) {
+			t.Errorf("startupProbe %+v, want exec test -e %s", p, path)
+		}
+		for _, vm := range c.VolumeMounts {
+			if strings.HasPrefix(path, strings.TrimSuffix(vm.MountPath, "/")+"/") {
+				t.Errorf("the ready file %s is under the mount %s; it must be the container's own", path, vm.MountPath)
+			}
+		}
+		if o.readyFile != filepath.Join(filepath.Dir(cfg), "ready") {
+			t.Errorf("run locally, the ready file is %s, want it beside the local config", o.readyFile)
+		}
+	})
+
 	t.Run("capabilities_not_privileged", func(t *testing.T) {
 		sc := c.SecurityContext
 		if sc == nil || sc.Capabilities == nil {

@@ -11,10 +11,12 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -179,12 +181,33 @@ func (g *handoverGate) wrap(h http.Handler) http.Handler {
 	})
 }
 
+// readyFileTask creates path (--ready-file) once serves is closed, and removes it when ctx ends.
+// The kubelet's HTTP probes of the old and the new pod of an update reach whichever process
+// accepts on the shared health port, and its first probe of the new pod comes before the new
+// process has even asked for the sockets: only something in the new container's own filesystem
+// tells about the new process alone (the DaemonSet's startupProbe: test -e).
+func readyFileTask(path string, serves <-chan struct{}, log logrus.FieldLogger) func(context.Context) {
+	return func(ctx context.Context) {
+		select {
+		case <-serves:
+		case <-ctx.Done():
+			return
+		}
+		if err := os.WriteFile(path, []byte("serving\n"), 0o644); err != nil {
+			log.WithError(fmt.Errorf("ready file %s: %w", path, err)).Error("Cannot create the ready file; a startup probe that tests for it fails")
+			return
+		}
+		<-ctx.Done()
+		_ = os.Remove(path)
+	}
+}
+
 // handoverTask waits for the first sync, takes the --handover-socket path over, tells the
 // predecessor (if any) that this process serves now, then answers a successor's request until
 // ctx ends; handedOff runs when a successor is ready. The path is taken before ready is sent, so
 // the predecessor, which removes the socket file at exit only while it is its own, never removes
 // this process's.
-func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats *restartStats, gate *handoverGate, started time.Time, handedOff func()) func(context.Context) {
+func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats *restartStats, gate *handoverGate, tookOver chan<- struct{}, started time.Time, handedOff func()) func(context.Context) {
 	return func(ctx context.Context) {
 		select {
 		case <-px.FirstSync():
@@ -215,6 +238,7 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 				log.Info("Took over from the running proxy")
 			}
 		}
+		close(tookOver)
 		if listenErr != nil {
 			d.log.WithError(listenErr).Error("Cannot listen on the hand-over socket; a successor will have to bind anew")
 			return

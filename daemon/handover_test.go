@@ -244,3 +244,34 @@ func TestNotReadyWhileHandingOver(t *testing.T) {
 	in.Close() // the successor dies before it is ready
 	testenv.WaitFor(t, "/healthz to succeed again once the successor is gone", func() bool { return code("/healthz") == http.StatusOK })
 }
+
+// TestReadyFile: --ready-file appears once the daemon serves (first sync done, no predecessor)
+// and is removed at exit. Address plan: HTTP on 127.0.0.1 at free ports, the echo endpoint on
+// 127.0.0.1, the ready file and the hand-over socket in temporary directories.
+func TestReadyFile(t *testing.T) {
+	backend := echoServer(t)
+	dir := t.TempDir()
+	writeService(t, dir, "echo", "10.96.0.10", backend)
+	ready := filepath.Join(t.TempDir(), "ready")
+	for _, tc := range []struct{ name, handover string }{
+		{"without_hand_over", ""},
+		{"with_hand_over_socket", "--handover-socket=" + filepath.Join(t.TempDir(), "handover.sock")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := []string{"--services-file=" + dir, "--iptables-min-sync-period=0", "--healthz-bind-address=" + freeAddr(t),
+				"--metrics-bind-address=" + freeAddr(t), "--ready-file=" + ready}
+			if tc.handover != "" {
+				args = append(args, tc.handover)
+			}
+			d := newHarness(t, args...)
+			stop := d.start(t)
+			testenv.WaitFor(t, "the ready file", func() bool { _, err := os.Stat(ready); return err == nil })
+			if err := stop(); err != nil {
+				t.Fatalf("Run: %v", err)
+			}
+			if _, err := os.Stat(ready); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("after exit the ready file is still there (%v)", err)
+			}
+		})
+	}
+}
