@@ -51,7 +51,10 @@ kc -n kube-system rollout status daemonset/kube-portal-proxy --timeout=60s >/dev
 old=$(proxy_pods | awk '{print $1}')
 [ "$(wc -w <<<"$old")" = 1 ] || fail "want one kube-portal-proxy pod before the rollout, have: $old"
 
-kc create namespace rollout >/dev/null
+# A previous run's namespace may still be terminating (cleanup does not wait).
+kc delete namespace rollout --ignore-not-found --wait=true --timeout=60s >/dev/null ||
+  fail "the rollout namespace of a previous run is still there"
+kc create namespace rollout >/dev/null || fail "cannot create the rollout namespace"
 kc -n rollout apply -f - >/dev/null <<YAML
 apiVersion: apps/v1
 kind: Deployment
