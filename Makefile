@@ -133,7 +133,8 @@ cluster-swap:
 
 # cluster-rollout: on a running make cluster, kubectl rollout restart of the kube-portal-proxy
 # DaemonSet while a client pod connects every 20 ms through a cluster IP and a node port: the new
-# pod takes the old one's sockets over (README "Restarts and upgrades"), zero failures allowed.
+# pod takes the old one's sockets over (README "Restarts and upgrades"), zero failures allowed
+# (~20 s).
 cluster-rollout:
 	hack/cluster/rollout.sh
 

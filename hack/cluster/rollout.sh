@@ -7,7 +7,8 @@
 # With maxSurge 1 / maxUnavailable 0 the new pod starts next to the old one, takes its listening
 # sockets over --handover-socket, and the old one is deleted once the new one is Ready. Asserts:
 # two proxy pods ran at once on the node, the new pod's log says "Took over from the running
-# proxy" and its kube_portal_proxy_restart_sockets{origin="inherited"} > 0, the client saw zero
+# proxy" and its kube_portal_proxy_restart_sockets{origin="inherited"} > 0, the old pod's log says
+# it handed over (it was not deleted before the new one had taken over), the client saw zero
 # failures through either address, and the Service answers from both pods afterwards. Prints
 # the counts. Leaves nothing behind (the rollout namespace is deleted; the DaemonSet stays
 # updated, as a user's would).
@@ -162,6 +163,9 @@ inherited=$(ns "$STATE/bin/serve" -get http://127.0.0.1:10249/metrics |
 [ -n "$inherited" ] && awk -v n="$inherited" 'BEGIN {exit !(n > 0)}' ||
   fail "kube_portal_proxy_restart_sockets{origin=\"inherited\"} = '${inherited}', want > 0"
 log "ok: kube_portal_proxy_restart_sockets{origin=\"inherited\"} $inherited"
+# The old process stopped because it handed over, not because its pod was deleted first.
+grep -qF 'Handed over to a successor' "$work/old.log" ||
+  fail "the old pod's log does not say it handed over to a successor (deleted before the new pod took over?)"
 grep -E 'Handed over to a successor|Shutting down' "$work/old.log" | sed -e 's/^.*msg=/cluster:   old pod: /' >&2 || true
 
 # The client's counts: zero failures, both pods answering through both addresses.

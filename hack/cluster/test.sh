@@ -8,7 +8,7 @@
 #
 # KPP_CLUSTER_TEST_STEPS: the make targets run on the cluster between make cluster and
 # make cluster-down (default cluster-smoke). CI runs
-# "cluster-smoke cluster-swap conformance-ci": the cluster is removed and the host compared
+# "cluster-smoke cluster-rollout cluster-swap conformance-ci": the cluster is removed and the host compared
 # even when a step fails.
 set -euo pipefail
 
