@@ -73,6 +73,9 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		return err
 	}
 	cold := synced.Sub(start)
+	// The CPU the start took, read at once (a measure the machine's load hardly changes, unlike the
+	// wall time): the proxy's own, and that of the iptables commands it ran and waited for.
+	coldSelf, coldChildren := procstat.OwnCPUTime(cmd.Process.Pid)
 	if err := waitRules(ctx, bed, nServices); err != nil {
 		return err
 	}
@@ -84,6 +87,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		return err
 	}
 	rss := procstat.RSSKiB(pid)
+	peak := procstat.PeakRSSKiB(pid)
 	cpu0 := procstat.CPUTime(pid)
 	select { // measuring an interval, not synchronising
 	case <-time.After(idle):
@@ -111,8 +115,10 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	fmt.Printf("service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
 	fmt.Printf("cold start to all portals programmed: %v\n", cold.Round(time.Millisecond))
-	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync, %.1f MiB after the idle period\n",
-		float64(rss)/1024, float64(rssIdle)/1024)
+	fmt.Printf("CPU until then: %v (proxy %v, the iptables commands it ran %v)\n", (coldSelf + coldChildren).Round(time.Millisecond),
+		coldSelf.Round(time.Millisecond), coldChildren.Round(time.Millisecond))
+	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync, %.1f MiB after the idle period; peak %.1f MiB\n",
+		float64(rss)/1024, float64(rssIdle)/1024, float64(peak)/1024)
 	fmt.Printf("idle CPU over %v: %.2f%% of one core\n", idle, idleCPU)
 	fmt.Printf("network programming latency (file change -> traffic works), %d samples: %v\n", len(lat), lat)
 	if !restart || nChanges == 0 {
