@@ -1,7 +1,10 @@
 // Command scale measures the daemon at scale, with the real binary in throwaway network
-// namespaces: time to serve N service ports from a cold start, its RSS and idle CPU with them
-// loaded, and the network programming latency of one change (a new Service + EndpointSlice until
-// traffic through its cluster IP works). Not part of CI: go run ./bench/scale (as root).
+// namespaces: time to serve N service ports from a cold start and the CPU that took (the
+// proxy's and its iptables commands', a figure a shared machine's load hardly moves), its RSS
+// (and peak) and idle CPU with them loaded, and the network programming latency of one change
+// (a new Service + EndpointSlice until traffic through its cluster IP works). -cpuprofile and
+// -trace fetch a profile or an execution trace of the cold start from the proxy's /debug/pprof.
+// Not part of CI: go run ./bench/scale (as root).
 package main
 
 import (
