@@ -23,7 +23,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
@@ -218,10 +217,6 @@ func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
 	n, targets, udpTargets := restartNode(t)
 	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
-	var addrs []string
-	if mode == "bind" {
-		addrs = portalAddrs(t, n.bed.Node)
-	}
 
 	pr := startProberWith(n.bed.Client, targets, udpTargets)
 	pr.madeAtLeast(t, "the prober never ran", 40)
@@ -235,12 +230,14 @@ func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
 		return err
 	})
 	pr.madeAtLeast(t, "the prober never ran after the restart", pr.made.Load()+100)
-	f := summarize(pr.finish(), killed)
+	got := pr.finish()
+	f, u := summarize(only(got, "cluster IP", "node port"), killed), summarize(only(got, "cluster IP udp"), killed)
 
-	t.Logf("%s mode: SIGKILL at +0, restart started +%v: %d attempts after the kill, %d failed %v %v, refused window %v (last error: %v)",
-		mode, restarted.Sub(killed).Round(time.Millisecond), f.after, f.failed, f.byTarget, f.byKind, f.window.Round(time.Millisecond), f.last)
+	t.Logf("%s mode: SIGKILL at +0, restart started +%v: TCP: %d attempts after the kill, %d failed %v %v, refused window %v (last error: %v); UDP: %d attempts, %d failed %v over %v (last error: %v)",
+		mode, restarted.Sub(killed).Round(time.Millisecond), f.after, f.failed, f.byTarget, f.byKind, f.window.Round(time.Millisecond), f.last,
+		u.after, u.failed, u.byKind, u.window.Round(time.Millisecond), u.last)
 	if f.after < 40 {
-		t.Fatalf("only %d attempts after the kill: the prober did not measure the restart", f.after)
+		t.Fatalf("only %d TCP attempts after the kill: the prober did not measure the restart", f.after)
 	}
 	if f.window > 2*time.Second {
 		t.Errorf("clients saw failures for %v across the restart; want under 2s", f.window)
@@ -253,16 +250,36 @@ func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
 			t.Errorf("the restarted process did not rebind the proxy sockets of the rules in force: %q", line)
 		}
 	case "bind":
-		// The addresses outlived the process: every failure was the kernel refusing at once
-		// (or a connection the dying process had accepted), none a timeout.
+		// The addresses outlived the process: every TCP failure was the kernel refusing at once
+		// (or a connection the dying process had accepted), none a timeout. UDP queries are
+		// refused with ICMP port unreachable too, but the kernel sends at most 6 of those to one
+		// peer in a burst, then one a second (net.ipv4.icmp_ratelimit), so later ones time out:
+		// they are reported, not asserted.
 		if f.byKind["other"] != 0 {
-			t.Errorf("%d attempts failed otherwise than refused or reset across the restart (last error: %v): the portal addresses did not stay", f.byKind["other"], f.last)
+			t.Errorf("%d TCP attempts failed otherwise than refused or reset across the restart (last error: %v): the portal addresses did not stay", f.byKind["other"], f.last)
 		}
-		if got := portalAddrs(t, n.bed.Node); !slices.Equal(got, addrs) {
-			t.Errorf("portal addresses after the restart (-before +after):\n%s", cmp.Diff(addrs, got))
+		if u.byKind["refused"] == 0 && u.failed > 0 {
+			t.Errorf("no UDP query was refused across the restart (%v): the portal addresses did not stay", u.byKind)
+		}
+		if got, own := portalAddrs(t, n.bed.Node), hostPrefix(targets["cluster IP"].Addr()); !slices.Contains(got, own) {
+			t.Errorf("portal addresses after the restart %v lack the service's cluster IP %s", got, own)
 		}
 	}
 }
+
+// only keeps the attempts at the named targets.
+func only(got []attempt, targets ...string) []attempt {
+	var out []attempt
+	for _, a := range got {
+		if slices.Contains(targets, a.target) {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// hostPrefix is addr as ip shows it on the portal interface: a /32 (/128).
+func hostPrefix(addr netip.Addr) string { return netip.PrefixFrom(addr, addr.BitLen()).String() }
 
 // longConn is a connection kept open across the hand-over: greeted by its pod, then echoing.
 type longConn struct {
@@ -330,11 +347,12 @@ func testRestartByHandOver(t *testing.T, mode string, modeFlags []string) {
 	flags := append([]string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s"}, modeFlags...)
 	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
-	var addrs []string
+	// Other tests' Services come and go on the shared API server, so the portal interface is
+	// checked for this test's own address only.
+	own := hostPrefix(targets["cluster IP"].Addr())
 	if mode == "bind" {
-		addrs = portalAddrs(t, n.bed.Node)
-		if clusterIP := targets["cluster IP"].Addr().String() + "/32"; !slices.Contains(addrs, clusterIP) {
-			t.Fatalf("portal addresses %v before the hand-over lack the cluster IP %s", addrs, clusterIP)
+		if got := portalAddrs(t, n.bed.Node); !slices.Contains(got, own) {
+			t.Fatalf("portal addresses %v before the hand-over lack the service's cluster IP %s", got, own)
 		}
 	}
 	eventually(t, 30*time.Second, "the first proxy never listened on the hand-over socket", func() error {
@@ -401,8 +419,8 @@ func testRestartByHandOver(t *testing.T, mode string, modeFlags []string) {
 		t.Errorf("the old proxy failed on exit: %v\n%s", err, first.LogTail(20))
 	}
 	if mode == "bind" { // the old process must not clean up the link the new one serves on
-		if got := portalAddrs(t, n.bed.Node); !slices.Equal(got, addrs) {
-			t.Errorf("portal addresses after the old process exited (-before the hand-over +after):\n%s", cmp.Diff(addrs, got))
+		if got := portalAddrs(t, n.bed.Node); !slices.Contains(got, own) {
+			t.Errorf("portal addresses after the old process exited %v lack the service's cluster IP %s, which the new one serves", got, own)
 		}
 	}
 	pr.madeAtLeast(t, "the prober never ran after the old process exited", pr.made.Load()+100)
