@@ -455,6 +455,9 @@ func testRestartByHandOver(t *testing.T, mode string, modeFlags []string) {
 			t.Logf("new process: %s", line)
 		}
 	}
+	if line := lineWith(first.LogTail(2000), "Handed over: "); line != "" {
+		t.Logf("old process: %s", line)
+	}
 	// Every proxy port the rules point at was inherited: nothing was bound anew.
 	if line := lineWith(second.LogTail(2000), "Took over from the running proxy"); !strings.Contains(line, " rebound=0 ") ||
 		strings.Contains(line, " inherited=0 ") {
