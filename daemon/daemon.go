@@ -66,7 +66,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	log.WithFields(logrus.Fields{"version": d.version, "mode": "userspace", "portal": o.portalMode, "config": o.configFile,
 		"flags": changedFlags(o.flags)}).Info("Starting kube-portal-proxy")
 	logConfigNotes(log, o)
-	d.deps.host.tune(o, log)
+	settle := d.deps.host.tune(o, log)
 	if err := d.deps.host.check(o); err != nil {
 		return err
 	}
@@ -103,7 +103,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	defer pm.close()
-	w, err := d.wire(client, pm, events, inh)
+	w, err := d.wire(client, pm, events, inh, settle)
 	if err != nil {
 		return err
 	}
@@ -171,7 +171,7 @@ type wiring struct {
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
-func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents, inh *handover.Inherited) (*wiring, error) {
+func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
 	o, log, clk := d.o, d.log, d.deps.clock
 	reg := prometheus.NewRegistry()
 	metrics := proxier.NewMetrics()
@@ -198,7 +198,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
-		Node: proxier.NodeTopology{Name: nodeName(o)},
+		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: metrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,

@@ -50,12 +50,17 @@ const waitFor = 10 * time.Second
 
 // fakeHost records the tuning and checks instead of doing them.
 type fakeHost struct {
-	mu            sync.Mutex
-	tuned, checks int
-	checkErr      error
+	mu                     sync.Mutex
+	tuned, checks, settled int
+	checkErr               error
 }
 
-func (h *fakeHost) tune(*Options, logrus.FieldLogger) { h.mu.Lock(); h.tuned++; h.mu.Unlock() }
+func (h *fakeHost) tune(*Options, logrus.FieldLogger) func() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.tuned++
+	return func() { h.mu.Lock(); h.settled++; h.mu.Unlock() }
+}
 func (h *fakeHost) check(*Options) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -372,8 +377,9 @@ func TestDaemonServesAServicesFile(t *testing.T) {
 	if _, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", proxyPort), time.Second); err == nil {
 		t.Error("the proxy socket still accepts after Run returned")
 	}
-	if h.host.tuned != 1 || h.host.checks != 1 {
-		t.Errorf("host tuned %d times, checked %d times; want once each", h.host.tuned, h.host.checks)
+	if h.host.tuned != 1 || h.host.checks != 1 || h.host.settled != 1 {
+		t.Errorf("host tuned %d times, checked %d times, settled after the first sync %d times; want once each",
+			h.host.tuned, h.host.checks, h.host.settled)
 	}
 	if lines := errorLines(h.log); len(lines) > 0 {
 		t.Errorf("errors logged: %q", lines)

@@ -17,8 +17,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
@@ -97,7 +97,7 @@ func newClusterNode(t *testing.T, pods int) *clusterNode {
 	}
 	relay := startRelay(t, bed.Node, server.Host)
 	n.kubeconfig = filepath.Join(n.dir, "kube-proxy.kubeconfig")
-	if err := writeRelayedKubeconfig(controlPlane.ProxyKubeconfig, n.kubeconfig, "https://"+relay.addr()); err != nil {
+	if err := framework.WriteRelayedKubeconfig(controlPlane.ProxyKubeconfig, n.kubeconfig, "https://"+relay.Addr()); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -155,22 +155,6 @@ func adminClient(t *testing.T) kubernetes.Interface {
 		t.Fatalf("admin client: %v", err)
 	}
 	return c
-}
-
-// writeRelayedKubeconfig copies the kubeconfig at src to dst with every cluster's server set to
-// server.
-func writeRelayedKubeconfig(src, dst, server string) error {
-	cfg, err := clientcmd.LoadFromFile(src)
-	if err != nil {
-		return fmt.Errorf("read %s: %w", src, err)
-	}
-	for _, c := range cfg.Clusters {
-		c.Server = server
-	}
-	if err := clientcmd.WriteToFile(*cfg, dst); err != nil {
-		return fmt.Errorf("write %s: %w", dst, err)
-	}
-	return nil
 }
 
 // createService creates a Service in the node's namespace and returns it as stored (with its

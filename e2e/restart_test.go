@@ -3,8 +3,10 @@ package e2e
 // Restarts under load (issue #17): a client pod connects in a loop through a cluster IP and a
 // node port while the proxy is (a) SIGKILLed and started again, (b) replaced through the
 // hand-over (a new process started with the same flags, then SIGTERM to the old one, as a
-// DaemonSet rolling update with maxSurge does). Address plan: the testbed's (client pod 10.244.x,
-// node IP testbed.NodeExtIP, cluster IPs in 10.96.0.0/16, two backend pods).
+// DaemonSet rolling update with maxSurge does). Each runs in both portal modes: iptables (the
+// portal rules point at proxy ports) and bind (the service IPs are addresses on kube-portal0 and
+// the sockets listen on them). Address plan: the testbed's (client pod 10.244.x, node IP
+// testbed.NodeExtIP, cluster IPs in 10.96.0.0/16 on kube-portal0 in bind mode, two backend pods).
 
 import (
 	"bufio"
@@ -14,6 +16,7 @@ import (
 	"net"
 	"net/netip"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -24,6 +27,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 )
 
 // attempt is one connection of the prober.
@@ -33,8 +37,10 @@ type attempt struct {
 	err        error
 }
 
-// prober connects from a client namespace to its targets in turn, every 5 ms, until stopped:
-// at most 40,000 attempts and 60 s.
+// prober connects from a client namespace to each of its targets, one loop per target so that a
+// slow attempt (a UDP query lost with the killed process waits out its timeout) does not hide
+// the others, each target every 5 ms times the number of targets, until stopped: at most 40,000
+// attempts and 60 s in all.
 type prober struct {
 	made    atomic.Int64
 	stop    chan struct{}
@@ -61,24 +67,39 @@ func startProberWith(from *netns.NS, targets, udp map[string]netip.AddrPort) *pr
 	for name, addr := range udp {
 		all = append(all, target{name, addr, whoUDP})
 	}
-	go func() {
-		var out []attempt
-		deadline := time.Now().Add(60 * time.Second)
-		tick := time.NewTicker(5 * time.Millisecond)
-		defer tick.Stop()
-		for i := 0; len(out) < 40000 && time.Now().Before(deadline); i++ {
+	deadline := time.Now().Add(60 * time.Second)
+	period := 5 * time.Millisecond * time.Duration(len(all))
+	each := make(chan []attempt, len(all))
+	for i, tg := range all {
+		go func() {
+			var out []attempt
+			defer func() { each <- out }()
+			// Spread the loops over the period, as one loop taking the targets in turn did.
 			select {
 			case <-p.stop:
-				p.results <- out
 				return
-			case <-tick.C:
+			case <-time.After(time.Duration(i) * 5 * time.Millisecond):
 			}
-			tg := all[i%len(all)]
-			a := attempt{target: tg.name, start: time.Now()}
-			_, a.err = tg.ask(from, tg.addr)
-			a.end = time.Now()
-			out = append(out, a)
-			p.made.Add(1)
+			tick := time.NewTicker(period)
+			defer tick.Stop()
+			for p.made.Load() < 40000 && time.Now().Before(deadline) {
+				select {
+				case <-p.stop:
+					return
+				case <-tick.C:
+				}
+				a := attempt{target: tg.name, start: time.Now()}
+				_, a.err = tg.ask(from, tg.addr)
+				a.end = time.Now()
+				out = append(out, a)
+				p.made.Add(1)
+			}
+		}()
+	}
+	go func() {
+		var out []attempt
+		for range all {
+			out = append(out, <-each...)
 		}
 		p.results <- out
 	}()
@@ -106,13 +127,14 @@ func (p *prober) finish() []attempt {
 type failures struct {
 	after, failed int
 	byTarget      map[string]int
+	byKind        map[string]int // failureKind of each failed attempt
 	window        time.Duration
 	last          error
 }
 
 func summarize(got []attempt, since time.Time) failures {
-	f := failures{byTarget: map[string]int{}}
-	var first, last attempt
+	f := failures{byTarget: map[string]int{}, byKind: map[string]int{}}
+	var first, last time.Time
 	for _, a := range got {
 		if a.start.After(since) {
 			f.after++
@@ -120,18 +142,59 @@ func summarize(got []attempt, since time.Time) failures {
 		if a.err == nil {
 			continue
 		}
-		if f.failed == 0 {
-			first = a
+		if f.failed == 0 || a.start.Before(first) {
+			first = a.start
 		}
-		last = a
+		if f.failed == 0 || a.end.After(last) {
+			last, f.last = a.end, a.err
+		}
 		f.failed++
 		f.byTarget[a.target]++
+		f.byKind[failureKind(a.err)]++
 	}
 	if f.failed > 0 {
-		f.window = last.end.Sub(first.start)
-		f.last = last.err
+		f.window = last.Sub(first)
 	}
 	return f
+}
+
+// failureKind sorts a failed attempt: "refused" (TCP RST to the SYN, or ICMP port unreachable
+// for UDP: the address is local and nothing listens on the port), "reset" (accepted, then the
+// process died) or "other" (a timeout or an unreachable network: the address went away).
+func failureKind(err error) string {
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "refused"
+	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "reset"
+	}
+	return "other"
+}
+
+// restartModes are the portal modes the restart tests run in, with the flags each needs.
+var restartModes = []struct {
+	name  string
+	flags []string
+}{
+	{"iptables", nil},
+	{"bind", []string{"--portal-mode=bind"}},
+}
+
+// portalAddrs lists the addresses (with prefix length) on the bind mode's portal interface in ns.
+func portalAddrs(t *testing.T, ns *netns.NS) []string {
+	t.Helper()
+	out, err := ns.Exec(t.Context(), "ip", "-o", "addr", "show", "dev", bind.DefaultInterface)
+	if err != nil {
+		t.Fatalf("addresses of %s: %v\n%s", bind.DefaultInterface, err, out)
+	}
+	var got []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Fields(line); len(f) > 3 && (f[2] == "inet" || f[2] == "inet6") {
+			got = append(got, f[3])
+		}
+	}
+	slices.Sort(got)
+	return got
 }
 
 // restartNode is a node with a NodePort web service on two pods, and its TCP and UDP targets.
@@ -153,38 +216,85 @@ func waitAllAnswer(t *testing.T, p *proxyProcess, n *clusterNode, targets map[st
 }
 
 // TestRestartAfterSIGKILL measures the window in which new connections fail when the proxy is
-// SIGKILLed and started again at once: the rules stay in force, and the new process reopens the
-// proxy ports they point at before it reads anything, so only the moments with no process fail.
+// SIGKILLed and started again at once. In iptables mode the rules stay in force, and the new
+// process reopens the proxy ports they point at before it reads anything, so only the moments with
+// no process fail. In bind mode the service IPs stay on the portal interface, so clients are
+// refused at once (never left to time out) until the new process has read the Services and bound
+// their sockets.
 func TestRestartAfterSIGKILL(t *testing.T) {
 	t.Parallel()
-	n, targets, _ := restartNode(t)
-	first := n.startProxy(t)
+	for _, m := range restartModes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			testRestartAfterSIGKILL(t, m.name, m.flags)
+		})
+	}
+}
+
+func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
+	n, targets, udpTargets := restartNode(t)
+	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
 
-	pr := startProber(n.bed.Client, targets)
+	pr := startProberWith(n.bed.Client, targets, udpTargets)
 	pr.madeAtLeast(t, "the prober never ran", 40)
 	killed := time.Now()
 	first.Kill()
-	second := n.startProxy(t)
+	second := n.startProxy(t, flags...)
 	restarted := time.Now()
 	waitAllAnswer(t, second, n, targets, "traffic never came back after the restart")
+	eventually(t, 10*time.Second, "UDP never came back after the restart", func() error {
+		_, err := whoUDP(n.bed.Client, udpTargets["cluster IP udp"])
+		return err
+	})
 	pr.madeAtLeast(t, "the prober never ran after the restart", pr.made.Load()+100)
-	f := summarize(pr.finish(), killed)
+	got := pr.finish()
+	f, u := summarize(only(got, "cluster IP", "node port"), killed), summarize(only(got, "cluster IP udp"), killed)
 
-	t.Logf("SIGKILL at +0, restart started +%v: %d attempts after the kill, %d failed %v, refused window %v (last error: %v)",
-		restarted.Sub(killed).Round(time.Millisecond), f.after, f.failed, f.byTarget, f.window.Round(time.Millisecond), f.last)
+	t.Logf("%s mode: SIGKILL at +0, restart started +%v: TCP: %d attempts after the kill, %d failed %v %v, refused window %v (last error: %v); UDP: %d attempts, %d failed %v over %v (last error: %v)",
+		mode, restarted.Sub(killed).Round(time.Millisecond), f.after, f.failed, f.byTarget, f.byKind, f.window.Round(time.Millisecond), f.last,
+		u.after, u.failed, u.byKind, u.window.Round(time.Millisecond), u.last)
 	if f.after < 40 {
-		t.Fatalf("only %d attempts after the kill: the prober did not measure the restart", f.after)
+		t.Fatalf("only %d TCP attempts after the kill: the prober did not measure the restart", f.after)
 	}
 	if f.window > 2*time.Second {
 		t.Errorf("clients saw failures for %v across the restart; want under 2s", f.window)
 	}
-	line := lineWith(second.LogTail(2000), "Reopened the proxy sockets the portal rules in force point at")
-	t.Logf("new process: %s", line)
-	if strings.Contains(line, " reboundSockets=0 ") || line == "" {
-		t.Errorf("the restarted process did not rebind the proxy sockets of the rules in force: %q", line)
+	switch mode {
+	case "iptables":
+		line := lineWith(second.LogTail(2000), "Reopened the proxy sockets the portal rules in force point at")
+		t.Logf("new process: %s", line)
+		if strings.Contains(line, " reboundSockets=0 ") || line == "" {
+			t.Errorf("the restarted process did not rebind the proxy sockets of the rules in force: %q", line)
+		}
+	case "bind":
+		// The addresses outlived the process: every TCP failure was the kernel refusing at once
+		// (or a connection the dying process had accepted), none a timeout. UDP queries are
+		// refused with ICMP port unreachable too, but the kernel sends at most 6 of those to one
+		// peer in a burst, then one a second (net.ipv4.icmp_ratelimit), so later ones time out,
+		// as does a query the killed process was relaying: they are reported, not asserted.
+		if f.byKind["other"] != 0 {
+			t.Errorf("%d TCP attempts failed otherwise than refused or reset across the restart (last error: %v): the portal addresses did not stay", f.byKind["other"], f.last)
+		}
+		if got, own := portalAddrs(t, n.bed.Node), hostPrefix(targets["cluster IP"].Addr()); !slices.Contains(got, own) {
+			t.Errorf("portal addresses after the restart %v lack the service's cluster IP %s", got, own)
+		}
 	}
 }
+
+// only keeps the attempts at the named targets.
+func only(got []attempt, targets ...string) []attempt {
+	var out []attempt
+	for _, a := range got {
+		if slices.Contains(targets, a.target) {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// hostPrefix is addr as ip shows it on the portal interface: a /32 (/128).
+func hostPrefix(addr netip.Addr) string { return netip.PrefixFrom(addr, addr.BitLen()).String() }
 
 // longConn is a connection kept open across the hand-over: greeted by its pod, then echoing.
 type longConn struct {
@@ -235,13 +345,31 @@ func (l *longConn) finish() error {
 
 // TestRestartByHandOver replaces the proxy through --handover-socket while clients connect in a
 // loop and long-lived connections stay open: no connection may fail, and every long-lived one
-// must finish its exchange and end with a clean close.
+// must finish its exchange and end with a clean close. In bind mode the old process's exit must
+// also leave the portal interface's addresses, which the new process serves, as they were.
 func TestRestartByHandOver(t *testing.T) {
 	t.Parallel()
+	for _, m := range restartModes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			testRestartByHandOver(t, m.name, m.flags)
+		})
+	}
+}
+
+func testRestartByHandOver(t *testing.T, mode string, modeFlags []string) {
 	n, targets, udpTargets := restartNode(t)
-	flags := []string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s"}
+	flags := append([]string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s"}, modeFlags...)
 	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
+	// Other tests' Services come and go on the shared API server, so the portal interface is
+	// checked for this test's own address only.
+	own := hostPrefix(targets["cluster IP"].Addr())
+	if mode == "bind" {
+		if got := portalAddrs(t, n.bed.Node); !slices.Contains(got, own) {
+			t.Fatalf("portal addresses %v before the hand-over lack the service's cluster IP %s", got, own)
+		}
+	}
 	eventually(t, 30*time.Second, "the first proxy never listened on the hand-over socket", func() error {
 		if !strings.Contains(first.LogTail(2000), "No running proxy to take over from") {
 			return errors.New("not yet")
@@ -305,11 +433,16 @@ func TestRestartByHandOver(t *testing.T) {
 	if err := first.Err(); err != nil {
 		t.Errorf("the old proxy failed on exit: %v\n%s", err, first.LogTail(20))
 	}
+	if mode == "bind" { // the old process must not clean up the link the new one serves on
+		if got := portalAddrs(t, n.bed.Node); !slices.Contains(got, own) {
+			t.Errorf("portal addresses after the old process exited %v lack the service's cluster IP %s, which the new one serves", got, own)
+		}
+	}
 	pr.madeAtLeast(t, "the prober never ran after the old process exited", pr.made.Load()+100)
 	f := summarize(pr.finish(), started)
 
-	t.Logf("hand-over: new process started +0, took over +%v, old SIGTERMed +%v, exited +%v; %d attempts since the start, %d failed %v (last error: %v); %d long-lived connections finished",
-		tookOver.Sub(started).Round(time.Millisecond), termed.Sub(started).Round(time.Millisecond), exited.Sub(started).Round(time.Millisecond),
+	t.Logf("%s mode hand-over: new process started +0, took over +%v, old SIGTERMed +%v, exited +%v; %d attempts since the start, %d failed %v (last error: %v); %d long-lived connections finished",
+		mode, tookOver.Sub(started).Round(time.Millisecond), termed.Sub(started).Round(time.Millisecond), exited.Sub(started).Round(time.Millisecond),
 		f.after, f.failed, f.byTarget, f.last, len(long))
 	if f.after < 200 {
 		t.Fatalf("only %d attempts across the hand-over: the prober did not measure it", f.after)
@@ -321,6 +454,9 @@ func TestRestartByHandOver(t *testing.T) {
 		if line := lineWith(second.LogTail(2000), msg); line != "" {
 			t.Logf("new process: %s", line)
 		}
+	}
+	if line := lineWith(first.LogTail(2000), "Handed over: "); line != "" {
+		t.Logf("old process: %s", line)
 	}
 	// Every proxy port the rules point at was inherited: nothing was bound anew.
 	if line := lineWith(second.LogTail(2000), "Took over from the running proxy"); !strings.Contains(line, " rebound=0 ") ||

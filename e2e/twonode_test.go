@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
@@ -118,7 +119,7 @@ func newTwoNodes(t *testing.T) *twoNodes {
 		dir := t.TempDir()
 		relay := startRelay(t, n.NS, server.Host)
 		kubeconfig := filepath.Join(dir, "kube-proxy.kubeconfig")
-		if err := writeRelayedKubeconfig(controlPlane.ProxyKubeconfig, kubeconfig, "https://"+relay.addr()); err != nil {
+		if err := framework.WriteRelayedKubeconfig(controlPlane.ProxyKubeconfig, kubeconfig, "https://"+relay.Addr()); err != nil {
 			t.Fatal(err)
 		}
 		// A one-second sync period bounds how long waitSynced waits for a sync after a change.

@@ -58,19 +58,9 @@ check_go() {
   fi
 }
 
-# staging_replaces prints "module version" for every module k8s.io/kubernetes's own go.mod replaces
-# with a ./staging/ directory, paired with the published version of the same release.
-staging_replaces() {
-  local gomod staging_version=v0.${kube_version#v1.}
-  gomod=$(go mod download -json "k8s.io/kubernetes@$kube_version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
-  [ -f "$gomod" ] || die "cannot locate go.mod of k8s.io/kubernetes@$kube_version"
-  # A replace line looks like "k8s.io/api => ./staging/src/k8s.io/api" (inside or outside a block).
-  awk -v ver="$staging_version" '
-    { sub(/^replace[[:space:]]+/, "") }
-    $2 == "=>" && $3 ~ /^\.\/staging\// { print $1, ver; n++ }
-    END { if (n == 0) exit 1 }' "$gomod" ||
-    die "no ./staging replace directives found in $gomod"
-}
+# staging_replaces (k8s.io/kubernetes's ./staging replaces, paired with their releases).
+# shellcheck source=hack/lib/staging.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib/staging.sh"
 
 # new_module creates a fresh throwaway module in $1 named $2.
 new_module() {

@@ -41,18 +41,9 @@ die() { log "$*"; exit 1; }
 export GOWORK=off GOFLAGS=-buildvcs=false GOTOOLCHAIN=$toolchain
 unset GOOS GOARCH
 
-# staging_replaces prints "module version" for every module k8s.io/kubernetes's go.mod replaces
-# with a ./staging/ directory, paired with the published version of the same release.
-staging_replaces() {
-  local gomod staging_version=v0.${kube_version#v1.}
-  gomod=$(go mod download -json "k8s.io/kubernetes@$kube_version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
-  [ -f "$gomod" ] || die "cannot locate go.mod of k8s.io/kubernetes@$kube_version"
-  awk -v ver="$staging_version" '
-    { sub(/^replace[[:space:]]+/, "") }
-    $2 == "=>" && $3 ~ /^\.\/staging\// { print $1, ver; n++ }
-    END { if (n == 0) exit 1 }' "$gomod" ||
-    die "no ./staging replace directives found in $gomod"
-}
+# staging_replaces (k8s.io/kubernetes's ./staging replaces, paired with their releases).
+# shellcheck source=hack/lib/staging.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib/staging.sh"
 
 # served_patch prints the newest patch release of module $1 at or below version $2 whose source the
 # module proxy serves (and the checksum database vouches for). proxy.golang.org answers "403 not available" for the zips of a few staging

@@ -26,9 +26,9 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	apiruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/utils/clock"
-	"sigs.k8s.io/yaml"
 )
 
 // FileSource feeds a Handler from Service and EndpointSlice manifests on disk (--services-file: a
@@ -328,19 +328,26 @@ func decodeDocuments(docs []document) []decodedDoc {
 
 // decodeDocument appends the Services and EndpointSlices of one document (a List's items too).
 func decodeDocument(body []byte, objs *[]decodedObj) error {
-	js, err := yaml.YAMLToJSON(body)
+	js, gv, kind, err := manifestJSON(body)
 	if err != nil {
 		return err
 	}
-	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+	if js == nil {
 		return nil // an empty document
 	}
-	obj, gvk, err := manifestDecoder.Decode(js, nil, nil)
+	obj, err := decodeKnown(js, gv, kind)
 	if err != nil {
-		if apiruntime.IsNotRegisteredError(err) {
-			return nil
-		}
 		return err
+	}
+	if obj == nil { // another kind, or one to leave to the API machinery's checks and errors
+		var gvk *schema.GroupVersionKind
+		if obj, gvk, err = manifestDecoder.Decode(js, nil, nil); err != nil {
+			if apiruntime.IsNotRegisteredError(err) {
+				return nil
+			}
+			return err
+		}
+		kind = gvk.Kind
 	}
 	h := fnv.New64a()
 	h.Write(js)
@@ -350,7 +357,7 @@ func decodeDocument(body []byte, objs *[]decodedObj) error {
 	case *v1.List:
 		for i, item := range o.Items {
 			if err := decodeDocument(item.Raw, objs); err != nil {
-				return fmt.Errorf("%s item %d: %w", gvk.Kind, i, err)
+				return fmt.Errorf("%s item %d: %w", kind, i, err)
 			}
 		}
 	}

@@ -73,6 +73,10 @@ type Config struct {
 	// ReopenHold bounds how long a socket reopened at start (Reopen) holds a connection that
 	// finds no endpoint before the initial endpoints are in; 0 means DefaultReopenHold.
 	ReopenHold time.Duration
+	// AfterFirstSync, if set, is called once, after the first sync that programmed every portal
+	// and before its garbage is handed back to the OS (the daemon lowers the GC target there:
+	// the start allocates far more than the steady state keeps).
+	AfterFirstSync func()
 	// Node is this node's name and zone, for traffic policies and topology hints.
 	Node   NodeTopology
 	Clock  clock.Clock

@@ -71,6 +71,9 @@ func (p *Proxier) sync(ctx context.Context) error {
 		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
 		// the process's heap. Hand it back now rather than over the next minutes.
 		p.firstSynced = true
+		if p.cfg.AfterFirstSync != nil {
+			p.cfg.AfterFirstSync()
+		}
 		debug.FreeOSMemory()
 		p.markFirstSync()
 	}

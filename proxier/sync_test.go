@@ -345,6 +345,28 @@ func TestSyncPortalFailureIsRetried(t *testing.T) {
 	}
 }
 
+// TestAfterFirstSyncRunsOnceWhenPortalsAreIn checks the hook that ends the start's GC target: not
+// after a failed portal sync, once after the first good one, never again.
+func TestAfterFirstSyncRunsOnceWhenPortalsAreIn(t *testing.T) {
+	calls := 0
+	e := newFakeEnv(t, func(c *Config) { c.AfterFirstSync = func() { calls++ } })
+	e.synced()
+	e.portals.err = errors.New("iptables-restore: exit status 4")
+	e.p.OnServiceAdd(webService(nil))
+	if err := e.p.sync(context.Background()); err == nil {
+		t.Fatal("sync with failing portals returned nil")
+	}
+	if calls != 0 {
+		t.Fatalf("AfterFirstSync ran %d times after a failed sync; want 0", calls)
+	}
+	e.portals.err = nil
+	e.sync()
+	e.sync()
+	if calls != 1 {
+		t.Errorf("AfterFirstSync ran %d times after two good syncs; want 1", calls)
+	}
+}
+
 // TestSyncPortalFailureNamesTheServicePorts checks that a failed portal sync says which service
 // ports it could not apply (those changed since the last good sync) and wraps the portals' error.
 func TestSyncPortalFailureNamesTheServicePorts(t *testing.T) {

@@ -1,7 +1,10 @@
 // Command scale measures the daemon at scale, with the real binary in throwaway network
-// namespaces: time to serve N service ports from a cold start, its RSS and idle CPU with them
-// loaded, and the network programming latency of one change (a new Service + EndpointSlice until
-// traffic through its cluster IP works). Not part of CI: go run ./bench/scale (as root).
+// namespaces: time to serve N service ports from a cold start and the CPU that took (the
+// proxy's and its iptables commands', a figure a shared machine's load hardly moves), its RSS
+// (and peak) and idle CPU with them loaded, and the network programming latency of one change
+// (a new Service + EndpointSlice until traffic through its cluster IP works). -cpuprofile and
+// -trace fetch a profile or an execution trace of the cold start from the proxy's /debug/pprof.
+// Not part of CI: go run ./bench/scale (as root).
 package main
 
 import (
@@ -29,6 +32,9 @@ func main() {
 	idle := flag.Duration("idle", 20*time.Second, "how long to measure idle CPU")
 	changes := flag.Int("changes", 5, "programming-latency samples")
 	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
+	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
+	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
+	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
 	flag.Parse()
 	if err := run(*proxy, *services, *endpoints, *idle, *changes, *restart); err != nil {
 		fmt.Fprintln(os.Stderr, "scale:", err)
@@ -62,6 +68,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		return err
 	}
 	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
+	profiled := profileStart(ctx, bed)
 	// The last service port's portal accepting a connection marks the end of the initial sync;
 	// the rule count then confirms the whole of it is in force.
 	synced, err := waitPortal(ctx, bed, netip.AddrPortFrom(clusterIP(nServices-1), 80))
@@ -69,7 +76,13 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		return err
 	}
 	cold := synced.Sub(start)
+	// The CPU the start took, read at once (a measure the machine's load hardly changes, unlike the
+	// wall time): the proxy's own, and that of the iptables commands it ran and waited for.
+	coldSelf, coldChildren := procstat.OwnCPUTime(cmd.Process.Pid)
 	if err := waitRules(ctx, bed, nServices); err != nil {
+		return err
+	}
+	if err := <-profiled; err != nil {
 		return err
 	}
 	pid, err := proxyPID(cmd.Process.Pid)
@@ -77,6 +90,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		return err
 	}
 	rss := procstat.RSSKiB(pid)
+	peak := procstat.PeakRSSKiB(pid)
 	cpu0 := procstat.CPUTime(pid)
 	select { // measuring an interval, not synchronising
 	case <-time.After(idle):
@@ -104,8 +118,10 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	fmt.Printf("service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
 	fmt.Printf("cold start to all portals programmed: %v\n", cold.Round(time.Millisecond))
-	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync, %.1f MiB after the idle period\n",
-		float64(rss)/1024, float64(rssIdle)/1024)
+	fmt.Printf("CPU until then: %v (proxy %v, the iptables commands it ran %v)\n", (coldSelf + coldChildren).Round(time.Millisecond),
+		coldSelf.Round(time.Millisecond), coldChildren.Round(time.Millisecond))
+	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync, %.1f MiB after the idle period; peak %.1f MiB\n",
+		float64(rss)/1024, float64(rssIdle)/1024, float64(peak)/1024)
 	fmt.Printf("idle CPU over %v: %.2f%% of one core\n", idle, idleCPU)
 	fmt.Printf("network programming latency (file change -> traffic works), %d samples: %v\n", len(lat), lat)
 	if !restart || nChanges == 0 {
@@ -270,4 +286,38 @@ func proxyPID(pid int) (int, error) {
 		return 0, fmt.Errorf("pid %d is %q, not the proxy", pid, strings.TrimSpace(string(b)))
 	}
 	return pid, nil
+}
+
+// profile is what -cpuprofile and -trace ask for.
+var profile struct {
+	cpu, trace string
+	length     time.Duration
+}
+
+// profileStart fetches a CPU profile or an execution trace of the cold start from the proxy's
+// /debug/pprof, as soon as its metrics address answers (the first few milliseconds of the process
+// are missed). The channel yields the outcome once the file is written (at once when neither was
+// asked for).
+func profileStart(ctx context.Context, bed *testbed.Bed) <-chan error {
+	done := make(chan error, 1)
+	path, file := "", ""
+	switch {
+	case profile.cpu != "":
+		path, file = fmt.Sprintf("/debug/pprof/profile?seconds=%d", int(profile.length.Seconds())), profile.cpu
+	case profile.trace != "":
+		path, file = fmt.Sprintf("/debug/pprof/trace?seconds=%d", int(profile.length.Seconds())), profile.trace
+	default:
+		done <- nil
+		return done
+	}
+	go func() {
+		// Polled every 10 ms for at most a minute until the listener is up.
+		out, err := bed.Node.Exec(ctx, "timeout", "60", "sh", "-c",
+			`until curl -sf -o "$1" "$2"; do sleep 0.01; done`, "sh", file, "http://127.0.0.1:10249"+path)
+		if err != nil {
+			err = fmt.Errorf("profile: %w: %s", err, out)
+		}
+		done <- err
+	}()
+	return done
 }

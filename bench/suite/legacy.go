@@ -23,7 +23,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
@@ -137,29 +136,29 @@ func legacyTarget(binary string, api *legacyAPI) target {
 		if err != nil {
 			return nil, err
 		}
-		rl, err := startRelay(b.tb.Node, server.Host)
+		rl, err := framework.StartRelay(b.tb.Node, server.Host)
 		if err != nil {
 			return nil, fmt.Errorf("API relay: %w", err)
 		}
 		kubeconfig := filepath.Join(b.dir, "kube-proxy.kubeconfig")
-		if err := writeRelayedKubeconfig(cp.ProxyKubeconfig, kubeconfig, "https://"+rl.addr()); err != nil {
-			rl.close()
+		if err := framework.WriteRelayedKubeconfig(cp.ProxyKubeconfig, kubeconfig, "https://"+rl.Addr()); err != nil {
+			rl.Close()
 			return nil, err
 		}
 		logPath := filepath.Join(b.dir, "legacy.log")
 		log, err := os.Create(logPath)
 		if err != nil {
-			rl.close()
+			rl.Close()
 			return nil, err
 		}
 		defer log.Close()
 		proc, err := startChild(ctx, b.tb.Node, "kube-proxy", log, append([]string{binary}, legacyArgs(kubeconfig)...)...)
 		if err != nil {
-			rl.close()
+			rl.Close()
 			return nil, err
 		}
 		r := &running{echo: echoVIP, sink: sinkVIP, udp: dnsVIP, redis: redisVIP, dns: realDNSIP, pid: proc.pid(), proc: proc,
-			stopSig: syscall.SIGTERM, cleanup: rl.close, idleMax: legacyIdleMax()}
+			stopSig: syscall.SIGTERM, cleanup: rl.Close, idleMax: legacyIdleMax()}
 		if err := waitReady(ctx, b, r); err != nil {
 			r.stop()
 			tail, _ := os.ReadFile(logPath)
@@ -206,22 +205,6 @@ func legacyArgs(kubeconfig string) []string {
 		"--oom-score-adj=0",
 		"--v=0",
 	}
-}
-
-// writeRelayedKubeconfig copies the kubeconfig at src to dst with every cluster's server set to
-// server.
-func writeRelayedKubeconfig(src, dst, server string) error {
-	cfg, err := clientcmd.LoadFromFile(src)
-	if err != nil {
-		return fmt.Errorf("read %s: %w", src, err)
-	}
-	for _, c := range cfg.Clusters {
-		c.Server = server
-	}
-	if err := clientcmd.WriteToFile(*cfg, dst); err != nil {
-		return fmt.Errorf("write %s: %w", dst, err)
-	}
-	return nil
 }
 
 // legacyBinary is the default -legacy path: the cache hack/legacy-build.sh fills.

@@ -36,16 +36,9 @@ die() { log "$*"; exit 1; }
 export GOWORK=off GOFLAGS=-buildvcs=false GOTOOLCHAIN=local
 unset GOOS GOARCH
 
-staging_replaces() {
-  local gomod staging_version=v0.${kube_version#v1.}
-  gomod=$(go mod download -json "k8s.io/kubernetes@$kube_version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
-  [ -f "$gomod" ] || die "cannot locate go.mod of k8s.io/kubernetes@$kube_version"
-  awk -v ver="$staging_version" '
-    { sub(/^replace[[:space:]]+/, "") }
-    $2 == "=>" && $3 ~ /^\.\/staging\// { print $1, ver; n++ }
-    END { if (n == 0) exit 1 }' "$gomod" ||
-    die "no ./staging replace directives found in $gomod"
-}
+# staging_replaces (k8s.io/kubernetes's ./staging replaces, paired with their releases).
+# shellcheck source=hack/lib/staging.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/staging.sh"
 
 build() {
   local dir=$work_dir/e2e-$kube_version

@@ -45,7 +45,11 @@ func helper(part string) {
 	case "ignore-term":
 		signal.Ignore(syscall.SIGTERM)
 		fmt.Println("ready")
-		select {}
+		// Not select{}: with no other goroutine the runtime may call that a deadlock and exit,
+		// which is not the process that ignores SIGTERM this case needs.
+		for {
+			time.Sleep(time.Hour)
+		}
 	}
 	os.Exit(99)
 }

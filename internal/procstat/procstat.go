@@ -87,3 +87,32 @@ func FDCount(pid int) int {
 	}
 	return n
 }
+
+// OwnCPUTime is utime+stime of pid itself and cutime+cstime of its children that have exited and
+// were waited for (the iptables commands a proxy runs, for instance).
+func OwnCPUTime(pid int) (self, children time.Duration) {
+	f := statFields(pid)
+	if len(f) <= 14 {
+		return 0, 0
+	}
+	ticks := func(i, j int) time.Duration {
+		a, _ := strconv.ParseInt(f[i], 10, 64)
+		b, _ := strconv.ParseInt(f[j], 10, 64)
+		return time.Duration(a+b) * time.Second / userHZ
+	}
+	return ticks(11, 12), ticks(13, 14)
+}
+
+// PeakRSSKiB is the VmHWM (the highest RSS so far) of pid.
+func PeakRSSKiB(pid int) int64 {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmHWM:"); ok {
+			if f := strings.Fields(v); len(f) > 0 {
+				n, _ := strconv.ParseInt(f[0], 10, 64)
+				return n
+			}
+		}
+	}
+	return 0
+}

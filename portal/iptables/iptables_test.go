@@ -2,6 +2,7 @@ package iptables
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	clocktesting "k8s.io/utils/clock/testing"
@@ -417,5 +419,36 @@ func TestRulesAndStats(t *testing.T) {
 	}
 	if s := p.Stats(); s.Rules != 2 || s.Restores != 2 || s.ReadBacks != 2 || s.RestoreFailures != 0 {
 		t.Errorf("Stats() = %+v, want 2 rules, 2 restores, 2 read-backs", s)
+	}
+}
+
+// orderRunner records the order of read-backs and restores.
+type orderRunner struct {
+	*Fake
+	ops []string
+}
+
+func (r *orderRunner) Save(ctx context.Context, fam portal.Family, table string) ([]byte, error) {
+	r.ops = append(r.ops, "save "+table)
+	return r.Fake.Save(ctx, fam, table)
+}
+
+func (r *orderRunner) Restore(ctx context.Context, fam portal.Family, data []byte) error {
+	table, _, _ := strings.Cut(strings.TrimPrefix(string(data), "*"), "\n")
+	r.ops = append(r.ops, "restore "+table)
+	return r.Fake.Restore(ctx, fam, data)
+}
+
+// TestSyncReadsEveryTableBeforeRestoring checks the first sync's order: both read-backs while the
+// tables hold none of our rules (cheap with iptables-nft), then filter before nat, so the guard
+// and accept rules of a new proxy port are in before traffic is steered to it.
+func TestSyncReadsEveryTableBeforeRestoring(t *testing.T) {
+	r := &orderRunner{Fake: NewFake()}
+	cfg := v4Config()
+	cfg.ProtectProxyPorts = true
+	mustSync(t, New(cfg, r), manySpecs(3, 20000))
+	want := []string{"save filter", "save nat", "restore filter", "restore nat"}
+	if diff := cmp.Diff(want, r.ops); diff != "" {
+		t.Errorf("operations (-want +got):\n%s", diff)
 	}
 }
