@@ -80,6 +80,8 @@ func (s *InformerSource) Run(ctx context.Context) error {
 		return ctx.Err()
 	}
 	s.h.OnEndpointSlicesSynced()
+	// Marks the end of the initial lists (bench/scale -cluster times the cold start from here).
+	s.log.Info("Informers' initial lists done")
 	<-ctx.Done()
 	return nil
 }

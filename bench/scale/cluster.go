@@ -1,0 +1,216 @@
+package main
+
+// cluster.go is -cluster: the same cold start with the proxy reading a real API server (etcd +
+// kube-apiserver from e2e/framework on the root namespace's loopback, reached from the node
+// namespace through framework's relay) instead of a services file.
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/ptr"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+)
+
+// listedMessage is the proxy's info line once both informers' initial lists are in its caches.
+const listedMessage = "Informers' initial lists done"
+
+func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, workers int) (err error) {
+	bed, closeBed, err := testbed.Start(ctx, 1, 8080, 5353)
+	defer func() { err = errors.Join(err, closeBed()) }()
+	if err != nil {
+		return err
+	}
+	startCtx, cancel := context.WithTimeout(ctx, framework.DefaultStartTimeout)
+	cp, err := framework.Start(startCtx, framework.Options{})
+	cancel()
+	if err != nil {
+		return fmt.Errorf("control plane: %w", err)
+	}
+	defer func() { err = errors.Join(err, cp.Stop()) }()
+
+	t0 := time.Now()
+	if err := createBulk(ctx, cp, nServices, nEndpoints, workers); err != nil {
+		return err
+	}
+	created := time.Since(t0)
+
+	dir, err := os.MkdirTemp("", "kpp-scale-cluster-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	server, err := url.Parse(cp.Server)
+	if err != nil {
+		return err
+	}
+	rl, err := framework.StartRelay(bed.Node, server.Host)
+	if err != nil {
+		return err
+	}
+	defer rl.Close()
+	kubeconfig := filepath.Join(dir, "kube-proxy.kubeconfig")
+	if err := framework.WriteRelayedKubeconfig(cp.ProxyKubeconfig, kubeconfig, "https://"+rl.Addr()); err != nil {
+		return err
+	}
+
+	start := time.Now()
+	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--kubeconfig", kubeconfig, "--hostname-override", "node1",
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "info",
+		"--iptables-min-sync-period", "100ms",
+		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stdout = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
+	listed := watchLog(stderr, listedMessage)
+	profiled := profileStart(ctx, bed)
+
+	synced, err := waitPortal(ctx, bed, netip.AddrPortFrom(clusterIP(nServices-1), 80))
+	if err != nil {
+		return err
+	}
+	coldSelf, coldChildren := procstat.OwnCPUTime(cmd.Process.Pid)
+	var listedAt time.Time
+	select { // the line comes before the first sync, so it has been read by now or at once
+	case listedAt = <-listed:
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("the proxy never logged %q", listedMessage)
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if err := waitRules(ctx, bed, nServices); err != nil {
+		return err
+	}
+	if err := <-profiled; err != nil {
+		return err
+	}
+	pid, err := proxyPID(cmd.Process.Pid)
+	if err != nil {
+		return err
+	}
+	rss, peak := procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
+	fmt.Printf("cluster mode: service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
+	fmt.Printf("creating %d Services + %d EndpointSlices with %d workers: %v (%.0f objects/s)\n", nServices, nServices, workers,
+		created.Round(time.Millisecond), float64(2*nServices)/created.Seconds())
+	fmt.Printf("process start -> informers' initial lists done: %v\n", listedAt.Sub(start).Round(time.Millisecond))
+	fmt.Printf("initial lists done -> all portals in force: %v\n", synced.Sub(listedAt).Round(time.Millisecond))
+	fmt.Printf("cold start to all portals in force: %v\n", synced.Sub(start).Round(time.Millisecond))
+	fmt.Printf("CPU until then: %v (proxy %v, the iptables commands it ran %v)\n", (coldSelf + coldChildren).Round(time.Millisecond),
+		coldSelf.Round(time.Millisecond), coldChildren.Round(time.Millisecond))
+	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync; peak %.1f MiB\n",
+		float64(rss)/1024, float64(peak)/1024)
+	return nil
+}
+
+// watchLog copies the proxy's log to our stderr (all but its info lines) and yields the time the
+// first line holding msg was read.
+func watchLog(r io.Reader, msg string) <-chan time.Time {
+	at := make(chan time.Time, 1)
+	go func() {
+		sc := bufio.NewScanner(r)
+		sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+		seen := false
+		for sc.Scan() {
+			line := sc.Text()
+			if !seen && strings.Contains(line, msg) {
+				at <- time.Now()
+				seen = true
+			}
+			if !strings.Contains(line, "level=info") {
+				fmt.Fprintln(os.Stderr, line)
+			}
+		}
+		_, _ = io.Copy(io.Discard, r)
+	}()
+	return at
+}
+
+// createBulk creates namespace bulk with n Services (cluster IPs as the file mode's) and an
+// EndpointSlice of eps endpoints for each, with workers concurrent requests and no client-side
+// rate limit.
+func createBulk(ctx context.Context, cp *framework.ControlPlane, n, eps, workers int) error {
+	cfg := cp.AdminConfig()
+	cfg.QPS, cfg.Burst = -1, 0 // no client-side rate limit: the API server's own limits apply
+	c, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bulk"}},
+		metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("namespace bulk: %w", err)
+	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, workers)
+	for w := range workers {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= n || ctx.Err() != nil {
+					return
+				}
+				if err := createOne(ctx, c, i, eps); err != nil {
+					errs[w] = err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func createOne(ctx context.Context, c kubernetes.Interface, i, eps int) error {
+	name := fmt.Sprintf("s%d", i)
+	svc := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "bulk"},
+		Spec: corev1.ServiceSpec{ClusterIP: clusterIP(i).String(),
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}},
+	}
+	if _, err := c.CoreV1().Services("bulk").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("service bulk/%s: %w", name, err)
+	}
+	slice := &discovery.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: name + "-1", Namespace: "bulk",
+			Labels: map[string]string{discovery.LabelServiceName: name}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To[int32](8080), Protocol: ptr.To(corev1.ProtocolTCP)}},
+	}
+	for e := range eps {
+		k := i*eps + e
+		slice.Endpoints = append(slice.Endpoints, discovery.Endpoint{
+			Addresses:  []string{fmt.Sprintf("10.245.%d.%d", k/250%250, k%250+1)},
+			Conditions: discovery.EndpointConditions{Ready: ptr.To(true)},
+		})
+	}
+	if _, err := c.DiscoveryV1().EndpointSlices("bulk").Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("endpointslice bulk/%s-1: %w", name, err)
+	}
+	return nil
+}
