@@ -56,27 +56,33 @@ func (s *InformerSource) Run(ctx context.Context) error {
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = proxySelector() }))
 	svcInformer := factory.Core().V1().Services().Informer()
 	sliceInformer := factory.Discovery().V1().EndpointSlices().Informer()
-	if _, err := svcInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+	// The registrations' HasSynced, not the informers': an informer has synced once its store
+	// holds the initial list, a registration once its handler has been given every object of it
+	// (as kube-proxy's config does). With the informer's, the first sync could run on part of
+	// the list.
+	svcReg, err := svcInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { typed(o, s.h.OnServiceAdd) },
 		UpdateFunc: func(old, cur any) { typed2(old, cur, s.h.OnServiceUpdate) },
 		DeleteFunc: func(o any) { typed(o, s.h.OnServiceDelete) },
-	}); err != nil {
+	})
+	if err != nil {
 		return fmt.Errorf("service informer: %w", err)
 	}
-	if _, err := sliceInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+	sliceReg, err := sliceInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { typed(o, s.h.OnEndpointSliceAdd) },
 		UpdateFunc: func(old, cur any) { typed2(old, cur, s.h.OnEndpointSliceUpdate) },
 		DeleteFunc: func(o any) { typed(o, s.h.OnEndpointSliceDelete) },
-	}); err != nil {
+	})
+	if err != nil {
 		return fmt.Errorf("endpointslice informer: %w", err)
 	}
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
-	if !cache.WaitForNamedCacheSync("services", ctx.Done(), svcInformer.HasSynced) {
+	if !cache.WaitForNamedCacheSync("services", ctx.Done(), svcReg.HasSynced) {
 		return ctx.Err()
 	}
 	s.h.OnServicesSynced()
-	if !cache.WaitForNamedCacheSync("endpointslices", ctx.Done(), sliceInformer.HasSynced) {
+	if !cache.WaitForNamedCacheSync("endpointslices", ctx.Done(), sliceReg.HasSynced) {
 		return ctx.Err()
 	}
 	s.h.OnEndpointSlicesSynced()

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -91,7 +92,7 @@ func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, worker
 	listed := watchLog(stderr, listedMessage)
 	profiled := profileStart(ctx, bed)
 
-	synced, err := waitPortal(ctx, bed, netip.AddrPortFrom(clusterIP(nServices-1), 80))
+	synced, err := waitPortal(ctx, bed, netip.AddrPortFrom(apiClusterIP(nServices-1), 80))
 	if err != nil {
 		return err
 	}
@@ -128,7 +129,10 @@ func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, worker
 	return nil
 }
 
-// watchLog copies the proxy's log to our stderr (all but its info lines) and yields the time the
+// klogInfo matches client-go's info lines (klog: "I1123 16:11:02.377184 ...").
+var klogInfo = regexp.MustCompile(`^I\d{4} `)
+
+// watchLog copies the proxy's log to our stderr (all but its and client-go's info lines) and yields the time the
 // first line holding msg was read.
 func watchLog(r io.Reader, msg string) <-chan time.Time {
 	at := make(chan time.Time, 1)
@@ -142,7 +146,7 @@ func watchLog(r io.Reader, msg string) <-chan time.Time {
 				at <- time.Now()
 				seen = true
 			}
-			if !strings.Contains(line, "level=info") {
+			if !strings.Contains(line, "level=info") && !klogInfo.MatchString(line) {
 				fmt.Fprintln(os.Stderr, line)
 			}
 		}
@@ -151,7 +155,7 @@ func watchLog(r io.Reader, msg string) <-chan time.Time {
 	return at
 }
 
-// createBulk creates namespace bulk with n Services (cluster IPs as the file mode's) and an
+// createBulk creates namespace bulk with n Services (apiClusterIP) and an
 // EndpointSlice of eps endpoints for each, with workers concurrent requests and no client-side
 // rate limit.
 func createBulk(ctx context.Context, cp *framework.ControlPlane, n, eps, workers int) error {
@@ -190,7 +194,7 @@ func createOne(ctx context.Context, c kubernetes.Interface, i, eps int) error {
 	name := fmt.Sprintf("s%d", i)
 	svc := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "bulk"},
-		Spec: corev1.ServiceSpec{ClusterIP: clusterIP(i).String(),
+		Spec: corev1.ServiceSpec{ClusterIP: apiClusterIP(i).String(),
 			Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}},
 	}
 	if _, err := c.CoreV1().Services("bulk").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
@@ -213,4 +217,10 @@ func createOne(ctx context.Context, c kubernetes.Interface, i, eps int) error {
 		return fmt.Errorf("endpointslice bulk/%s-1: %w", name, err)
 	}
 	return nil
+}
+
+// apiClusterIP is the file mode's clusterIP moved up 100 /24s, clear of the API server's own
+// kubernetes Service (10.96.0.1); for up to 38,750 service ports.
+func apiClusterIP(i int) netip.Addr {
+	return netip.AddrFrom4([4]byte{10, 96, byte(100 + i/250), byte(i%250 + 1)})
 }
