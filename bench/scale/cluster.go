@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -36,12 +37,17 @@ import (
 // listedMessage is the proxy's info line once both informers' initial lists are in its caches.
 const listedMessage = "Informers' initial lists done"
 
-func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, workers int) (err error) {
-	bed, closeBed, err := testbed.Start(ctx, 1, 8080, 5353)
-	defer func() { err = errors.Join(err, closeBed()) }()
-	if err != nil {
-		return err
-	}
+// clusterRun is one cold start's figures.
+type clusterRun struct {
+	listed, inForce   time.Duration // from process start; listed 0 when the binary does not log it
+	cpuSelf, cpuChild time.Duration
+	rssKiB, peakKiB   int64
+}
+
+// runCluster starts the control plane, creates the objects once, then cold-starts each binary
+// in proxies (round robin, rounds times) in a fresh node namespace each time, so the binaries
+// are compared in one run on the same API server.
+func runCluster(ctx context.Context, proxies []string, nServices, nEndpoints, workers, rounds int) (err error) {
 	startCtx, cancel := context.WithTimeout(ctx, framework.DefaultStartTimeout)
 	cp, err := framework.Start(startCtx, framework.Options{})
 	cancel()
@@ -55,24 +61,68 @@ func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, worker
 		return err
 	}
 	created := time.Since(t0)
+	fmt.Printf("cluster mode: service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
+	fmt.Printf("creating %d Services + %d EndpointSlices with %d workers: %v (%.0f objects/s)\n", nServices, nServices, workers,
+		created.Round(time.Millisecond), float64(2*nServices)/created.Seconds())
 
+	results := make([][]clusterRun, len(proxies))
+	for round := range rounds {
+		for i, proxy := range proxies {
+			r, err := coldStartCluster(ctx, cp, proxy, nServices)
+			if err != nil {
+				return fmt.Errorf("%s, round %d: %w", proxy, round+1, err)
+			}
+			results[i] = append(results[i], r)
+			fmt.Printf("%s round %d: lists done %v, all portals in force %v (after the lists %v); CPU %v (proxy %v, iptables %v); RSS %.1f MiB, peak %.1f MiB\n",
+				proxy, round+1, r.listed.Round(time.Millisecond), r.inForce.Round(time.Millisecond), (r.inForce - r.listed).Round(time.Millisecond),
+				(r.cpuSelf + r.cpuChild).Round(time.Millisecond), r.cpuSelf.Round(time.Millisecond), r.cpuChild.Round(time.Millisecond),
+				float64(r.rssKiB)/1024, float64(r.peakKiB)/1024)
+		}
+	}
+	for i, proxy := range proxies {
+		rs := results[i]
+		med := func(f func(clusterRun) time.Duration) time.Duration {
+			var v []time.Duration
+			for _, r := range rs {
+				v = append(v, f(r))
+			}
+			slices.Sort(v)
+			return v[len(v)/2].Round(time.Millisecond)
+		}
+		fmt.Printf("%s, median of %d: process start -> lists done %v; lists done -> all portals in force %v; cold start %v; CPU %v\n",
+			proxy, len(rs), med(func(r clusterRun) time.Duration { return r.listed }),
+			med(func(r clusterRun) time.Duration { return r.inForce - r.listed }),
+			med(func(r clusterRun) time.Duration { return r.inForce }),
+			med(func(r clusterRun) time.Duration { return r.cpuSelf + r.cpuChild }))
+	}
+	return nil
+}
+
+// coldStartCluster starts proxy in a fresh node namespace on cp (through a relay) and measures
+// until every portal is in force.
+func coldStartCluster(ctx context.Context, cp *framework.ControlPlane, proxy string, nServices int) (r clusterRun, err error) {
+	bed, closeBed, err := testbed.Start(ctx, 1, 8080, 5353)
+	defer func() { err = errors.Join(err, closeBed()) }()
+	if err != nil {
+		return r, err
+	}
 	dir, err := os.MkdirTemp("", "kpp-scale-cluster-")
 	if err != nil {
-		return err
+		return r, err
 	}
 	defer os.RemoveAll(dir)
 	server, err := url.Parse(cp.Server)
 	if err != nil {
-		return err
+		return r, err
 	}
 	rl, err := framework.StartRelay(bed.Node, server.Host)
 	if err != nil {
-		return err
+		return r, err
 	}
 	defer rl.Close()
 	kubeconfig := filepath.Join(dir, "kube-proxy.kubeconfig")
 	if err := framework.WriteRelayedKubeconfig(cp.ProxyKubeconfig, kubeconfig, "https://"+rl.Addr()); err != nil {
-		return err
+		return r, err
 	}
 
 	start := time.Now()
@@ -82,11 +132,11 @@ func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, worker
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
-		return err
+		return r, err
 	}
 	cmd.Stdout = os.Stderr
 	if err := cmd.Start(); err != nil {
-		return err
+		return r, err
 	}
 	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
 	listed := watchLog(stderr, listedMessage)
@@ -94,39 +144,27 @@ func runCluster(ctx context.Context, proxy string, nServices, nEndpoints, worker
 
 	synced, err := waitPortal(ctx, bed, netip.AddrPortFrom(apiClusterIP(nServices-1), 80))
 	if err != nil {
-		return err
+		return r, err
 	}
-	coldSelf, coldChildren := procstat.OwnCPUTime(cmd.Process.Pid)
-	var listedAt time.Time
-	select { // the line comes before the first sync, so it has been read by now or at once
-	case listedAt = <-listed:
-	case <-time.After(10 * time.Second):
-		return fmt.Errorf("the proxy never logged %q", listedMessage)
-	case <-ctx.Done():
-		return ctx.Err()
+	r.cpuSelf, r.cpuChild = procstat.OwnCPUTime(cmd.Process.Pid)
+	r.inForce = synced.Sub(start)
+	select { // the line comes before the first sync: read by now, or never (an older binary)
+	case at := <-listed:
+		r.listed = at.Sub(start)
+	default:
 	}
 	if err := waitRules(ctx, bed, nServices); err != nil {
-		return err
+		return r, err
 	}
 	if err := <-profiled; err != nil {
-		return err
+		return r, err
 	}
 	pid, err := proxyPID(cmd.Process.Pid)
 	if err != nil {
-		return err
+		return r, err
 	}
-	rss, peak := procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
-	fmt.Printf("cluster mode: service ports: %d, endpoints: %d\n", nServices, nServices*nEndpoints)
-	fmt.Printf("creating %d Services + %d EndpointSlices with %d workers: %v (%.0f objects/s)\n", nServices, nServices, workers,
-		created.Round(time.Millisecond), float64(2*nServices)/created.Seconds())
-	fmt.Printf("process start -> informers' initial lists done: %v\n", listedAt.Sub(start).Round(time.Millisecond))
-	fmt.Printf("initial lists done -> all portals in force: %v\n", synced.Sub(listedAt).Round(time.Millisecond))
-	fmt.Printf("cold start to all portals in force: %v\n", synced.Sub(start).Round(time.Millisecond))
-	fmt.Printf("CPU until then: %v (proxy %v, the iptables commands it ran %v)\n", (coldSelf + coldChildren).Round(time.Millisecond),
-		coldSelf.Round(time.Millisecond), coldChildren.Round(time.Millisecond))
-	fmt.Printf("RSS with everything loaded: %.1f MiB right after the initial sync; peak %.1f MiB\n",
-		float64(rss)/1024, float64(peak)/1024)
-	return nil
+	r.rssKiB, r.peakKiB = procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
+	return r, nil
 }
 
 // klogInfo matches client-go's info lines (klog: "I1123 16:11:02.377184 ...").

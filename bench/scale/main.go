@@ -39,11 +39,17 @@ func main() {
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
 	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file; measures the cold start only")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
+	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) cold-started in the same run, in turn with -proxy, for a side-by-side figure")
+	rounds := flag.Int("rounds", 1, "-cluster: cold starts per binary")
 	flag.Parse()
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-		abs, _ := filepath.Abs(*proxy)
-		err := runCluster(ctx, abs, *services, *endpoints, *workers)
+		var proxies []string
+		for _, p := range append([]string{*proxy}, strings.Fields(*baseline)...) {
+			abs, _ := filepath.Abs(p)
+			proxies = append(proxies, abs)
+		}
+		err := runCluster(ctx, proxies, *services, *endpoints, *workers, *rounds)
 		stop()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "scale:", err)
