@@ -415,7 +415,6 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 	p.mu.Lock()
 	ports := p.latest[name]
 	node := p.node
-	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
 	sl := p.slices.get(name)
 
@@ -442,6 +441,13 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 		}
 	}
 	p.updateLocalCount(name, ports, sl, node.Name)
+	// Read after the selections are in: when the initial lists are reported synced meanwhile,
+	// either this sees it and triggers, or the sync that setSynced triggers reads them. (Read
+	// before, a slice delivered during the first sync could be left out of it and never synced:
+	// its service rejected traffic until an unrelated change.)
+	p.mu.Lock()
+	synced := p.servicesSynced && p.endpointsSynced
+	p.mu.Unlock()
 	if rulesChanged && synced {
 		p.deps.Health.QueuedUpdate()
 		p.runner.Trigger()

@@ -42,6 +42,7 @@ type clusterRun struct {
 	listed, inForce   time.Duration // from process start; listed 0 when the binary does not log it
 	cpuSelf, cpuChild time.Duration
 	rssKiB, peakKiB   int64
+	incomplete        string // why not every portal rule was in force 30 s after the last one worked
 }
 
 // runCluster starts the control plane, creates the objects once, then cold-starts each binary
@@ -77,6 +78,9 @@ func runCluster(ctx context.Context, proxies []string, nServices, nEndpoints, wo
 				proxy, round+1, r.listed.Round(time.Millisecond), r.inForce.Round(time.Millisecond), (r.inForce - r.listed).Round(time.Millisecond),
 				(r.cpuSelf + r.cpuChild).Round(time.Millisecond), r.cpuSelf.Round(time.Millisecond), r.cpuChild.Round(time.Millisecond),
 				float64(r.rssKiB)/1024, float64(r.peakKiB)/1024)
+			if r.incomplete != "" {
+				fmt.Printf("    INCOMPLETE: %s\n", r.incomplete)
+			}
 		}
 	}
 	for i, proxy := range proxies {
@@ -153,8 +157,13 @@ func coldStartCluster(ctx context.Context, cp *framework.ControlPlane, proxy str
 		r.listed = at.Sub(start)
 	default:
 	}
-	if err := waitRules(ctx, bed, nServices); err != nil {
-		return r, err
+	// A proxy that synced part of the initial lists may never catch up (main before the fix of
+	// the informers' synced report): record it and go on with the other runs.
+	if err := waitRulesFor(ctx, bed, nServices, 30*time.Second); err != nil {
+		if ctx.Err() != nil {
+			return r, err
+		}
+		r.incomplete = err.Error()
 	}
 	if err := <-profiled; err != nil {
 		return r, err

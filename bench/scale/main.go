@@ -285,7 +285,11 @@ func waitPortal(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort) (tim
 
 // waitRules waits until the node's nat table holds a portal rule per service port (two chains).
 func waitRules(ctx context.Context, bed *testbed.Bed, n int) error {
-	return testbed.Eventually(ctx, 10*time.Minute, 250*time.Millisecond, func() error {
+	return waitRulesFor(ctx, bed, n, 10*time.Minute)
+}
+
+func waitRulesFor(ctx context.Context, bed *testbed.Bed, n int, limit time.Duration) error {
+	return testbed.Eventually(ctx, limit, 250*time.Millisecond, func() error {
 		out, err := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
 		if err != nil {
 			return err
