@@ -96,3 +96,57 @@ func TestInformerSourceReportsSyncedOnlyAfterEveryObjectOfTheInitialListIsDelive
 		t.Errorf("synced reported with %d of %d services and %d of %d slices delivered, want all", h.servicesAtSync, n, h.slicesAtSync, n)
 	}
 }
+
+// managedHandler records whether any delivered object still had managedFields.
+type managedHandler struct {
+	countingHandler
+	withManaged int
+}
+
+func (h *managedHandler) OnServiceAdd(s *v1.Service) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.services++
+	if len(s.ManagedFields) > 0 {
+		h.withManaged++
+	}
+}
+
+func (h *managedHandler) OnEndpointSliceAdd(s *discovery.EndpointSlice) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.slices++
+	if len(s.ManagedFields) > 0 {
+		h.withManaged++
+	}
+}
+
+func TestInformerSourceCachesObjectsWithoutManagedFields(t *testing.T) {
+	managed := []metav1.ManagedFieldsEntry{{Manager: "kubectl", Operation: metav1.ManagedFieldsOperationApply}}
+	h := &managedHandler{}
+	src := NewInformerSource(fake.NewSimpleClientset(
+		&v1.Service{ObjectMeta: metav1.ObjectMeta{Name: "a", Namespace: "ns", ManagedFields: managed},
+			Spec: v1.ServiceSpec{ClusterIP: "10.96.0.10", Ports: []v1.ServicePort{{Name: "http", Port: 80}}}},
+		&discovery.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Name: "a-1", Namespace: "ns", ManagedFields: managed,
+			Labels: map[string]string{discovery.LabelServiceName: "a"}}, AddressType: discovery.AddressTypeIPv4},
+	), 0, h, logrus.New())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- src.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	testenv.WaitFor(t, "both objects delivered and the lists synced", func() bool {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return h.services == 1 && h.slices == 1 && h.servicesSynced && h.slicesSynced
+	})
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.withManaged != 0 {
+		t.Errorf("%d objects delivered with managedFields, want none", h.withManaged)
+	}
+}
