@@ -94,10 +94,11 @@ func runCluster(ctx context.Context, proxies []string, nServices, nEndpoints, wo
 			slices.Sort(v)
 			return v[len(v)/2].Round(time.Millisecond)
 		}
-		fmt.Printf("%s, median of %d: process start -> lists done %v; lists done -> all portals in force %v; cold start %v; CPU %v\n",
+		fmt.Printf("%s, median of %d: process start -> lists done %v; lists done -> last portal works %v; cold start %v (every rule seen %v); CPU %v\n",
 			proxy, len(rs), med(func(r clusterRun) time.Duration { return r.listed }),
 			med(func(r clusterRun) time.Duration { return r.inForce - r.listed }),
 			med(func(r clusterRun) time.Duration { return r.inForce }),
+			med(func(r clusterRun) time.Duration { return r.allRules }),
 			med(func(r clusterRun) time.Duration { return r.cpuSelf + r.cpuChild }))
 	}
 	return nil
