@@ -412,15 +412,18 @@ func triggerTime(s *discovery.EndpointSlice, arrived time.Time) time.Time {
 // is the policy (UDP always; TCP with DrainTCP). When a port's refusals or socket split change, the
 // portals must change too, so a sync is asked for.
 func (p *Proxier) applyEndpoints(name service.NamespacedName) {
+	// The Service and its slices arrive on different goroutines, each storing its object and then
+	// applying. Both are read under epMu, so whichever applies last sees both: read before it, an
+	// apply that had read the Service without its slice could run last and leave the port with no
+	// endpoints (seen at 10,000 services: one port rejecting traffic until its next change).
+	p.epMu.Lock()
+	defer p.epMu.Unlock()
 	p.mu.Lock()
 	ports := p.latest[name]
 	node := p.node
-	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
 	sl := p.slices.get(name)
 
-	p.epMu.Lock()
-	defer p.epMu.Unlock()
 	rulesChanged := false
 	for _, port := range ports {
 		eps := endpointsFor(port, sl)
@@ -442,6 +445,13 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 		}
 	}
 	p.updateLocalCount(name, ports, sl, node.Name)
+	// Read after the selections are in: when the initial lists are reported synced meanwhile,
+	// either this sees it and triggers, or the sync that setSynced triggers reads them. (Read
+	// before, a slice delivered during the first sync could be left out of it and never synced:
+	// its service rejected traffic until an unrelated change.)
+	p.mu.Lock()
+	synced := p.servicesSynced && p.endpointsSynced
+	p.mu.Unlock()
 	if rulesChanged && synced {
 		p.deps.Health.QueuedUpdate()
 		p.runner.Trigger()

@@ -542,3 +542,40 @@ func TestSyncDualStackOpensOneSocketPerFamilyOnOnePort(t *testing.T) {
 		t.Errorf("specs = %+v, want one with ProxyPort 40001", e.portals.specs)
 	}
 }
+
+func TestSyncServiceAndSliceDeliveredConcurrentlyBothCount(t *testing.T) {
+	// The informers deliver Services and EndpointSlices on two goroutines. Whatever the
+	// interleaving, every port whose Service and slice both arrived has its endpoint at the first
+	// sync: none is left refusing traffic.
+	const n = 2000
+	e := newFakeEnv(t, nil)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for i := range n {
+			e.p.OnServiceAdd(makeService("ns", fmt.Sprintf("s%d", i), fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), nil, tcpPort("http", 80)))
+		}
+	})
+	wg.Go(func() {
+		for i := range n {
+			e.p.OnEndpointSliceAdd(makeSlice("ns", fmt.Sprintf("s%d", i), fmt.Sprintf("s%d-1", i), discovery.AddressTypeIPv4,
+				[]discovery.EndpointPort{slicePortOf("http", v1.ProtocolTCP, 8080)}, sliceEP{addr: "10.245.0.1"}))
+		}
+	})
+	wg.Wait()
+	e.synced()
+	e.sync()
+	e.portals.mu.Lock()
+	defer e.portals.mu.Unlock()
+	if len(e.portals.specs) != n {
+		t.Fatalf("%d specs, want %d", len(e.portals.specs), n)
+	}
+	var refusing []string
+	for _, s := range e.portals.specs {
+		if s.RejectInternal {
+			refusing = append(refusing, s.Name.String())
+		}
+	}
+	if len(refusing) > 0 {
+		t.Errorf("%d ports refuse traffic though their endpoint arrived, e.g. %v", len(refusing), refusing[:min(5, len(refusing))])
+	}
+}

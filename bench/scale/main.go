@@ -4,6 +4,8 @@
 // (and peak) and idle CPU with them loaded, and the network programming latency of one change
 // (a new Service + EndpointSlice until traffic through its cluster IP works). -cpuprofile and
 // -trace fetch a profile or an execution trace of the cold start from the proxy's /debug/pprof.
+// -cluster does the cold start against a real API server instead (etcd + kube-apiserver from
+// e2e/framework): process start -> informers' initial lists -> every portal in force.
 // Not part of CI: go run ./bench/scale (as root).
 package main
 
@@ -35,7 +37,26 @@ func main() {
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
+	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file; measures the cold start only")
+	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
+	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) cold-started in the same run, in turn with -proxy, for a side-by-side figure")
+	rounds := flag.Int("rounds", 1, "-cluster: cold starts per binary")
 	flag.Parse()
+	if *cluster {
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+		var proxies []string
+		for _, p := range append([]string{*proxy}, strings.Fields(*baseline)...) {
+			abs, _ := filepath.Abs(p)
+			proxies = append(proxies, abs)
+		}
+		err := runCluster(ctx, proxies, *services, *endpoints, *workers, *rounds)
+		stop()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "scale:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if err := run(*proxy, *services, *endpoints, *idle, *changes, *restart); err != nil {
 		fmt.Fprintln(os.Stderr, "scale:", err)
 		os.Exit(1)
@@ -264,7 +285,11 @@ func waitPortal(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort) (tim
 
 // waitRules waits until the node's nat table holds a portal rule per service port (two chains).
 func waitRules(ctx context.Context, bed *testbed.Bed, n int) error {
-	return testbed.Eventually(ctx, 10*time.Minute, 250*time.Millisecond, func() error {
+	return waitRulesFor(ctx, bed, n, 10*time.Minute)
+}
+
+func waitRulesFor(ctx context.Context, bed *testbed.Bed, n int, limit time.Duration) error {
+	return testbed.Eventually(ctx, limit, 250*time.Millisecond, func() error {
 		out, err := bed.Node.Exec(ctx, "iptables-save", "-t", "nat")
 		if err != nil {
 			return err
