@@ -190,7 +190,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	pods := proxier.NewPodIndex() // the access log names the pod behind each endpoint
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
-		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
+		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState, Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,

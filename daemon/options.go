@@ -50,6 +50,7 @@ type Options struct {
 	portalMode         string
 	portalInterface    string
 	handoverSocket     string
+	bindStateFile      string
 
 	// kube-proxy settings for the node, applied at start (config.go, sysctl.go).
 	configFile                string
@@ -149,6 +150,7 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.portalInterface, "portal-interface", bind.DefaultInterface, "Interface that carries the service IPs in --portal-mode=bind.")
 	fs.BoolVar(&o.accessLog, "access-log", false, "Log one line per TCP connection and UDP session when it ends, for every service (per Service: annotation portal-proxy.kubernetes.io/access-log: \"true\").")
 	fs.StringVar(&o.handoverSocket, "handover-socket", "", "Unix socket (a host path) on which a running proxy hands its listening sockets to a new one started with the same flag, so a planned restart or upgrade refuses no connection: the new process takes the sockets, the old one stops accepting once the new one has synced, finishes its connections and exits at SIGTERM. Empty disables.")
+	fs.StringVar(&o.bindStateFile, "bind-state-file", "", "In --portal-mode=bind, a file (a host path) where the proxy keeps which addresses and ports it listens on, so a process restarted after a crash or SIGKILL reopens them before it has read the Services. Empty disables.")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
 	fs.Int32Var(&o.oomScoreAdj, "oom-score-adj", -999, "The oom_score_adj of this process, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE).")
 	fs.Int32Var(&o.conntrackMaxPerCore, "conntrack-max-per-core", 32*1024, "Set nf_conntrack_max to this many entries per CPU (at least --conntrack-min); 0 leaves it as it is.")

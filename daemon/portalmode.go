@@ -29,10 +29,12 @@ type portalMode struct {
 	freeBind  bool                                 // sockets bind service IPs before they are local
 	collector prometheus.Collector                 // mode-specific metrics, or nil
 	describe  func() string                        // /debug/rules
-	// steered reads the proxy ports the portal rules in force point at (a previous process's);
-	// nil when no rule points at a proxy port (bind mode).
+	// steered reads the proxy ports the portal rules in force point at (a previous process's),
+	// or in bind mode where the previous process listened (--bind-state-file); nil: nothing to read.
 	steered func(ctx context.Context) ([]proxier.Seed, error)
-	close   func()
+	// listenState keeps, in bind mode, where the sockets listen after each sync; nil: not kept.
+	listenState func([]proxier.Seed)
+	close       func()
 }
 
 // newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
@@ -42,10 +44,17 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		nl := &bind.Netlink{}
 		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)
 		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil).InterfaceAddrs
+		var steered func(context.Context) ([]proxier.Seed, error)
+		var listenState func([]proxier.Seed)
+		if o.bindStateFile != "" {
+			steered, listenState = boundSeeds(o.bindStateFile, localAddrs), saveBoundSeeds(o.bindStateFile, log)
+		}
 		return &portalMode{
-			portals:  b,
-			plan:     bindPlan(o.nodePorts, nodeAddrs),
-			freeBind: true,
+			steered:     steered,
+			listenState: listenState,
+			portals:     b,
+			plan:        bindPlan(o.nodePorts, nodeAddrs),
+			freeBind:    true,
 			describe: func() string {
 				var b2 strings.Builder
 				fmt.Fprintf(&b2, "# bind mode: service IPs on %s\n", o.portalInterface)

@@ -29,6 +29,8 @@ var ErrStateCorrupt = errors.New("bind state file unreadable")
 type ListenState struct {
 	Name     service.ServicePortName `json:"name"`
 	Protocol service.Protocol        `json:"protocol"`
+	// Port is the service port (a socket on a cluster or load-balancer IP listens on it).
+	Port uint16 `json:"port"`
 	// Listen is where the port's socket listens (its cluster traffic only when External is set).
 	Listen []netip.AddrPort `json:"listen"`
 	// External, when not empty, is where its separate external-traffic socket listens.
