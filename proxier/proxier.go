@@ -173,6 +173,9 @@ type Proxier struct {
 	seeds    []Seed
 	seeded   map[service.ServicePortName]bool
 	keepPort map[service.ServicePortName]uint16
+	// listenChanged: a socket stopped or started refusing since the last saved listen state
+	// (bind mode; Config.ListenState is given the state only after a sync that changed it).
+	listenChanged bool
 	// endpointsReady is closed once the initial Services and EndpointSlices are in.
 	endpointsReady chan struct{}
 	readyOnce      sync.Once

@@ -7,7 +7,6 @@ package proxier
 // which keeps those whose addresses it still wants.
 
 import (
-	"cmp"
 	"net/netip"
 	"slices"
 
@@ -120,8 +119,8 @@ func sameAddrs(a, b []netip.AddrPort) bool {
 	return slices.Equal(a, b)
 }
 
-// listenState lists, in bind mode, where every open service port listens, for the state file a
-// restarted process reopens from. A port whose cluster socket refuses (no endpoint) is left out:
+// listenState lists, in bind mode, where every open service port listens (in no order), for the
+// state file a restarted process reopens from. A port whose cluster socket refuses (no endpoint) is left out:
 // after a restart nothing should listen there either.
 func (p *Proxier) listenState() []Seed {
 	p.activeMu.RLock()
@@ -143,13 +142,11 @@ func (p *Proxier) listenState() []Seed {
 		}
 		out = append(out, s)
 	}
-	slices.SortFunc(out, func(x, y Seed) int {
-		return cmp.Or(cmp.Compare(x.Name.String(), y.Name.String()), cmp.Compare(x.Protocol, y.Protocol))
-	})
 	return out
 }
 
-// saveListenState hands the bind-mode listen state to Config.ListenState after a sync that worked.
+// saveListenState hands the bind-mode listen state to Config.ListenState after a sync that worked
+// and changed something (the caller checks), so a periodic sync of 10,000 ports costs nothing.
 func (p *Proxier) saveListenState() {
 	if p.cfg.ListenPlan == nil || p.cfg.ListenState == nil {
 		return

@@ -7,6 +7,7 @@ package bind
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,7 +15,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -59,7 +59,8 @@ type StateFile struct {
 func (f *StateFile) Save(ports []ListenState) (bool, error) {
 	ports = slices.Clone(ports)
 	slices.SortFunc(ports, func(a, b ListenState) int {
-		return strings.Compare(a.Name.String()+"/"+string(a.Protocol), b.Name.String()+"/"+string(b.Protocol))
+		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
+			cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
 	})
 	data, err := json.Marshal(stateFile{Version: StateVersion, Ports: ports})
 	if err != nil {
@@ -75,7 +76,9 @@ func (f *StateFile) Save(ports []ListenState) (bool, error) {
 	return true, nil
 }
 
-// writeAtomic replaces path with data: a reader (or a crash) sees the old file or the new one.
+// writeAtomic replaces path with data: a reader (or a killed writer) sees the old file or the new
+// one. There is no fsync: the state only matters while the portal link keeps its addresses, and a
+// node that loses the file's data by crashing also loses the link.
 func writeAtomic(path string, data []byte) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
 	if err != nil {
@@ -83,9 +86,6 @@ func writeAtomic(path string, data []byte) error {
 	}
 	name := tmp.Name()
 	_, err = tmp.Write(data)
-	if err == nil {
-		err = tmp.Sync()
-	}
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
 	}
