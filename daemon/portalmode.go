@@ -32,9 +32,9 @@ type portalMode struct {
 	// steered reads the proxy ports the portal rules in force point at (a previous process's),
 	// or in bind mode where the previous process listened (--bind-state-file); nil: nothing to read.
 	steered func(ctx context.Context) ([]proxier.Seed, error)
-	// listenState keeps, in bind mode, where the sockets listen after each sync; nil: not kept.
-	listenState func([]proxier.Seed)
-	close       func()
+	// state keeps, in bind mode, where the sockets listen after each sync; nil: not kept.
+	state *stateWriter
+	close func()
 }
 
 // newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
@@ -45,16 +45,16 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)
 		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil).InterfaceAddrs
 		var steered func(context.Context) ([]proxier.Seed, error)
-		var listenState func([]proxier.Seed)
+		var state *stateWriter
 		if o.bindStateFile != "" {
-			steered, listenState = boundSeeds(o.bindStateFile, localAddrs), saveBoundSeeds(o.bindStateFile, log)
+			steered, state = boundSeeds(o.bindStateFile, localAddrs), newStateWriter(saveBoundSeeds(o.bindStateFile, log))
 		}
 		return &portalMode{
-			steered:     steered,
-			listenState: listenState,
-			portals:     b,
-			plan:        bindPlan(o.nodePorts, nodeAddrs),
-			freeBind:    true,
+			steered:  steered,
+			state:    state,
+			portals:  b,
+			plan:     bindPlan(o.nodePorts, nodeAddrs),
+			freeBind: true,
 			describe: func() string {
 				var b2 strings.Builder
 				fmt.Fprintf(&b2, "# bind mode: service IPs on %s\n", o.portalInterface)
@@ -125,4 +125,12 @@ func bindPlan(nodePortCIDRs []netip.Prefix, ifaceAddrs map[string][]netip.Addr) 
 		}
 		return out
 	}
+}
+
+// listenState is the proxier's Config.ListenState: nil unless the bind state is kept.
+func (pm *portalMode) listenState() func([]proxier.Seed) {
+	if pm.state == nil {
+		return nil
+	}
+	return pm.state.Offer
 }

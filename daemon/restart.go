@@ -110,3 +110,38 @@ func localAddrs() (func(netip.Addr) bool, error) {
 	}
 	return func(a netip.Addr) bool { return set[a.Unmap()] }, nil
 }
+
+// stateWriter saves the bind state off the sync goroutine (encoding 10,000 ports takes tens of
+// milliseconds): Offer, called by the sync after each sync that changed something, replaces the
+// state waiting to be written; Run writes the latest one.
+type stateWriter struct {
+	save    func([]proxier.Seed)
+	pending chan []proxier.Seed
+}
+
+func newStateWriter(save func([]proxier.Seed)) *stateWriter {
+	return &stateWriter{save: save, pending: make(chan []proxier.Seed, 1)}
+}
+
+// Offer queues seeds for writing, dropping an older state not yet written. It has one caller (the
+// sync goroutine), so the send after the drain never blocks.
+func (w *stateWriter) Offer(seeds []proxier.Seed) {
+	select {
+	case <-w.pending:
+	default:
+	}
+	w.pending <- seeds
+}
+
+// Run writes until ctx is done (a process that handed over stops writing: its successor owns
+// the file).
+func (w *stateWriter) Run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case seeds := <-w.pending:
+			w.save(seeds)
+		}
+	}
+}

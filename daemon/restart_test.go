@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
@@ -67,4 +68,29 @@ func TestBoundSeeds(t *testing.T) {
 			t.Errorf("%d log lines for two failed writes, want 1", n)
 		}
 	})
+}
+
+func TestStateWriterWritesTheLatestState(t *testing.T) {
+	saved := make(chan []proxier.Seed, 4)
+	w := newStateWriter(func(s []proxier.Seed) { saved <- s })
+	older := []proxier.Seed{{Name: service.ServicePortName{Name: "older"}}}
+	latest := []proxier.Seed{{Name: service.ServicePortName{Name: "latest"}}}
+	w.Offer(older)
+	w.Offer(latest) // replaces older before it is written
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); w.Run(ctx) }()
+	select {
+	case got := <-saved:
+		if len(got) != 1 || got[0].Name.Name != "latest" {
+			t.Errorf("wrote %+v, want the latest state", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing written")
+	}
+	cancel()
+	<-done
+	if len(saved) != 0 {
+		t.Errorf("the replaced state was written too: %+v", <-saved)
+	}
 }
