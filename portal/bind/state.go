@@ -48,7 +48,8 @@ type stateFile struct {
 
 // StateFile keeps the listen state in one file, replaced atomically (a temporary file in the same
 // directory, then rename), so a reader finds the old state or the new one, never half of one.
-// Save writes only when the state changed. It is used from one goroutine (the sync loop).
+// Save writes only when the state changed. It is not safe for concurrent use (the daemon calls it
+// from one writer goroutine).
 type StateFile struct {
 	Path string
 	last []byte
