@@ -125,6 +125,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if client != nil {
 		servingTasks = append(servingTasks, watchNode(client, node, o.configSyncPeriod, target, log))
 	}
+	if pm.state != nil {
+		servingTasks = append(servingTasks, pm.state.Run)
+	}
 	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}}, inh)
 	if err != nil {
 		return err
@@ -197,7 +200,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	pods := proxier.NewPodIndex() // the access log names the pod behind each endpoint
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
-		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, Clock: clk, Logger: log,
+		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState(), Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,

@@ -29,10 +29,12 @@ type portalMode struct {
 	freeBind  bool                                 // sockets bind service IPs before they are local
 	collector prometheus.Collector                 // mode-specific metrics, or nil
 	describe  func() string                        // /debug/rules
-	// steered reads the proxy ports the portal rules in force point at (a previous process's);
-	// nil when no rule points at a proxy port (bind mode).
+	// steered reads the proxy ports the portal rules in force point at (a previous process's),
+	// or in bind mode where the previous process listened (--bind-state-file); nil: nothing to read.
 	steered func(ctx context.Context) ([]proxier.Seed, error)
-	close   func()
+	// state keeps, in bind mode, where the sockets listen after each sync; nil: not kept.
+	state *stateWriter
+	close func()
 }
 
 // newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
@@ -42,7 +44,14 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		nl := &bind.Netlink{}
 		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)
 		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil).InterfaceAddrs
+		var steered func(context.Context) ([]proxier.Seed, error)
+		var state *stateWriter
+		if o.bindStateFile != "" {
+			steered, state = boundSeeds(o.bindStateFile, localAddrs), newStateWriter(saveBoundSeeds(o.bindStateFile, log))
+		}
 		return &portalMode{
+			steered:  steered,
+			state:    state,
 			portals:  b,
 			plan:     bindPlan(o.nodePorts, nodeAddrs),
 			freeBind: true,
@@ -116,4 +125,12 @@ func bindPlan(nodePortCIDRs []netip.Prefix, ifaceAddrs map[string][]netip.Addr) 
 		}
 		return out
 	}
+}
+
+// listenState is the proxier's Config.ListenState: nil unless the bind state is kept.
+func (pm *portalMode) listenState() func([]proxier.Seed) {
+	if pm.state == nil {
+		return nil
+	}
+	return pm.state.Offer
 }

@@ -233,6 +233,10 @@ func TestRestartAfterSIGKILL(t *testing.T) {
 
 func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
 	n, targets, udpTargets := restartNode(t)
+	if mode == "bind" {
+		// Where the killed process listened, so the new one reopens it before reading the API.
+		flags = append(slices.Clone(flags), "--bind-state-file="+filepath.Join(n.dir, "bind-state.json"))
+	}
 	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
 
@@ -268,6 +272,11 @@ func testRestartAfterSIGKILL(t *testing.T, mode string, flags []string) {
 			t.Errorf("the restarted process did not rebind the proxy sockets of the rules in force: %q", line)
 		}
 	case "bind":
+		line := lineWith(second.LogTail(2000), "Reopened the sockets of the bind state file")
+		t.Logf("new process: %s", line)
+		if strings.Contains(line, " reopened=0 ") || line == "" {
+			t.Errorf("the restarted process did not reopen the sockets of the bind state file: %q", line)
+		}
 		// The addresses outlived the process: every TCP failure was the kernel refusing at once
 		// (or a connection the dying process had accepted), none a timeout. UDP queries are
 		// refused with ICMP port unreachable too, but the kernel sends at most 6 of those to one

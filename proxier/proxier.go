@@ -70,6 +70,10 @@ type Config struct {
 	// portal IP at the service port, node addresses at the node port). Nil means one socket on
 	// ListenIP at a port from PortRange, for the portal rules to redirect to (iptables mode).
 	ListenPlan func(p *service.Port) []netip.AddrPort
+	// ListenState, if set, is given in bind mode (ListenPlan) after every sync that worked where
+	// each service port's sockets listen, as seeds for Reopen in the next process (the daemon
+	// keeps them in a state file). It runs in the sync goroutine.
+	ListenState func([]Seed)
 	// ReopenHold bounds how long a socket reopened at start (Reopen) holds a connection that
 	// finds no endpoint before the initial endpoints are in; 0 means DefaultReopenHold.
 	ReopenHold time.Duration
@@ -169,6 +173,9 @@ type Proxier struct {
 	seeds    []Seed
 	seeded   map[service.ServicePortName]bool
 	keepPort map[service.ServicePortName]uint16
+	// listenChanged: a socket stopped or started refusing since the last saved listen state
+	// (bind mode; Config.ListenState is given the state only after a sync that changed it).
+	listenChanged bool
 	// endpointsReady is closed once the initial Services and EndpointSlices are in.
 	endpointsReady chan struct{}
 	readyOnce      sync.Once
@@ -206,6 +213,9 @@ type activePort struct {
 	// filter checks clients of the port's load-balancer IPs against its source ranges (bind mode;
 	// shared by the port's sockets).
 	filter *sourceFilter
+	// listen is where a socket reopened from the bind state listens, until the first sync
+	// decides whether it keeps it (boundAdoptable).
+	listen []netip.AddrPort
 }
 
 // New builds a proxier. It opens nothing and starts nothing: call Run.

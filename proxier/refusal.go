@@ -75,6 +75,7 @@ func (p *Proxier) reconcileRefusals() {
 		p.activeMu.Lock()
 		c.a.refusing = c.want
 		p.activeMu.Unlock()
+		p.listenChanged = true
 		log.WithField("refusing", c.want).Debug("Proxy socket refusing changed")
 	}
 }

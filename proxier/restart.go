@@ -31,21 +31,28 @@ import (
 const DefaultReopenHold = 5 * time.Second
 
 // Seed is a service port's proxy socket as the portal rules in force point at it (read back from
-// the kernel at start).
+// the kernel at start), or in bind mode as the previous process listened (its state file).
 type Seed struct {
 	Name     service.ServicePortName
 	Protocol service.Protocol
 	// ProxyPort is where the rules send the port's cluster traffic; ExternalProxyPort, when not
-	// 0, where they send its external traffic (a port with a Local traffic policy).
+	// 0, where they send its external traffic (a port with a Local traffic policy). In bind mode
+	// ProxyPort is the service port and ExternalProxyPort is not used.
 	ProxyPort, ExternalProxyPort uint16
 	// Families are the families the socket listens in (its portal addresses' families).
 	Families []portal.Family
+
+	// Bind mode (Config.ListenPlan) only: Listen is where the port's socket listened, External,
+	// when not empty, where its separate external-traffic socket did. LoadBalancerIPs and
+	// SourceRanges let the reopened sockets on load-balancer IPs check their clients.
+	Listen, External []netip.AddrPort
+	LoadBalancerIPs  []netip.Addr
+	SourceRanges     []netip.Prefix
 }
 
-// Reopen asks Run to reopen, before anything else, a socket on each seed's proxy ports, so that
-// the portal rules a previous process left in place lead somewhere again. Call it before Run. It
-// is ignored when sockets listen on the service addresses themselves (Config.ListenPlan, bind
-// mode), where no rule points at a proxy port.
+// Reopen asks Run to reopen, before anything else, a socket on each seed's proxy ports (in bind
+// mode, on each seed's addresses), so that the portal rules (the addresses) a previous process
+// left in place lead somewhere again. Call it before Run.
 func (p *Proxier) Reopen(seeds []Seed) {
 	p.seeds = slices.Clone(seeds)
 }
@@ -53,7 +60,11 @@ func (p *Proxier) Reopen(seeds []Seed) {
 // reopen opens the seeds' sockets. A port another process took since is reported and left to the
 // first sync, which allocates another one. It runs in the sync goroutine, before the first sync.
 func (p *Proxier) reopen() {
-	if len(p.seeds) == 0 || p.cfg.ListenPlan != nil {
+	if len(p.seeds) == 0 {
+		return
+	}
+	if p.cfg.ListenPlan != nil {
+		p.reopenBound()
 		return
 	}
 	start := p.cfg.Clock.Now()
@@ -75,7 +86,7 @@ func (p *Proxier) reopen() {
 			continue
 		}
 		port := s.port()
-		sock, err := p.listenFamilies(port, s.ProxyPort, p.holdingBuild(port, port.Name))
+		sock, err := p.listenFamilies(port, s.ProxyPort, p.holdingBuild(port, port.Name, nil))
 		if err != nil {
 			p.ports.release(s.ProxyPort)
 			log.WithField("proxyPort", s.ProxyPort).WithError(err).Warn("Cannot reopen the proxy port the portal rules point at; the first sync allocates another")
@@ -84,7 +95,7 @@ func (p *Proxier) reopen() {
 		count(sock)
 		a := p.serve(port, sock, s.ProxyPort, log)
 		if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
-			ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name)))
+			ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name), nil))
 			if err == nil {
 				count(ext)
 				a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
@@ -129,9 +140,12 @@ func (s Seed) port() *service.Port {
 // (the access log, PROXY protocol and hold annotations). Otherwise the socket is reopened on the
 // same proxy port.
 func (p *Proxier) adoptable(a *activePort, port *service.Port) bool {
-	return p.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
-		port.ProxyProtocol == "" && port.HoldTimeout == 0 &&
-		slices.Equal(wildcards(a.port), wildcards(port))
+	same := p.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
+		port.ProxyProtocol == "" && port.HoldTimeout == 0
+	if p.cfg.ListenPlan != nil {
+		return same && p.boundAdoptable(a, port)
+	}
+	return same && slices.Equal(wildcards(a.port), wildcards(port))
 }
 
 // dropUnwantedSeeds closes, at the first sync, the reopened sockets of service ports that no
@@ -151,16 +165,17 @@ func (p *Proxier) dropUnwantedSeeds() {
 // the initial endpoints are in. UDP sockets cannot hold (the pick happens on their event loop,
 // which must not block), so they read nothing until then (udp.Gate): datagrams wait in the
 // socket's queue, or after a hand-over go to the predecessor, which reads the same socket.
-// Reopening is iptables mode only, where the rules check source ranges, so no allow-check.
-func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName) func(netip.AddrPort) ProxySocket {
-	return func(netip.AddrPort) ProxySocket {
+// In bind mode the sockets on load-balancer IPs check their clients against filter (allowFor);
+// in iptables mode the rules check the source ranges.
+func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName, filter *sourceFilter) func(netip.AddrPort) ProxySocket {
+	return func(at netip.AddrPort) ProxySocket {
 		var picker Picker = p.deps.Balancer.Service(key)
 		if port.Protocol == service.TCP {
 			picker = &holdPicker{next: picker, ready: p.endpointsReady, done: p.runCtx.Done(), clock: p.cfg.Clock, hold: p.cfg.ReopenHold}
 		} else {
 			picker = &gatedPicker{next: picker, ready: p.reopenGate()}
 		}
-		return p.deps.Sockets(port, picker, nil)
+		return p.deps.Sockets(port, picker, p.allowFor(port, at, filter))
 	}
 }
 

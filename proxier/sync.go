@@ -65,7 +65,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
-	p.unsynced = nil
+	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
+		p.saveListenState()
+	}
+	p.unsynced, p.listenChanged = nil, false
 	if !p.firstSynced {
 		// The first sync after a start built every socket and rule at once: its garbage (the
 		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
@@ -117,7 +120,7 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 			p.activeMu.Unlock()
 			a.filter.set(port.LoadBalancerSourceRanges)
 		case a != nil:
-			if p.seeded[port.Name] { // reopened at start: open again where the rules point
+			if p.seeded[port.Name] && p.cfg.ListenPlan == nil { // reopened at start: open again where the rules point
 				p.keepPort[port.Name] = a.proxyPort
 			}
 			// The port or an address changed: the legacy proxy reopened the socket too.

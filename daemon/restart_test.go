@@ -1,0 +1,96 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	logtest "github.com/sirupsen/logrus/hooks/test"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// Address plan: cluster IPs 10.96.0.10 (still on the link) and 10.96.0.53 (gone), node port 30080
+// on the IPv4 wildcard.
+
+func TestBoundSeeds(t *testing.T) {
+	ap := netip.MustParseAddrPort
+	web := service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}
+	dns := service.ServicePortName{Namespace: "kube-system", Name: "dns", Port: "dns"}
+	saved := []proxier.Seed{
+		{Name: web, Protocol: service.TCP, ProxyPort: 80, Listen: []netip.AddrPort{ap("10.96.0.10:80"), ap("0.0.0.0:30080")}},
+		{Name: dns, Protocol: service.UDP, ProxyPort: 53, Listen: []netip.AddrPort{ap("10.96.0.53:53")}},
+	}
+	local := func() (func(netip.Addr) bool, error) {
+		return func(a netip.Addr) bool { return a == netip.MustParseAddr("10.96.0.10") }, nil
+	}
+
+	t.Run("saved_seeds_still_on_the_link_come_back", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "bind-state.json")
+		saveBoundSeeds(path, logrus.New())(saved)
+		got, err := boundSeeds(path, local)(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != 1 || got[0].Name != web || got[0].ProxyPort != 80 || len(got[0].Listen) != 2 {
+			t.Errorf("seeds = %+v; want only %s on its two addresses (10.96.0.53 left the link)", got, web)
+		}
+	})
+	t.Run("no_file_no_seeds", func(t *testing.T) {
+		got, err := boundSeeds(filepath.Join(t.TempDir(), "none.json"), local)(context.Background())
+		if err != nil || len(got) != 0 {
+			t.Errorf("seeds = %v, %v; want none and no error", got, err)
+		}
+	})
+	t.Run("corrupt_file_is_an_error_and_no_seeds", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "bind-state.json")
+		if err := os.WriteFile(path, []byte("{"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		got, err := boundSeeds(path, local)(context.Background())
+		if !errors.Is(err, bind.ErrStateCorrupt) || len(got) != 0 {
+			t.Errorf("seeds = %v, %v; want none and ErrStateCorrupt", got, err)
+		}
+	})
+	t.Run("a_failing_write_is_logged_once", func(t *testing.T) {
+		log, hook := logtest.NewNullLogger()
+		save := saveBoundSeeds(filepath.Join(t.TempDir(), "missing", "bind-state.json"), log)
+		save(saved)
+		save(saved[:1])
+		if n := len(hook.AllEntries()); n != 1 {
+			t.Errorf("%d log lines for two failed writes, want 1", n)
+		}
+	})
+}
+
+func TestStateWriterWritesTheLatestState(t *testing.T) {
+	saved := make(chan []proxier.Seed, 4)
+	w := newStateWriter(func(s []proxier.Seed) { saved <- s })
+	older := []proxier.Seed{{Name: service.ServicePortName{Name: "older"}}}
+	latest := []proxier.Seed{{Name: service.ServicePortName{Name: "latest"}}}
+	w.Offer(older)
+	w.Offer(latest) // replaces older before it is written
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); w.Run(ctx) }()
+	select {
+	case got := <-saved:
+		if len(got) != 1 || got[0].Name.Name != "latest" {
+			t.Errorf("wrote %+v, want the latest state", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing written")
+	}
+	cancel()
+	<-done
+	if len(saved) != 0 {
+		t.Errorf("the replaced state was written too: %+v", <-saved)
+	}
+}

@@ -1,0 +1,142 @@
+package bind
+
+// state.go: what bind mode listens on, kept in a file so that a process started after a SIGKILL
+// can reopen those sockets before it has read a single Service. The service addresses outlive the
+// process on the portal link, but unlike iptables mode no rule tells the new process which ports
+// were served on them; without the file every connection is refused for the whole cold start.
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// StateVersion is the version of the state file's format. A file of another version is ignored.
+const StateVersion = 1
+
+// ErrStateCorrupt means the state file could not be decoded or has an unknown version.
+var ErrStateCorrupt = errors.New("bind state file unreadable")
+
+// ListenState is one service port's sockets as they listened at the last sync.
+type ListenState struct {
+	Name     service.ServicePortName `json:"name"`
+	Protocol service.Protocol        `json:"protocol"`
+	// Port is the service port (a socket on a cluster or load-balancer IP listens on it).
+	Port uint16 `json:"port"`
+	// Listen is where the port's socket listens (its cluster traffic only when External is set).
+	Listen []netip.AddrPort `json:"listen"`
+	// External, when not empty, is where its separate external-traffic socket listens.
+	External []netip.AddrPort `json:"external,omitempty"`
+	// LoadBalancerIPs and SourceRanges let a reopened socket on a load-balancer IP check its
+	// clients against loadBalancerSourceRanges from the first connection on.
+	LoadBalancerIPs []netip.Addr   `json:"loadBalancerIPs,omitempty"`
+	SourceRanges    []netip.Prefix `json:"sourceRanges,omitempty"`
+}
+
+type stateFile struct {
+	Version int           `json:"version"`
+	Ports   []ListenState `json:"ports"`
+}
+
+// StateFile keeps the listen state in one file, replaced atomically (a temporary file in the same
+// directory, then rename), so a reader finds the old state or the new one, never half of one.
+// Save writes only when the state changed. It is not safe for concurrent use (the daemon calls it
+// from one writer goroutine).
+type StateFile struct {
+	Path string
+	last []byte
+}
+
+// Save writes ports (in any order) unless the file already holds exactly them. It reports
+// whether it wrote.
+func (f *StateFile) Save(ports []ListenState) (bool, error) {
+	ports = slices.Clone(ports)
+	slices.SortFunc(ports, func(a, b ListenState) int {
+		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
+			cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
+	})
+	data, err := json.Marshal(stateFile{Version: StateVersion, Ports: ports})
+	if err != nil {
+		return false, fmt.Errorf("bind state %s: encode: %w", f.Path, err)
+	}
+	if f.last != nil && bytes.Equal(data, f.last) {
+		return false, nil
+	}
+	if err := writeAtomic(f.Path, data); err != nil {
+		return false, fmt.Errorf("bind state %s: %w", f.Path, err)
+	}
+	f.last = data
+	return true, nil
+}
+
+// writeAtomic replaces path with data: a reader (or a killed writer) sees the old file or the new
+// one. There is no fsync: the state only matters while the portal link keeps its addresses, and a
+// node that loses the file's data by crashing also loses the link.
+func writeAtomic(path string, data []byte) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
+	if err != nil {
+		return fmt.Errorf("create temporary file: %w", err)
+	}
+	name := tmp.Name()
+	_, err = tmp.Write(data)
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(name, path)
+	}
+	if err != nil {
+		_ = os.Remove(name)
+		return fmt.Errorf("write: %w", err)
+	}
+	return nil
+}
+
+// ReadState reads the state a previous process saved. A missing file is no state and no error; a
+// file that cannot be decoded, or of another version, is an error wrapping ErrStateCorrupt.
+func ReadState(path string) ([]ListenState, error) {
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("bind state %s: %w", path, err)
+	}
+	var st stateFile
+	if err := json.Unmarshal(data, &st); err != nil {
+		return nil, fmt.Errorf("bind state %s: %w: %w", path, ErrStateCorrupt, err)
+	}
+	if st.Version != StateVersion {
+		return nil, fmt.Errorf("bind state %s: %w: version %d, want %d", path, ErrStateCorrupt, st.Version, StateVersion)
+	}
+	return st.Ports, nil
+}
+
+// Present keeps the ports whose every address is still local (on the portal link or another
+// interface; an unspecified address, a node port's wildcard, always is). A socket on an address
+// that is gone would listen (the sockets bind with IP_FREEBIND) but receive nothing; a port with
+// only some of its addresses left is not reopened either, since the first sync would reopen it.
+func Present(ports []ListenState, local func(netip.Addr) bool) []ListenState {
+	keep := func(addrs []netip.AddrPort) []netip.AddrPort {
+		return slices.DeleteFunc(slices.Clone(addrs), func(a netip.AddrPort) bool {
+			return !a.Addr().IsUnspecified() && !local(a.Addr())
+		})
+	}
+	var out []ListenState
+	for _, p := range ports {
+		listen, ext := keep(p.Listen), keep(p.External)
+		if len(listen) != len(p.Listen) || len(ext) != len(p.External) {
+			continue
+		}
+		out = append(out, p)
+	}
+	return out
+}
