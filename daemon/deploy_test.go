@@ -128,6 +128,24 @@ func TestDeployManifests(t *testing.T) {
 		}
 	})
 
+	t.Run("bind_state_file_on_a_host_path", func(t *testing.T) {
+		var path string
+		for _, a := range c.Args {
+			if v, ok := strings.CutPrefix(a, "--bind-state-file="); ok {
+				path = v
+			}
+		}
+		if path == "" {
+			t.Fatalf("args %q lack --bind-state-file: bind mode would refuse every port for a whole cold start after a crash", c.Args)
+		}
+		if !slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool { return vm.MountPath == filepath.Dir(path) }) {
+			t.Errorf("the bind state file %s is not in a mounted host directory (mounts %+v)", path, c.VolumeMounts)
+		}
+		if o.bindStateFile != filepath.Join(filepath.Dir(cfg), "bind-state.json") {
+			t.Errorf("run locally, the bind state file is %s, want it beside the local config", o.bindStateFile)
+		}
+	})
+
 	t.Run("new_pod_ready_only_once_its_own_process_serves", func(t *testing.T) {
 		// The HTTP probes of the new pod of an update reach the old process too (shared health
 		// port); only a file in the new container's own filesystem speaks for the new process.
