@@ -90,7 +90,11 @@ func (d *Daemon) Run(ctx context.Context) error {
 		nodeObj = getNode(ctx, c, node, log)
 		nodeAddrs = nodeAddresses(nodeObj)
 	}
-	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddrs))
+	var notNode []string
+	if o.portalMode == "bind" {
+		notNode = append(notNode, o.portalInterface) // service IPs, left there by a previous process
+	}
+	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddrs, notNode...))
 	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
 		return errors.New("no node IP found (no global unicast address on any interface): set --bind-address")
 	}

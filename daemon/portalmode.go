@@ -43,7 +43,7 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 	if o.portalMode == "bind" {
 		nl := &bind.Netlink{}
 		b := bind.New(bind.Config{Interface: o.portalInterface, Logger: log}, nl)
-		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil).InterfaceAddrs
+		nodeAddrs := proxier.HostNodeIPSources(o.bind, nil, o.portalInterface).InterfaceAddrs
 		var steered func(context.Context) ([]proxier.Seed, error)
 		var state *stateWriter
 		if o.bindStateFile != "" {

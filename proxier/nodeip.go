@@ -22,6 +22,9 @@ type NodeIPSources struct {
 	DefaultRouteIfaces map[portal.Family]string
 	// InterfaceAddrs lists every interface's addresses by interface name.
 	InterfaceAddrs map[string][]netip.Addr
+	// Exclude names interfaces whose addresses are never node IPs: bind mode's portal interface
+	// carries service IPs (still there after a restart, before the first sync).
+	Exclude []string
 }
 
 // NodeIPs picks one node IP per family: the bind address, else the Node object's address, else a
@@ -42,7 +45,7 @@ func NodeIPs(src NodeIPSources) map[portal.Family]netip.Addr {
 		take(a)
 	}
 	for _, fam := range portal.Families {
-		if name, ok := src.DefaultRouteIfaces[fam]; ok {
+		if name, ok := src.DefaultRouteIfaces[fam]; ok && !slices.Contains(src.Exclude, name) {
 			for _, a := range src.InterfaceAddrs[name] {
 				if portal.FamilyOf(a) == fam {
 					take(a)
@@ -52,7 +55,9 @@ func NodeIPs(src NodeIPSources) map[portal.Family]netip.Addr {
 	}
 	names := make([]string, 0, len(src.InterfaceAddrs))
 	for n := range src.InterfaceAddrs {
-		names = append(names, n)
+		if !slices.Contains(src.Exclude, n) {
+			names = append(names, n)
+		}
 	}
 	slices.Sort(names)
 	for _, n := range names {
@@ -65,9 +70,9 @@ func NodeIPs(src NodeIPSources) map[portal.Family]netip.Addr {
 
 // HostNodeIPSources reads the default-route interfaces and interface addresses of this host (the
 // network namespace the process runs in).
-func HostNodeIPSources(bind netip.Addr, nodeAddrs []netip.Addr) NodeIPSources {
+func HostNodeIPSources(bind netip.Addr, nodeAddrs []netip.Addr, exclude ...string) NodeIPSources {
 	src := NodeIPSources{Bind: bind, NodeAddresses: nodeAddrs, DefaultRouteIfaces: map[portal.Family]string{},
-		InterfaceAddrs: map[string][]netip.Addr{}}
+		InterfaceAddrs: map[string][]netip.Addr{}, Exclude: exclude}
 	if f, err := os.Open("/proc/net/route"); err == nil {
 		if dev := defaultRouteV4(f); dev != "" {
 			src.DefaultRouteIfaces[portal.IPv4] = dev
@@ -82,7 +87,7 @@ func HostNodeIPSources(bind netip.Addr, nodeAddrs []netip.Addr) NodeIPSources {
 	}
 	ifaces, _ := net.Interfaces()
 	for _, ifc := range ifaces {
-		if ifc.Flags&net.FlagUp == 0 || ifc.Flags&net.FlagLoopback != 0 {
+		if ifc.Flags&net.FlagUp == 0 || ifc.Flags&net.FlagLoopback != 0 || slices.Contains(exclude, ifc.Name) {
 			continue
 		}
 		addrs, _ := ifc.Addrs()

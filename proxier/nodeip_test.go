@@ -27,6 +27,10 @@ func TestNodeIPs(t *testing.T) {
 			map[portal.Family]string{portal.IPv4: "198.51.100.5", portal.IPv6: "2001:db8::10"}},
 		{"any_interface_skips_link_local", NodeIPSources{InterfaceAddrs: ifaces},
 			map[portal.Family]string{portal.IPv4: "192.0.2.10", portal.IPv6: "2001:db8::10"}},
+		{"bind_portal_interface_service_ips_are_not_node_ips", NodeIPSources{InterfaceAddrs: map[string][]netip.Addr{
+			"eth0": {netip.MustParseAddr("192.0.2.10")}, "kube-portal0": {netip.MustParseAddr("10.96.0.1")}},
+			DefaultRouteIfaces: map[portal.Family]string{portal.IPv4: "kube-portal0"}, Exclude: []string{"kube-portal0"}},
+			map[portal.Family]string{portal.IPv4: "192.0.2.10"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
