@@ -41,3 +41,26 @@ wait_for() {
     sleep 0.5
   done
 }
+
+# serve_deployment prints the manifest of the two-pod serve Deployment (app: serve, HTTP on 8080,
+# ready once it answers) the cluster steps put behind their Services; SERVE_IMAGE names the image.
+serve_deployment() {
+  cat <<YAML
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: serve}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: serve}}
+  template:
+    metadata: {labels: {app: serve}}
+    spec:
+      containers:
+      - name: serve
+        image: $SERVE_IMAGE
+        imagePullPolicy: Never
+        args: [-listen, ":8080"]
+        ports: [{containerPort: 8080}]
+        readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
+YAML
+}

@@ -56,23 +56,7 @@ old=$(proxy_pods | awk '{print $1}')
 kc delete namespace rollout --ignore-not-found --wait=true --timeout=60s >/dev/null ||
   fail "the rollout namespace of a previous run is still there"
 kc create namespace rollout >/dev/null || fail "cannot create the rollout namespace"
-kc -n rollout apply -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: serve}
-spec:
-  replicas: 2
-  selector: {matchLabels: {app: serve}}
-  template:
-    metadata: {labels: {app: serve}}
-    spec:
-      containers:
-      - name: serve
-        image: $SERVE_IMAGE
-        imagePullPolicy: Never
-        args: [-listen, ":8080"]
-        readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
----
+{ serve_deployment; echo ---; cat <<YAML; } | kc -n rollout apply -f - >/dev/null
 apiVersion: v1
 kind: Service
 metadata: {name: serve}

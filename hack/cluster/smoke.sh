@@ -18,24 +18,7 @@ fail() { log "FAIL: $*"; exit 1; }
 trap 'kc delete namespace smoke --wait=false >/dev/null 2>&1 || true' EXIT
 
 kc create namespace smoke >/dev/null
-kc -n smoke apply -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: serve}
-spec:
-  replicas: 2
-  selector: {matchLabels: {app: serve}}
-  template:
-    metadata: {labels: {app: serve}}
-    spec:
-      containers:
-      - name: serve
-        image: $SERVE_IMAGE
-        imagePullPolicy: Never
-        args: [-listen, ":8080"]
-        ports: [{containerPort: 8080}]
-        readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
----
+{ serve_deployment; echo ---; cat <<YAML; } | kc -n smoke apply -f - >/dev/null
 apiVersion: v1
 kind: Service
 metadata: {name: serve}

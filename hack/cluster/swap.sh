@@ -33,23 +33,7 @@ image=$(kc -n kube-system get daemonset kube-portal-proxy -o jsonpath='{.spec.te
 conntrack_max_before=$(sysctl -n net.netfilter.nf_conntrack_max 2>/dev/null || echo none)
 
 kc create namespace swap >/dev/null
-kc -n swap apply -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: Deployment
-metadata: {name: serve}
-spec:
-  replicas: 2
-  selector: {matchLabels: {app: serve}}
-  template:
-    metadata: {labels: {app: serve}}
-    spec:
-      containers:
-      - name: serve
-        image: $SERVE_IMAGE
-        imagePullPolicy: Never
-        args: [-listen, ":8080"]
-        readinessProbe: {httpGet: {path: /, port: 8080}, periodSeconds: 1}
----
+{ serve_deployment; echo ---; cat <<YAML; } | kc -n swap apply -f - >/dev/null
 apiVersion: v1
 kind: Service
 metadata: {name: serve}
