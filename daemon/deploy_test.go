@@ -109,52 +109,36 @@ func TestDeployManifests(t *testing.T) {
 		}
 	})
 
-	t.Run("handover_socket_on_a_host_path", func(t *testing.T) {
-		var path string
-		for _, a := range c.Args {
-			if v, ok := strings.CutPrefix(a, "--handover-socket="); ok {
-				path = v
+	// Files kept on a mounted host path, so they outlive the container: the mount itself
+	// (hostPath, DirectoryOrCreate) is checked in host_mounts. Run locally, each goes beside the
+	// local config, so two local runs never meet on the host's files.
+	for _, hf := range []struct {
+		name, flag, what, whyNeeded, local string
+		got                                string
+	}{
+		{"handover_socket_on_a_host_path", "--handover-socket", "the hand-over socket",
+			"an update would refuse connections", "handover.sock", o.handoverSocket},
+		{"bind_state_file_on_a_host_path", "--bind-state-file", "the bind state file",
+			"bind mode would refuse every port for a whole cold start after a crash", "bind-state.json", o.bindStateFile},
+	} {
+		t.Run(hf.name, func(t *testing.T) {
+			path := argValue(c.Args, hf.flag)
+			if path == "" {
+				t.Fatalf("args %q lack %s: %s", c.Args, hf.flag, hf.whyNeeded)
 			}
-		}
-		if path == "" {
-			t.Fatalf("args %q lack --handover-socket: an update would refuse connections", c.Args)
-		}
-		// The mount itself (hostPath, DirectoryOrCreate) is checked in host_mounts.
-		if !slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool { return vm.MountPath == filepath.Dir(path) }) {
-			t.Errorf("the hand-over socket %s is not in a mounted host directory (mounts %+v)", path, c.VolumeMounts)
-		}
-		if o.handoverSocket != filepath.Join(filepath.Dir(cfg), "handover.sock") {
-			t.Errorf("run locally, the hand-over socket is %s, want it beside the local config", o.handoverSocket)
-		}
-	})
-
-	t.Run("bind_state_file_on_a_host_path", func(t *testing.T) {
-		var path string
-		for _, a := range c.Args {
-			if v, ok := strings.CutPrefix(a, "--bind-state-file="); ok {
-				path = v
+			if !slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool { return vm.MountPath == filepath.Dir(path) }) {
+				t.Errorf("%s %s is not in a mounted host directory (mounts %+v)", hf.what, path, c.VolumeMounts)
 			}
-		}
-		if path == "" {
-			t.Fatalf("args %q lack --bind-state-file: bind mode would refuse every port for a whole cold start after a crash", c.Args)
-		}
-		if !slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool { return vm.MountPath == filepath.Dir(path) }) {
-			t.Errorf("the bind state file %s is not in a mounted host directory (mounts %+v)", path, c.VolumeMounts)
-		}
-		if o.bindStateFile != filepath.Join(filepath.Dir(cfg), "bind-state.json") {
-			t.Errorf("run locally, the bind state file is %s, want it beside the local config", o.bindStateFile)
-		}
-	})
+			if hf.got != filepath.Join(filepath.Dir(cfg), hf.local) {
+				t.Errorf("run locally, %s is %s, want it beside the local config", hf.what, hf.got)
+			}
+		})
+	}
 
 	t.Run("new_pod_ready_only_once_its_own_process_serves", func(t *testing.T) {
 		// The HTTP probes of the new pod of an update reach the old process too (shared health
 		// port); only a file in the new container's own filesystem speaks for the new process.
-		var path string
-		for _, a := range c.Args {
-			if v, ok := strings.CutPrefix(a, "--ready-file="); ok {
-				path = v
-			}
-		}
+		path := argValue(c.Args, "--ready-file")
 		if path == "" {
 			t.Fatalf("args %q lack --ready-file: the new pod of an update could turn Ready on the old process's answer", c.Args)
 		}
@@ -256,4 +240,15 @@ func TestDeployManifests(t *testing.T) {
 		}
 	})
 
+}
+
+// argValue returns the value of the last --flag=value in args, or "".
+func argValue(args []string, flag string) string {
+	var v string
+	for _, a := range args {
+		if after, ok := strings.CutPrefix(a, flag+"="); ok {
+			v = after
+		}
+	}
+	return v
 }
