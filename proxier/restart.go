@@ -10,6 +10,7 @@ package proxier
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"slices"
 	"time"
@@ -57,51 +58,41 @@ func (p *Proxier) Reopen(seeds []Seed) {
 	p.seeds = slices.Clone(seeds)
 }
 
-// reopen opens the seeds' sockets. A port another process took since is reported and left to the
-// first sync, which allocates another one. It runs in the sync goroutine, before the first sync.
+// reopen opens the seeds' sockets: on the proxy ports the portal rules point at (iptables mode)
+// or on the addresses of the bind state file (bind mode). A seed whose sockets cannot be opened
+// (a port another process took since) is reported and left to the first sync. It runs in the sync
+// goroutine, before the first sync.
 func (p *Proxier) reopen() {
 	if len(p.seeds) == 0 {
 		return
 	}
+	open, what := p.reopenSteered, "the proxy sockets the portal rules in force point at"
 	if p.cfg.ListenPlan != nil {
-		p.reopenBound()
-		return
+		open, what = p.reopenSeedBound, "the sockets of the bind state file"
 	}
 	start := p.cfg.Clock.Now()
-	opened := 0
-	var inherited, rebound int
-	count := func(sock ProxySocket) {
-		for _, m := range members(sock) {
-			if a, ok := m.(adopter); ok && a.Adopted() {
-				inherited++
-			} else {
-				rebound++
-			}
-		}
-	}
+	opened, rebound, inherited := 0, 0, 0
 	for _, s := range p.seeds {
 		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
-		if !p.ports.take(s.ProxyPort) {
+		a, err := open(s, log)
+		if errors.Is(err, errOutsideRange) {
 			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
 			continue
 		}
-		port := s.port()
-		sock, err := p.listenFamilies(port, s.ProxyPort, p.holdingBuild(port, port.Name, nil))
 		if err != nil {
-			p.ports.release(s.ProxyPort)
-			log.WithField("proxyPort", s.ProxyPort).WithError(err).Warn("Cannot reopen the proxy port the portal rules point at; the first sync allocates another")
+			log.WithError(err).Warn("Cannot reopen " + what + "; the first sync opens them")
 			continue
 		}
-		count(sock)
-		a := p.serve(port, sock, s.ProxyPort, log)
-		if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
-			ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name), nil))
-			if err == nil {
-				count(ext)
-				a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
-			} else {
-				p.ports.release(s.ExternalProxyPort)
-				log.WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")
+		for _, sock := range []*activePort{a, a.ext} {
+			if sock == nil {
+				continue
+			}
+			for _, m := range members(sock.sock) {
+				if ad, ok := m.(adopter); ok && ad.Adopted() {
+					inherited++
+				} else {
+					rebound++
+				}
 			}
 		}
 		p.activeMu.Lock()
@@ -114,8 +105,37 @@ func (p *Proxier) reopen() {
 	p.rebound.Store(int64(rebound))
 	p.reallocated.Store(int64(len(p.seeds) - opened))
 	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
-		Info("Reopened the proxy sockets the portal rules in force point at")
+		Info("Reopened " + what)
 	p.seeds = nil
+}
+
+// errOutsideRange: a seed's proxy port is outside --proxy-port-range.
+var errOutsideRange = errors.New("proxy port outside --proxy-port-range")
+
+// reopenSteered opens, in iptables mode, one seed's proxy port (and its external-traffic one) that
+// the portal rules point at. An external port that cannot be reopened is reported and left to the
+// first sync; the seed's cluster socket serves meanwhile.
+func (p *Proxier) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, error) {
+	if !p.ports.take(s.ProxyPort) {
+		return nil, errOutsideRange
+	}
+	port := s.port()
+	sock, err := p.listenFamilies(port, s.ProxyPort, p.holdingBuild(port, port.Name, nil))
+	if err != nil {
+		p.ports.release(s.ProxyPort)
+		return nil, fmt.Errorf("proxy port %d: %w", s.ProxyPort, err)
+	}
+	a := p.serve(port, sock, s.ProxyPort, log)
+	if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
+		ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name), nil))
+		if err == nil {
+			a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
+		} else {
+			p.ports.release(s.ExternalProxyPort)
+			log.WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")
+		}
+	}
+	return a, nil
 }
 
 // port is the service port a seed's socket is opened for until the first sync knows the real one:

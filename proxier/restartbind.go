@@ -15,45 +15,8 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// reopenBound opens, in bind mode, each seed's sockets on the addresses it listened on. A seed
-// whose addresses cannot all be opened is reported and left to the first sync.
-func (p *Proxier) reopenBound() {
-	start := p.cfg.Clock.Now()
-	opened, rebound, inherited := 0, 0, 0
-	for _, s := range p.seeds {
-		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
-		a, err := p.reopenSeedBound(s, log)
-		if err != nil {
-			log.WithError(err).Warn("Cannot reopen the sockets of the bind state file; the first sync opens them")
-			continue
-		}
-		for _, sock := range []*activePort{a, a.ext} {
-			if sock == nil {
-				continue
-			}
-			for _, m := range members(sock.sock) {
-				if ad, ok := m.(adopter); ok && ad.Adopted() {
-					inherited++
-				} else {
-					rebound++
-				}
-			}
-		}
-		p.activeMu.Lock()
-		p.active[s.Name] = a
-		p.activeMu.Unlock()
-		p.seeded[s.Name] = true
-		opened++
-	}
-	p.reopened.Store(int64(opened))
-	p.rebound.Store(int64(rebound))
-	p.reallocated.Store(int64(len(p.seeds) - opened))
-	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
-		Info("Reopened the sockets of the bind state file")
-	p.seeds = nil
-}
-
-// reopenSeedBound opens one seed's sockets: the cluster (or only) one, then the external one.
+// reopenSeedBound opens, in bind mode, one seed's sockets on the addresses it listened on: the
+// cluster (or only) one, then the external one.
 func (p *Proxier) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, error) {
 	port := s.boundPort()
 	filter := newSourceFilter(s.SourceRanges)
