@@ -175,12 +175,8 @@ func TestHoldAndProxyProtocolWithRealSockets(t *testing.T) {
 	headers := make(chan proxyprotocol.Header, 1)
 	headerEcho(t, epLn, headers)
 	ep := epLn.Addr().(*net.TCPAddr).AddrPort()
-	probe, err := net.Listen("tcp4", "127.0.0.52:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := uint16(probe.Addr().(*net.TCPAddr).Port)
-	probe.Close()
+	// A port free on 127.0.0.52, for the service port.
+	port := testenv.FreeTCPPort(t, "127.0.0.52")
 	cluster := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.52"), port)
 
 	p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute, ListenPlan: func(*service.Port) []netip.AddrPort {

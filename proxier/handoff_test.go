@@ -33,12 +33,7 @@ func TestHandOff(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			echo := echoTCP(t)
-			probe, err := net.Listen("tcp4", "127.0.0.60:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			at := netip.MustParseAddrPort(probe.Addr().String())
-			probe.Close()
+			at := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.60"), testenv.FreeTCPPort(t, "127.0.0.60"))
 			p := New(Config{MinSyncPeriod: 10 * time.Millisecond, SyncPeriod: time.Minute,
 				ListenPlan: func(*service.Port) []netip.AddrPort { return []netip.AddrPort{at} }},
 				Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: &recordingPortals{}, Sockets: RealSockets(SocketConfig{})})

@@ -16,6 +16,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -26,13 +27,8 @@ import (
 // server on 127.0.0.1; clients dial from 127.0.0.5 (inside the source range) and 127.0.0.6.
 func TestBindModeWithRealSockets(t *testing.T) {
 	echo := echoTCP(t)
-	// A port free on both addresses, for the service port.
-	probe, err := net.Listen("tcp4", "127.0.0.50:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := uint16(probe.Addr().(*net.TCPAddr).Port)
-	probe.Close()
+	// A port free on 127.0.0.50, for the service port.
+	port := testenv.FreeTCPPort(t, "127.0.0.50")
 	cluster, lb := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.50"), port), netip.AddrPortFrom(netip.MustParseAddr("127.0.0.51"), port)
 
 	p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute, ListenPlan: func(sp *service.Port) []netip.AddrPort {

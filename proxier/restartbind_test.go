@@ -15,6 +15,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -26,12 +27,8 @@ import (
 // seeds the second, which must listen before it knows any Service.
 func TestBindModeReopenWithRealSockets(t *testing.T) {
 	echo := echoTCP(t)
-	probe, err := net.Listen("tcp4", "127.0.0.60:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := uint16(probe.Addr().(*net.TCPAddr).Port)
-	probe.Close()
+	// A port free on 127.0.0.60, for the service port.
+	port := testenv.FreeTCPPort(t, "127.0.0.60")
 	cluster, lb := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.60"), port), netip.AddrPortFrom(netip.MustParseAddr("127.0.0.61"), port)
 	web := service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}
 

@@ -100,7 +100,7 @@ func TestProxyProtocolIPv6(t *testing.T) {
 // that expects the PROXY protocol, and checks that nginx reports the real client's address and
 // port and the address the client connected to, for both versions.
 func TestProxyProtocolNginxSeesTheClient(t *testing.T) {
-	nginx := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.5"), freePort(t, "127.0.0.5"))
+	nginx := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.5"), testenv.FreeTCPPort(t, "127.0.0.5"))
 	testenv.StartNginxProxyProtocol(t, nginx, nil, nil)
 	for _, v := range []proxyprotocol.Version{proxyprotocol.V1, proxyprotocol.V2} {
 		t.Run(v.String(), func(t *testing.T) {
@@ -116,17 +116,6 @@ func TestProxyProtocolNginxSeesTheClient(t *testing.T) {
 			}
 		})
 	}
-}
-
-// freePort returns a port on ip that was free a moment ago.
-func freePort(t *testing.T, ip string) uint16 {
-	t.Helper()
-	ln, err := net.Listen("tcp4", ip+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).AddrPort().Port()
 }
 
 // httpGet sends one HTTP/1.0 request on c and reads the answer.

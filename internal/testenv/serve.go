@@ -87,3 +87,15 @@ func Get(t testing.TB, url string) (status int, body string) {
 	}
 	return resp.StatusCode, string(b)
 }
+
+// FreeTCPPort returns a TCP port on the loopback address ip that was free a moment ago, for a
+// socket a test will open itself (a proxy listening on a loopback "service IP").
+func FreeTCPPort(t testing.TB, ip string) uint16 {
+	t.Helper()
+	ln, err := net.Listen("tcp4", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).AddrPort().Port()
+}
