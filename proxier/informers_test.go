@@ -75,15 +75,7 @@ func TestInformerSourceReportsSyncedOnlyAfterEveryObjectOfTheInitialListIsDelive
 	log := logrus.New()
 	log.SetLevel(logrus.WarnLevel)
 	src := NewInformerSource(fake.NewSimpleClientset(objs...), 0, h, log)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	}()
+	runSource(t, src)
 
 	testenv.WaitFor(t, "both initial lists reported synced", func() bool {
 		h.mu.Lock()
@@ -130,15 +122,7 @@ func TestInformerSourceCachesObjectsWithoutManagedFields(t *testing.T) {
 		&discovery.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Name: "a-1", Namespace: "ns", ManagedFields: managed,
 			Labels: map[string]string{discovery.LabelServiceName: "a"}}, AddressType: discovery.AddressTypeIPv4},
 	), 0, h, logrus.New())
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	}()
+	runSource(t, src)
 	testenv.WaitFor(t, "both objects delivered and the lists synced", func() bool {
 		h.mu.Lock()
 		defer h.mu.Unlock()
@@ -149,4 +133,18 @@ func TestInformerSourceCachesObjectsWithoutManagedFields(t *testing.T) {
 	if h.withManaged != 0 {
 		t.Errorf("%d objects delivered with managedFields, want none", h.withManaged)
 	}
+}
+
+// runSource runs src until the test ends, then checks Run returned cleanly.
+func runSource(t *testing.T, src *InformerSource) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- src.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
 }
