@@ -26,29 +26,6 @@ import (
 
 var web = service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}
 
-// echoServer serves echo on a loopback listener until the test ends.
-func echoServer(t *testing.T) netip.AddrPort {
-	t.Helper()
-	l, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
-	return l.Addr().(*net.TCPAddr).AddrPort()
-}
-
 // proxyFor runs a real TCP proxy socket for the balancer's service port.
 func proxyFor(t *testing.T, s *loadbalancer.Service) string {
 	t.Helper()
@@ -116,7 +93,7 @@ func TestLeastConnectionsSpreadsLongConnections(t *testing.T) {
 		t.Run(string(tc.algorithm), func(t *testing.T) {
 			lb := loadbalancer.New(clock.RealClock{})
 			lb.SetBalancing(web, service.Balancing{Algorithm: tc.algorithm})
-			lb.SetEndpoints(web, []netip.AddrPort{echoServer(t), echoServer(t), echoServer(t)})
+			lb.SetEndpoints(web, []netip.AddrPort{testenv.EchoTCP(t), testenv.EchoTCP(t), testenv.EchoTCP(t)})
 			s := lb.Lookup(web)
 			addr := proxyFor(t, s)
 			for i := range 9 {
@@ -237,7 +214,7 @@ func TestOutlierEjectionOfABlackHole(t *testing.T) {
 	}
 	hole := blackHole(t)
 	lb.SetBalancing(web, service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: time.Minute, MaxEjectionPercent: 50}})
-	lb.SetEndpoints(web, []netip.AddrPort{echoServer(t), hole, echoServer(t)})
+	lb.SetEndpoints(web, []netip.AddrPort{testenv.EchoTCP(t), hole, testenv.EchoTCP(t)})
 	s := lb.Lookup(web)
 	p := runProxy(t, s, tcp.Config{DialTimeouts: []time.Duration{dialTimeout, dialTimeout, dialTimeout}})
 	addr := p.Addr().String()
@@ -303,17 +280,7 @@ func resetter(t *testing.T) netip.AddrPort {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.(*net.TCPConn).SetLinger(0)
-			c.Close()
-		}
-	}()
+	testenv.ServeTCP(t, l, func(c net.Conn) { _ = c.(*net.TCPConn).SetLinger(0) }) // closed on return: a reset
 	return l.Addr().(*net.TCPAddr).AddrPort()
 }
 
@@ -330,7 +297,7 @@ func TestOutlierEjectionOfAResettingEndpoint(t *testing.T) {
 	})
 	bad := resetter(t)
 	lb.SetBalancing(web, service.Balancing{Outlier: service.Outlier{ConsecutiveFailures: 2, EjectionTime: time.Hour, MaxEjectionPercent: 50}})
-	lb.SetEndpoints(web, []netip.AddrPort{bad, echoServer(t)})
+	lb.SetEndpoints(web, []netip.AddrPort{bad, testenv.EchoTCP(t)})
 	s := lb.Lookup(web)
 	addr := runProxy(t, s, tcp.Config{}).Addr().String()
 	failed := 0
