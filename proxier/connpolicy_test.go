@@ -11,8 +11,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -250,10 +248,7 @@ kube_portal_proxy_tcp_holds_total{outcome="timeout",service_port="ns/web:http"} 
 // Service that sends the PROXY protocol and holds, one connection held, and checks the line
 // that shows both.
 func TestStatusPageShowsConnectionPolicies(t *testing.T) {
-	browser, err := exec.LookPath("chromium")
-	if err != nil {
-		testenv.Unavailable(t, "chromium not installed (apt-get install chromium); the status page test needs a real browser")
-	}
+	browser := chromium(t)
 	e := newRealEnv(t)
 	e.p.OnServiceAdd(makeService("ns", "held", "10.96.0.8", annotated(AnnotationHoldTimeout, "1m", AnnotationProxyProtocol, "v2"), tcpPort("tcp", 80)))
 	if err := e.p.sync(context.Background()); err != nil {
@@ -278,17 +273,7 @@ func TestStatusPageShowsConnectionPolicies(t *testing.T) {
 		}
 		return false
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-		"--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
-		"--user-data-dir="+t.TempDir(), "--virtual-time-budget=5000", "--dump-dom", e.srv.URL+"/")
-	cmd.Env = append(os.Environ(), "HOME="+t.TempDir())
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("chromium: %v", err)
-	}
-	dom := string(out)
+	dom := renderedDOM(t, browser, e.srv.URL+"/")
 	for _, want := range []string{
 		"connections: PROXY protocol v2, held up to 1m0s while there is no endpoint (1 held, at most 1024)",
 		// The held connection, no endpoint yet.
