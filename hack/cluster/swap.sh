@@ -45,10 +45,21 @@ kc -n swap rollout status deployment/serve --timeout=120s >/dev/null || fail "se
 ip=$(kc -n swap get service serve -o jsonpath='{.spec.clusterIP}')
 pods=$(kc -n swap get pods -l app=serve -o jsonpath='{.items[*].metadata.name}')
 
+# both_answer succeeds once consecutive requests to the Service reach two different serve pods.
+both_answer() {
+  local first second
+  first=$(ns "$STATE/bin/serve" -get "http://$ip/" 2>/dev/null) || return 1
+  second=$(ns "$STATE/bin/serve" -get "http://$ip/" 2>/dev/null) || return 1
+  [ "$first" != "$second" ]
+}
+
 # answers N: N requests from the node to the Service, each answered by a serve pod, both pods seen.
 answers() {
   local n=$1 seen="" out i
   wait_for "the first answer of $ip:80" 60 ns "$STATE/bin/serve" -get "http://$ip/" || fail "$ip:80 does not answer"
+  # Both pods Ready does not mean both are in the proxy's endpoints yet: the EndpointSlice
+  # controller and the proxy's watch follow a moment later.
+  wait_for "both pods behind $ip:80" 30 both_answer || fail "$ip:80 is not answered by both pods"
   for ((i = 0; i < n; i++)); do
     out=$(ns "$STATE/bin/serve" -get "http://$ip/" 2>&1) || fail "request $i to $ip:80: $out"
     case " $pods " in *" $out "*) ;; *) fail "answer '$out' is not a serve pod" ;; esac
