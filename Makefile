@@ -91,12 +91,14 @@ image-oci-test: image-oci
 # kube-scheduler, containerd, kubelet) in a network namespace of its own, with kube-portal-proxy
 # installed from deploy/ as its DaemonSet (root; see README "Real cluster"). cluster-build builds
 # the node components once (~8 min cold); cluster-smoke checks a Service from a pod and from the
-# node; cluster-down removes everything. Not part of make test.
+# node; cluster-down removes everything. Not part of make test. NODES=3: three nodes, each a
+# network namespace with its own kubelet and containerd (README "Real cluster").
+NODES ?= 1
 cluster-build: controlplane
 	hack/cluster/build.sh >/dev/null
 
 cluster: cluster-build image-oci
-	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) hack/cluster/up.sh
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) hack/cluster/up.sh
 
 cluster-smoke:
 	hack/cluster/smoke.sh
@@ -106,12 +108,13 @@ cluster-down:
 
 # cluster-test: make cluster, cluster-smoke, cluster-down, and the host compared before and after.
 cluster-test:
-	hack/cluster/test.sh
+	NODES=$(NODES) hack/cluster/test.sh
 
 # conformance runs the upstream sig-network e2e specs that can run on one node (Services, the
 # Services granular checks, EndpointSlice, KubeProxy, Conntrack; kube-proxy's kind-job skips) with
 # e2e.test v1.36 against make cluster's cluster, starting it when it is not up (root; README
-# "Conformance"). JUnit, log and summary.md in bin/conformance. conformance-ci runs the subset CI
+# "Conformance"). NODES=3 starts a three-node cluster and also runs the [Disruptive] specs. JUnit,
+# log and summary.md in bin/conformance. conformance-ci runs the subset CI
 # runs (hack/conformance/ci-focus.txt). conformance-build builds e2e.test and agnhost once.
 CONFORMANCE_OUT := bin/conformance
 # Parallel ginkgo processes (the specs mostly wait on the API server and pods).
@@ -120,7 +123,7 @@ conformance-build: controlplane
 	hack/conformance/build.sh >/dev/null
 
 conformance: cluster-build conformance-build image-oci
-	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_PROCS=$(CONFORMANCE_PROCS) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) CONFORMANCE_PROCS=$(CONFORMANCE_PROCS) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
 conformance-ci: cluster-build conformance-build image-oci
 	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_FOCUS=ci CONFORMANCE_PROCS=2 hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))

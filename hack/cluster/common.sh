@@ -21,6 +21,34 @@ FIXED_PATHS="/var/lib/kubelet /var/log/containers /run/containerd /var/lib/cni"
 # Global sysctls kubelet sets (protectKernelDefaults: false): saved by up.sh, restored by down.sh.
 SYSCTLS="vm.overcommit_memory kernel.panic kernel.panic_on_oops"
 
+# Multi-node (make cluster NODES=3): node 0 is the one above (control plane, namespace $NS, its
+# files in $STATE); node I >= 1 is kpp-nodeI at 10.99.0.(2+I) in namespace $NS-nodeI, with its
+# containerd, kubelet and the fixed paths under $STATE/nodeI, in a mount namespace of its own
+# ($STATE/mnt/nodeI), and kubelet's cgroup root /kpp-nodeI. The nodes' eth0 veths meet on bridge
+# br0 in namespace $SWITCH_NS; pod CIDR 10.244.I.0/24, routed between the nodes. up.sh writes the
+# node count to $STATE/nodes.
+SWITCH_NS=$NS-switch
+MAX_NODES=9
+# node_count: the nodes of the running cluster (NODES before up.sh wrote it).
+node_count() { cat "$STATE/nodes" 2>/dev/null || echo "${NODES:-1}"; }
+node_name() { echo "kpp-node$1"; }
+node_ip() { echo "10.99.0.$((2 + $1))"; }
+node_pod_cidr() { echo "10.244.$1.0/24"; }
+node_netns() { if [ "$1" = 0 ]; then echo "$NS"; else echo "$NS-node$1"; fi; }
+node_dir() { if [ "$1" = 0 ]; then echo "$STATE"; else echo "$STATE/node$1"; fi; }
+node_sock() { echo "$(node_dir "$1")/containerd/containerd.sock"; }
+node_mntns() { echo "$STATE/mnt/node$1"; }
+# node_exec I COMMAND...: runs COMMAND in node I's network namespace (and mount namespace).
+node_exec() {
+  local i=$1
+  shift
+  if [ "$i" = 0 ]; then
+    nsenter --net="/run/netns/$NS" "$@"
+  else
+    nsenter --net="/run/netns/$(node_netns "$i")" --mount="$(node_mntns "$i")" "$@"
+  fi
+}
+
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
 ns() { nsenter --net="/run/netns/$NS" "$@"; }

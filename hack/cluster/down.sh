@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# down.sh removes what up.sh started and changed (make cluster-down): the containers, every
-# process by the PID up.sh recorded (and the containerd shims, found by the socket they serve),
-# the mounts under the cluster's directory, the kubepods cgroups, the network namespace, the
+# down.sh removes what up.sh started and changed (make cluster-down), on every node: the
+# containers, every process by the PID up.sh recorded (and the containerd shims, found by the
+# socket they serve), the mounts under the cluster's directory (among them the nodes' mount
+# namespaces), the kubepods cgroups and nodes' cgroup roots, the network namespaces, the
 # files kubelet and containerd write at fixed paths, and it restores the sysctls kubelet changed.
 # Safe to run on a half-started cluster and twice.
 set -uo pipefail
@@ -26,27 +27,34 @@ stop() {
   rm -f "$f"
 }
 
-# The kubelet first, so it restarts nothing; then the containers through containerd.
-stop kubelet
-if [ -S "$SOCK" ]; then
-  for t in $(ctr -a "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n k8s.io tasks kill -s SIGKILL "$t" >/dev/null 2>&1
-  done
-  for t in $(ctr -a "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-    wait_for "task $t to stop" 10 sh -c "ctr -a '$SOCK' -n k8s.io tasks ls | grep -q '^$t .*STOPPED'"
-    ctr -a "$SOCK" -n k8s.io tasks delete "$t" >/dev/null 2>&1
-  done
-  for ctn in $(ctr -a "$SOCK" -n k8s.io containers ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n k8s.io containers delete "$ctn" >/dev/null 2>&1
-  done
-fi
-stop containerd
-# Shims outlive containerd; each was started with "-address <our socket>".
-for p in /proc/[0-9]*; do
-  if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- "-address $SOCK"; then
-    pid=${p#/proc/}
-    kill -KILL "$pid" 2>/dev/null && log "killed containerd shim pid $pid"
+# Every node (make cluster NODES=N): node 0 names its processes kubelet and containerd, node I
+# kubelet-nodeI and containerd-nodeI (up.sh).
+nodes=$(node_count)
+suffix() { [ "$1" = 0 ] || echo "-node$1"; }
+# The kubelets first, so they restart nothing; then the containers through containerd.
+for ((i = 0; i < nodes; i++)); do stop "kubelet$(suffix "$i")"; done
+for ((i = 0; i < nodes; i++)); do
+  sock=$(node_sock "$i")
+  if [ -S "$sock" ]; then
+    for t in $(ctr -a "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+      ctr -a "$sock" -n k8s.io tasks kill -s SIGKILL "$t" >/dev/null 2>&1
+    done
+    for t in $(ctr -a "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+      wait_for "task $t to stop" 10 sh -c "ctr -a '$sock' -n k8s.io tasks ls | grep -q '^$t .*STOPPED'"
+      ctr -a "$sock" -n k8s.io tasks delete "$t" >/dev/null 2>&1
+    done
+    for ctn in $(ctr -a "$sock" -n k8s.io containers ls -q 2>/dev/null); do
+      ctr -a "$sock" -n k8s.io containers delete "$ctn" >/dev/null 2>&1
+    done
   fi
+  stop "containerd$(suffix "$i")"
+  # Shims outlive containerd; each was started with "-address <its socket>".
+  for p in /proc/[0-9]*; do
+    if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- "-address $sock"; then
+      pid=${p#/proc/}
+      kill -KILL "$pid" 2>/dev/null && log "killed containerd shim pid $pid"
+    fi
+  done
 done
 stop kube-scheduler
 stop kube-controller-manager
@@ -69,7 +77,20 @@ if [ -f "$STATE/preexisting-cgroups" ] && [ ! -s "$STATE/preexisting-cgroups" ];
   done
 fi
 
+# The other nodes' cgroup roots (/kpp-nodeI), which up.sh created and listed.
+if [ -f "$STATE/created-cgroups" ]; then
+  while read -r h; do
+    [ -d "$h" ] || continue
+    find "$h" -depth -type d -exec rmdir {} \; 2>/dev/null
+    [ -d "$h" ] && log "could not remove $h (processes left in it?)" || log "removed $h"
+  done <"$STATE/created-cgroups"
+fi
+
 ip netns del "$NS" 2>/dev/null && log "deleted network namespace $NS"
+for ((i = 1; i < nodes; i++)); do
+  ip netns del "$(node_netns "$i")" 2>/dev/null && log "deleted network namespace $(node_netns "$i")"
+done
+ip netns del "$SWITCH_NS" 2>/dev/null && log "deleted network namespace $SWITCH_NS"
 
 if [ -f "$STATE/sysctls" ]; then
   while IFS== read -r k v; do

@@ -7,7 +7,8 @@
 # the cluster's namespace, mounts and processes.
 #
 # KPP_CLUSTER_TEST_STEPS: the make targets run on the cluster between make cluster and
-# make cluster-down (default cluster-smoke). CI runs
+# make cluster-down (default cluster-smoke); NODES (make cluster-test NODES=3) the cluster's
+# node count. CI runs
 # "cluster-smoke cluster-rollout cluster-swap conformance-ci": the cluster is removed and the host compared
 # even when a step fails.
 set -euo pipefail
@@ -27,8 +28,8 @@ fingerprint() {
   echo "## addresses"; ip -o addr show | awk '{print $2, $4}'
   echo "## routes"; ip route show table all
   echo "## sysctls"; sysctl net.ipv4.ip_forward $SYSCTLS
-  echo "## paths"; for p in $FIXED_PATHS "$STATE" "/run/netns/$NS"; do [ -e "$p" ] && echo "$p"; done || true
-  echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods 2>/dev/null || true
+  echo "## paths"; for p in $FIXED_PATHS "$STATE" /run/netns/"$NS"*; do [ -e "$p" ] && echo "$p"; done || true
+  echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/kpp-node* 2>/dev/null || true
   echo "## mounts"; grep -F "$STATE" /proc/self/mountinfo || true
   echo "## processes"; for p in /proc/[0-9]*; do
     tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -qF "$STATE" && echo "${p#/proc/}: $(tr '\0' ' ' <"$p/cmdline")"

@@ -10,8 +10,17 @@
 # kubelet sets, cgroup directories, fixed paths) are recorded under $STATE and undone by
 # down.sh, which also stops every process by the PID recorded here.
 #
+# NODES=N (make cluster NODES=3) starts N nodes instead (common.sh names them): each a network
+# namespace with its own containerd and kubelet (own root, state, socket, log and CNI
+# directories, own mount namespace for the paths kubelet and containerd fix, own cgroup root),
+# their eth0 veths on bridge br0 in a switch namespace of our own, a pod CIDR per node
+# (10.244.I.0/24, bridge CNI + host-local) and a route per other node's pod CIDR via that node,
+# as kind's kindnet sets them up. The control plane runs on node 0 (namespace $NS, 10.99.0.2); the
+# kube-portal-proxy DaemonSet on every node. Nothing links any of these namespaces to the root one.
+#
 # Environment: IMAGE, IMAGE_OCI (the kube-portal-proxy image and its tarball, from make),
-# KPP_CLUSTER_DIR (default /var/lib/kpp-cluster), KPP_CLUSTER_NETNS (default kpp-cluster).
+# NODES (default 1), KPP_CLUSTER_DIR (default /var/lib/kpp-cluster), KPP_CLUSTER_NETNS (default
+# kpp-cluster).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,13 +39,26 @@ done
   die "CNI plugins not found in /usr/lib/cni: apt-get install containernetworking-plugins"
 [ -e "/run/netns/$NS" ] && die "network namespace $NS exists: the cluster is up (make cluster-down first)"
 [ -e "$STATE" ] && die "$STATE exists: the cluster is up or was not removed (make cluster-down)"
+nodes=${NODES:-1}
+[[ $nodes =~ ^[1-9]$ ]] && ((nodes <= MAX_NODES)) || die "NODES=$nodes: want 1 to $MAX_NODES"
+if ((nodes > 1)); then
+  command -v unshare >/dev/null 2>&1 || die "unshare not found: apt-get install util-linux"
+  for ((i = 0; i < nodes; i++)); do
+    [ -e "/run/netns/$(node_netns "$i")" ] && die "network namespace $(node_netns "$i") exists (make cluster-down first)"
+  done
+  [ -e "/run/netns/$SWITCH_NS" ] && die "network namespace $SWITCH_NS exists (make cluster-down first)"
+fi
 
 started=$SECONDS
 eval "$("$repo/hack/controlplane-build.sh")"
 eval "$("$here/build.sh")"
 
 mkdir -p "$STATE"/{pids,logs,pki,images,bin,etcd,kubelet/pki,pod-logs,cni/net.d,cni/networks,cni/cache,containerd,overlay,manifests}
+for ((i = 1; i < nodes; i++)); do
+  mkdir -p "$(node_dir "$i")"/{kubelet/pki,pod-logs,cni/net.d,cni/networks,cni/cache,containerd}
+done
 chmod 700 "$STATE"
+echo "$nodes" >"$STATE/nodes"
 
 # --- what is changed outside the namespace, recorded before anything starts -------------------
 for s in $SYSCTLS; do
@@ -49,6 +71,11 @@ for h in /sys/fs/cgroup/*/; do
   [ -e "$h/kubepods" ] && echo "$h"kubepods
 done >"$STATE/preexisting-cgroups" || true
 [ -s "$STATE/preexisting-cgroups" ] && die "kubepods cgroups exist already ($(head -1 "$STATE/preexisting-cgroups")): another kubelet runs here"
+for ((i = 1; i < nodes; i++)); do
+  for h in /sys/fs/cgroup/*/; do
+    [ -e "$h$(node_name "$i")" ] && die "cgroup $h$(node_name "$i") exists already: another cluster runs here"
+  done
+done
 
 # --- images: pause and the test server (static Go programs), kube-portal-proxy ----------------
 log "building the pause and serve images"
@@ -62,22 +89,81 @@ log "building the pause and serve images"
     -entrypoint /coredns)
 
 # --- the namespace ---------------------------------------------------------------------------
-log "network namespace $NS: lo, bridge node0 $NODE_CIDR, route $SERVICE_CIDR on node0, no default route"
-ip netns add "$NS"
-ns ip link set lo up
-ns ip link add node0 type bridge
-ns ip addr add "$NODE_CIDR" dev node0
-ns ip link set node0 up
-# Host traffic to service IPs needs a route for the kernel to hand it to the OUTPUT chain, where
-# the proxy's portal rules catch it; the bridge has no ports, so nothing is ever sent on it.
-ns ip route add "$SERVICE_CIDR" dev node0 src "$NODE_IP"
+if ((nodes == 1)); then
+  log "network namespace $NS: lo, bridge node0 $NODE_CIDR, route $SERVICE_CIDR on node0, no default route"
+  ip netns add "$NS"
+  ns ip link set lo up
+  ns ip link add node0 type bridge
+  ns ip addr add "$NODE_CIDR" dev node0
+  ns ip link set node0 up
+  # Host traffic to service IPs needs a route for the kernel to hand it to the OUTPUT chain, where
+  # the proxy's portal rules catch it; the bridge has no ports, so nothing is ever sent on it.
+  ns ip route add "$SERVICE_CIDR" dev node0 src "$NODE_IP"
+else
+  # The switch: a namespace holding only bridge br0, so no node's netfilter sees the frames
+  # between two others. Each node: eth0 (a veth whose peer nI is a port of br0) with the node IP,
+  # the service range on eth0 (as above: the portal rules catch it in OUTPUT and PREROUTING),
+  # and a route to every other node's pod CIDR via that node (the bridge CNI's cni0 gateway and
+  # ip_forward do the rest). No default route anywhere.
+  log "$nodes nodes: namespaces $NS (node 0) and $NS-node1.., eth0 on bridge br0 in $SWITCH_NS"
+  ip netns add "$SWITCH_NS"
+  ip -n "$SWITCH_NS" link set lo up
+  ip -n "$SWITCH_NS" link add br0 type bridge
+  ip -n "$SWITCH_NS" link set br0 up
+  for ((i = 0; i < nodes; i++)); do
+    n=$(node_netns "$i")
+    ip netns add "$n"
+    ip -n "$n" link set lo up
+    ip -n "$SWITCH_NS" link add "n$i" type veth peer name eth0 netns "$n"
+    ip -n "$SWITCH_NS" link set "n$i" master br0 up
+    ip -n "$n" addr add "$(node_ip "$i")/24" dev eth0
+    ip -n "$n" link set eth0 up
+    ip -n "$n" route add "$SERVICE_CIDR" dev eth0 src "$(node_ip "$i")"
+    for ((j = 0; j < nodes; j++)); do
+      ((j == i)) || ip -n "$n" route add "$(node_pod_cidr "$j")" via "$(node_ip "$j")" dev eth0
+    done
+  done
+  # Nodes 1..: a mount namespace each, so the paths kubelet, containerd's shims, the CNI cache
+  # and the proxy's DaemonSet (hostPath /var/run/kube-portal-proxy: the hand-over socket)
+  # fix are their own: a tmpfs on /run and bind mounts of $STATE/nodeI/fixed/* on the fixed
+  # paths of $FIXED_PATHS under /var (and the copy of /run/netns dropped first: it would keep
+  # the namespaces named there alive). The namespace files live on a private bind mount of
+  # $STATE/mnt (down.sh unmounts them, which ends the namespaces). The mount points are
+  # created on the host (recorded as absent above, so down.sh removes them).
+  mkdir -p "$STATE/mnt"
+  mount --bind "$STATE/mnt" "$STATE/mnt"
+  mount --make-private "$STATE/mnt"
+  var_paths=$(for p in $FIXED_PATHS; do case $p in /var/*) echo "$p" ;; esac; done)
+  for p in $var_paths; do mkdir -p "$p"; done
+  for ((i = 1; i < nodes; i++)); do
+    d=$(node_dir "$i")
+    binds=""
+    for p in $var_paths; do
+      f=$d/fixed/$(echo "${p#/}" | tr / -)
+      mkdir -p "$f"
+      binds+=" && mount --bind '$f' '$p'"
+    done
+    touch "$(node_mntns "$i")"
+    unshare --mount="$(node_mntns "$i")" --propagation private \
+      sh -c "umount -R -l /run/netns 2>/dev/null; mount -t tmpfs -o mode=0755 $(node_name "$i")-run /run$binds"
+    # The node's own cgroup root for kubelet (cgroupRoot); cpuset needs its cpus and mems set
+    # before anything can join it.
+    for h in /sys/fs/cgroup/*/; do
+      mkdir "$h$(node_name "$i")" && echo "$h$(node_name "$i")" >>"$STATE/created-cgroups"
+    done
+    cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset/$(node_name "$i")/cpuset.cpus"
+    cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset/$(node_name "$i")/cpuset.mems"
+  done
+fi
 
 # start NAME COMMAND...: runs COMMAND in the namespace, in a session of its own, logging to
 # logs/NAME.log, and records its PID (nsenter and setsid exec, so $! is the component itself).
-start() {
-  local name=$1
-  shift
-  nsenter --net="/run/netns/$NS" setsid "$@" </dev/null >"$STATE/logs/$name.log" 2>&1 &
+# start_on I NAME COMMAND... does the same on node I (its network and mount namespaces).
+start() { start_on 0 "$@"; }
+start_on() {
+  local i=$1 name=$2
+  shift 2
+  node_exec "$i" setsid "$@" </dev/null >"$STATE/logs/$name.log" 2>&1 &
   echo $! >"$STATE/pids/$name"
   log "$name started (pid $!, log $STATE/logs/$name.log)"
 }
@@ -93,6 +179,11 @@ $kubelet_token,system:node:$NODE,system:node:$NODE,"system:nodes"
 $kcm_token,system:kube-controller-manager,system:kube-controller-manager
 $sched_token,system:kube-scheduler,system:kube-scheduler
 TOKENS
+node_tokens=("$kubelet_token")
+for ((i = 1; i < nodes; i++)); do
+  node_tokens[i]=$(token)
+  echo "${node_tokens[i]},system:node:$(node_name "$i"),system:node:$(node_name "$i"),\"system:nodes\"" >>"$STATE/pki/tokens.csv"
+done
 chmod 600 "$STATE/pki/tokens.csv"
 
 # --- etcd and kube-apiserver ---------------------------------------------------------------
@@ -120,7 +211,9 @@ kubeconfig() { # FILE USER TOKEN
   chmod 600 "$1"
 }
 kubeconfig "$KUBECONFIG_ADMIN" kpp-admin "$admin_token"
-kubeconfig "$STATE/kubelet.kubeconfig" "system:node:$NODE" "$kubelet_token"
+for ((i = 0; i < nodes; i++)); do
+  kubeconfig "$(node_dir "$i")/kubelet.kubeconfig" "system:node:$(node_name "$i")" "${node_tokens[i]}"
+done
 kubeconfig "$STATE/kcm.kubeconfig" system:kube-controller-manager "$kcm_token"
 kubeconfig "$STATE/scheduler.kubeconfig" system:kube-scheduler "$sched_token"
 wait_for "the API server's /readyz" 120 kc get --raw /readyz
@@ -136,56 +229,67 @@ start kube-scheduler "$KPP_SCHEDULER" --kubeconfig="$STATE/scheduler.kubeconfig"
   --authentication-kubeconfig="$STATE/scheduler.kubeconfig" --authorization-kubeconfig="$STATE/scheduler.kubeconfig" \
   --leader-elect=false --bind-address=127.0.0.1
 
-# --- containerd --------------------------------------------------------------------------------
-c=$STATE/containerd
-containerd config default |
-  sed -e "s#^root = .*#root = \"$c/root\"#" \
-    -e "s#^state = .*#state = \"$c/state\"#" \
-    -e "s#^temp = .*#temp = \"$c/tmp\"#" \
-    -e "/^\[grpc\]/,/^\[/ s#^  address = .*#  address = \"$SOCK\"#" \
-    -e "s#sandbox_image = .*#sandbox_image = \"$PAUSE_IMAGE\"#" \
-    -e "s#SystemdCgroup = .*#SystemdCgroup = false#" \
-    -e "s#bin_dir = \"/opt/cni/bin\"#bin_dir = \"/usr/lib/cni\"#" \
-    -e "s#conf_dir = \"/etc/cni/net.d\"#conf_dir = \"$STATE/cni/net.d\"#" \
-    -e "s#netns_mounts_under_state_dir = .*#netns_mounts_under_state_dir = true#" \
-    -e "s#restrict_oom_score_adj = .*#restrict_oom_score_adj = true#" >"$c/config.toml"
-grep -q "address = \"$SOCK\"" "$c/config.toml" || die "containerd config: socket not set"
-mkdir -p "$c/tmp"
-cat >"$STATE/cni/net.d/10-kpp.conflist" <<CNI
+# --- containerd and kubelet on each node -------------------------------------------------------
+echo "nameserver $NODE_IP" >"$STATE/resolv.conf"   # nothing answers: pods with dnsPolicy Default resolve nothing
+
+# node_start I: configures and starts node I's containerd (its root, state, socket and CNI
+# configuration under node_dir I), imports the images into it, then starts its kubelet.
+node_start() {
+  local i=$1 d c sock suffix="" cgroup_root=""
+  d=$(node_dir "$i")
+  c=$d/containerd
+  sock=$(node_sock "$i")
+  if ((i > 0)); then
+    suffix=-node$i
+    cgroup_root="cgroupRoot: /$(node_name "$i")"
+  fi
+  containerd config default |
+    sed -e "s#^root = .*#root = \"$c/root\"#" \
+      -e "s#^state = .*#state = \"$c/state\"#" \
+      -e "s#^temp = .*#temp = \"$c/tmp\"#" \
+      -e "/^\[grpc\]/,/^\[/ s#^  address = .*#  address = \"$sock\"#" \
+      -e "s#sandbox_image = .*#sandbox_image = \"$PAUSE_IMAGE\"#" \
+      -e "s#SystemdCgroup = .*#SystemdCgroup = false#" \
+      -e "s#bin_dir = \"/opt/cni/bin\"#bin_dir = \"/usr/lib/cni\"#" \
+      -e "s#conf_dir = \"/etc/cni/net.d\"#conf_dir = \"$d/cni/net.d\"#" \
+      -e "s#netns_mounts_under_state_dir = .*#netns_mounts_under_state_dir = true#" \
+      -e "s#restrict_oom_score_adj = .*#restrict_oom_score_adj = true#" >"$c/config.toml"
+  grep -q "address = \"$sock\"" "$c/config.toml" || die "containerd config: socket not set"
+  mkdir -p "$c/tmp"
+  cat >"$d/cni/net.d/10-kpp.conflist" <<CNI
 {
   "cniVersion": "1.0.0",
   "name": "kpp",
   "plugins": [
     {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-     "ipam": {"type": "host-local", "dataDir": "$STATE/cni/networks",
-              "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+     "ipam": {"type": "host-local", "dataDir": "$d/cni/networks",
+              "ranges": [[{"subnet": "$(node_pod_cidr "$i")"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
     {"type": "loopback"}
   ]
 }
 CNI
-start containerd containerd --config="$c/config.toml"
-wait_for "containerd" 60 ctr -a "$SOCK" version
-alive containerd
-for img in "$STATE/images/pause.tar" "$STATE/images/serve.tar" "$STATE/images/coredns.tar" "$IMAGE_OCI"; do
-  ctr -a "$SOCK" -n k8s.io images import "$img" >/dev/null
-done
-log "images imported: $(ctr -a "$SOCK" -n k8s.io images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
+  start_on "$i" "containerd$suffix" containerd --config="$c/config.toml"
+  wait_for "containerd$suffix" 60 ctr -a "$sock" version
+  alive "containerd$suffix"
+  for img in "$STATE/images/pause.tar" "$STATE/images/serve.tar" "$STATE/images/coredns.tar" "$IMAGE_OCI"; do
+    ctr -a "$sock" -n k8s.io images import "$img" >/dev/null
+  done
+  log "images imported on $(node_name "$i"): $(ctr -a "$sock" -n k8s.io images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
 
-# --- kubelet ---------------------------------------------------------------------------------
-echo "nameserver $NODE_IP" >"$STATE/resolv.conf"   # nothing answers: pods with dnsPolicy Default resolve nothing
-cat >"$STATE/kubelet.yaml" <<KUBELET
+  cat >"$d/kubelet.yaml" <<KUBELET
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
-containerRuntimeEndpoint: unix://$SOCK
-imageServiceEndpoint: unix://$SOCK
+$cgroup_root
+containerRuntimeEndpoint: unix://$sock
+imageServiceEndpoint: unix://$sock
 protectKernelDefaults: false
 failSwapOn: false
-address: $NODE_IP
+address: $(node_ip "$i")
 healthzBindAddress: 127.0.0.1
 readOnlyPort: 0
-podLogsDir: $STATE/pod-logs
+podLogsDir: $d/pod-logs
 resolvConf: $STATE/resolv.conf
 clusterDomain: cluster.local
 clusterDNS: [$DNS_IP]
@@ -198,12 +302,20 @@ evictionHard: {memory.available: 50Mi, nodefs.available: 1%, imagefs.available: 
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 KUBELET
+  start_on "$i" "kubelet$suffix" "$KPP_KUBELET" --config="$d/kubelet.yaml" --kubeconfig="$d/kubelet.kubeconfig" \
+    --root-dir="$d/kubelet" --cert-dir="$d/kubelet/pki" --node-ip="$(node_ip "$i")" --hostname-override="$(node_name "$i")"
+}
+
 kubelet_started=$SECONDS
-start kubelet "$KPP_KUBELET" --config="$STATE/kubelet.yaml" --kubeconfig="$STATE/kubelet.kubeconfig" \
-  --root-dir="$STATE/kubelet" --cert-dir="$STATE/kubelet/pki" --node-ip="$NODE_IP" --hostname-override="$NODE"
-wait_for "node $NODE to register" 120 kc get node "$NODE"
-kc wait --for=condition=Ready "node/$NODE" --timeout=120s >/dev/null || die "node not Ready; see $STATE/logs/kubelet.log"
-log "node $NODE Ready $((SECONDS - kubelet_started))s after kubelet started"
+for ((i = 0; i < nodes; i++)); do
+  node_start "$i"
+done
+for ((i = 0; i < nodes; i++)); do
+  n=$(node_name "$i")
+  wait_for "node $n to register" 120 kc get node "$n"
+  kc wait --for=condition=Ready "node/$n" --timeout=120s >/dev/null || die "node $n not Ready; see $STATE/logs/kubelet*.log"
+  log "node $n Ready $((SECONDS - kubelet_started))s after the first containerd started"
+done
 alive kube-controller-manager
 alive kube-scheduler
 
@@ -223,6 +335,13 @@ if (( (16#$(awk '/^CapBnd/ {print $2}' /proc/self/status) >> 24 & 1) == 0 )); th
   cp "$here/overlay/no-sys-resource.yaml" "$STATE/overlay/"
   printf -- '- path: no-sys-resource.yaml\n' >>"$STATE/overlay/kustomization.yaml"
 fi
+if ((nodes > 1)); then
+  # The label kube-proxy's pods carry: the upstream "should work after restarting kube-proxy"
+  # spec restarts the service proxy by deleting the kube-system pods labelled k8s-app=kube-proxy.
+  # Not on one node, where make cluster-swap runs kubeadm's kube-proxy DaemonSet (that selector).
+  cp "$here/overlay/kube-proxy-label.yaml" "$STATE/overlay/"
+  printf -- '- path: kube-proxy-label.yaml\n' >>"$STATE/overlay/kustomization.yaml"
+fi
 kc apply -k "$STATE/overlay" >/dev/null
 kc -n kube-system rollout status daemonset/kube-portal-proxy --timeout=180s >/dev/null ||
   die "kube-portal-proxy not ready; kubectl -n kube-system logs ds/kube-portal-proxy"
@@ -237,7 +356,7 @@ log "CoreDNS ready at $DNS_IP; cluster up in $((SECONDS - started))s"
 
 cat <<USAGE
 
-The cluster runs in network namespace $NS (node $NODE, $NODE_IP). Use it from there:
+The cluster runs in network namespace $NS (node $NODE, $NODE_IP$( ((nodes > 1)) && echo "; $((nodes - 1)) more node(s) in $NS-node1.., their kubelets' and containerds' files in $STATE/node1..")). Use it from there:
 
   alias k='nsenter --net=/run/netns/$NS $KPP_KUBECTL --kubeconfig=$KUBECONFIG_ADMIN'
   k get nodes,pods -A -o wide

@@ -8,6 +8,11 @@
 #   CONFORMANCE_FOCUS=ci     the CI subset (ci-focus.txt), minus skips.txt
 #   CONFORMANCE_FOCUS=RE     any other -ginkgo.focus
 #
+# On a cluster of more than one node (make conformance NODES=3) the [Disruptive] specs run too:
+# after the others, in a second pass of their own with one process (they restart the service
+# proxy or the API server, which specs running next to them would see fail), and summary.md
+# merges both reports.
+#
 # Exit status: e2e.test's (non-zero when a spec failed). The cluster stays up (make cluster-down).
 # Environment: IMAGE, IMAGE_OCI (for make cluster), CONFORMANCE_FOCUS, CONFORMANCE_TIMEOUT
 # (ginkgo's suite timeout, default 3h), CONFORMANCE_PROCS (parallel ginkgo processes, default 1).
@@ -30,6 +35,7 @@ ci) focus=$(joined "$here/ci-focus.txt") ;;
 *) focus=$CONFORMANCE_FOCUS ;;
 esac
 skip=$(joined "$here/skips.txt")
+skips_file=$here/skips.txt
 
 eval "$("$repo/hack/controlplane-build.sh")"
 eval "$("$here/build.sh")"
@@ -38,16 +44,27 @@ if [ ! -e "/run/netns/$NS" ]; then
   "$repo/hack/cluster/up.sh"
 fi
 
+nodes=$(node_count)
 mkdir -p "$out"
-rm -f "$out"/junit_*.xml "$out/summary.md"
+rm -rf "$out"/junit_*.xml "$out/summary.md" "$out/disruptive"
 "$here/images.sh" "$KPP_AGNHOST" "$STATE/images/e2e"
-for img in "$STATE"/images/e2e/*.tar; do
-  ctr -a "$SOCK" -n k8s.io images import "$img" >/dev/null
+for ((i = 0; i < nodes; i++)); do
+  for img in "$STATE"/images/e2e/*.tar; do
+    ctr -a "$(node_sock "$i")" -n k8s.io images import "$img" >/dev/null
+  done
 done
+# Several nodes: the [Disruptive] line leaves skips.txt (the second pass runs those specs).
+skip2=""
+if ((nodes > 1)); then
+  grep -v '^\\\[Disruptive\\\]' "$here/skips.txt" >"$out/skips.txt"
+  skips_file=$out/skips.txt
+  skip2=$(joined "$skips_file")
+  skip="$skip2|\[Disruptive\]"
+fi
 
 # e2e.test's -report-dir gets junit_01.xml; the framework checks kube-system's pods are Running
 # and the node Ready before the first spec.
-args=(--kubeconfig="$KUBECONFIG_ADMIN" --kubectl-path="$KPP_KUBECTL" --provider=skeleton --num-nodes=1
+args=(--kubeconfig="$KUBECONFIG_ADMIN" --kubectl-path="$KPP_KUBECTL" --provider=skeleton --num-nodes="$nodes"
   --report-dir="$out" --e2e-output-dir="$out" --dump-logs-on-failure=false)
 ginkgo_args=(--focus="$focus" --skip="$skip" --timeout="${CONFORMANCE_TIMEOUT:-3h}" --no-color --v)
 procs=${CONFORMANCE_PROCS:-1}
@@ -63,10 +80,25 @@ else
   ns "$KPP_E2E_TEST" "${args[@]}" "${ginkgo_args[@]/#--/--ginkgo.}" >"$out/e2e.log" 2>&1 || status=$?
 fi
 log "e2e.test exited $status after $((SECONDS - started))s (log $out/e2e.log)"
+junits=$(ls "$out"/junit_*.xml 2>/dev/null | head -1)
 
-if ls "$out"/junit_*.xml >/dev/null 2>&1; then
-  (cd "$repo" && go run ./hack/conformance/summary -junit "$(ls "$out"/junit_*.xml | head -1)" \
-    -skips "$here/skips.txt" -focus "$focus" -o "$out/summary.md")
+if [ -n "$skip2" ] && [ -n "$junits" ]; then
+  mkdir -p "$out/disruptive"
+  log "second pass: the [Disruptive] specs, one process"
+  t0=$SECONDS
+  s2=0
+  ns "$KPP_E2E_TEST" "${args[@]/#--report-dir=*/--report-dir=$out/disruptive}" --ginkgo.focus="$focus" \
+    --ginkgo.skip="$skip2" --ginkgo.label-filter=Disruptive --ginkgo.timeout="${CONFORMANCE_TIMEOUT:-3h}" \
+    --ginkgo.no-color --ginkgo.v >"$out/disruptive/e2e.log" 2>&1 || s2=$?
+  log "e2e.test (Disruptive) exited $s2 after $((SECONDS - t0))s (log $out/disruptive/e2e.log)"
+  [ "$status" != 0 ] || status=$s2
+  d=$(ls "$out"/disruptive/junit_*.xml 2>/dev/null | head -1)
+  [ -z "$d" ] || junits="$junits,$d"
+fi
+
+if [ -n "$junits" ]; then
+  (cd "$repo" && go run ./hack/conformance/summary -junit "$junits" \
+    -skips "$skips_file" -focus "$focus" -o "$out/summary.md")
   sed -n 3p "$out/summary.md" >&2
   log "summary: $out/summary.md"
 else

@@ -2,7 +2,9 @@
 // (bin/conformance/summary.md): every spec the run's focus selects, passed, failed or skipped,
 // with the reason a spec was skipped (the skips.txt line whose expression matched it, or the
 // spec's own message when it skipped itself, e.g. for want of a second node) or the first line
-// of its failure.
+// of its failure. -junit takes several reports, comma-separated (make conformance NODES=3 runs the
+// [Disruptive] specs in a second pass): a spec that ran in one report and was skipped in another
+// is listed with its run.
 //
 //	go run ./hack/conformance/summary -junit bin/conformance/junit_01.xml \
 //	    -skips hack/conformance/skips.txt -focus '...' -o bin/conformance/summary.md
@@ -57,7 +59,7 @@ type result struct {
 }
 
 func main() {
-	junitPath := flag.String("junit", "", "JUnit report written by e2e.test -report-dir")
+	junitPath := flag.String("junit", "", "JUnit report(s) written by e2e.test -report-dir, comma-separated")
 	skipsPath := flag.String("skips", "", "skips.txt: expression<TAB>reason per line")
 	focus := flag.String("focus", "", "the run's -ginkgo.focus: specs it does not select are left out")
 	out := flag.String("o", "", "summary file (default stdout)")
@@ -83,15 +85,15 @@ func run(junitPath, skipsPath, focus, out string) error {
 			return fmt.Errorf("focus %q: %w", focus, err)
 		}
 	}
-	f, err := os.Open(junitPath)
-	if err != nil {
-		return fmt.Errorf("junit report: %w", err)
+	var reports [][]result
+	for _, path := range strings.Split(junitPath, ",") {
+		rs, err := summarizeFile(path, rules, focusRE)
+		if err != nil {
+			return err
+		}
+		reports = append(reports, rs)
 	}
-	defer f.Close()
-	results, err := summarize(f, rules, focusRE)
-	if err != nil {
-		return fmt.Errorf("junit report %s: %w", junitPath, err)
-	}
+	results := merge(reports...)
 	w := io.Writer(os.Stdout)
 	if out != "" {
 		o, err := os.Create(out)
@@ -102,6 +104,40 @@ func run(junitPath, skipsPath, focus, out string) error {
 		w = o
 	}
 	return write(w, results)
+}
+
+func summarizeFile(path string, rules []skipRule, focus *regexp.Regexp) ([]result, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("junit report: %w", err)
+	}
+	defer f.Close()
+	results, err := summarize(f, rules, focus)
+	if err != nil {
+		return nil, fmt.Errorf("junit report %s: %w", path, err)
+	}
+	return results, nil
+}
+
+// merge joins the results of several runs of one selection into one list, in name order: a
+// spec that ran (passed or failed) in one report keeps that result over a skip in another; of
+// two runs or two skips, the later report's stands.
+func merge(reports ...[]result) []result {
+	byName := map[string]result{}
+	for _, rs := range reports {
+		for _, r := range rs {
+			if prev, ok := byName[r.name]; ok && prev.outcome != "skipped" && r.outcome == "skipped" {
+				continue
+			}
+			byName[r.name] = r
+		}
+	}
+	merged := make([]result, 0, len(byName))
+	for _, r := range byName {
+		merged = append(merged, r)
+	}
+	sort.Slice(merged, func(i, j int) bool { return merged[i].name < merged[j].name })
+	return merged
 }
 
 func readSkips(path string) ([]skipRule, error) {

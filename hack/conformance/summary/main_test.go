@@ -88,3 +88,32 @@ func TestRepositorySkipsParse(t *testing.T) {
 		t.Fatal("no rules in skips.txt")
 	}
 }
+
+// TestMergeKeepsRunOverSkip: the [Disruptive] pass of a multi-node run reports the specs it ran,
+// the main pass reported them skipped; the merged summary lists each spec once, with its run.
+func TestMergeKeepsRunOverSkip(t *testing.T) {
+	main := []result{
+		{name: "a", outcome: "passed", seconds: 3},
+		{name: "restart", outcome: "skipped", reason: "not selected"},
+		{name: "self-skip", outcome: "skipped", reason: "not selected"},
+	}
+	second := []result{
+		{name: "a", outcome: "skipped", reason: "not selected"},
+		{name: "restart", outcome: "failed", reason: "boom", seconds: 9},
+		{name: "self-skip", outcome: "skipped", reason: "component is not running as pod"},
+	}
+	got := merge(main, second)
+	want := []result{
+		{name: "a", outcome: "passed", seconds: 3},
+		{name: "restart", outcome: "failed", reason: "boom", seconds: 9},
+		{name: "self-skip", outcome: "skipped", reason: "component is not running as pod"},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("merge: got %d results %+v, want %d", len(got), got, len(want))
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("merge[%d] = %+v, want %+v", i, got[i], want[i])
+		}
+	}
+}
