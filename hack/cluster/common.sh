@@ -11,6 +11,8 @@ SERVICE_CIDR=10.96.0.0/12
 DNS_IP=10.96.0.10
 PAUSE_IMAGE=registry.k8s.io/pause:3.10.2
 SERVE_IMAGE=kpp.invalid/serve:1
+# make cluster NODES=3 runs kube-apiserver as a static pod of node 0, from this image of the binary.
+APISERVER_IMAGE=registry.k8s.io/kube-apiserver:v1.36.3
 # CoreDNS (hack/cluster/build.sh builds the version kubeadm v1.36 deploys), named as kubeadm does.
 COREDNS_IMAGE=registry.k8s.io/coredns/coredns:v1.14.2
 KUBECONFIG_ADMIN=$STATE/admin.kubeconfig

@@ -87,8 +87,10 @@ if [ -f "$STATE/created-cgroups" ]; then
 fi
 
 ip netns del "$NS" 2>/dev/null && log "deleted network namespace $NS"
-for ((i = 1; i < nodes; i++)); do
-  ip netns del "$(node_netns "$i")" 2>/dev/null && log "deleted network namespace $(node_netns "$i")"
+# Every node's, also of a cluster whose up.sh stopped before it wrote $STATE/nodes.
+for n in /run/netns/"$NS"-node[1-9]; do
+  [ -e "$n" ] || continue
+  ip netns del "${n#/run/netns/}" 2>/dev/null && log "deleted network namespace ${n#/run/netns/}"
 done
 ip netns del "$SWITCH_NS" 2>/dev/null && log "deleted network namespace $SWITCH_NS"
 

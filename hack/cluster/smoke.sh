@@ -3,7 +3,9 @@
 # Service are reached through the Service IP, both from a pod (kubectl exec) and from the node
 # (the cluster namespace), and the answers come from both endpoints. It asserts that the proxy
 # answering on the node is the DaemonSet's kube-portal-proxy (/proxyMode, the rules it dumps
-# name the Service IP). Leaves nothing behind (the smoke namespace is deleted).
+# name the Service IP). On a cluster of several nodes (make cluster NODES=3) it checks the
+# same from every node, whose proxy reaches pods on the other nodes over the routed pod network.
+# Leaves nothing behind (the smoke namespace is deleted).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -68,4 +70,15 @@ check() {
 }
 check "the node" 20 ns "$STATE/bin/serve" -get "http://$ip/"
 check "pod client" 20 kc -n smoke exec client -- /serve -get "http://$ip/"
+nodes=$(node_count)
+if ((nodes > 1)); then
+  log "serve pods on nodes: $(kc -n smoke get pods -l app=serve -o jsonpath='{.items[*].spec.nodeName}'); client on $(kc -n smoke get pod client -o jsonpath='{.spec.nodeName}')"
+  for ((i = 1; i < nodes; i++)); do
+    mode=$(node_exec "$i" "$STATE/bin/serve" -get http://127.0.0.1:10249/proxyMode) || fail "no proxy answers /proxyMode on $(node_name "$i")"
+    [ "$mode" = userspace ] || fail "/proxyMode on $(node_name "$i") = $mode, want userspace (kube-portal-proxy)"
+    wait_for "the first answer of $ip:80 from $(node_name "$i")" 60 node_exec "$i" "$STATE/bin/serve" -get "http://$ip/" ||
+      fail "$ip:80 never answered from $(node_name "$i")"
+    check "node $(node_name "$i")" 20 node_exec "$i" "$STATE/bin/serve" -get "http://$ip/"
+  done
+fi
 log "PASS"

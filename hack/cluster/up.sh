@@ -191,14 +191,15 @@ start etcd "$KPP_ETCD" --name=kpp-cluster --data-dir="$STATE/etcd" \
   --listen-client-urls=http://127.0.0.1:2379 --advertise-client-urls=http://127.0.0.1:2379 \
   --listen-peer-urls=http://127.0.0.1:2380 --initial-advertise-peer-urls=http://127.0.0.1:2380 \
   --initial-cluster=kpp-cluster=http://127.0.0.1:2380 --unsafe-no-fsync --log-level=warn
-start kube-apiserver "$KPP_APISERVER" --etcd-servers=http://127.0.0.1:2379 \
-  --bind-address=0.0.0.0 --advertise-address="$NODE_IP" --secure-port=6443 \
-  --cert-dir="$STATE/pki/apiserver" --token-auth-file="$STATE/pki/tokens.csv" \
-  --authorization-mode=Node,RBAC --allow-privileged=true \
-  --service-account-issuer=https://kubernetes.default.svc.cluster.local \
-  --service-account-key-file="$STATE/pki/sa.key" --service-account-signing-key-file="$STATE/pki/sa.key" \
-  --service-cluster-ip-range="$SERVICE_CIDR" --kubelet-preferred-address-types=InternalIP \
-  --profiling=false
+apiserver_args=(--etcd-servers=http://127.0.0.1:2379
+  --bind-address=0.0.0.0 --advertise-address="$NODE_IP" --secure-port=6443
+  --cert-dir="$STATE/pki/apiserver" --token-auth-file="$STATE/pki/tokens.csv"
+  --authorization-mode=Node,RBAC --allow-privileged=true
+  --service-account-issuer=https://kubernetes.default.svc.cluster.local
+  --service-account-key-file="$STATE/pki/sa.key" --service-account-signing-key-file="$STATE/pki/sa.key"
+  --service-cluster-ip-range="$SERVICE_CIDR" --kubelet-preferred-address-types=InternalIP
+  --profiling=false)
+start kube-apiserver "$KPP_APISERVER" "${apiserver_args[@]}"
 ca=$STATE/pki/apiserver/apiserver.crt
 wait_for "the API server's certificate" 60 test -s "$ca"
 
@@ -220,14 +221,58 @@ wait_for "the API server's /readyz" 120 kc get --raw /readyz
 alive etcd
 alive kube-apiserver
 
-start kube-controller-manager "$KPP_CONTROLLER_MANAGER" --kubeconfig="$STATE/kcm.kubeconfig" \
-  --authentication-kubeconfig="$STATE/kcm.kubeconfig" --authorization-kubeconfig="$STATE/kcm.kubeconfig" \
-  --leader-elect=false --use-service-account-credentials=true \
-  --service-account-private-key-file="$STATE/pki/sa.key" --root-ca-file="$ca" \
-  --service-cluster-ip-range="$SERVICE_CIDR" --bind-address=127.0.0.1
-start kube-scheduler "$KPP_SCHEDULER" --kubeconfig="$STATE/scheduler.kubeconfig" \
-  --authentication-kubeconfig="$STATE/scheduler.kubeconfig" --authorization-kubeconfig="$STATE/scheduler.kubeconfig" \
-  --leader-elect=false --bind-address=127.0.0.1
+start_controllers() {
+  start kube-controller-manager "$KPP_CONTROLLER_MANAGER" --kubeconfig="$STATE/kcm.kubeconfig" \
+    --authentication-kubeconfig="$STATE/kcm.kubeconfig" --authorization-kubeconfig="$STATE/kcm.kubeconfig" \
+    --leader-elect=false --use-service-account-credentials=true \
+    --service-account-private-key-file="$STATE/pki/sa.key" --root-ca-file="$ca" \
+    --service-cluster-ip-range="$SERVICE_CIDR" --bind-address=127.0.0.1
+  start kube-scheduler "$KPP_SCHEDULER" --kubeconfig="$STATE/scheduler.kubeconfig" \
+    --authentication-kubeconfig="$STATE/scheduler.kubeconfig" --authorization-kubeconfig="$STATE/scheduler.kubeconfig" \
+    --leader-elect=false --bind-address=127.0.0.1
+}
+static_pod=""
+if ((nodes == 1)); then
+  start_controllers
+else
+  # Several nodes: the API server becomes a static pod of node 0's kubelet, as kubeadm and kind
+  # run it (kube-system/kube-apiserver-kpp-node0, labels component=kube-apiserver,
+  # tier=control-plane), so that the upstream "should work after restarting apiserver" spec
+  # finds it. The process above only made the serving certificate the kubeconfigs name and
+  # proved the flags; the pod runs the same binary with the same flags and files (hostPath
+  # $STATE/pki) from an image of it. The controllers start once the pod serves.
+  stop_apiserver=$(cat "$STATE/pids/kube-apiserver")
+  kill -TERM "$stop_apiserver"
+  wait_for "the API server process to exit" 30 sh -c "! kill -0 $stop_apiserver" || die "kube-apiserver (pid $stop_apiserver) did not exit"
+  rm -f "$STATE/pids/kube-apiserver"
+  (cd "$repo" && go run ./hack/oci -o "$STATE/images/kube-apiserver.tar" -name "$APISERVER_IMAGE" \
+    -add "$KPP_APISERVER=/usr/local/bin/kube-apiserver" -entrypoint /usr/local/bin/kube-apiserver)
+  {
+    cat <<POD
+apiVersion: v1
+kind: Pod
+metadata:
+  name: kube-apiserver
+  namespace: kube-system
+  labels: {component: kube-apiserver, tier: control-plane}
+spec:
+  hostNetwork: true
+  priorityClassName: system-node-critical
+  containers:
+  - name: kube-apiserver
+    image: $APISERVER_IMAGE
+    imagePullPolicy: Never
+    command:
+    - /usr/local/bin/kube-apiserver
+POD
+    for a in "${apiserver_args[@]}"; do printf '    - "%s"\n' "$a"; done
+    cat <<POD
+    volumeMounts: [{name: pki, mountPath: "$STATE/pki"}]
+  volumes: [{name: pki, hostPath: {path: "$STATE/pki", type: Directory}}]
+POD
+  } >"$STATE/manifests/kube-apiserver.yaml"
+  static_pod="staticPodPath: $STATE/manifests"
+fi
 
 # --- containerd and kubelet on each node -------------------------------------------------------
 echo "nameserver $NODE_IP" >"$STATE/resolv.conf"   # nothing answers: pods with dnsPolicy Default resolve nothing
@@ -271,7 +316,9 @@ CNI
   start_on "$i" "containerd$suffix" containerd --config="$c/config.toml"
   wait_for "containerd$suffix" 60 ctr -a "$sock" version
   alive "containerd$suffix"
-  for img in "$STATE/images/pause.tar" "$STATE/images/serve.tar" "$STATE/images/coredns.tar" "$IMAGE_OCI"; do
+  local extra=()
+  ((i > 0)) || [ -z "$static_pod" ] || extra=("$STATE/images/kube-apiserver.tar")
+  for img in "$STATE/images/pause.tar" "$STATE/images/serve.tar" "$STATE/images/coredns.tar" "$IMAGE_OCI" "${extra[@]}"; do
     ctr -a "$sock" -n k8s.io images import "$img" >/dev/null
   done
   log "images imported on $(node_name "$i"): $(ctr -a "$sock" -n k8s.io images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
@@ -282,6 +329,7 @@ kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
 $cgroup_root
+$( ((i == 0)) && echo "$static_pod")
 containerRuntimeEndpoint: unix://$sock
 imageServiceEndpoint: unix://$sock
 protectKernelDefaults: false
@@ -310,6 +358,12 @@ kubelet_started=$SECONDS
 for ((i = 0; i < nodes; i++)); do
   node_start "$i"
 done
+if [ -n "$static_pod" ]; then
+  wait_for "the API server's static pod to serve /readyz" 180 kc get --raw /readyz ||
+    die "the kube-apiserver static pod does not serve; see $STATE/pod-logs/kube-system_kube-apiserver-*"
+  log "kube-apiserver runs as node 0's static pod $((SECONDS - kubelet_started))s after the first containerd started"
+  start_controllers
+fi
 for ((i = 0; i < nodes; i++)); do
   n=$(node_name "$i")
   wait_for "node $n to register" 120 kc get node "$n"
