@@ -160,10 +160,12 @@ fi
 # logs/NAME.log, and records its PID (nsenter and setsid exec, so $! is the component itself).
 # start_on I NAME COMMAND... does the same on node I (its network and mount namespaces).
 start() { start_on 0 "$@"; }
+# (nsenter itself, not node_exec: a backgrounded shell function would make $! a subshell's PID.)
 start_on() {
-  local i=$1 name=$2
+  local i=$1 name=$2 nsargs=(--net="/run/netns/$(node_netns "$1")")
   shift 2
-  node_exec "$i" setsid "$@" </dev/null >"$STATE/logs/$name.log" 2>&1 &
+  ((i == 0)) || nsargs+=(--mount="$(node_mntns "$i")")
+  nsenter "${nsargs[@]}" setsid "$@" </dev/null >"$STATE/logs/$name.log" 2>&1 &
   echo $! >"$STATE/pids/$name"
   log "$name started (pid $!, log $STATE/logs/$name.log)"
 }
