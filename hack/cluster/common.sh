@@ -26,7 +26,8 @@ SYSCTLS="vm.overcommit_memory kernel.panic kernel.panic_on_oops"
 # Multi-node (make cluster NODES=3): node 0 is the one above (control plane, namespace $NS, its
 # files in $STATE); node I >= 1 is kpp-nodeI at 10.99.0.(2+I) in namespace $NS-nodeI, with its
 # containerd, kubelet and the fixed paths under $STATE/nodeI, in a mount namespace of its own
-# ($STATE/mnt/nodeI), and kubelet's cgroup root /kpp-nodeI. The nodes' eth0 veths meet on bridge
+# ($STATE/mnt/nodeI), and kubelet's cgroup root /kpp-nodeI. Every node has a UTS namespace whose
+# hostname is its name ($STATE/mnt/uts-nodeI). The nodes' eth0 veths meet on bridge
 # br0 in namespace $SWITCH_NS; pod CIDR 10.244.I.0/24, routed between the nodes. up.sh writes the
 # node count to $STATE/nodes.
 SWITCH_NS=$NS-switch
@@ -40,15 +41,16 @@ node_netns() { if [ "$1" = 0 ]; then echo "$NS"; else echo "$NS-node$1"; fi; }
 node_dir() { if [ "$1" = 0 ]; then echo "$STATE"; else echo "$STATE/node$1"; fi; }
 node_sock() { echo "$(node_dir "$1")/containerd/containerd.sock"; }
 node_mntns() { echo "$STATE/mnt/node$1"; }
+# Several nodes: each node's UTS namespace (hostname = node name), node 0's too.
+node_utsns() { echo "$STATE/mnt/uts-node$1"; }
 # node_exec I COMMAND...: runs COMMAND in node I's network namespace (and mount namespace).
 node_exec() {
   local i=$1
   shift
-  if [ "$i" = 0 ]; then
-    nsenter --net="/run/netns/$NS" "$@"
-  else
-    nsenter --net="/run/netns/$(node_netns "$i")" --mount="$(node_mntns "$i")" "$@"
-  fi
+  local args=(--net="/run/netns/$(node_netns "$i")")
+  [ "$i" = 0 ] || args+=(--mount="$(node_mntns "$i")")
+  [ ! -e "$(node_utsns "$i")" ] || args+=(--uts="$(node_utsns "$i")")
+  nsenter "${args[@]}" "$@"
 }
 
 log() { printf 'cluster: %s\n' "$*" >&2; }

@@ -135,6 +135,12 @@ else
   mount --make-private "$STATE/mnt"
   var_paths=$(for p in $FIXED_PATHS; do case $p in /var/*) echo "$p" ;; esac; done)
   for p in $var_paths; do mkdir -p "$p"; done
+  # Every node: a UTS namespace with the node's name as hostname (hostNetwork pods share it; the
+  # upstream specs ask such pods for their hostname and expect the node's name).
+  for ((i = 0; i < nodes; i++)); do
+    touch "$(node_utsns "$i")"
+    unshare --uts="$(node_utsns "$i")" hostname "$(node_name "$i")"
+  done
   for ((i = 1; i < nodes; i++)); do
     d=$(node_dir "$i")
     binds=""
@@ -165,6 +171,7 @@ start_on() {
   local i=$1 name=$2 nsargs=(--net="/run/netns/$(node_netns "$1")")
   shift 2
   ((i == 0)) || nsargs+=(--mount="$(node_mntns "$i")")
+  [ ! -e "$(node_utsns "$i")" ] || nsargs+=(--uts="$(node_utsns "$i")")
   nsenter "${nsargs[@]}" setsid "$@" </dev/null >"$STATE/logs/$name.log" 2>&1 &
   echo $! >"$STATE/pids/$name"
   log "$name started (pid $!, log $STATE/logs/$name.log)"
