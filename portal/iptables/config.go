@@ -31,6 +31,10 @@ type Config struct {
 	// ProtectProxyPorts adds the KUBE-PORTALS-GUARD filter chain: a new connection from outside the
 	// node reaches a proxy port only when a portal rule translated it (conntrack state DNAT).
 	ProtectProxyPorts bool
+	// KernelPath keeps the kernel data path's top-level chains and jumps (kube-proxy's
+	// KUBE-SERVICES, KUBE-POSTROUTING, ...; see portal/kernel) and programs the specs that ask for
+	// it (Spec.Kernel). Off, such specs are skipped with an error.
+	KernelPath bool
 	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
 	// repairs them; 0 means DefaultVerifyPeriod.
 	VerifyPeriod time.Duration

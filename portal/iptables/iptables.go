@@ -89,6 +89,7 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 		s := &sorted[i]
 		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
 		s.SourceRanges = slices.Clone(s.SourceRanges)
+		s.Kernel = s.Kernel.Clone()
 	}
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
 		return nil
@@ -322,5 +323,6 @@ func specEqual(a, b portal.Spec) bool {
 		a.ProxyPort == b.ProxyPort && a.ExternalProxyPort == b.ExternalProxyPort &&
 		a.RejectInternal == b.RejectInternal && a.RejectExternal == b.RejectExternal &&
 		slices.Equal(a.ClusterIPs, b.ClusterIPs) && slices.Equal(a.ExternalIPs, b.ExternalIPs) &&
-		slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs) && slices.Equal(a.SourceRanges, b.SourceRanges)
+		slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs) && slices.Equal(a.SourceRanges, b.SourceRanges) &&
+		a.Kernel.Equal(b.Kernel)
 }
