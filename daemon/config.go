@@ -38,6 +38,10 @@ const (
 	// the raw document.
 	fieldUDPIdleTimeout = "udpIdleTimeout"
 
+	// fieldDefaultDataPath is --default-data-path in the file: this proxy's own field beside
+	// kube-proxy's type (kernel or proxy), read from the raw document like udpIdleTimeout.
+	fieldDefaultDataPath = "defaultDataPath"
+
 	// nodePortPrimary is nodePortAddresses' special value for the Node object's primary IPs.
 	nodePortPrimary = "primary"
 
@@ -54,6 +58,8 @@ type proxyConfig struct {
 	kube kubeproxyconfig.KubeProxyConfiguration
 	// udpIdleTimeout is the legacy field; 0 when absent.
 	udpIdleTimeout time.Duration
+	// defaultDataPath is the defaultDataPath field; "" when absent.
+	defaultDataPath string
 	// ignored lists the fields that are set but mean nothing here, as dotted paths.
 	ignored []string
 }
@@ -101,6 +107,7 @@ func (c *proxyConfig) settings() []fileSetting {
 		{"configSyncPeriod", "config-sync-period", k.ConfigSyncPeriod.Duration != 0, func(o *Options) { o.configSyncPeriod = k.ConfigSyncPeriod.Duration }},
 		{"portRange", "proxy-port-range", k.PortRange != "", func(o *Options) { o.proxyPortRange = k.PortRange }},
 		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *Options) { o.udpTimeout = c.udpIdleTimeout }},
+		{fieldDefaultDataPath, "default-data-path", c.defaultDataPath != "", func(o *Options) { o.defaultDataPath = c.defaultDataPath }},
 	}
 }
 
@@ -168,6 +175,14 @@ func decodeProxyConfig(data []byte) (*proxyConfig, error) {
 			return nil, err
 		}
 		delete(raw, fieldUDPIdleTimeout)
+	}
+	if v, ok := raw[fieldDefaultDataPath]; ok {
+		s, _ := v.(string)
+		if s != "kernel" && s != "proxy" {
+			return nil, fmt.Errorf("%s: want kernel or proxy, got %v", fieldDefaultDataPath, v)
+		}
+		c.defaultDataPath = s
+		delete(raw, fieldDefaultDataPath)
 	}
 	configType := reflect.TypeFor[kubeproxyconfig.KubeProxyConfiguration]()
 	if err := visitFields(raw, configType, "", checkDuration); err != nil {
@@ -428,6 +443,9 @@ func marshalConfig(o *Options) ([]byte, error) {
 		return nil, err
 	}
 	doc[fieldUDPIdleTimeout] = o.udpTimeout.String()
+	if o.defaultDataPath != "" && o.defaultDataPath != "proxy" {
+		doc[fieldDefaultDataPath] = o.defaultDataPath
+	}
 	return yaml.Marshal(doc)
 }
 
