@@ -73,6 +73,19 @@ type KernelPath struct {
 	AffinitySeconds int
 }
 
+// EndpointCounter is what the kernel counted for one endpoint of a kernel-path port: the packets
+// and bytes through the DNAT rule of its KUBE-SEP chain. The nat table sees the first packet of
+// each connection (UDP: of each flow) only, so Packets counts new connections and Bytes their first
+// packets.
+type EndpointCounter struct {
+	Name     service.ServicePortName
+	Protocol service.Protocol
+	Endpoint netip.AddrPort
+	Chain    string
+	Packets  uint64
+	Bytes    uint64
+}
+
 // Equal reports whether two kernel paths are the same (nil only equals nil).
 func (k *KernelPath) Equal(o *KernelPath) bool {
 	if k == nil || o == nil {

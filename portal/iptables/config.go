@@ -38,6 +38,9 @@ type Config struct {
 	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
 	// repairs them; 0 means DefaultVerifyPeriod.
 	VerifyPeriod time.Duration
+	// CounterInterval is how long KernelCounters reuses one read of the counters; 0 means
+	// DefaultCounterInterval.
+	CounterInterval time.Duration
 	// Clock drives VerifyPeriod; nil means the real clock.
 	Clock  clock.PassiveClock
 	Logger logrus.FieldLogger
@@ -50,6 +53,9 @@ func (c Config) withDefaults() Config {
 	c.BindAddress = c.BindAddress.Unmap()
 	if c.VerifyPeriod <= 0 {
 		c.VerifyPeriod = DefaultVerifyPeriod
+	}
+	if c.CounterInterval <= 0 {
+		c.CounterInterval = DefaultCounterInterval
 	}
 	if c.Clock == nil {
 		c.Clock = clock.RealClock{}

@@ -55,9 +55,16 @@ type Portals struct {
 	// repeat Sync with the same specs returns without rebuilding 10,000s of rule strings.
 	applied []portal.Spec
 
-	viewMu sync.Mutex // guards stats and view; never held while running a command
+	viewMu sync.Mutex // guards stats, view and kernelPorts; never held while running a command
 	stats  Stats
 	view   map[portal.Family]map[string]*tableState
+	// kernelPorts counts the specs on the kernel path in the last Sync.
+	kernelPorts int
+
+	// counterMu serialises KernelCounters and guards its cache.
+	counterMu  sync.Mutex
+	counters   []portal.EndpointCounter
+	countersAt time.Time
 }
 
 // New returns the iptables portals. It runs nothing: the first Sync reads the live tables
@@ -94,6 +101,15 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
 		return nil
 	}
+	nk := 0
+	for i := range sorted {
+		if sorted[i].Kernel != nil && p.cfg.KernelPath {
+			nk++
+		}
+	}
+	p.viewMu.Lock()
+	p.kernelPorts = nk
+	p.viewMu.Unlock()
 	p.applied = nil
 	verified := true
 	var errs []error

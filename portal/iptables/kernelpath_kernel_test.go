@@ -186,6 +186,22 @@ func TestKernelPathTraffic(t *testing.T) {
 		if len(counts) != 4 || chi2 > 16.27 {
 			t.Errorf("spread %v over %d connections: chi-square %.2f > 16.27 (p < 0.001), want uniform over 4 endpoints", counts, n, chi2)
 		}
+		// The DNAT rule of each KUBE-SEP chain saw each connection's first packet: its counter is
+		// exactly the number of connections that endpoint answered.
+		counters, err := p.KernelCounters(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]int{}
+		for _, c := range counters {
+			if c.Name != spn("default", "web", "http") || c.Protocol != service.TCP || c.Bytes == 0 {
+				t.Errorf("counter %+v: want default/web:http TCP with bytes", c)
+			}
+			got[c.Endpoint.Addr().String()] = int(c.Packets)
+		}
+		if fmt.Sprint(got) != fmt.Sprint(counts) {
+			t.Errorf("KUBE-SEP counters %v, want the connections each endpoint answered %v", got, counts)
+		}
 		// The client is outside the pod range: masqueraded, the endpoint sees the node.
 		if answers[0].client != "10.244.1.1" {
 			t.Errorf("endpoint saw client %s, want the node 10.244.1.1 (masquerade of non-pod sources)", answers[0].client)
