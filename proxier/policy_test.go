@@ -17,6 +17,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -189,7 +190,7 @@ kube_portal_proxy_outlier_ejections_total{service_port="ns/web:http"} 1
 		t.Fatalf("Services() = %+v, want one", views)
 	}
 	v := views[0]
-	if v.Balancing != (BalancingView{Algorithm: "round-robin", OutlierConsecutiveFailures: 2, OutlierEjectionTime: "45s", OutlierMaxEjectionPercent: 50}) {
+	if v.Balancing != (debugview.BalancingView{Algorithm: "round-robin", OutlierConsecutiveFailures: 2, OutlierEjectionTime: "45s", OutlierMaxEjectionPercent: 50}) {
 		t.Errorf("balancing view = %+v", v.Balancing)
 	}
 	var ejected []string

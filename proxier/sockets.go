@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
@@ -73,14 +74,14 @@ func socketStats(s ProxySocket) (flow.Stats, bool) {
 }
 
 // connViews lists the live flows of a socket for the debug views.
-func connViews(s ProxySocket, name, protocol string, now time.Time) []ConnView {
+func connViews(s ProxySocket, name, protocol string, now time.Time) []debugview.ConnView {
 	o, ok := s.(observed)
 	if !ok {
 		return nil
 	}
-	var out []ConnView
+	var out []debugview.ConnView
 	for _, f := range o.Live() {
-		out = append(out, ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: addrOrNone(f.Endpoint),
+		out = append(out, debugview.ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: addrOrNone(f.Endpoint),
 			Age: now.Sub(f.Start).Round(time.Millisecond).String(), BytesToEndpoint: f.BytesToEndpoint, BytesToClient: f.BytesToClient})
 	}
 	return out
