@@ -23,6 +23,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -127,7 +128,7 @@ func TestHoldingPortIsNotRefused(t *testing.T) {
 			if refused() {
 				t.Errorf("holding port without endpoints refused")
 			}
-			if v := testutil.ToFloat64(e.p.deps.Metrics.refusedPorts.WithLabelValues("cluster")); v != 0 {
+			if v := testutil.ToFloat64(e.p.deps.Metrics.RefusedPorts.WithLabelValues("cluster")); v != 0 {
 				t.Errorf("refused cluster ports gauge = %v, want 0 for a holding port", v)
 			}
 			e.p.OnServiceUpdate(nil, webService(nil))
@@ -202,7 +203,7 @@ func TestHoldAndProxyProtocolWithRealSockets(t *testing.T) {
 	if _, err := c.Write([]byte("ping")); err != nil {
 		t.Fatal(err)
 	}
-	collector := NewTrafficCollector(p)
+	collector := metrics.NewTrafficCollector(p)
 	held := func(n int) string {
 		return "# HELP kube_portal_proxy_tcp_held_connections TCP connections held now for want of an endpoint (service ports with a hold-timeout).\n" +
 			"# TYPE kube_portal_proxy_tcp_held_connections gauge\n" +

@@ -28,6 +28,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 )
 
 var (
@@ -62,7 +63,7 @@ func newRealEnv(t *testing.T) *realEnv {
 	p.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
 	e.reg = prometheus.NewRegistry()
-	e.reg.MustRegister(NewTrafficCollector(p))
+	e.reg.MustRegister(metrics.NewTrafficCollector(p))
 	mux := http.NewServeMux()
 	debugview.Register(mux, p)
 	e.srv = httptest.NewServer(mux)
