@@ -213,6 +213,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
+		KernelCounters: pm.kernelCounters,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp")},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},

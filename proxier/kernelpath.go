@@ -1,14 +1,17 @@
 package proxier
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -173,4 +176,27 @@ func (p *Proxier) DataPathOf(name service.ServicePortName) service.DataPath {
 		return service.DataPathProxy
 	}
 	return ""
+}
+
+// kernelCounters reads the KUBE-SEP counters for the debug views, by service port; nil when no
+// port is on the kernel path or they cannot be read (the view then shows none).
+func (p *Proxier) kernelCounters() map[service.ServicePortName][]debugview.KernelEndpointView {
+	p.activeMu.RLock()
+	n := len(p.kernel)
+	p.activeMu.RUnlock()
+	if n == 0 || p.deps.KernelCounters == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	cs, err := p.deps.KernelCounters(ctx)
+	if err != nil {
+		p.log.WithError(err).Debug("Reading the kernel path's counters")
+	}
+	out := map[service.ServicePortName][]debugview.KernelEndpointView{}
+	for _, c := range cs {
+		out[c.Name] = append(out[c.Name], debugview.KernelEndpointView{Endpoint: c.Endpoint.String(), Chain: c.Chain,
+			Packets: c.Packets, Bytes: c.Bytes})
+	}
+	return out
 }

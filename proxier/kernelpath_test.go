@@ -4,7 +4,9 @@ package proxier
 // fakes (sync_test.go): these tests check which path the sync puts a port on.
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -175,5 +177,30 @@ func isClosed(s *fakeSocket) bool {
 		return true
 	default:
 		return false
+	}
+}
+
+// TestDataPathInTheDebugView: /debug/services says which path each port is on and shows a kernel
+// port's KUBE-SEP counters.
+func TestDataPathInTheDebugView(t *testing.T) {
+	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
+	e.p.deps.KernelCounters = func(context.Context) ([]portal.EndpointCounter, error) {
+		return []portal.EndpointCounter{{Name: webHTTP, Protocol: service.TCP, Endpoint: netip.MustParseAddrPort("10.244.1.1:8080"),
+			Chain: "KUBE-SEP-X", Packets: 3, Bytes: 180}}, nil
+	}
+	e.synced()
+	e.p.OnEndpointSliceAdd(webSlice("a", 8080, "10.244.1.1"))
+	e.p.OnServiceAdd(webService(withDataPath("kernel")))
+	e.p.OnServiceAdd(makeService("ns", "db", "10.96.0.11", nil, tcpPort("sql", 5432)))
+	e.sync()
+	got := map[string]string{}
+	for _, v := range e.p.Services() {
+		got[v.Name] = v.DataPath
+		if v.Name == webHTTP.String() && (len(v.Kernel) != 1 || v.Kernel[0].Packets != 3 || v.Kernel[0].Chain != "KUBE-SEP-X") {
+			t.Errorf("kernel counters in the view: %+v", v.Kernel)
+		}
+	}
+	if want := map[string]string{"ns/web:http": "kernel", "ns/db:sql": "proxy"}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("data paths %v, want %v", got, want)
 	}
 }

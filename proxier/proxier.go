@@ -111,6 +111,9 @@ type Deps struct {
 	// Pods, if set, is kept up to date with the pods behind the endpoints of the ports whose
 	// access log is on (AccessLog.Pods).
 	Pods *PodIndex
+	// KernelCounters, if set, reads the KUBE-SEP counters of the kernel-path ports for the debug
+	// views (iptables.Portals.KernelCounters: cached, cheap).
+	KernelCounters func(ctx context.Context) ([]portal.EndpointCounter, error)
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
