@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -37,6 +38,13 @@ var podAddrs = []string{"10.244.1.10", "10.244.1.11", "10.244.1.12", "10.244.1.1
 
 type pathLab struct {
 	client, node, pods *netns.NS
+}
+
+// runner runs iptables in the node namespace: the system's binaries, or iptables-nft* /
+// iptables-legacy* when KPP_TEST_IPTABLES_VARIANT says nft or legacy (one variant per run: the
+// two must not program the same namespace).
+func (l *pathLab) runner() *ExecRunner {
+	return &ExecRunner{Prefix: l.node.CommandPrefix(), Do: l.node.Do, Variant: os.Getenv("KPP_TEST_IPTABLES_VARIANT")}
 }
 
 func newPathLab(t *testing.T) *pathLab {
@@ -160,7 +168,7 @@ func TestKernelPathTraffic(t *testing.T) {
 	clk := clocktesting.NewFakePassiveClock(time.Unix(1000, 0))
 	cfg := Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")}, KernelPath: true,
 		PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}, Clock: clk, VerifyPeriod: time.Minute}
-	p := New(cfg, &ExecRunner{Prefix: l.node.CommandPrefix(), Do: l.node.Do})
+	p := New(cfg, l.runner())
 	t.Cleanup(func() { p.Cleanup(context.Background()) })
 	all := podEndpoints(podAddrs...)
 
@@ -352,10 +360,18 @@ func TestKernelPathTraffic(t *testing.T) {
 
 	t.Run("cleanup_removes_every_kernel_chain", func(t *testing.T) {
 		mustSync(t, p, []portal.Spec{kernelWeb(portal.KernelPath{Cluster: all, AnyEndpoints: true, AffinitySeconds: 5})})
-		if err := New(Config{}, &ExecRunner{Prefix: l.node.CommandPrefix(), Do: l.node.Do}).Cleanup(t.Context()); err != nil {
+		if err := New(Config{}, l.runner()).Cleanup(t.Context()); err != nil {
 			t.Fatal(err)
 		}
-		if got := kubeLines(kernelSave(t, l.node, portal.IPv4)); len(got) != 2 { // "*filter", "*nat"
+		save, err := l.runner().Save(t.Context(), portal.IPv4, tableFilter)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nat, err := l.runner().Save(t.Context(), portal.IPv4, tableNAT)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := kubeLines(string(save) + string(nat)); len(got) != 2 { // "*filter", "*nat"
 			t.Errorf("after Cleanup:\n%s", strings.Join(got, "\n"))
 		}
 	})
