@@ -3,6 +3,7 @@ package proxier
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 	"time"
@@ -199,4 +200,38 @@ func (p *Proxier) kernelCounters() map[service.ServicePortName][]debugview.Kerne
 			Packets: c.Packets, Bytes: c.Bytes})
 	}
 	return out
+}
+
+// kernelUDPPort is a kernel-path UDP port as last applied.
+type kernelUDPPort struct {
+	port      *service.Port
+	endpoints []netip.AddrPort
+}
+
+// clearStaleKernelUDP deletes the conntrack entries of a kernel-path UDP port that lost an
+// endpoint or left the kernel path, after the sync that applied it. A UDP flow keeps its DNAT for
+// as long as packets come (a resolver asking every second never lets the entry expire), so
+// without this it would go on to an endpoint that is gone; with it, the next datagram is
+// balanced again over the current endpoints, as kube-proxy does. A port that moved to the proxy
+// path keeps its established flows on their endpoint until they end, like TCP connections.
+func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
+	now := map[service.ServicePortName]kernelUDPPort{}
+	p.activeMu.RLock()
+	for _, s := range specs {
+		if s.Kernel != nil && s.Protocol == service.UDP && p.kernel[s.Name] != nil {
+			now[s.Name] = kernelUDPPort{port: p.kernel[s.Name], endpoints: append(slices.Clone(s.Kernel.Cluster), s.Kernel.Local...)}
+		}
+	}
+	p.activeMu.RUnlock()
+	for name, old := range p.kernelUDP {
+		cur, still := now[name]
+		gone := !still && p.DataPathOf(name) == "" // removed, not moved to the proxy path
+		lost := still && slices.ContainsFunc(old.endpoints, func(e netip.AddrPort) bool { return !slices.Contains(cur.endpoints, e) })
+		if (gone || lost) && p.deps.Conntrack != nil {
+			if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(old.port)); err != nil {
+				p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+			}
+		}
+	}
+	p.kernelUDP = now
 }

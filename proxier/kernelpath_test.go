@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -202,5 +203,34 @@ func TestDataPathInTheDebugView(t *testing.T) {
 	}
 	if want := map[string]string{"ns/web:http": "kernel", "ns/db:sql": "proxy"}; fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("data paths %v, want %v", got, want)
+	}
+}
+
+// TestKernelUDPConntrack: a kernel-path UDP port that loses an endpoint, or goes away, has its
+// conntrack entries cleared after the sync that applied it (a chatty client would otherwise stay
+// DNATed to the old endpoint); one that only gains an endpoint keeps them.
+func TestKernelUDPConntrack(t *testing.T) {
+	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
+	e.synced()
+	dns := makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53))
+	slice := func(addrs ...string) *discovery.EndpointSlice {
+		var eps []sliceEP
+		for _, a := range addrs {
+			eps = append(eps, sliceEP{addr: a})
+		}
+		return makeSlice("kube-system", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+	}
+	e.p.OnServiceAdd(dns)
+	e.p.OnEndpointSliceAdd(slice("10.244.1.1"))
+	e.sync()
+	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.1", "10.244.1.2"))
+	e.sync()
+	if got := e.conntrack.Dump(); got != "" {
+		t.Errorf("an endpoint added: conntrack cleared %q, want nothing", got)
+	}
+	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.2"))
+	e.sync()
+	if got := e.conntrack.Dump(); !strings.Contains(got, "10.96.0.53") {
+		t.Errorf("an endpoint removed: conntrack cleared %q, want the flows of 10.96.0.53:53", got)
 	}
 }

@@ -177,7 +177,10 @@ type Proxier struct {
 	// retiring are the sockets of ports that moved to the kernel path, closed after the next
 	// portal sync that works.
 	retiring []*activePort
-	failed   map[service.ServicePortName]*service.Port
+	// kernelUDP are the kernel-path UDP ports as last applied, with their endpoints (see
+	// clearStaleKernelUDP).
+	kernelUDP map[service.ServicePortName]kernelUDPPort
+	failed    map[service.ServicePortName]*service.Port
 	// extFailed: ports whose external-traffic socket failed to open (logged once).
 	extFailed map[service.ServicePortName]bool
 	// unsynced names the service ports whose portal spec changed (socket opened or closed)

@@ -66,6 +66,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 			len(specs), p.unsyncedNames(5), err)
 	}
 	p.closeRetired()
+	p.clearStaleKernelUDP(specs)
 	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
 		p.saveListenState()
 	}
