@@ -158,3 +158,38 @@ func TestKernelPathCleanup(t *testing.T) {
 		t.Errorf("after Cleanup:\n%s", d)
 	}
 }
+
+// TestKernelPathTakesOverKubeProxyLeftovers: chains a kube-proxy in iptables mode left behind
+// (its jump, KUBE-SERVICES, a KUBE-SVC and a KUBE-SEP chain) are ours by name: the first sync
+// replaces KUBE-SERVICES and removes the per-port chains it no longer wants; the jump, identical
+// to ours, stays once.
+func TestKernelPathTakesOverKubeProxyLeftovers(t *testing.T) {
+	fake := NewFake()
+	leftovers := `*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-SVC-NPX46M4PTMTKRN6Y - [0:0]
+:KUBE-SEP-FOCF455PUHPZHEKG - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
+-A KUBE-SEP-FOCF455PUHPZHEKG -p tcp -m comment --comment "default/kubernetes:https" -m tcp -j DNAT --to-destination 172.16.18.124:6443
+-A KUBE-SVC-NPX46M4PTMTKRN6Y -m comment --comment "default/kubernetes:https" -j KUBE-SEP-FOCF455PUHPZHEKG
+-A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m comment --comment "default/kubernetes:https cluster IP" -m tcp --dport 443 -j KUBE-SVC-NPX46M4PTMTKRN6Y
+COMMIT
+`
+	if err := fake.Restore(t.Context(), portal.IPv4, []byte(leftovers)); err != nil {
+		t.Fatal(err)
+	}
+	p := New(kernelCfg(), fake)
+	mustSync(t, p, []portal.Spec{dnsSpec()})
+	dump := fake.Dump()
+	for _, gone := range []string{"KUBE-SVC-NPX46M4PTMTKRN6Y", "KUBE-SEP-FOCF455PUHPZHEKG", "10.96.0.1/32"} {
+		if strings.Contains(dump, gone) {
+			t.Errorf("kube-proxy's %s is still there:\n%s", gone, dump)
+		}
+	}
+	if n := strings.Count(dump, `-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES`); n != 1 {
+		t.Errorf("the PREROUTING jump to KUBE-SERVICES is there %d times, want once:\n%s", n, dump)
+	}
+	assertReadBackMatches(t, p, fake)
+}
