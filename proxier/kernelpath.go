@@ -215,6 +215,12 @@ type kernelUDPPort struct {
 // balanced again over the current endpoints, as kube-proxy does. A port that moved to the proxy
 // path keeps its established flows on their endpoint until they end, like TCP connections.
 func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
+	p.activeMu.RLock()
+	none := len(p.kernel) == 0
+	p.activeMu.RUnlock()
+	if none && len(p.kernelUDP) == 0 {
+		return // a node without kernel ports pays nothing per sync
+	}
 	now := map[service.ServicePortName]kernelUDPPort{}
 	p.activeMu.RLock()
 	for _, s := range specs {
