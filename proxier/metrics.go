@@ -16,6 +16,7 @@ type Metrics struct {
 	endpointChanges       prometheus.Counter
 	pendingServiceChanges prometheus.Gauge
 	syncFailures          prometheus.Counter
+	syncFailing           prometheus.Gauge
 	activePorts           prometheus.Gauge
 	failedPorts           prometheus.Gauge
 	socketFailures        prometheus.Counter
@@ -56,6 +57,12 @@ func NewMetrics() *Metrics {
 			Name: "kube_portal_proxy_sync_failures_total",
 			Help: "Syncs whose portal programming failed (retried on the next sync).",
 		}),
+		// The counter says failures happened; the gauge says whether they still do, so an alert
+		// clears with the first good sync instead of when a rate window has passed.
+		syncFailing: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_portal_proxy_sync_failing",
+			Help: "1 while the last sync failed (its portal programming; retried), 0 once one succeeds.",
+		}),
 		activePorts: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_portal_proxy_proxy_ports",
 			Help: "Service ports with an open proxy socket.",
@@ -82,7 +89,7 @@ func NewMetrics() *Metrics {
 // Register adds every series to r.
 func (m *Metrics) Register(r prometheus.Registerer) error {
 	for _, c := range []prometheus.Collector{m.syncDuration, m.lastSync, m.programming, m.serviceChanges,
-		m.endpointChanges, m.pendingServiceChanges, m.syncFailures, m.activePorts, m.failedPorts,
+		m.endpointChanges, m.pendingServiceChanges, m.syncFailures, m.syncFailing, m.activePorts, m.failedPorts,
 		m.socketFailures, m.unsupportedPorts, m.refusedPorts} {
 		if err := r.Register(c); err != nil {
 			return err

@@ -62,6 +62,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 	m.failedPorts.Set(float64(len(p.failed)))
 	if err != nil {
 		m.syncFailures.Inc()
+		m.syncFailing.Set(1)
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
@@ -81,6 +82,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		p.markFirstSync()
 	}
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.syncFailing.Set(0)
 	for _, t := range first {
 		m.observeProgramming(end, t)
 	}
