@@ -100,6 +100,11 @@ func (m *Manifests) add(file string) error {
 	if err != nil {
 		return err
 	}
+	return m.decode(file, data)
+}
+
+// decode files one object (named name in errors) under its kind.
+func (m *Manifests) decode(file string, data []byte) error {
 	obj, gvk, err := codecs.UniversalDeserializer().Decode(data, nil, nil)
 	if err != nil {
 		return fmt.Errorf("%s: %w", file, err)
