@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/deploy"
@@ -258,4 +259,81 @@ func readConntrackSysctls(t *testing.T, ns *netns.NS) map[string]string {
 		out[name] = strings.TrimSpace(string(b))
 	}
 	return out
+}
+
+// TestChartServerDryRun renders the Helm chart with its default values and with every value set
+// (ci/full-values.yaml), and applies each to the real API server in server-side dry run, strictly,
+// as deploy/ is above: every object passes defaulting, validation and admission, without a
+// warning. The Prometheus Operator objects (ServiceMonitor, PrometheusRule) are left out: this API
+// server has no monitoring.coreos.com CRDs. The rules they carry are promtool-checked, and the
+// chart test compares them with the rules file.
+func TestChartServerDryRun(t *testing.T) {
+	t.Parallel()
+	requireKubectl(t)
+	helm, err := deploy.HelmBinary()
+	if err != nil {
+		testenv.Unavailable(t, "helm not found (%v): hack/install-deps.sh monitoring, or set %s", err, deploy.EnvHelm)
+	}
+	chart := filepath.Join(repoRoot(t), deploy.ChartPath)
+	admin := adminClient(t)
+	eventually(t, 30*time.Second, "namespace kube-system never appeared", func() error {
+		_, err := admin.CoreV1().Namespaces().Get(t.Context(), "kube-system", metav1.GetOptions{})
+		return err
+	})
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"default_values", nil},
+		// The dashboard's namespace would have to exist: keep it in the release's. This API server
+		// runs without --allow-privileged (kubeadm's has it), so the pod stays unprivileged.
+		{"full_values", []string{"-f", filepath.Join(chart, "ci", "full-values.yaml"), "--set", "monitoring.dashboard.namespace=",
+			"--set", "securityContext.privileged=false"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			r, err := deploy.Render(ctx, helm, chart, "kube-portal-proxy", "kube-system", tc.args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var docs []string
+			var want []string
+			for _, d := range deploy.SplitDocuments(r.YAML) {
+				var obj struct {
+					APIVersion string `json:"apiVersion"`
+					Kind       string `json:"kind"`
+					Metadata   struct {
+						Name string `json:"name"`
+					} `json:"metadata"`
+				}
+				if err := yaml.Unmarshal(d, &obj); err != nil {
+					t.Fatal(err)
+				}
+				if obj.Kind == "" || strings.HasPrefix(obj.APIVersion, "monitoring.coreos.com/") {
+					continue
+				}
+				docs = append(docs, string(d))
+				group := ""
+				if g, _, ok := strings.Cut(obj.APIVersion, "/"); ok {
+					group = "." + g
+				}
+				want = append(want, strings.ToLower(obj.Kind)+group+"/"+obj.Metadata.Name+" created (server dry run)")
+			}
+			file := filepath.Join(t.TempDir(), "rendered.yaml")
+			if err := os.WriteFile(file, []byte(strings.Join(docs, "\n---\n")), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			out, err := controlPlane.Kubectl(ctx, "apply", "--dry-run=server", "--validate=strict", "-f", file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := strings.Split(strings.TrimSpace(string(out)), "\n")
+			slices.Sort(want)
+			slices.Sort(got)
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("kubectl apply --dry-run=server of the rendered chart, output lines (-want +got):\n%s", diff)
+			}
+		})
+	}
 }

@@ -79,7 +79,7 @@ func RenderYAML(ctx context.Context, helm, chart, release, namespace string, arg
 func decodeRendered(out []byte) (*Rendered, error) {
 	r := &Rendered{YAML: out}
 	var configMaps []*unstructured.Unstructured
-	for i, doc := range splitDocuments(out) {
+	for i, doc := range SplitDocuments(out) {
 		var obj map[string]any
 		if err := yaml.Unmarshal(doc, &obj); err != nil {
 			return nil, fmt.Errorf("rendered document %d: %w", i, err)
@@ -132,8 +132,8 @@ func decodeRendered(out []byte) (*Rendered, error) {
 // add decodes one document strictly into its field, as Load does for a file.
 func (r *Rendered) add(name string, doc []byte) error { return r.Manifests.decode(name, doc) }
 
-// splitDocuments cuts a multi-document YAML stream at its "---" lines.
-func splitDocuments(data []byte) [][]byte {
+// SplitDocuments cuts a multi-document YAML stream at its "---" lines.
+func SplitDocuments(data []byte) [][]byte {
 	var docs [][]byte
 	var cur bytes.Buffer
 	for _, line := range bytes.SplitAfter(data, []byte("\n")) {

@@ -33,4 +33,3 @@ func (s *JSONSchema) Validate(doc []byte) error {
 	}
 	return nil
 }
-
