@@ -340,7 +340,7 @@ func TestSyncPortalFailureIsRetried(t *testing.T) {
 		t.Fatal("sync with failing portals returned nil")
 	}
 	m := e.p.deps.Metrics
-	if failing, total := testutil.ToFloat64(m.syncFailing), testutil.ToFloat64(m.syncFailures); failing != 1 || total != 1 {
+	if failing, total := testutil.ToFloat64(m.SyncFailing), testutil.ToFloat64(m.SyncFailures); failing != 1 || total != 1 {
 		t.Errorf("after a failed sync: sync_failing = %v, sync_failures_total = %v; want 1, 1", failing, total)
 	}
 	e.portals.err = nil
@@ -349,7 +349,7 @@ func TestSyncPortalFailureIsRetried(t *testing.T) {
 		t.Errorf("portals not programmed after the retry")
 	}
 	// The alert on sync_failing clears with the first good sync; the counter keeps the history.
-	if failing, total := testutil.ToFloat64(m.syncFailing), testutil.ToFloat64(m.syncFailures); failing != 0 || total != 1 {
+	if failing, total := testutil.ToFloat64(m.SyncFailing), testutil.ToFloat64(m.SyncFailures); failing != 0 || total != 1 {
 		t.Errorf("after the good retry: sync_failing = %v, sync_failures_total = %v; want 0, 1", failing, total)
 	}
 }
