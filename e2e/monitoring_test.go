@@ -82,8 +82,10 @@ func TestPrometheusScrapesTheProxy(t *testing.T) {
 		}
 	})
 	t.Run("no_alert_fires_on_a_healthy_proxy", func(t *testing.T) {
-		// Pending counts too: an alert's expression must not hold, whatever its "for".
-		if res, err := promQuery(n.bed.Node, `ALERTS`); err != nil || len(res) > 0 {
+		// Pending counts too: an alert's expression must not hold, whatever its "for". The
+		// informational ServicePortsRefused may: the proxy serves every Service of the shared API
+		// server, and other tests' Services (or the API server's own) can lack endpoints.
+		if res, err := promQuery(n.bed.Node, `ALERTS{severity!="info"}`); err != nil || len(res) > 0 {
 			t.Errorf("alerts pending or firing on a healthy proxy: %s, %v", res, err)
 		}
 	})
