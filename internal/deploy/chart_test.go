@@ -45,6 +45,7 @@ func helmContext(t *testing.T) context.Context {
 // TestChartLint runs helm lint --strict with the default values and with a file that sets every
 // value away from its default.
 func TestChartLint(t *testing.T) {
+	t.Parallel()
 	helm := requireHelm(t)
 	for _, tc := range []struct {
 		name string
@@ -79,6 +80,7 @@ var (
 // (deploy/'s has comments). deploy/ stays hand-written because its comments are the
 // documentation of every setting for kustomize users; this test is what ties the two.
 func TestChartDefaultsMatchDeploy(t *testing.T) {
+	t.Parallel()
 	helm := requireHelm(t)
 	want, err := Load(repoDeploy)
 	if err != nil {
@@ -150,6 +152,7 @@ func parseYAML(t *testing.T, s string) map[string]any {
 // the pod: flags, config fields, the hand-over host path, the scrape and rules objects. That the
 // proxy accepts the result is daemon's TestChartValuesReachTheProxy.
 func TestChartFullValues(t *testing.T) {
+	t.Parallel()
 	helm := requireHelm(t)
 	r, err := Render(helmContext(t), helm, repoChart, "kpp", "kube-system", "-f", fullValues)
 	if err != nil {
@@ -237,6 +240,7 @@ func TestChartFullValues(t *testing.T) {
 // TestChartSchemaRejectsBadValues: values.schema.json (and the template's own check) fail the
 // install with a message naming the value.
 func TestChartSchemaRejectsBadValues(t *testing.T) {
+	t.Parallel()
 	helm := requireHelm(t)
 	for _, tc := range []struct {
 		name    string
@@ -262,6 +266,7 @@ func TestChartSchemaRejectsBadValues(t *testing.T) {
 			`monitoring.serviceMonitor.enabled needs proxy.metricsBindAddress reachable by Prometheus (e.g. 0.0.0.0:10249); it is "127.0.0.1:10249"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
 			var args []string
 			for _, s := range tc.set {
 				args = append(args, "--set", s)

@@ -42,6 +42,7 @@ func promtool(t *testing.T, promtool, dir string, args ...string) {
 // TestPrometheusRules checks the rules file with promtool and runs its unit tests, and checks
 // that every alert has a unit test and a runbook paragraph in README.md.
 func TestPrometheusRules(t *testing.T) {
+	t.Parallel()
 	pt := requirePromtool(t)
 	chart := filepath.Join(repoRoot, ChartPath)
 	promtool(t, pt, chart, "check", "rules", "files/prometheus-rules.yaml")
@@ -114,6 +115,7 @@ func TestPrometheusRules(t *testing.T) {
 // documented ones, and every query is valid PromQL (promtool checks them as recording rules) that
 // selects the proxy's job.
 func TestDashboardQueriesParse(t *testing.T) {
+	t.Parallel()
 	file := filepath.Join(repoRoot, DashboardFile)
 	vars, err := DashboardVariables(file)
 	if err != nil {
