@@ -30,8 +30,9 @@ const prometheusAddr = "127.0.0.1:9090"
 // TestPrometheusScrapesTheProxy runs the chart's monitoring against a real Prometheus scraping a
 // running proxy under traffic: every recording rule and every dashboard panel query returns data,
 // no alert fires on the healthy proxy, and KubePortalProxySyncFailing fires when syncs are made to
-// fail (iptables-restore fails while a file exists) and clears when they recover. The alert's
-// "for" is set to 0 here (promtool's unit tests check the timing); its expression is the file's.
+// fail (iptables-restore fails while a file exists) and clears when they recover, and
+// KubePortalProxyDown fires once the proxy stops. Those two alerts' "for" is set to 0 here
+// (promtool's unit tests check the timing); their expressions are the file's.
 // The proxy runs with the JSON access log, whose lines are checked against the documented schema.
 func TestPrometheusScrapesTheProxy(t *testing.T) {
 	t.Parallel()
@@ -55,7 +56,7 @@ func TestPrometheusScrapesTheProxy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	startPrometheus(t, prom, n.bed.Node, n.dir, n.name, rules, "KubePortalProxySyncFailing")
+	startPrometheus(t, prom, n.bed.Node, n.dir, n.name, rules, "KubePortalProxySyncFailing", "KubePortalProxyDown")
 
 	// Traffic: TCP requests and UDP exchanges through the cluster IP.
 	for range 10 {
@@ -106,6 +107,13 @@ func TestPrometheusScrapesTheProxy(t *testing.T) {
 		}
 		waitForResult(t, n.bed.Node, firing, false)
 		waitForResult(t, n.bed.Node, `kube_portal_proxy_sync_failing == 0`, true)
+	})
+
+	t.Run("down_alert_fires_when_the_proxy_stops", func(t *testing.T) {
+		if err := proxy.stop(); err != nil {
+			t.Fatal(err)
+		}
+		waitForResult(t, n.bed.Node, `ALERTS{alertname="KubePortalProxyDown",alertstate="firing"}`, true)
 	})
 }
 
