@@ -35,6 +35,9 @@ type Config struct {
 	// KUBE-SERVICES, KUBE-POSTROUTING, ...; see portal/kernel) and programs the specs that ask for
 	// it (Spec.Kernel). Off, such specs are skipped with an error.
 	KernelPath bool
+	// ConntrackTCPLiberal says nf_conntrack_tcp_be_liberal is set (--conntrack-tcp-be-liberal):
+	// the kernel path then drops no INVALID packets in KUBE-FORWARD.
+	ConntrackTCPLiberal bool
 	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
 	// repairs them; 0 means DefaultVerifyPeriod.
 	VerifyPeriod time.Duration

@@ -53,7 +53,7 @@ func ourJump(table, chain, body string) bool {
 
 // addKernel adds the kernel path's chains and jumps of one family to the wanted rules.
 func (b *ruleBuilder) addKernel(cfg Config, specs []portal.Spec) {
-	kcfg := kernel.Config{PodCIDRs: cfg.PodCIDRs, NodePortAddresses: cfg.NodePortAddresses}
+	kcfg := kernel.Config{PodCIDRs: cfg.PodCIDRs, NodePortAddresses: cfg.NodePortAddresses, ConntrackTCPLiberal: cfg.ConntrackTCPLiberal}
 	for _, ip := range cfg.HostIPs {
 		kcfg.NodeIPs = append(kcfg.NodeIPs, ip)
 	}

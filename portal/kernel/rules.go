@@ -21,6 +21,9 @@ type Config struct {
 	// NodeIPs are the node's addresses: a source range that holds one also admits the node's own
 	// connections to the load-balancer IPs (they arrive from the load-balancer IP itself).
 	NodeIPs []netip.Addr
+	// ConntrackTCPLiberal: nf_conntrack_tcp_be_liberal is set, so out-of-window TCP packets are
+	// not INVALID and KUBE-FORWARD need not drop INVALID ones (as kube-proxy decides).
+	ConntrackTCPLiberal bool
 }
 
 // Tables is the wanted content of the kernel path for one family: per table, chain name → rule
@@ -68,7 +71,7 @@ func Build(cfg Config, fam portal.Family, specs []portal.Spec) Tables {
 			b.nodeIPs = append(b.nodeIPs, ip.Unmap())
 		}
 	}
-	b.fixed()
+	b.fixed(cfg.ConntrackTCPLiberal)
 	for i := range specs {
 		if specs[i].Kernel != nil {
 			b.port(&specs[i])
@@ -90,7 +93,7 @@ func (b *builder) add(table, chain string, rules ...string) {
 }
 
 // fixed writes the rules of the top-level chains that do not depend on any service.
-func (b *builder) fixed() {
+func (b *builder) fixed(liberal bool) {
 	mark := MasqueradeMark + "/" + MasqueradeMark
 	// Masquerade what KUBE-MARK-MASQ marked, clearing the mark first so a packet that passes
 	// through the stack again (a bridge, a tunnel) is not masqueraded twice. MASQUERADE ends the
@@ -101,9 +104,12 @@ func (b *builder) fixed() {
 		`-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully`)
 	b.add(TableNAT, ChainMarkMasq, "-j MARK --set-xmark "+mark)
 	// Forwarded service traffic is accepted even where FORWARD's policy drops (Docker sets it);
-	// INVALID packets are dropped, since they could reset a NATed connection (kubernetes#74839).
+	// INVALID packets are dropped, since they could reset a NATed connection (kubernetes#74839),
+	// unless conntrack is liberal and marks none INVALID for being out of window.
+	if !liberal {
+		b.add(TableFilter, ChainForward, "-m conntrack --ctstate INVALID -j DROP")
+	}
 	b.add(TableFilter, ChainForward,
-		"-m conntrack --ctstate INVALID -j DROP",
 		`-m comment --comment "kubernetes forwarding rules" -m mark --mark `+mark+" -j ACCEPT",
 		`-m comment --comment "kubernetes forwarding conntrack rule" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT`)
 }

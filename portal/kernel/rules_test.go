@@ -119,6 +119,7 @@ func TestGoldenKernelRules(t *testing.T) {
 					AnyEndpoints: true, AffinitySeconds: 300}}}},
 		{name: "node_port_addresses", cfg: Config{NodePortAddresses: prefixes("192.168.1.0/24", "10.0.0.1/8")},
 			specs: []portal.Spec{seed004()}},
+		{name: "conntrack_liberal_keeps_invalid", cfg: Config{ConntrackTCPLiberal: true}, specs: []portal.Spec{seed001()}},
 		{name: "portal_specs_skipped", cfg: node, specs: []portal.Spec{
 			{Name: spn("default", "web", "http"), Protocol: service.TCP, Port: 80, ClusterIPs: addrs("10.96.0.10"), ProxyPort: 34001}}},
 	}
