@@ -76,7 +76,8 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 	}
 	rules := iptables.New(iptables.Config{
 		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts, PodCIDRs: o.podCIDRs,
-		ProtectProxyPorts: o.protectProxyPorts, KernelPath: true, ConntrackTCPLiberal: o.conntrackTCPBeLiberal, Logger: log,
+		ProtectProxyPorts: o.protectProxyPorts, KernelPath: true, ConntrackTCPLiberal: o.conntrackTCPBeLiberal,
+		NoRandomFully: !iptables.HasRandomFully(ctx, runner, portal.IPv4), Logger: log,
 	}, runner)
 	return &portalMode{
 		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log, Listen: holdListen(inh)}), Logger: log,

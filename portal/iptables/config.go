@@ -38,6 +38,8 @@ type Config struct {
 	// ConntrackTCPLiberal says nf_conntrack_tcp_be_liberal is set (--conntrack-tcp-be-liberal):
 	// the kernel path then drops no INVALID packets in KUBE-FORWARD.
 	ConntrackTCPLiberal bool
+	// NoRandomFully leaves --random-fully off the kernel path's MASQUERADE (HasRandomFully false).
+	NoRandomFully bool
 	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
 	// repairs them; 0 means DefaultVerifyPeriod.
 	VerifyPeriod time.Duration

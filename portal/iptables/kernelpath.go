@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"context"
 	"fmt"
 	"slices"
 
@@ -53,7 +54,8 @@ func ourJump(table, chain, body string) bool {
 
 // addKernel adds the kernel path's chains and jumps of one family to the wanted rules.
 func (b *ruleBuilder) addKernel(cfg Config, specs []portal.Spec) {
-	kcfg := kernel.Config{PodCIDRs: cfg.PodCIDRs, NodePortAddresses: cfg.NodePortAddresses, ConntrackTCPLiberal: cfg.ConntrackTCPLiberal}
+	kcfg := kernel.Config{PodCIDRs: cfg.PodCIDRs, NodePortAddresses: cfg.NodePortAddresses, ConntrackTCPLiberal: cfg.ConntrackTCPLiberal,
+		NoRandomFully: cfg.NoRandomFully}
 	for _, ip := range cfg.HostIPs {
 		kcfg.NodeIPs = append(kcfg.NodeIPs, ip)
 	}
@@ -101,4 +103,20 @@ func chainOrder(table string, states ...*tableState) []string {
 	}
 	slices.Sort(dyn)
 	return append(out, slices.Compact(dyn)...)
+}
+
+// randomFullyProbe adds a MASQUERADE --random-fully rule to a scratch chain and removes it again.
+const randomFullyProbe = `*nat
+:KUBE-PORTALS-PROBE - [0:0]
+-A KUBE-PORTALS-PROBE -j MASQUERADE --random-fully
+-F KUBE-PORTALS-PROBE
+-X KUBE-PORTALS-PROBE
+COMMIT
+`
+
+// HasRandomFully tells whether fam's iptables and kernel take MASQUERADE --random-fully (iptables
+// 1.6.2 and Linux 3.13 on), with one iptables-restore that leaves nothing behind. Call it at
+// start-up; without it, Config.NoRandomFully keeps the kernel path's restores working.
+func HasRandomFully(ctx context.Context, runner Runner, fam portal.Family) bool {
+	return runner.Restore(ctx, fam, []byte(randomFullyProbe)) == nil
 }

@@ -561,6 +561,9 @@ func TestKernelPathIPv6ReadBack(t *testing.T) {
 		{Name: spn("default", "dns", "dns"), Protocol: service.UDP, Port: 53, ClusterIPs: addrs("fd00:96::53"),
 			Kernel: &portal.KernelPath{}},
 	}
+	if !HasRandomFully(t.Context(), p.runner, portal.IPv6) {
+		t.Error("HasRandomFully: false on this kernel and ip6tables, want true")
+	}
 	mustSync(t, p, specs)
 	before := p.Stats()
 	clk.SetTime(clk.Now().Add(time.Minute))

@@ -193,3 +193,18 @@ COMMIT
 	}
 	assertReadBackMatches(t, p, fake)
 }
+
+// TestHasRandomFully: the probe is one restore that leaves nothing behind; a failing restore
+// means no support.
+func TestHasRandomFully(t *testing.T) {
+	fake := NewFake()
+	if !HasRandomFully(t.Context(), fake, portal.IPv4) || fake.Dump() != "" {
+		t.Errorf("probe on a working fake: want true and nothing left, got dump:\n%s", fake.Dump())
+	}
+	fake.RestoreHook = func(portal.Family, []byte) error {
+		return &ExitError{Command: "iptables-restore", Code: 2, Stderr: "unknown option \"--random-fully\""}
+	}
+	if HasRandomFully(t.Context(), fake, portal.IPv4) {
+		t.Error("probe whose restore fails: want false")
+	}
+}

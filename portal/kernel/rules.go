@@ -24,6 +24,9 @@ type Config struct {
 	// ConntrackTCPLiberal: nf_conntrack_tcp_be_liberal is set, so out-of-window TCP packets are
 	// not INVALID and KUBE-FORWARD need not drop INVALID ones (as kube-proxy decides).
 	ConntrackTCPLiberal bool
+	// NoRandomFully leaves --random-fully off KUBE-POSTROUTING's MASQUERADE, for an iptables or
+	// kernel without it (iptables.HasRandomFully tells); kube-proxy adds it only when supported.
+	NoRandomFully bool
 }
 
 // Tables is the wanted content of the kernel path for one family: per table, chain name → rule
@@ -71,7 +74,7 @@ func Build(cfg Config, fam portal.Family, specs []portal.Spec) Tables {
 			b.nodeIPs = append(b.nodeIPs, ip.Unmap())
 		}
 	}
-	b.fixed(cfg.ConntrackTCPLiberal)
+	b.fixed(cfg.ConntrackTCPLiberal, !cfg.NoRandomFully)
 	for i := range specs {
 		if specs[i].Kernel != nil {
 			b.port(&specs[i])
@@ -93,15 +96,20 @@ func (b *builder) add(table, chain string, rules ...string) {
 }
 
 // fixed writes the rules of the top-level chains that do not depend on any service.
-func (b *builder) fixed(liberal bool) {
+func (b *builder) fixed(liberal, randomFully bool) {
 	mark := MasqueradeMark + "/" + MasqueradeMark
 	// Masquerade what KUBE-MARK-MASQ marked, clearing the mark first so a packet that passes
 	// through the stack again (a bridge, a tunnel) is not masqueraded twice. MASQUERADE ends the
 	// chain, so the mark is cleared before it, as kube-proxy does.
+	masq := `-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE`
+	if randomFully {
+		// Fully random source ports avoid the SNAT port races of many connections at once.
+		masq += " --random-fully"
+	}
 	b.add(TableNAT, ChainPostrouting,
 		"-m mark ! --mark "+mark+" -j RETURN",
 		"-j MARK --set-xmark "+MasqueradeMark+"/0x0",
-		`-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully`)
+		masq)
 	b.add(TableNAT, ChainMarkMasq, "-j MARK --set-xmark "+mark)
 	// Forwarded service traffic is accepted even where FORWARD's policy drops (Docker sets it);
 	// INVALID packets are dropped, since they could reset a NATed connection (kubernetes#74839),

@@ -260,3 +260,19 @@ func checkGolden(t *testing.T, name, got string) {
 		t.Errorf("%s mismatch:\n--- want\n%s\n--- got\n%s", path, want, got)
 	}
 }
+
+// TestNoRandomFully: without --random-fully support the MASQUERADE rule goes without it.
+func TestNoRandomFully(t *testing.T) {
+	for _, tt := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{}, `-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully`},
+		{Config{NoRandomFully: true}, `-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE`},
+	} {
+		rules := Build(tt.cfg, portal.IPv4, nil)[TableNAT][ChainPostrouting]
+		if rules[len(rules)-1] != tt.want {
+			t.Errorf("NoRandomFully=%v: last KUBE-POSTROUTING rule %q, want %q", tt.cfg.NoRandomFully, rules[len(rules)-1], tt.want)
+		}
+	}
+}
