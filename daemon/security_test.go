@@ -71,7 +71,10 @@ func TestHealthAddressIsLimited(t *testing.T) {
 			done := make(chan struct{})
 			log := logrus.New()
 			log.SetOutput(io.Discard)
-			go func() { defer close(done); serveHTTP(ln, httpServer{addr: ln.Addr().String(), handler: ok, limited: tc.limited}, log)(ctx) }()
+			go func() {
+				defer close(done)
+				serveHTTP(ln, httpServer{addr: ln.Addr().String(), handler: ok, limited: tc.limited}, log)(ctx)
+			}()
 			defer func() { cancel(); <-done }()
 
 			c, err := net.DialTimeout("tcp4", ln.Addr().String(), 5*time.Second)

@@ -223,7 +223,7 @@ func (s *ServiceHealthServer) openPort(name service.NamespacedName, port uint16,
 		}
 		p.lns = append(p.lns, ln)
 	}
-	h := s.cfg.Limits.handler(s.handler(name)) // one token bucket for the port
+	h := s.cfg.Limits.handler(s.handler(name))         // one token bucket for the port
 	conns := newConnLimit(s.cfg.Limits.MaxConnections) // shared by the port's addresses
 	for i, ln := range p.lns {
 		p.lns[i] = conns.listener(ln)
