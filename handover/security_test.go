@@ -419,3 +419,28 @@ func TestHandOverSocketPath(t *testing.T) {
 		}
 	})
 }
+
+// TestServeWantsItsOwnReady: the predecessor stops accepting only on a ready message of its own.
+// Found by FuzzServe (seed, testdata/fuzz/FuzzServe/adoption_says_ready): the ready was decoded
+// into the adoption's struct, so an adoption that also said "ready":true followed by any message
+// that decoded to nothing ("null", "{}") handed over.
+func TestServeWantsItsOwnReady(t *testing.T) {
+	ln := listenTCP(t)
+	for _, tc := range []struct {
+		name           string
+		adopted, ready string
+		handsOver      bool
+	}{
+		{"adoption then ready hands over", `{"adopted":1}`, `{"ready":true}`, true},
+		{"an adoption that says ready, then null, does not", `{"adopted":1,"ready":true}`, `null`, false},
+		{"an adoption that says ready, then an empty object, does not", `{"adopted":1,"ready":true}`, `{}`, false},
+		{"a ready without an adoption does not", `{"ready":true}`, `{"ready":true}`, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, err := playSuccessor(t, ln, []byte(`{"version":1}`), []byte(tc.adopted), []byte(tc.ready))
+			if (err == nil) != tc.handsOver {
+				t.Fatalf("serve = %v; want a hand-over %v", err, tc.handsOver)
+			}
+		})
+	}
+}

@@ -190,9 +190,10 @@ func (s *Server) serve(c *net.UnixConn) error {
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
 	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
-	if _, err := receive(c, &r); err != nil || !r.Ready {
+	var ready reply // a message of its own: the adoption's fields must not count as ready
+	if _, err := receive(c, &ready); err != nil || !ready.Ready {
 		s.pending(false)
-		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, r))
+		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
 	}
 	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
 		Info("Successor is ready: no longer accepting; finishing established connections")
