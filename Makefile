@@ -52,7 +52,7 @@ test-deps:
 # already runs their seeds (f.Add and testdata/fuzz/) as tests; these search beyond them.
 FUZZ_TARGETS := ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
 	./portal/iptables:FuzzReadSteered ./portal/iptables:FuzzParseRule ./handover:FuzzReceive ./handover:FuzzServe \
-	./proxier:FuzzServiceAnnotations ./proxier:FuzzServicesFile ./proxier:FuzzDecodeDocument
+	./proxier:FuzzServiceAnnotations ./proxier/config:FuzzServicesFile ./proxier/config:FuzzDecodeDocument
 FUZZTIME ?= 10m
 FUZZ_CI_TIME ?= 8s
 # FUZZ_PARALLEL=1 keeps a shared machine usable (default: one worker per CPU).
