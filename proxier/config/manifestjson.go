@@ -11,6 +11,7 @@ package config
 // document this path cannot take, goes the old way, so its errors stay those of the API machinery.
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,6 +31,13 @@ import (
 // manifestJSON converts one YAML document to JSON and returns its top-level apiVersion and kind
 // ("" when absent or not strings). js is nil for an empty document.
 func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
+	if !startsAsMapping(body) {
+		// A sequence would decode into the MapSlice (a slice) without a type error, a list of
+		// {key: ..., value: ...} mappings even as an object; tags, anchors and directives are
+		// left to the old path too.
+		js, err := sigsyaml.YAMLToJSON(body)
+		return js, "", "", err
+	}
 	var doc yaml.MapSlice
 	if err := yaml.Unmarshal(body, &doc); err != nil {
 		var te *yaml.TypeError
@@ -54,6 +62,26 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 	}
 	js, err = appendJSON(make([]byte, 0, len(body)+len(body)/2), doc)
 	return js, apiVersion, kind, err
+}
+
+// startsAsMapping reports whether a document's first token (after blank and comment lines) can
+// only start a mapping or a scalar: not a block sequence entry ("- "), a flow sequence ("["), a
+// tag, anchor, alias, directive or block scalar.
+func startsAsMapping(body []byte) bool {
+	for line := range bytes.SplitSeq(body, []byte("\n")) {
+		t := bytes.TrimLeft(line, " \t\r")
+		if len(t) == 0 || t[0] == '#' {
+			continue
+		}
+		switch t[0] {
+		case '[', '!', '&', '*', '%', '|', '>':
+			return false
+		case '-':
+			return len(t) > 1 && t[1] != ' ' && t[1] != '\t' && t[1] != '\r'
+		}
+		return true
+	}
+	return true // empty: the parser says so
 }
 
 // decodeKnown decodes a Service, an EndpointSlice or a List, or returns nil for anything else.
