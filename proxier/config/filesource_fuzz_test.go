@@ -115,13 +115,11 @@ func FuzzDecodeDocument(f *testing.F) {
 			t.Fatalf("decodeDocument(%q) error = %v, the API machinery's %v", doc, gotErr, wantErr)
 		}
 		if wantErr != nil {
-			// A List item's error is prefixed with the item's place; the rest is the same, but for
-			// the JSON an error may quote: the fast path keeps the document's key order and does
-			// not escape & < > as encoding/json does (found by this target: testdata/fuzz/
-			// FuzzDecodeDocument/b70ee7df284a93e5 and b426607fb1246c88; the objects are the same).
-			if !strings.HasSuffix(withoutJSON(gotErr.Error()), withoutJSON(wantErr.Error())) {
-				t.Fatalf("decodeDocument(%q) error = %q, the API machinery's %q", doc, gotErr, wantErr)
-			}
+			// Both reject it. The messages may differ, and are not compared: the fast path keeps
+			// the document's key order, so of several problems it may name another first, and the
+			// JSON an error quotes differs in order and escapes (found by this target, corpus
+			// files b70ee7df284a93e5, b426607fb1246c88, 10e82c34ae091559, b7548b4a58f56ad5;
+			// TestDecodeDocumentMatchesTheAPIMachinery compares the messages of the usual cases).
 			return
 		}
 		var objs []apiruntime.Object
@@ -133,12 +131,6 @@ func FuzzDecodeDocument(f *testing.F) {
 		}
 	})
 }
-
-// quotedJSON is the JSON document an API machinery error quotes.
-var quotedJSON = regexp.MustCompile(`'[\[{].*[\]}]'`)
-
-// withoutJSON is an error message without the JSON it quotes.
-func withoutJSON(msg string) string { return quotedJSON.ReplaceAllString(msg, "'<json>'") }
 
 // flattenOld is the Services and EndpointSlices of an old-path object, a List's items decoded the
 // old way too, or the first item's error.

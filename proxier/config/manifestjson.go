@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"slices"
 	"strconv"
 	"unicode/utf8"
@@ -36,6 +37,9 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 		// {key: ..., value: ...} mappings even as an object; tags, anchors and directives are
 		// left to the old path too.
 		js, err := sigsyaml.YAMLToJSON(body)
+		if err == nil && bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+			return nil, "", "", nil // an empty document with an anchor or a tag ("&a", "!!null")
+		}
 		return js, "", "", err
 	}
 	var doc yaml.MapSlice
@@ -50,6 +54,9 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 		return js, "", "", err
 	}
 	if doc == nil {
+		if t := firstToken(body); len(t) > 0 && t[0] == '{' {
+			return []byte("{}"), "", "", nil // an empty mapping, not an empty document: no kind
+		}
 		return nil, "", "", nil
 	}
 	for _, it := range doc {
@@ -64,24 +71,32 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 	return js, apiVersion, kind, err
 }
 
-// startsAsMapping reports whether a document's first token (after blank and comment lines) can
-// only start a mapping or a scalar: not a block sequence entry ("- "), a flow sequence ("["), a
-// tag, anchor, alias, directive or block scalar.
-func startsAsMapping(body []byte) bool {
+// firstToken is the rest of the line where a document's first token starts (after blank and
+// comment lines), nil for none.
+func firstToken(body []byte) []byte {
 	for line := range bytes.SplitSeq(body, []byte("\n")) {
-		t := bytes.TrimLeft(line, " \t\r")
-		if len(t) == 0 || t[0] == '#' {
-			continue
+		if t := bytes.TrimLeft(line, " \t\r"); len(t) > 0 && t[0] != '#' {
+			return t
 		}
-		switch t[0] {
-		case '[', '!', '&', '*', '%', '|', '>':
-			return false
-		case '-':
-			return len(t) > 1 && t[1] != ' ' && t[1] != '\t' && t[1] != '\r'
-		}
-		return true
 	}
-	return true // empty: the parser says so
+	return nil
+}
+
+// startsAsMapping reports whether a document's first token can only start a mapping or a scalar:
+// not a block sequence entry ("- "), a flow sequence ("["), a tag, anchor, alias, directive or
+// block scalar.
+func startsAsMapping(body []byte) bool {
+	t := firstToken(body)
+	if len(t) == 0 {
+		return true // empty: the parser says so
+	}
+	switch t[0] {
+	case '[', '!', '&', '*', '%', '|', '>':
+		return false
+	case '-':
+		return len(t) > 1 && t[1] != ' ' && t[1] != '\t' && t[1] != '\r'
+	}
+	return true
 }
 
 // decodeKnown decodes a Service, an EndpointSlice or a List, or returns nil for anything else.
@@ -142,7 +157,7 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 			if i > 0 {
 				b = append(b, ',')
 			}
-			key, err := jsonKey(it.Key)
+			key, err := jsonKey(it.Key, it.Value)
 			if err != nil {
 				return nil, err
 			}
@@ -156,7 +171,7 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 		keys := make([]string, 0, len(v))
 		byKey := make(map[string]any, len(v))
 		for k, e := range v {
-			key, err := jsonKey(k)
+			key, err := jsonKey(k, e)
 			if err != nil {
 				return nil, err
 			}
@@ -178,8 +193,9 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 	}
 }
 
-// jsonKey is a YAML map key as a JSON object key (sigs.k8s.io/yaml's conversion).
-func jsonKey(k any) (string, error) {
+// jsonKey is a YAML map key as a JSON object key (sigs.k8s.io/yaml's conversion, and its error,
+// which names the value too).
+func jsonKey(k, v any) (string, error) {
 	switch k := k.(type) {
 	case string:
 		return k, nil
@@ -201,7 +217,7 @@ func jsonKey(k any) (string, error) {
 	case bool:
 		return strconv.FormatBool(k), nil
 	default:
-		return "", fmt.Errorf("unsupported map key of type: %T, key: %+#v", k, k)
+		return "", fmt.Errorf("unsupported map key of type: %s, key: %+#v, value: %+#v", reflect.TypeOf(k), k, v)
 	}
 }
 
