@@ -137,7 +137,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if pm.state != nil {
 		servingTasks = append(servingTasks, pm.state.Run)
 	}
-	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}}, inh)
+	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false}}, inh)
 	if err != nil {
 		return err
 	}
