@@ -155,9 +155,15 @@ func (w *connectWait) probe(fd uintptr) bool {
 // IPv6, the largest backlog the kernel allows), plus IP_FREEBIND if asked and the options every
 // accepted socket inherits (setLegOptions). It is an os.File, not a net.TCPListener, because the
 // accept loop calls accept4 itself through RawConn.Read, which a listener's RawConn refuses.
-func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
+// A blocking socket (an engine that accepts through its own rings) stays out of the runtime
+// poller: os.NewFile registers only non-blocking descriptors.
+func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration, blocking bool) (*sock, netip.AddrPort, error) {
 	domain := sockopt.Family(addr.Addr())
-	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	typ := unix.SOCK_STREAM | unix.SOCK_NONBLOCK | unix.SOCK_CLOEXEC
+	if blocking {
+		typ &^= unix.SOCK_NONBLOCK
+	}
+	fd, err := unix.Socket(domain, typ, 0)
 	if err != nil {
 		return nil, netip.AddrPort{}, os.NewSyscallError("socket", err)
 	}
@@ -198,8 +204,8 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*s
 
 // adoptSock takes a listening socket another process bound (a hand-over) and sets on it what
 // listenSock would, for accepted sockets to inherit: the predecessor may be another version.
-func adoptSock(fd int, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
-	err := os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, true))
+func adoptSock(fd int, keepAlive time.Duration, blocking bool) (*sock, netip.AddrPort, error) {
+	err := os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, !blocking))
 	if err == nil {
 		err = setLegOptions(fd, keepAlive)
 	}
