@@ -86,11 +86,12 @@ func ChooseEngine(name string, probe func() error) (e Engine, fallback error, er
 	return nil, nil, fmt.Errorf("--io-engine=%q: want one of %v", name, EngineNames)
 }
 
-// NewIOUring returns an io_uring engine with one ring per thread (threads 0: one per P,
-// GOMAXPROCS). It opens nothing until a proxy runs on it.
+// NewIOUring returns an io_uring engine with one ring per thread. threads 0 means one per P
+// (GOMAXPROCS), and then the engine adds a P while it runs, so that its loops waiting in the
+// kernel keep theirs (uring.go). It opens nothing until a proxy runs on it.
 func NewIOUring(threads int) Engine {
 	if threads <= 0 {
-		threads = runtime.GOMAXPROCS(0)
+		return &uringEngine{threads: runtime.GOMAXPROCS(0), spareP: true}
 	}
 	return &uringEngine{threads: threads}
 }

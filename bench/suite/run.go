@@ -162,8 +162,10 @@ type candidate struct {
 func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string, api *legacyAPI) []target {
 	all := []candidate{
 		{"direct", directTarget(), ""},
-		{"iptables", kppTarget(cfg.proxy, "iptables"), available("iptables-restore")},
-		{"bind", kppTarget(cfg.proxy, "bind"), ""},
+		{"iptables", kppTarget(cfg.proxy, "iptables", ""), available("iptables-restore")},
+		{"iptables-epoll", kppTarget(cfg.proxy, "iptables", "epoll"), available("iptables-restore")},
+		{"bind", kppTarget(cfg.proxy, "bind", ""), ""},
+		{"bind-epoll", kppTarget(cfg.proxy, "bind", "epoll"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
 		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
