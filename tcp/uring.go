@@ -66,7 +66,9 @@ const (
 	ringEntries = 1024
 	// uringBufs buffers of bufSize per loop. Each connection's direction holds one only from the
 	// recv that filled it until its send completes. The kernel hands the buffers out in ring order,
-	// so all of them end up resident: 2 MiB per loop. A direction finding none waits for one.
+	// so all of them end up resident: 2 MiB per loop. When all are taken (as many slow readers),
+	// a direction waits for readability with a poll and reads into a pooled buffer of its own
+	// (udir.readOwn), so no connection waits for another's reader.
 	uringBufs = 128
 )
 
@@ -75,6 +77,7 @@ type uringEngine struct {
 	// spareP: the engine raises GOMAXPROCS by one while it runs (see start).
 	spareP    bool
 	prevProcs int
+	ringBufs  int // buffers per loop; 0 means uringBufs (tests make it small)
 
 	startOnce sync.Once
 	startErr  error
@@ -113,7 +116,10 @@ func (e *uringEngine) start() error {
 		}
 		ready := make(chan error, e.threads)
 		for range e.threads {
-			l := &loop{}
+			l := &loop{nbufs: e.ringBufs}
+			if l.nbufs == 0 {
+				l.nbufs = uringBufs
+			}
 			e.loops = append(e.loops, l)
 			e.wg.Add(1)
 			go func() {
@@ -224,10 +230,11 @@ func (a *uaccept) finish() { a.doneOnce.Do(func() { close(a.done) }) }
 
 // loop is one ring and what it serves. Everything but the inbox is the loop thread's own.
 type loop struct {
-	r    *iouring.Ring
-	bufs *iouring.BufRing
-	efd  int
-	efdv [8]byte
+	r     *iouring.Ring
+	bufs  *iouring.BufRing
+	nbufs int
+	efd   int
+	efdv  [8]byte
 
 	inMu     sync.Mutex
 	inbox    []func()
@@ -241,7 +248,6 @@ type loop struct {
 	free     []uint32
 	accepts  []*uaccept
 	freeAcc  []uint32
-	waitBuf  []*udir // directions whose recv found no buffer
 }
 
 // post queues f to run on the loop; false if the loop has stopped.
@@ -299,7 +305,7 @@ func (l *loop) setup() error {
 	if err != nil {
 		return err
 	}
-	bufs, err := r.NewBufRing(1, uringBufs, bufSize)
+	bufs, err := r.NewBufRing(1, l.nbufs, bufSize)
 	if err != nil {
 		r.Close()
 		return err
@@ -391,7 +397,7 @@ func (l *loop) complete(c *iouring.CQE) {
 		case tagSendUp, tagSendDown:
 			u.d[tag-tagSendUp].sent(c.Res)
 		case tagPollUp, tagPollDown:
-			u.d[tag-tagPollUp].bulkMove()
+			u.d[tag-tagPollUp].polled()
 		}
 	}
 	if u.closing && u.inflight == 0 {
@@ -576,9 +582,9 @@ func (u *uconn) closeNow() {
 			pipes.put(d.pipe, d.pn == 0)
 			d.pipe = nil
 		}
-		if d.waiting {
-			d.waiting = false
-			l.dropWaiting(d)
+		if d.own != nil {
+			bufs.Put(d.own)
+			d.own = nil
 		}
 	}
 	for i, fd := range u.fd {
@@ -792,14 +798,15 @@ func (u *uconn) established() {
 
 // udir moves bytes one way: fd[i] -> fd[1-i].
 type udir struct {
-	u       *uconn
-	i       int
-	buf     int32 // the provided buffer held, -1 none
-	n, off  int   // bytes in it, bytes of them sent
-	bulk    bool
-	pipe    *pipe
-	pn      int  // bytes in the pipe
-	waiting bool // in the loop's waitBuf
+	u      *uconn
+	i      int
+	buf    int32 // the provided buffer held, -1 none
+	n, off int   // bytes in it, bytes of them sent
+	bulk   bool
+	pipe   *pipe
+	pn     int            // bytes in the pipe
+	nobuf  bool           // the buffer ring was empty: wait with a poll, read into own
+	own    *[bufSize]byte // a pooled buffer being sent, instead of the ring's
 }
 
 func (d *udir) src() int32 { return d.u.fd[d.i] }
@@ -816,11 +823,14 @@ func (d *udir) recv() {
 
 func (d *udir) received(res int32, flags uint32) {
 	u := d.u
+	if res <= 0 && flags&iouring.CqeFBuffer != 0 { // not expected, but a buffer lost is lost for good
+		u.l.releaseBuf(uint16(flags >> 16))
+	}
 	switch {
 	case res == -int32(unix.ENOBUFS):
-		// Every buffer is moving data: wait for one to come back.
-		d.waiting = true
-		u.l.waitBuf = append(u.l.waitBuf, d)
+		// Every buffer of the ring is moving data.
+		d.nobuf = true
+		d.poll(d.src(), unix.POLLIN)
 	case res < 0:
 		u.c.legFailed(d.i == 0, false, os.NewSyscallError("recv", syscall.Errno(-res)))
 	case res == 0:
@@ -834,7 +844,12 @@ func (d *udir) received(res int32, flags uint32) {
 
 func (d *udir) send() {
 	l := d.u.l
-	b := l.bufs.Buf(uint16(d.buf))
+	var b []byte
+	if d.own != nil {
+		b = d.own[:]
+	} else {
+		b = l.bufs.Buf(uint16(d.buf))
+	}
 	s := l.r.Get()
 	s.Opcode, s.Fd, s.OpFlags = iouring.OpSend, d.dst(), unix.MSG_NOSIGNAL
 	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&b[d.off]))), uint32(d.n-d.off)
@@ -852,8 +867,13 @@ func (d *udir) sent(res int32) {
 		d.send()
 		return
 	}
-	u.l.releaseBuf(uint16(d.buf))
-	d.buf = -1
+	if d.own != nil {
+		bufs.Put(d.own)
+		d.own = nil
+	} else {
+		u.l.releaseBuf(uint16(d.buf))
+		d.buf = -1
+	}
 	d.count(int64(d.n))
 	if d.bulk {
 		d.bulkMove()
@@ -931,6 +951,47 @@ func (d *udir) bulkMove() {
 	d.poll(d.src(), unix.POLLIN)
 }
 
+// polled resumes a direction after its poll: a bulk burst, or a read without a ring buffer.
+func (d *udir) polled() {
+	if d.nobuf {
+		d.readOwn()
+		return
+	}
+	d.bulkMove()
+}
+
+// readOwn reads what the readable source has into a pooled buffer and sends it; the direction
+// then goes back to the buffer ring.
+func (d *udir) readOwn() {
+	buf := bufs.Get().(*[bufSize]byte)
+	for {
+		n, err := sysRead(int(d.src()), buf[:])
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			bufs.Put(buf)
+			d.poll(d.src(), unix.POLLIN)
+			return
+		case err != nil:
+			bufs.Put(buf)
+			d.nobuf = false
+			d.u.c.legFailed(d.i == 0, false, os.NewSyscallError("read", err))
+			return
+		case n == 0:
+			bufs.Put(buf)
+			d.nobuf = false
+			d.eof()
+			return
+		}
+		d.nobuf = false
+		d.own, d.n, d.off = buf, n, 0
+		d.bulk = n == bufSize
+		d.send()
+		return
+	}
+}
+
 func (d *udir) poll(fd int32, events uint32) {
 	s := d.u.l.r.Get()
 	s.Opcode, s.Fd, s.OpFlags = iouring.OpPollAdd, fd, events
@@ -952,24 +1013,4 @@ func (d *udir) eof() {
 
 // --- buffers
 
-func (l *loop) releaseBuf(id uint16) {
-	l.bufs.Release(id)
-	if len(l.waitBuf) == 0 {
-		return
-	}
-	d := l.waitBuf[0]
-	l.waitBuf = l.waitBuf[1:]
-	d.waiting = false
-	if !d.u.closing {
-		d.recv()
-	}
-}
-
-func (l *loop) dropWaiting(d *udir) {
-	for i, w := range l.waitBuf {
-		if w == d {
-			l.waitBuf = append(l.waitBuf[:i], l.waitBuf[i+1:]...)
-			return
-		}
-	}
-}
+func (l *loop) releaseBuf(id uint16) { l.bufs.Release(id) }
