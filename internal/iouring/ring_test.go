@@ -113,7 +113,7 @@ func TestRecvSelectsARingBuffer(t *testing.T) {
 	}
 	unix.Write(fds[0], []byte("hello"))
 	c := waitOne(t, r)
-	if c.Res != 5 || c.Flags&CqeFBuffer == 0 || string(b.Buf(uint16(c.Flags>>16))[:5]) != "hello" {
+	if c.Res != 5 || c.Flags&CqeFBuffer == 0 || string(b.Buf(uint16(c.Flags >> 16))[:5]) != "hello" {
 		t.Fatalf("completion %+v, want 5 bytes in a selected buffer", c)
 	}
 	unix.Write(fds[0], []byte("again"))
