@@ -321,8 +321,9 @@ func (l *loop) setup() error {
 	return nil
 }
 
-// teardown closes what is left: connections still open are closed without their end being
-// reported (the engine is closed after the proxies, which end their connections first).
+// teardown closes what is left. The engine is closed after the proxies, which end their
+// connections first; a connection still open here is closed and ends as if its peers had gone, so
+// that no Shutdown waits for it.
 func (l *loop) teardown() {
 	l.inMu.Lock()
 	l.dead = true
@@ -335,12 +336,10 @@ func (l *loop) teardown() {
 	}
 	l.r.Close() // cancels every request: descriptors are free to close
 	for _, u := range l.conns {
-		if u != nil {
-			for _, fd := range u.fd {
-				if fd >= 0 {
-					sysClose(int(fd))
-				}
-			}
+		if u != nil && u.inflight >= 0 {
+			u.closing = true
+			u.inflight = 0
+			u.closeNow()
 		}
 	}
 	l.bufs.Close()

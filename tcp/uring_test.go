@@ -51,3 +51,36 @@ func TestIOUringRingBuffersRunningOut(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestIOUringCloseEndsWhatIsLeft: an engine closed under an open connection closes it and ends
+// it, so the proxy's Shutdown does not wait for it forever, and the client sees its connection end.
+func TestIOUringCloseEndsWhatIsLeft(t *testing.T) {
+	requireIOURing(t)
+	e := &uringEngine{threads: 1}
+	ep := serve(t, "127.0.0.3", echo)
+	closed := make(closedCh, 1)
+	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Engine: e, Logger: testLogger(t), OnEnd: closed.onClose})
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.Run(t.Context()) }()
+	c := dial(t, p)
+	roundTrip(t, c, "hello")
+	p.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	e.Close()
+	closed.next(t)
+	shut := make(chan struct{})
+	go func() { p.Shutdown(); close(shut) }()
+	select {
+	case <-shut:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown after the engine closed did not return")
+	}
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Error("the client's connection is still open")
+	}
+}
