@@ -93,19 +93,6 @@ func sysConnect(fd int, ep netip.AddrPort) error {
 	return errnoErr(e)
 }
 
-// sysGetpeername returns the peer of a connected socket (the io_uring engine's multishot accept
-// does not return it).
-func sysGetpeername(fd int) (netip.AddrPort, error) {
-	var rsa unix.RawSockaddrInet6 // the larger of the two families
-	n := uint32(unsafe.Sizeof(rsa))
-	_, _, e := unix.RawSyscall(unix.SYS_GETPEERNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
-	if e != 0 {
-		return netip.AddrPort{}, e
-	}
-	peer, _ := sockopt.ParseRaw(&rsa)
-	return peer, nil
-}
-
 func sysClose(fd int) {
 	unix.RawSyscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
 }

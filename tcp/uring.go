@@ -20,13 +20,19 @@ import (
 )
 
 // The io_uring engine. A few loops (one per P by default), each on a locked OS thread with a ring
-// of its own, serve every proxy sharing the engine: each loop has a multishot accept armed on
-// every listening socket (the kernel hands a new connection to one of them: io_uring's accept
-// polls exclusively), and a connection lives on the loop that accepted it. Everything a round of
+// of its own, serve every proxy sharing the engine: each loop has an accept armed on every
+// listening socket, and a connection lives on the loop that accepted it. Everything a round of
 // completions starts is submitted, and the next completions waited for, in one io_uring_enter.
 //
+// Why single-shot accepts, not multishot: io_uring's accept waits on the listener exclusively,
+// and the kernel wakes the first exclusive waiter in the queue. A multishot accept never leaves
+// the queue, so the loop that armed first got every connection (bench/tcp: one loop thread with
+// 95% of the CPU, the other idle, and connection rates below the epoll engine's in bench/suite).
+// A single-shot accept is re-armed at the tail after each connection, so the loops take turns;
+// and it returns the client's address, which a multishot accept cannot (one getpeername less).
+//
 // A connection on a loop:
-//   - accepted: getpeername, Allow, then the shared pick (conn.go); a pick that finds nothing
+//   - accepted: Allow, then the shared pick (conn.go); a pick that finds nothing
 //     with a hold configured waits on a goroutine (hold.go) and comes back to the loop;
 //   - dialed: socket(2), then IORING_OP_CONNECT linked to an IORING_OP_LINK_TIMEOUT of the
 //     attempt's timeout; a failed attempt goes down the ladder (conn.attemptFailed);
@@ -214,12 +220,14 @@ func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
 	}
 }
 
-// uaccept is a multishot accept of one proxy's listening socket on one loop.
+// uaccept is the accept of one proxy's listening socket on one loop.
 type uaccept struct {
 	p         *Proxy
 	fd        int32
 	slot      uint32
-	armed     bool // a multishot accept is in the kernel
+	sa        unix.RawSockaddrInet6 // the client's address, written by the kernel
+	salen     uint32
+	armed     bool // an accept is in the kernel
 	cancelled bool
 	backoff   time.Duration
 	doneOnce  sync.Once
@@ -417,8 +425,10 @@ func (l *loop) armAccept(a *uaccept) {
 		a.slot = uint32(len(l.accepts))
 		l.accepts = append(l.accepts, a)
 	}
+	a.salen = uint32(unsafe.Sizeof(a.sa))
 	s := l.r.Get()
-	s.Opcode, s.Fd, s.Ioprio = iouring.OpAccept, a.fd, iouring.AcceptMultishot
+	s.Opcode, s.Fd = iouring.OpAccept, a.fd
+	s.Addr, s.Off = uint64(uintptr(unsafe.Pointer(&a.sa))), uint64(uintptr(unsafe.Pointer(&a.salen)))
 	s.OpFlags = unix.SOCK_NONBLOCK | unix.SOCK_CLOEXEC
 	s.UserData = userData(a.slot, tagAccept)
 	a.armed = true
@@ -446,7 +456,8 @@ func (l *loop) accepted(slot uint32, c *iouring.CQE) {
 	switch {
 	case c.Res >= 0:
 		a.backoff = 0
-		l.serve(p, int(c.Res))
+		peer, _ := sockopt.ParseRaw(&a.sa)
+		l.serve(p, int(c.Res), peer)
 	case c.Res == -int32(unix.ECANCELED):
 	default:
 		err := os.NewSyscallError("accept", syscall.Errno(-c.Res))
@@ -473,12 +484,7 @@ func (l *loop) accepted(slot uint32, c *iouring.CQE) {
 }
 
 // serve starts a connection accepted on the loop.
-func (l *loop) serve(p *Proxy, fd int) {
-	peer, err := sysGetpeername(fd)
-	if err != nil { // the client is gone already (ENOTCONN)
-		sysClose(fd)
-		return
-	}
+func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
 	if p.cfg.Allow != nil && !p.cfg.Allow(peer.Addr()) {
 		p.deny(fd, peer)
 		return
