@@ -460,13 +460,20 @@ func (l *loop) accepted(slot uint32, c *iouring.CQE) {
 		l.serve(p, int(c.Res), peer)
 	case c.Res == -int32(unix.ECANCELED):
 	default:
-		err := os.NewSyscallError("accept", syscall.Errno(-c.Res))
-		if outOfResources(err) {
+		errno := syscall.Errno(-c.Res)
+		err := os.NewSyscallError("accept", errno)
+		switch {
+		case outOfResources(err):
 			a.backoff = nextBackoff(a.backoff)
 			p.logger().WithError(err).WithField("backoff", a.backoff).Warn("accept: out of resources, backing off")
-		} else {
-			// ECONNABORTED and friends concern one connection; the listener is fine.
+		case errno == unix.ECONNABORTED || errno == unix.EPERM || errno == unix.EPROTO || errno == unix.EINTR || errno == unix.EAGAIN:
+			// These concern one connection; the listener is fine.
 			p.logger().WithError(err).Debug("accept failed")
+		default:
+			// The listener itself is failing (the epoll engine's Run would return): retrying
+			// at once would spin, so retry at the back-off's pace, and say so.
+			a.backoff = nextBackoff(a.backoff)
+			p.logger().WithError(err).WithField("backoff", a.backoff).Error("accept on the proxy socket failed")
 		}
 	}
 	if a.armed {
