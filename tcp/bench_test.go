@@ -65,69 +65,63 @@ func BenchmarkBulkThroughput(b *testing.B) {
 	targets := benchTargets(b, func(c *net.TCPConn) { io.Copy(io.Discard, c); c.Write([]byte{1}) })
 	chunk := make([]byte, 1<<20)
 	benchRun(b, targets, func(b *testing.B, addr string) {
-		{
-			c, err := net.Dial("tcp4", addr)
-			if err != nil {
+		c, err := net.Dial("tcp4", addr)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer c.Close()
+		b.SetBytes(int64(len(chunk)))
+		for b.Loop() {
+			if _, err := c.Write(chunk); err != nil {
 				b.Fatal(err)
 			}
-			defer c.Close()
-			b.SetBytes(int64(len(chunk)))
-			for b.Loop() {
-				if _, err := c.Write(chunk); err != nil {
-					b.Fatal(err)
-				}
-			}
-			c.(*net.TCPConn).CloseWrite()
-			io.ReadAll(c)
 		}
+		c.(*net.TCPConn).CloseWrite()
+		io.ReadAll(c)
 	})
 }
 
 func BenchmarkConnRate(b *testing.B) {
 	targets := benchTargets(b, echo)
 	benchRun(b, targets, func(b *testing.B, addr string) {
-		{
-			b.RunParallel(func(pb *testing.PB) {
-				buf := make([]byte, 4)
-				for pb.Next() {
-					c, err := net.Dial("tcp4", addr)
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					c.Write([]byte("ping"))
-					if _, err := io.ReadFull(c, buf); err != nil {
-						b.Error(err)
-					}
-					c.Close()
+		b.RunParallel(func(pb *testing.PB) {
+			buf := make([]byte, 4)
+			for pb.Next() {
+				c, err := net.Dial("tcp4", addr)
+				if err != nil {
+					b.Error(err)
+					return
 				}
-			})
-		}
+				c.Write([]byte("ping"))
+				if _, err := io.ReadFull(c, buf); err != nil {
+					b.Error(err)
+				}
+				c.Close()
+			}
+		})
 	})
 }
 
 func BenchmarkKeepAliveRequests(b *testing.B) {
 	targets := benchTargets(b, echo)
 	benchRun(b, targets, func(b *testing.B, addr string) {
-		{
-			b.SetParallelism(8)
-			b.RunParallel(func(pb *testing.PB) {
-				c, err := net.Dial("tcp4", addr)
-				if err != nil {
+		b.SetParallelism(8)
+		b.RunParallel(func(pb *testing.PB) {
+			c, err := net.Dial("tcp4", addr)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			defer c.Close()
+			req, resp := make([]byte, 64), make([]byte, 64)
+			for pb.Next() {
+				c.Write(req)
+				if _, err := io.ReadFull(c, resp); err != nil {
 					b.Error(err)
 					return
 				}
-				defer c.Close()
-				req, resp := make([]byte, 64), make([]byte, 64)
-				for pb.Next() {
-					c.Write(req)
-					if _, err := io.ReadFull(c, resp); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			})
-		}
+			}
+		})
 	})
 }
 
