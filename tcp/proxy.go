@@ -1,6 +1,8 @@
 // Package tcp is the proxy socket of one TCP service port: it accepts client connections on the proxy
-// port, picks an endpoint, dials it with retries and splices bytes both ways with half-close, using
-// two file descriptors and no goroutine per idle connection (see splice.go and park.go).
+// port, picks an endpoint, dials it with retries and moves bytes both ways with half-close, using
+// two file descriptors and no goroutine per idle connection. The connection's control (conn.go,
+// hold.go) runs on one of two engines (engine.go): io_uring (uring.go) or the Go runtime poller
+// (splice.go, park.go).
 package tcp
 
 import (
