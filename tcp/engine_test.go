@@ -37,6 +37,8 @@ func requireIOURing(t *testing.T) {
 }
 
 // TestEveryTestOnIOUring runs this package's tests (those -run selects) on the io_uring engine.
+// With a -run filter, name it too: go test -run 'TestHalfClose|TestEveryTestOnIOUring' ./tcp/
+// runs TestHalfClose on both engines.
 func TestEveryTestOnIOUring(t *testing.T) {
 	if os.Getenv(engineEnv) != "" {
 		t.Skip("the child run itself")

@@ -204,8 +204,18 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration, blo
 
 // adoptSock takes a listening socket another process bound (a hand-over) and sets on it what
 // listenSock would, for accepted sockets to inherit: the predecessor may be another version.
+//
+// O_NONBLOCK belongs to the open file, which the predecessor shares until it exits. The epoll
+// engine needs it set. The io_uring engine (blocking) accepts either way, so it leaves it as it
+// is: clearing it under a predecessor on the epoll engine would make that one's accept4, a raw
+// system call, block its thread and P until a connection comes, and a garbage collection would
+// wait for it. (Left non-blocking, the socket is in the runtime poller, which then wakes for
+// connections it has no reader for: a cost, not a fault.)
 func adoptSock(fd int, keepAlive time.Duration, blocking bool) (*sock, netip.AddrPort, error) {
-	err := os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, !blocking))
+	var err error
+	if !blocking {
+		err = os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, true))
+	}
 	if err == nil {
 		err = setLegOptions(fd, keepAlive)
 	}

@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -8,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Address plan: the proxy on 127.0.0.1, echo endpoints on 127.0.0.3 and 127.0.0.4 (kernel-chosen
@@ -82,5 +85,73 @@ func TestIOUringCloseEndsWhatIsLeft(t *testing.T) {
 	}
 	if _, err := c.Read(make([]byte, 1)); err == nil {
 		t.Error("the client's connection is still open")
+	}
+}
+
+// TestAdoptionKeepsTheSharedNonBlockingFlag: a listening socket handed over is shared with the
+// predecessor until it exits, O_NONBLOCK included. The io_uring engine leaves the flag as it
+// finds it (a predecessor on the epoll engine needs it set); the epoll engine sets it. Either way
+// the adopted socket serves.
+func TestAdoptionKeepsTheSharedNonBlockingFlag(t *testing.T) {
+	requireIOURing(t)
+	e := NewIOUring(1)
+	t.Cleanup(func() { e.Close() })
+	backend := serve(t, "127.0.0.3", echo)
+	for _, tt := range []struct {
+		name        string
+		engine      Engine
+		nonblocking bool // the predecessor's flag
+		want        bool
+	}{
+		{"io_uring_keeps_non_blocking", e, true, true},
+		{"io_uring_keeps_blocking", e, false, false},
+		{"epoll_sets_non_blocking", Epoll, false, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			typ := unix.SOCK_STREAM | unix.SOCK_CLOEXEC
+			if tt.nonblocking {
+				typ |= unix.SOCK_NONBLOCK
+			}
+			pred, err := unix.Socket(unix.AF_INET, typ, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(pred)
+			if err := unix.Bind(pred, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := unix.Listen(pred, 16); err != nil {
+				t.Fatal(err)
+			}
+			sa, _ := unix.Getsockname(pred)
+			addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
+			fd, err := unix.Dup(pred) // as SCM_RIGHTS delivers it: the same open file
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := New(testName, &fakePicker{eps: []netip.AddrPort{backend}}, Config{Logger: testLogger(t), Engine: tt.engine,
+				Adopt: func(netip.AddrPort) (int, bool) { return fd, true }})
+			if err := p.Listen(addr); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- p.Run(ctx) }()
+			defer func() { cancel(); p.Shutdown(); <-done }()
+			flags, err := unix.FcntlInt(uintptr(pred), unix.F_GETFL, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := flags&unix.O_NONBLOCK != 0; got != tt.want {
+				t.Errorf("the predecessor's socket is non-blocking: %v, want %v", got, tt.want)
+			}
+			c, err := net.DialTCP("tcp4", nil, net.TCPAddrFromAddrPort(addr))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			roundTrip(t, c, "through the adopted socket")
+		})
 	}
 }
