@@ -33,8 +33,9 @@ const (
 
 // SQE flags (IOSQE_*).
 const (
-	SqeIOLink       = 1 << 2
-	SqeBufferSelect = 1 << 5
+	SqeIOLink         = 1 << 2
+	SqeBufferSelect   = 1 << 5
+	SqeCQESkipSuccess = 1 << 6 // post a completion only if the request fails
 )
 
 // Operation flags.
