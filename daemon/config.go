@@ -42,6 +42,10 @@ const (
 	// fieldIOEngine is --io-engine: this proxy's own field, next to kube-proxy's.
 	fieldIOEngine = "ioEngine"
 
+	// fieldDefaultDataPath is --default-data-path in the file: this proxy's own field beside
+	// kube-proxy's type (kernel or proxy), read from the raw document like udpIdleTimeout.
+	fieldDefaultDataPath = "defaultDataPath"
+
 	// nodePortPrimary is nodePortAddresses' special value for the Node object's primary IPs.
 	nodePortPrimary = "primary"
 
@@ -60,6 +64,8 @@ type proxyConfig struct {
 	udpIdleTimeout time.Duration
 	// ioEngine is fieldIOEngine; empty when absent.
 	ioEngine string
+	// defaultDataPath is the defaultDataPath field; "" when absent.
+	defaultDataPath string
 	// ignored lists the fields that are set but mean nothing here, as dotted paths.
 	ignored []string
 }
@@ -108,6 +114,7 @@ func (c *proxyConfig) settings() []fileSetting {
 		{"portRange", "proxy-port-range", k.PortRange != "", func(o *Options) { o.proxyPortRange = k.PortRange }},
 		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *Options) { o.udpTimeout = c.udpIdleTimeout }},
 		{fieldIOEngine, "io-engine", c.ioEngine != "", func(o *Options) { o.ioEngine = c.ioEngine }},
+		{fieldDefaultDataPath, "default-data-path", c.defaultDataPath != "", func(o *Options) { o.defaultDataPath = c.defaultDataPath }},
 	}
 }
 
@@ -183,6 +190,14 @@ func decodeProxyConfig(data []byte) (*proxyConfig, error) {
 		}
 		c.ioEngine = s
 		delete(raw, fieldIOEngine)
+	}
+	if v, ok := raw[fieldDefaultDataPath]; ok {
+		s, _ := v.(string)
+		if s != "kernel" && s != "proxy" {
+			return nil, fmt.Errorf("%s: want kernel or proxy, got %v", fieldDefaultDataPath, v)
+		}
+		c.defaultDataPath = s
+		delete(raw, fieldDefaultDataPath)
 	}
 	configType := reflect.TypeFor[kubeproxyconfig.KubeProxyConfiguration]()
 	if err := visitFields(raw, configType, "", checkDuration); err != nil {
@@ -444,6 +459,9 @@ func marshalConfig(o *Options) ([]byte, error) {
 	}
 	doc[fieldUDPIdleTimeout] = o.udpTimeout.String()
 	doc[fieldIOEngine] = o.ioEngine
+	if o.defaultDataPath != "" && o.defaultDataPath != "proxy" {
+		doc[fieldDefaultDataPath] = o.defaultDataPath
+	}
 	return yaml.Marshal(doc)
 }
 

@@ -216,9 +216,11 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState(), Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
+		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
+		KernelCounters: pm.kernelCounters,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
@@ -411,7 +413,21 @@ func portalCollector(rules *iptables.Portals) prometheus.Collector {
 	restores := prometheus.NewDesc("kube_portal_proxy_iptables_restores_total", "iptables-restore runs.", nil, nil)
 	repairs := prometheus.NewDesc("kube_portal_proxy_iptables_repairs_total", "Syncs that found the live chains changed by someone else and rewrote them.", nil, nil)
 	count := prometheus.NewDesc("kube_portal_proxy_portal_rules", "Portal rules programmed (all families and tables).", nil, nil)
-	return collectorFunc{descs: []*prometheus.Desc{failures, restores, repairs, count}, collect: func(ch chan<- prometheus.Metric) {
+	epLabels := []string{"service", "protocol", "endpoint"}
+	kpackets := prometheus.NewDesc("kube_portal_proxy_kernel_endpoint_packets_total",
+		"Packets through the DNAT rule of a kernel-path endpoint's KUBE-SEP chain: the nat table sees the first packet of each connection (UDP flow) only, so this counts new connections.", epLabels, nil)
+	kbytes := prometheus.NewDesc("kube_portal_proxy_kernel_endpoint_bytes_total",
+		"Bytes of the packets counted by kube_portal_proxy_kernel_endpoint_packets_total.", epLabels, nil)
+	return collectorFunc{descs: []*prometheus.Desc{failures, restores, repairs, count, kpackets, kbytes}, collect: func(ch chan<- prometheus.Metric) {
+		// At most one iptables-save -c per family and CounterInterval, none without kernel ports.
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		counters, _ := rules.KernelCounters(ctx)
+		cancel()
+		for _, c := range counters {
+			labels := []string{c.Name.String(), string(c.Protocol), c.Endpoint.String()}
+			ch <- prometheus.MustNewConstMetric(kpackets, prometheus.CounterValue, float64(c.Packets), labels...)
+			ch <- prometheus.MustNewConstMetric(kbytes, prometheus.CounterValue, float64(c.Bytes), labels...)
+		}
 		st := rules.Stats()
 		ch <- prometheus.MustNewConstMetric(failures, prometheus.CounterValue, float64(st.RestoreFailures))
 		ch <- prometheus.MustNewConstMetric(restores, prometheus.CounterValue, float64(st.Restores))

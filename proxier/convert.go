@@ -96,6 +96,10 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 	if svc.Spec.TrafficDistribution != nil {
 		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
 	}
+	var dpErr error
+	if common.DataPath, dpErr = dataPath(svc); dpErr != nil {
+		errs = append(errs, dpErr)
+	}
 	var balErrs []error
 	common.Balancing, balErrs = balancing(svc)
 	errs = append(errs, balErrs...)

@@ -68,16 +68,9 @@ func directTarget() target {
 	}}
 }
 
-// kppTarget runs the real daemon on a services file in the given portal mode, with its default
-// TCP engine (--io-engine=auto: io_uring where the kernel allows it) when engine is empty, else
-// with --io-engine=engine (the target is then named "kpp <mode> <engine>").
-func kppTarget(binary, mode, engine string) target {
-	name := "kpp " + mode
-	args := []string{}
-	if engine != "" {
-		name += " " + engine
-		args = append(args, "--io-engine", engine)
-	}
+// kppTarget runs the real daemon on a services file in the given portal mode, with extra flags
+// (the kernel target: --default-data-path kernel).
+func kppTarget(name, binary, mode string, extra ...string) target {
 	return target{name: name, start: func(ctx context.Context, b *bed) (*running, error) {
 		file := filepath.Join(b.dir, "services.yaml")
 		if err := os.WriteFile(file, []byte(servicesYAML()), 0o644); err != nil {
@@ -89,14 +82,13 @@ func kppTarget(binary, mode, engine string) target {
 			return nil, err
 		}
 		defer log.Close()
-		argv := append([]string{binary,
+		proc, err := startChild(ctx, b.tb.Node, "kube-portal-proxy", log, append([]string{binary,
 			"--services-file", file, "--portal-mode", mode,
 			"--healthz-bind-address", "", "--metrics-bind-address", "", "--log-level", "warn",
 			"--iptables-min-sync-period", "100ms", "--shutdown-timeout", "2s", "--oom-score-adj", "0",
 			// Leave conntrack sysctls alone: nf_conntrack_max is not the bed's to set.
 			"--conntrack-max-per-core", "0", "--conntrack-tcp-timeout-established", "0",
-			"--conntrack-tcp-timeout-close-wait", "0"}, args...)
-		proc, err := startChild(ctx, b.tb.Node, "kube-portal-proxy", log, argv...)
+			"--conntrack-tcp-timeout-close-wait", "0"}, extra...)...)
 		if err != nil {
 			return nil, err
 		}
