@@ -10,7 +10,7 @@ VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 endif
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit fuzz fuzz-ci e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
+.PHONY: build test test-deps unit fuzz fuzz-ci e2e e2e-epoll controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -73,6 +73,11 @@ fuzz-ci:
 # unit runs the tests without building the control plane (end-to-end tests skip).
 unit:
 	$(GO) test -race -count=1 ./...
+
+# e2e-epoll runs the e2e suite once more with the daemon on the epoll engine (--io-engine=epoll);
+# make test runs it on the default engine (io_uring where the kernel allows it).
+e2e-epoll: test-deps build controlplane
+	KPP_E2E_IO_ENGINE=epoll KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=$(if $(filter 0,$(shell id -u)),1,) $(GO) test -race -count=1 -timeout 20m ./e2e/
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt: $$out"; exit 1; fi

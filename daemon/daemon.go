@@ -47,6 +47,7 @@ type Daemon struct {
 	version string
 	log     logrus.FieldLogger
 	deps    deps
+	engine  tcp.Engine // --io-engine, resolved by Run
 	// handoverFailed records the failed steps of this process's hand-overs, for the metrics.
 	handoverFailed handoverFailures
 }
@@ -112,6 +113,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	defer pm.close()
+	if d.engine, err = d.chooseEngine(); err != nil {
+		return err
+	}
+	defer d.engine.Close() // once runAll has shut the proxy sockets down
 	w, err := d.wire(client, pm, events, inh, settle)
 	if err != nil {
 		return err
@@ -217,13 +222,13 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
 		KernelCounters: pm.kernelCounters,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
-			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp")},
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
 	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(px), restart.collector()}
+		metrics.NewTrafficCollector(px), restart.collector(), engineCollector(d.engine)}
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
 	}
@@ -443,3 +448,28 @@ func (c collectorFunc) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c collectorFunc) Collect(ch chan<- prometheus.Metric) { c.collect(ch) }
+
+// chooseEngine resolves --io-engine. With auto, a kernel or sandbox without io_uring (seccomp,
+// kernel.io_uring_disabled, an old kernel) gets the epoll engine and one log line saying why.
+func (d *Daemon) chooseEngine() (tcp.Engine, error) {
+	e, fallback, err := tcp.ChooseEngine(d.o.ioEngine, d.deps.probeIOUring)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", d.o.setting("--io-engine"), err)
+	}
+	if fallback != nil {
+		d.log.WithError(fallback).WithField("engine", e.Name()).Warn("io_uring is not available here: TCP uses the epoll engine")
+	} else {
+		d.log.WithField("engine", e.Name()).Info("TCP engine")
+	}
+	return e, nil
+}
+
+// engineCollector is kube_portal_proxy_io_engine{engine}: 1 for the engine in use.
+func engineCollector(e tcp.Engine) prometheus.Collector {
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_portal_proxy_io_engine",
+		Help: "The engine that accepts TCP connections and moves their bytes (--io-engine): 1 for the one in use.",
+	}, []string{"engine"})
+	g.WithLabelValues(e.Name()).Set(1)
+	return g
+}

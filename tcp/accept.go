@@ -127,7 +127,7 @@ func (p *Proxy) SetRefusing(on bool) error {
 	if on {
 		old, p.ln = p.ln, nil
 	} else {
-		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive, p.engine().blockingListener())
 		if err != nil {
 			return fmt.Errorf("tcp proxy %s: listen again on %s: %w", p.name, p.addr, err)
 		}
@@ -136,6 +136,7 @@ func (p *Proxy) SetRefusing(on bool) error {
 	close(p.lnChanged)
 	p.lnChanged = make(chan struct{})
 	if old != nil {
+		p.engine().stopAccepting(p, old)
 		if err := old.close(); err != nil {
 			return fmt.Errorf("tcp proxy %s: close listener: %w", p.name, err)
 		}
