@@ -31,12 +31,21 @@ const proxyStopGrace = 20 * time.Second
 // stops it (SIGTERM, then SIGKILL) and, when the test failed, prints the end of its log.
 func startProxy(t *testing.T, ns *netns.NS, dir string, args ...string) *proxyProcess {
 	t.Helper()
+	return startProxyEnv(t, ns, dir, nil, args...)
+}
+
+// startProxyEnv is startProxy with env added to the proxy's environment (later entries win).
+func startProxyEnv(t *testing.T, ns *netns.NS, dir string, env []string, args ...string) *proxyProcess {
+	t.Helper()
 	logFile, err := os.CreateTemp(dir, "proxy-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}
 	logFile.Close()
 	cmd := exec.Command("ip", append([]string{"netns", "exec", ns.Name, proxyBinary}, args...)...)
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	c, err := child.Start("proxy", cmd, logFile.Name())
 	if err != nil {
 		t.Fatalf("start %s in %s: %v", proxyBinary, ns.Name, err)
@@ -88,8 +97,12 @@ func runProxyOnce(t *testing.T, ns *netns.NS, args ...string) (string, error) {
 }
 
 // proxyArgs are the flags every scenario passes: health and metrics on the node's loopback and
-// a short minimum sync period, so changes show within a fraction of a second.
+// a short minimum sync period, so changes show within a fraction of a second; and
+// --io-engine=$KPP_E2E_IO_ENGINE when set (make e2e-epoll runs the suite on the epoll engine).
 func proxyArgs(extra ...string) []string {
+	if e := os.Getenv("KPP_E2E_IO_ENGINE"); e != "" {
+		extra = append([]string{"--io-engine=" + e}, extra...)
+	}
 	return append([]string{
 		"--healthz-bind-address=" + healthzAddr,
 		"--metrics-bind-address=" + metricsAddr,

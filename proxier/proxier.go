@@ -22,6 +22,8 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -81,6 +83,11 @@ type Config struct {
 	// and before its garbage is handed back to the OS (the daemon lowers the GC target there:
 	// the start allocates far more than the steady state keeps).
 	AfterFirstSync func()
+	// KernelPath reports whether the portals can put a port on the kernel data path (iptables
+	// mode; bind mode has no NAT). DefaultDataPath is the data path of a Service without the
+	// data-path annotation ("" means proxy).
+	KernelPath      bool
+	DefaultDataPath service.DataPath
 	// Node is this node's name and zone, for traffic policies and topology hints.
 	Node   NodeTopology
 	Clock  clock.Clock
@@ -94,7 +101,7 @@ type Deps struct {
 	Portals  portal.Portals
 	// Conntrack clears UDP flows of removed service ports; nil when the portal mode uses no NAT.
 	Conntrack conntrack.Interface
-	Metrics   *Metrics
+	Metrics   *metrics.Metrics
 	// Health learns when changes wait and when a sync applied them (/healthz, /livez).
 	Health HealthTracker
 	// ServiceHealth, if set, serves the health check node ports of externalTrafficPolicy: Local
@@ -104,6 +111,9 @@ type Deps struct {
 	// Pods, if set, is kept up to date with the pods behind the endpoints of the ports whose
 	// access log is on (AccessLog.Pods).
 	Pods *PodIndex
+	// KernelCounters, if set, reads the KUBE-SEP counters of the kernel-path ports for the debug
+	// views (iptables.Portals.KernelCounters: cached, cheap).
+	KernelCounters func(ctx context.Context) ([]portal.EndpointCounter, error)
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
@@ -158,9 +168,19 @@ type Proxier struct {
 	activeMu sync.RWMutex
 	active   map[service.ServicePortName]*activePort
 
+	// kernel holds the ports on the kernel data path (no socket; see kernelpath.go). Written by
+	// the sync goroutine under activeMu.
+	kernel map[service.ServicePortName]*service.Port
+
 	// Owned by the sync goroutine.
 	services map[service.NamespacedName][]*service.Port
-	failed   map[service.ServicePortName]*service.Port
+	// retiring are the sockets of ports that moved to the kernel path, closed after the next
+	// portal sync that works.
+	retiring []*activePort
+	// kernelUDP are the kernel-path UDP ports as last applied, with their endpoints (see
+	// clearStaleKernelUDP).
+	kernelUDP map[service.ServicePortName]kernelUDPPort
+	failed    map[service.ServicePortName]*service.Port
 	// extFailed: ports whose external-traffic socket failed to open (logged once).
 	extFailed map[service.ServicePortName]bool
 	// unsynced names the service ports whose portal spec changed (socket opened or closed)
@@ -233,7 +253,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		cfg.ReopenHold = DefaultReopenHold
 	}
 	if deps.Metrics == nil {
-		deps.Metrics = NewMetrics()
+		deps.Metrics = metrics.New()
 	}
 	if deps.Health == nil {
 		deps.Health = healthcheck.NewProxyHealth(cfg.Clock, 2*cfg.SyncPeriod)
@@ -250,6 +270,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		sels:           make(map[service.ServicePortName]*portSelection),
 		hcLocal:        make(map[service.NamespacedName]int),
 		active:         make(map[service.ServicePortName]*activePort),
+		kernel:         make(map[service.ServicePortName]*service.Port),
 		services:       make(map[service.NamespacedName][]*service.Port),
 		failed:         make(map[service.ServicePortName]*service.Port),
 		extFailed:      make(map[service.ServicePortName]bool),
@@ -288,7 +309,7 @@ func (p *Proxier) Run(ctx context.Context) {
 
 func (p *Proxier) shutdown() {
 	p.activeMu.Lock()
-	for _, a := range p.active {
+	for _, a := range append(slices.Collect(maps.Values(p.active)), p.retiring...) {
 		for _, sock := range []*activePort{a, a.ext} {
 			if sock == nil {
 				continue
@@ -315,6 +336,9 @@ func (p *Proxier) initialized() bool {
 	return p.servicesSynced && p.endpointsSynced
 }
 
+// The proxier takes its events from a source of package config.
+var _ config.Handler = (*Proxier)(nil)
+
 // OnServiceAdd is called when a Service appears.
 func (p *Proxier) OnServiceAdd(svc *v1.Service) { p.OnServiceUpdate(nil, svc) }
 
@@ -324,10 +348,11 @@ func (p *Proxier) OnServiceDelete(svc *v1.Service) { p.onService(nsName(svc.Name
 // OnServiceUpdate is called when a Service changes (old is nil for an add).
 func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	ports, errs := convertService(svc)
+	errs = append(errs, p.kernelConflicts(nsName(svc.Namespace, svc.Name), ports)...)
 	for _, err := range errs {
 		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
 		if errors.Is(err, ErrUnsupportedProtocol) {
-			p.deps.Metrics.unsupportedPorts.Inc()
+			p.deps.Metrics.UnsupportedPorts.Inc()
 		}
 	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
@@ -352,7 +377,7 @@ func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) 
 	}
 	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
-	p.deps.Metrics.serviceChanges.Inc()
+	p.deps.Metrics.ServiceChanges.Inc()
 	// Endpoints are matched to ports by name and protocol, so a port change may change them.
 	p.applyEndpoints(name)
 	if pending && synced {
@@ -388,7 +413,7 @@ func (p *Proxier) OnEndpointSliceUpdate(_, s *discovery.EndpointSlice) { p.onSli
 func (p *Proxier) OnEndpointSliceDelete(s *discovery.EndpointSlice) { p.onSlice(s, true) }
 
 func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
-	owner, err := sliceOwner(s)
+	owner, err := config.SliceOwner(s)
 	if err != nil {
 		p.log.WithError(err).Debug("Ignoring EndpointSlice")
 		return
@@ -398,11 +423,11 @@ func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
 		slim = convertSlice(s)
 	}
 	p.slices.update(owner, s.Name, slim)
-	p.deps.Metrics.endpointChanges.Inc()
+	p.deps.Metrics.EndpointChanges.Inc()
 	// Endpoint changes reach the balancer now, not at the next rules sync.
 	start := p.cfg.Clock.Now()
 	p.applyEndpoints(owner)
-	p.deps.Metrics.observeProgramming(p.cfg.Clock.Now(), triggerTime(s, start))
+	p.deps.Metrics.ObserveProgramming(p.cfg.Clock.Now(), triggerTime(s, start))
 }
 
 // triggerTime is when the change that produced this slice happened, from the annotation the
@@ -447,7 +472,7 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 		if sel.split {
 			p.setBalancer(port, externalName(port.Name), sel.External.Endpoints, true, serving)
 		}
-		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) {
+		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) || (p.onKernel(port) && !sel.endpointsEqual(old)) {
 			rulesChanged = true
 			if old != nil && old.split && !sel.split {
 				p.deps.Balancer.DeleteService(externalName(port.Name))

@@ -56,15 +56,18 @@ func (p *Proxier) sync(ctx context.Context) error {
 	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
-	m.syncDuration.Observe(end.Sub(start).Seconds())
-	m.pendingServiceChanges.Set(float64(p.svcChanges.pending()))
-	m.activePorts.Set(float64(p.activeCount()))
-	m.failedPorts.Set(float64(len(p.failed)))
+	m.SyncDuration.Observe(end.Sub(start).Seconds())
+	m.PendingServiceChanges.Set(float64(p.svcChanges.pending()))
+	m.ActivePorts.Set(float64(p.activeCount()))
+	m.FailedPorts.Set(float64(len(p.failed)))
 	if err != nil {
-		m.syncFailures.Inc()
+		m.SyncFailures.Inc()
+		m.SyncFailing.Set(1)
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
+	p.closeRetired()
+	p.clearStaleKernelUDP(specs)
 	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
 		p.saveListenState()
 	}
@@ -80,9 +83,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 		debug.FreeOSMemory()
 		p.markFirstSync()
 	}
-	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.SyncFailing.Set(0)
 	for _, t := range first {
-		m.observeProgramming(end, t)
+		m.ObserveProgramming(end, t)
 	}
 	p.deps.Health.Updated()
 	if p.deps.ServiceHealth != nil {
@@ -103,10 +107,16 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 	for _, old := range previous {
 		if _, still := want[old.Name]; !still {
 			p.stopPort(old.Name, true)
+			p.leaveKernel(old.Name)
 			delete(p.failed, old.Name)
 		}
 	}
 	for _, port := range current {
+		if p.onKernel(port) {
+			p.toKernel(port)
+			continue
+		}
+		p.leaveKernel(port.Name)
 		p.activeMu.RLock()
 		a := p.active[port.Name]
 		p.activeMu.RUnlock()
@@ -156,7 +166,7 @@ func (p *Proxier) startPort(port *service.Port) {
 			}
 		}
 		p.failed[port.Name] = port
-		p.deps.Metrics.socketFailures.Inc()
+		p.deps.Metrics.SocketFailures.Inc()
 		return
 	}
 	delete(p.failed, port.Name)
@@ -232,7 +242,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 			log.WithError(err).Error("Cannot open the external-traffic socket; external traffic is refused until it can")
 			p.extFailed[a.port.Name] = true
 		}
-		p.deps.Metrics.socketFailures.Inc()
+		p.deps.Metrics.SocketFailures.Inc()
 		return
 	}
 	delete(p.extFailed, a.port.Name)
@@ -411,6 +421,7 @@ func (p *Proxier) specs() []portal.Spec {
 		}
 		out = append(out, s)
 	}
+	out = p.kernelSpecs(out)
 	p.selMu.RUnlock()
 	p.activeMu.RUnlock()
 	slices.SortFunc(out, func(a, b portal.Spec) int {
