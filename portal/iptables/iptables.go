@@ -186,13 +186,33 @@ func (p *Portals) syncFamily(ctx context.Context, fam portal.Family, want family
 		}
 		live[table] = st
 	}
+	// Every table's additions go in before any table's deletions: filter's, then nat's, then
+	// nat's stale rules go, then filter's. A service port whose endpoints arrive changes from a
+	// filter REJECT to a nat REDIRECT: deleting the REJECT first (both tables in turn, as before)
+	// left a moment where a SYN to the service was neither refused nor steered, so it was dropped
+	// and retransmitted a second later. Now the REDIRECT is in first (translated traffic no longer
+	// matches the REJECT), then the REJECT goes. The reverse change adds the REJECT before the
+	// REDIRECT goes. And filter's rules accepting a new proxy port still precede nat steering to it.
+	plans := map[string]plan{}
 	for _, table := range tables {
 		if unread[table] {
 			continue
 		}
 		pl := restorePlan(table, live[table], want[table], repair[table])
-		if err := p.restoreAll(ctx, fam, table, pl.apply, pl.cleanup); err != nil {
+		if err := p.restoreAll(ctx, fam, table, pl.apply); err != nil {
 			live[table] = nil // unknown now: read back before the next attempt
+			errs = append(errs, err)
+			continue
+		}
+		plans[table] = pl
+	}
+	for _, table := range natFirst {
+		pl, ok := plans[table]
+		if !ok {
+			continue
+		}
+		if err := p.restoreAll(ctx, fam, table, pl.cleanup); err != nil {
+			live[table] = nil
 			errs = append(errs, err)
 			continue
 		}
