@@ -34,6 +34,9 @@ type Stats struct {
 	// different from what was last applied (someone else changed or flushed them).
 	ReadBacks uint64
 	Repairs   uint64
+	// CanaryChecks counts the cheap checks of the canary chain (canary.go) made by the Syncs
+	// that had nothing to change; one that fails makes its Sync read the tables back.
+	CanaryChecks uint64
 	// Rules is the number of rules in our chains, all families, as last applied.
 	Rules int
 }
@@ -41,7 +44,9 @@ type Stats struct {
 // Portals programs the portal chains with iptables-restore. Each Sync computes the wanted rules
 // of every family and table, diffs them against what it believes is live, and sends the
 // difference in one `iptables-restore --noflush` per table (nothing when nothing changed). Every
-// VerifyPeriod it first reads the live chains back, so changes made by others are repaired.
+// VerifyPeriod it first reads the live chains back, so changes made by others are repaired; a
+// Sync with nothing to change (the periodic one) checks the canary chain, and reads back at once
+// if one of our chains or tables was flushed or deleted (canary.go).
 type Portals struct {
 	cfg    Config
 	runner Runner
@@ -91,7 +96,10 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 		s.SourceRanges = slices.Clone(s.SourceRanges)
 	}
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
-		return nil
+		if p.canaryIntact(ctx) {
+			return nil
+		}
+		verify = true
 	}
 	p.applied = nil
 	verified := true
