@@ -247,6 +247,7 @@ func (s *soak) inject(kind string) {
 			s.n.setPods(t, svc, states)
 		}
 	case "natflush":
+		t.Logf("%s: nat flush at %s", s.mode, time.Now().Format("15:04:05.000"))
 		s.n.bed.Node.MustExec(t, "iptables", "-w", "5", "-t", "nat", "-F")
 		// The window lasts until the next periodic sync (--iptables-sync-period=1s) has seen
 		// the canary gone and restored the rules.
@@ -558,6 +559,7 @@ func (s *soak) report() {
 			// A connection whose SYN passed while the nat table was empty: conntrack pinned it
 			// untranslated, so its retransmissions after the repair are not steered either.
 			flushed[f.target+" "+failureKind(f.err)]++
+			t.Logf("%s: in a nat-flush window: %s at %s (%v): %v", s.mode, f.target, f.start.Format("15:04:05.000"), f.end.Sub(f.start).Round(time.Millisecond), f.err)
 			continue
 		}
 		in := -1

@@ -56,6 +56,8 @@ type Portals struct {
 	skipped    map[portal.Family]string // families skipped, with the reason already logged
 	lastVerify time.Time
 	invalid    map[string]bool
+	// natRepaired: this Sync restored a nat table found changed by others (AfterNATRepair).
+	natRepaired bool
 	// applied is the sorted specs of the last Sync that left every table known and as wanted, so a
 	// repeat Sync with the same specs returns without rebuilding 10,000s of rule strings.
 	applied []portal.Spec
@@ -126,6 +128,10 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	if verify && verified {
 		p.lastVerify = now
 	}
+	if p.natRepaired && p.cfg.AfterNATRepair != nil {
+		p.cfg.AfterNATRepair(ctx, sorted)
+	}
+	p.natRepaired = false
 	if len(errs) == 0 {
 		p.applied = sorted
 	}
@@ -225,6 +231,9 @@ func (p *Portals) syncFamily(ctx context.Context, fam portal.Family, want family
 			continue
 		}
 		live[table] = pl.result
+		if repair[table] && table == tableNAT {
+			p.natRepaired = true
+		}
 	}
 	p.publish(fam, live)
 	return ok, errors.Join(errs...)

@@ -462,3 +462,44 @@ func TestSyncReadsEveryTableBeforeRestoring(t *testing.T) {
 		t.Errorf("operations (-want +got):\n%s", diff)
 	}
 }
+
+// TestAfterNATRepairSeesTheSpecs: the Sync that restores a nat table someone else flushed calls
+// AfterNATRepair with its specs (the caller clears the conntrack entries left untranslated);
+// an ordinary Sync, or a repair of the filter table only, does not.
+func TestAfterNATRepairSeesTheSpecs(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		damage []string
+		want   bool
+	}{
+		{"nat_flushed", []string{"-t", "nat", "-F", ChainPortalsContainer}, true},
+		{"filter_flushed", []string{"-t", "filter", "-F", ChainReject}, false},
+		{"nothing", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got [][]portal.Spec
+			cfg := v4Config()
+			cfg.AfterNATRepair = func(_ context.Context, specs []portal.Spec) { got = append(got, specs) }
+			fake := NewFake()
+			p := New(cfg, fake)
+			specs := manySpecs(2, 34000)
+			specs[1].RejectInternal = true // its REJECT is in filter's KUBE-PORTALS-REJECT
+			mustSync(t, p, specs)
+			if len(got) != 0 {
+				t.Fatalf("AfterNATRepair called by the first sync")
+			}
+			if tc.damage != nil {
+				if err := fake.Command(t.Context(), portal.IPv4, tc.damage...); err != nil {
+					t.Fatal(err)
+				}
+			}
+			mustSync(t, p, specs)
+			if called := len(got) == 1; called != tc.want {
+				t.Fatalf("AfterNATRepair calls = %d, want called=%v", len(got), tc.want)
+			}
+			if tc.want && !slices.EqualFunc(got[0], specs, specEqual) {
+				t.Errorf("AfterNATRepair specs = %+v, want %+v", got[0], specs)
+			}
+		})
+	}
+}
