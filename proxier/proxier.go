@@ -23,6 +23,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -95,7 +96,7 @@ type Deps struct {
 	Portals  portal.Portals
 	// Conntrack clears UDP flows of removed service ports; nil when the portal mode uses no NAT.
 	Conntrack conntrack.Interface
-	Metrics   *Metrics
+	Metrics   *metrics.Metrics
 	// Health learns when changes wait and when a sync applied them (/healthz, /livez).
 	Health HealthTracker
 	// ServiceHealth, if set, serves the health check node ports of externalTrafficPolicy: Local
@@ -234,7 +235,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		cfg.ReopenHold = DefaultReopenHold
 	}
 	if deps.Metrics == nil {
-		deps.Metrics = NewMetrics()
+		deps.Metrics = metrics.New()
 	}
 	if deps.Health == nil {
 		deps.Health = healthcheck.NewProxyHealth(cfg.Clock, 2*cfg.SyncPeriod)
@@ -331,7 +332,7 @@ func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	for _, err := range errs {
 		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
 		if errors.Is(err, ErrUnsupportedProtocol) {
-			p.deps.Metrics.unsupportedPorts.Inc()
+			p.deps.Metrics.UnsupportedPorts.Inc()
 		}
 	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
@@ -356,7 +357,7 @@ func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) 
 	}
 	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
-	p.deps.Metrics.serviceChanges.Inc()
+	p.deps.Metrics.ServiceChanges.Inc()
 	// Endpoints are matched to ports by name and protocol, so a port change may change them.
 	p.applyEndpoints(name)
 	if pending && synced {
@@ -402,11 +403,11 @@ func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
 		slim = convertSlice(s)
 	}
 	p.slices.update(owner, s.Name, slim)
-	p.deps.Metrics.endpointChanges.Inc()
+	p.deps.Metrics.EndpointChanges.Inc()
 	// Endpoint changes reach the balancer now, not at the next rules sync.
 	start := p.cfg.Clock.Now()
 	p.applyEndpoints(owner)
-	p.deps.Metrics.observeProgramming(p.cfg.Clock.Now(), triggerTime(s, start))
+	p.deps.Metrics.ObserveProgramming(p.cfg.Clock.Now(), triggerTime(s, start))
 }
 
 // triggerTime is when the change that produced this slice happened, from the annotation the

@@ -56,12 +56,12 @@ func (p *Proxier) sync(ctx context.Context) error {
 	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
-	m.syncDuration.Observe(end.Sub(start).Seconds())
-	m.pendingServiceChanges.Set(float64(p.svcChanges.pending()))
-	m.activePorts.Set(float64(p.activeCount()))
-	m.failedPorts.Set(float64(len(p.failed)))
+	m.SyncDuration.Observe(end.Sub(start).Seconds())
+	m.PendingServiceChanges.Set(float64(p.svcChanges.pending()))
+	m.ActivePorts.Set(float64(p.activeCount()))
+	m.FailedPorts.Set(float64(len(p.failed)))
 	if err != nil {
-		m.syncFailures.Inc()
+		m.SyncFailures.Inc()
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
@@ -80,9 +80,9 @@ func (p *Proxier) sync(ctx context.Context) error {
 		debug.FreeOSMemory()
 		p.markFirstSync()
 	}
-	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
 	for _, t := range first {
-		m.observeProgramming(end, t)
+		m.ObserveProgramming(end, t)
 	}
 	p.deps.Health.Updated()
 	if p.deps.ServiceHealth != nil {
@@ -156,7 +156,7 @@ func (p *Proxier) startPort(port *service.Port) {
 			}
 		}
 		p.failed[port.Name] = port
-		p.deps.Metrics.socketFailures.Inc()
+		p.deps.Metrics.SocketFailures.Inc()
 		return
 	}
 	delete(p.failed, port.Name)
@@ -232,7 +232,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 			log.WithError(err).Error("Cannot open the external-traffic socket; external traffic is refused until it can")
 			p.extFailed[a.port.Name] = true
 		}
-		p.deps.Metrics.socketFailures.Inc()
+		p.deps.Metrics.SocketFailures.Inc()
 		return
 	}
 	delete(p.extFailed, a.port.Name)
