@@ -3,8 +3,8 @@ package e2e
 // The chaos soak (issue #30): real TCP and UDP clients through the cluster IPs and node ports of
 // several Services, in both portal modes, while a fault injector, at random with a recorded seed,
 // SIGKILLs and restarts the proxy, replaces it through the hand-over, churns the endpoints (scale
-// up and down, pods turning terminating), flushes the nat table of the node namespace (iptables
-// mode) and takes the proxy's descriptors away for a moment. Every failed request is recorded
+// up and down, pods turning terminating), restarts kube-apiserver and etcd, flushes the nat table
+// of the node namespace (iptables mode) and takes the proxy's descriptors away for a moment. Every failed request is recorded
 // with its time and cause; after each fault the invariants are checked (every target answers,
 // rules and sockets as wanted, descriptors, goroutines and RSS bounded). The only failures allowed
 // are those inside a SIGKILL window (from the kill until the new process serves, under a second
@@ -36,6 +36,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
@@ -66,6 +68,8 @@ var soakFaults = []struct {
 	{"terminating", []string{"iptables", "bind"}},
 	{"natflush", []string{"iptables"}},
 	{"fdexhaust", []string{"iptables", "bind"}},
+	{"apiserver", []string{"iptables", "bind"}},
+	{"etcd", []string{"iptables", "bind"}},
 }
 
 func TestChaosSoak(t *testing.T) {
@@ -86,10 +90,14 @@ func TestChaosSoak(t *testing.T) {
 		seed = s
 	}
 	t.Logf("soak: %v per mode, seed %d (KPP_SOAK_SEED=%d repeats the fault sequence)", duration, seed, seed)
+	// The modes run at once but take turns for faults: a restarted API server is a fault for
+	// both, and must not fall into the other's SIGKILL window (a bind-mode process holds its
+	// first connections until it has read the API).
+	var turns sync.Mutex
 	for _, m := range restartModes {
 		t.Run(m.name, func(t *testing.T) {
 			t.Parallel()
-			runSoak(t, m.name, m.flags, duration, seed)
+			runSoak(t, m.name, m.flags, duration, seed, &turns)
 		})
 	}
 }
@@ -138,7 +146,7 @@ type soak struct {
 	active  string    // the fault under way, "" between faults
 }
 
-func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, seed uint64) {
+func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, seed uint64, turns *sync.Mutex) {
 	n := newClusterNode(t, 3)
 	s := &soak{t: t, n: n, mode: mode, rng: rand.New(rand.NewPCG(seed, uint64(len(mode)))),
 		attempts: map[string]int{}, stickyTo: map[string]int{}, faults: map[string]int{}}
@@ -162,6 +170,8 @@ func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, 
 
 	stop := make(chan struct{})
 	var clients sync.WaitGroup
+	stopClients := sync.OnceFunc(func() { close(stop); clients.Wait() })
+	defer stopClients() // also when a check fails the test
 	for name, addr := range s.tcp {
 		clients.Go(func() { s.shortTCP(stop, name, addr) })
 	}
@@ -174,11 +184,14 @@ func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, 
 		pause := time.Duration(1000+s.rng.IntN(2000)) * time.Millisecond
 		time.Sleep(pause) // traffic between faults: the clients run meanwhile
 		kind := kinds[s.rng.IntN(len(kinds))]
-		s.inject(kind)
-		s.settle("after " + kind)
+		func() {
+			turns.Lock()
+			defer turns.Unlock() // also when a check fails the test
+			s.inject(kind)
+			s.settle("after " + kind)
+		}()
 	}
-	close(stop)
-	clients.Wait()
+	stopClients()
 	s.report()
 }
 
@@ -244,7 +257,7 @@ func (s *soak) inject(kind string) {
 			if len(states) == 0 || !slices.Contains(mapValues(states), podReady) {
 				states[1+s.rng.IntN(3)] = podReady // never no ready endpoint: that refuses
 			}
-			s.n.setPods(t, svc, states)
+			s.setPods(svc, states)
 		}
 	case "natflush":
 		t.Logf("%s: nat flush at %s", s.mode, time.Now().Format("15:04:05.000"))
@@ -257,6 +270,14 @@ func (s *soak) inject(kind string) {
 			}
 			return nil
 		})
+	case "apiserver":
+		if err := controlPlane.RestartAPIServer(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	case "etcd":
+		if err := controlPlane.RestartEtcd(t.Context()); err != nil {
+			t.Fatal(err)
+		}
 	case "fdexhaust":
 		pid := strconv.Itoa(s.proxy.Pid())
 		open := s.fds()
@@ -272,11 +293,37 @@ func (s *soak) inject(kind string) {
 	s.mu.Lock()
 	s.windows = append(s.windows, soakWindow{kind, start, time.Now()})
 	s.active = ""
-	if kind != "natflush" && kind != "fdexhaust" {
+	if kind == "sigkill" || kind == "handover" || kind == "churn" || kind == "terminating" {
 		s.moved = time.Now() // a new process or new endpoints: a client's affinity may move
 	}
 	s.mu.Unlock()
 	t.Logf("%s: %s took %v", s.mode, kind, time.Since(start).Round(time.Millisecond))
+}
+
+// setPods is clusterNode.setPods retried until the API server takes it (it may be restarting).
+func (s *soak) setPods(svc *corev1.Service, states map[int]podState) {
+	want := sliceOf(svc)
+	for i := 1; i <= len(s.n.bed.Pods); i++ {
+		st, ok := states[i]
+		if !ok {
+			continue
+		}
+		c := discoveryv1.EndpointConditions{Ready: ptr(true), Serving: ptr(true), Terminating: ptr(false)}
+		if st == podTerminating {
+			c = discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)}
+		}
+		want.Endpoints = append(want.Endpoints, discoveryv1.Endpoint{Addresses: []string{testbed.PodIP(i).String()}, Conditions: c, NodeName: ptr(s.n.name)})
+	}
+	api := s.n.admin.DiscoveryV1().EndpointSlices(want.Namespace)
+	eventually(s.t, 60*time.Second, "apply the EndpointSlice of "+svc.Name, func() error {
+		cur, err := api.Get(s.t.Context(), want.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		want.ResourceVersion = cur.ResourceVersion
+		_, err = api.Update(s.t.Context(), want, metav1.UpdateOptions{})
+		return err
+	})
 }
 
 // settle waits until every target answers and checks the invariants.
