@@ -138,15 +138,15 @@ func (c *conn) watchHeldClient() (gone <-chan flow.EndReason, stop func()) {
 	}
 }
 
-// clientGone reads a held client socket's TCP state without consuming anything: closed (a reset
-// arrived) means gone; close-wait (a FIN arrived) with nothing queued means it gave up before
-// sending a byte. A FIN after bytes may be a half-close waiting for its answer: not gone.
 // The kernel's TCP states (include/net/tcp_states.h) as TCP_INFO reports them.
 const (
 	tcpStateClose     = 7
 	tcpStateCloseWait = 8
 )
 
+// clientGone reads a held client socket's TCP state without consuming anything: closed (a reset
+// arrived) means gone; close-wait (a FIN arrived) with nothing queued means it gave up before
+// sending a byte. A FIN after bytes may be a half-close waiting for its answer: not gone.
 func clientGone(fd int) (flow.EndReason, bool) {
 	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
 	if err != nil {
