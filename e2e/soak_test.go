@@ -46,7 +46,9 @@ const (
 	// soakTimeout bounds one client request: long enough for a SYN retransmitted after a nat flush
 	// (1 s, then 3 s) to find the rules repaired by the next periodic sync.
 	soakTimeout = 5 * time.Second
-	// soakKillWindow is the longest a SIGKILL may leave clients failing.
+	// soakKillWindow bounds a SIGKILL's window: how long after the kill a new attempt may still
+	// fail. (An attempt made at once may itself end later: a SYN the dying socket dropped is
+	// retransmitted a second later and then refused.)
 	soakKillWindow = time.Second
 	// Bounds checked after every fault, against the figures of the same process before any
 	// client ran: descriptors beyond those of its live connections (two each) and UDP sessions
@@ -599,7 +601,9 @@ func (s *soak) report() {
 			flushes = append(flushes, w)
 		}
 	}
-	longest := make([]time.Duration, len(kills))
+	longest := make([]time.Duration, len(kills)) // the last failing attempt's start, after the kill
+	lastEnd := make([]time.Duration, len(kills))  // the last failure's end, after the kill
+	late := make([][]soakFailure, len(kills))
 	flushed := map[string]int{}
 	for _, f := range s.failures {
 		if slices.ContainsFunc(flushes, func(w soakWindow) bool { return !f.start.After(w.to) && !f.end.Before(w.from) }) {
@@ -620,7 +624,11 @@ func (s *soak) report() {
 			continue
 		}
 		explained[f.target+" "+failureKind(f.err)]++
-		longest[in] = max(longest[in], f.end.Sub(kills[in].from))
+		longest[in] = max(longest[in], f.start.Sub(kills[in].from))
+		lastEnd[in] = max(lastEnd[in], f.end.Sub(kills[in].from))
+		if f.start.Sub(kills[in].from) >= soakKillWindow {
+			late[in] = append(late[in], f)
+		}
 	}
 	lostIn := map[string]int{}
 	for _, l := range s.lost {
@@ -636,6 +644,11 @@ func (s *soak) report() {
 		s.mode, total, s.attempts, s.slow, s.streams, s.faults)
 	t.Logf("%s soak: %d failures inside %d SIGKILL windows %v (failing for %v after each kill); %d outside any",
 		s.mode, len(s.failures)-len(unexplained), len(kills), explained, roundAll(longest), len(unexplained))
+	if n := len(longest); n > 0 {
+		ws, es := slices.Sorted(slices.Values(longest)), slices.Sorted(slices.Values(lastEnd))
+		t.Logf("%s soak: SIGKILL windows (kill to the last failing attempt's start): median %v, max %v; last failure's end: median %v, max %v",
+			s.mode, ws[n/2].Round(time.Millisecond), ws[n-1].Round(time.Millisecond), es[n/2].Round(time.Millisecond), es[n-1].Round(time.Millisecond))
+	}
 	t.Logf("%s soak: %d failures of connections started while the nat table was flushed, before the repair (%d flushes, windows %v): %v",
 		s.mode, sumValues(flushed), len(flushes), windowLengths(flushes), flushed)
 	t.Logf("%s soak: %d UDP answers lost and asked again (by the fault under way then, or within 2s after): %v", s.mode, len(s.lost), lostIn)
@@ -643,7 +656,10 @@ func (s *soak) report() {
 	t.Logf("%s soak: ClientIP affinity answers by pod %v, %d switches away from a churn", s.mode, s.stickyTo, s.switches)
 	for i, d := range longest {
 		if d >= soakKillWindow {
-			t.Errorf("SIGKILL %d at %s: clients failed for %v, want under %v", i+1, kills[i].from.Format("15:04:05.000"), d, soakKillWindow)
+			t.Errorf("SIGKILL %d at %s: attempts still failed %v after it, want under %v", i+1, kills[i].from.Format("15:04:05.000"), d.Round(time.Millisecond), soakKillWindow)
+			for _, f := range late[i] {
+				t.Logf("  %s: +%v (%v): %v", f.target, f.start.Sub(kills[i].from).Round(time.Millisecond), f.end.Sub(f.start).Round(time.Millisecond), f.err)
+			}
 		}
 	}
 	sort.Slice(unexplained, func(i, j int) bool { return unexplained[i].start.Before(unexplained[j].start) })
