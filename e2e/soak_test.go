@@ -602,7 +602,7 @@ func (s *soak) report() {
 		}
 	}
 	longest := make([]time.Duration, len(kills)) // the last failing attempt's start, after the kill
-	lastEnd := make([]time.Duration, len(kills))  // the last failure's end, after the kill
+	lastEnd := make([]time.Duration, len(kills)) // the last failure's end, after the kill
 	late := make([][]soakFailure, len(kills))
 	flushed := map[string]int{}
 	for _, f := range s.failures {
