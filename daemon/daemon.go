@@ -47,6 +47,8 @@ type Daemon struct {
 	version string
 	log     logrus.FieldLogger
 	deps    deps
+	// handoverFailed records the failed steps of this process's hand-overs, for the metrics.
+	handoverFailed handoverFailures
 }
 
 // New builds the daemon for o with the real node, API client, portals and sockets. version names
@@ -217,7 +219,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
-	restart := &restartStats{reopened: px.ReopenCounts}
+	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		metrics.NewTrafficCollector(px), restart.collector()}
 	if pm.collector != nil {

@@ -62,6 +62,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 	m.FailedPorts.Set(float64(len(p.failed)))
 	if err != nil {
 		m.SyncFailures.Inc()
+		m.SyncFailing.Set(1)
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
@@ -81,6 +82,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		p.markFirstSync()
 	}
 	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.SyncFailing.Set(0)
 	for _, t := range first {
 		m.ObserveProgramming(end, t)
 	}

@@ -20,6 +20,7 @@ type Metrics struct {
 	EndpointChanges       prometheus.Counter
 	PendingServiceChanges prometheus.Gauge
 	SyncFailures          prometheus.Counter
+	SyncFailing           prometheus.Gauge
 	ActivePorts           prometheus.Gauge
 	FailedPorts           prometheus.Gauge
 	SocketFailures        prometheus.Counter
@@ -60,6 +61,12 @@ func New() *Metrics {
 			Name: "kube_portal_proxy_sync_failures_total",
 			Help: "Syncs whose portal programming failed (retried on the next sync).",
 		}),
+		// The counter says failures happened; the gauge says whether they still do, so an alert
+		// clears with the first good sync instead of when a rate window has passed.
+		SyncFailing: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_portal_proxy_sync_failing",
+			Help: "1 while the last sync failed (its portal programming; retried), 0 once one succeeds.",
+		}),
 		ActivePorts: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_portal_proxy_proxy_ports",
 			Help: "Service ports with an open proxy socket.",
@@ -86,7 +93,7 @@ func New() *Metrics {
 // Register adds every series to r.
 func (m *Metrics) Register(r prometheus.Registerer) error {
 	for _, c := range []prometheus.Collector{m.SyncDuration, m.LastSync, m.Programming, m.ServiceChanges,
-		m.EndpointChanges, m.PendingServiceChanges, m.SyncFailures, m.ActivePorts, m.FailedPorts,
+		m.EndpointChanges, m.PendingServiceChanges, m.SyncFailures, m.SyncFailing, m.ActivePorts, m.FailedPorts,
 		m.SocketFailures, m.UnsupportedPorts, m.RefusedPorts} {
 		if err := r.Register(c); err != nil {
 			return err
