@@ -102,7 +102,7 @@ func (p *Portals) canaryIntact(ctx context.Context) bool {
 				continue
 			}
 			_, has := st.chains[ChainCanary]
-			want := canaryRefs(st)
+			want := canaryRefs(table, st)
 			if !has {
 				continue // programmed by a version without the canary: the next change adds it
 			}

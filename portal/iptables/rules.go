@@ -252,28 +252,33 @@ const (
 	canaryJump = "-j " + ChainCanary
 )
 
-// addCanary adds the canary chain to each table and a jump to it at the end of each of our chains.
+// addCanary adds the canary chain to each table and a jump to it at the end of each of our
+// fixed chains (ownedChains; not the per-service chains of the kernel path, whose number changes
+// with the Services).
 func addCanary(out familyRules) {
 	for _, table := range tables {
 		st := out[table]
-		for c := range st.chains {
+		for _, c := range canaried(table, st) {
 			st.chains[c] = append(st.chains[c], canaryJump)
 		}
 		st.chains[ChainCanary] = []string{canaryRule}
 	}
 }
 
-// canaryRefs is how many references the canary chain of a table has when the table is as st says:
-// one per other chain of ours that exists.
-func canaryRefs(st *tableState) int {
-	n := 0
-	for c := range st.chains {
-		if c != ChainCanary {
-			n++
+// canaried lists the chains of st that end with the canary jump: the fixed chains of ours it has.
+func canaried(table string, st *tableState) []string {
+	var out []string
+	for _, c := range ownedChains[table] {
+		if _, ok := st.chains[c]; ok && c != ChainCanary {
+			out = append(out, c)
 		}
 	}
-	return n
+	return out
 }
+
+// canaryRefs is how many references the canary chain of a table has when the table is as st says:
+// one per fixed chain of ours that exists.
+func canaryRefs(table string, st *tableState) int { return len(canaried(table, st)) }
 
 func validate(s *portal.Spec) error {
 	switch {
