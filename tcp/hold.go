@@ -111,7 +111,13 @@ func (p *Proxy) WakeHeld() {
 // its place in the hold is free again. The bytes a client sends are left in the socket for the
 // endpoint; each arrival only wakes the watch. stop ends the watch (through an expired read
 // deadline, cleared again afterwards) and waits for it, so the socket is the dialer's again.
+//
+// On the io_uring engine the ring owns the client socket (c.client is nil) and nothing watches it
+// yet: a client that gives up is noticed at the dial, as before.
 func (c *conn) watchHeldClient() (gone <-chan flow.EndReason, stop func()) {
+	if c.client == nil {
+		return nil, func() {}
+	}
 	ch := make(chan flow.EndReason, 1)
 	var stopping atomic.Bool
 	done := make(chan struct{})
