@@ -11,7 +11,7 @@ import (
 type Metrics struct {
 	syncDuration          prometheus.Histogram
 	lastSync              prometheus.Gauge
-	programming           prometheus.Histogram
+	programming           *prometheus.HistogramVec
 	serviceChanges        prometheus.Counter
 	endpointChanges       prometheus.Counter
 	pendingServiceChanges prometheus.Gauge
@@ -35,11 +35,13 @@ func NewMetrics() *Metrics {
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_last_timestamp_seconds",
 			Help: "The last time proxy rules were successfully synced",
 		}),
-		programming: prometheus.NewHistogram(prometheus.HistogramOpts{
+		// kube-proxy's SLI, measured as kube-proxy measures it (see observeProgramming): same
+		// name, label and buckets.
+		programming: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy", Name: "network_programming_duration_seconds",
-			Help:    "In Network Programming Latency in seconds",
+			Help:    "In Cluster Network Programming Latency in seconds",
 			Buckets: merge(prometheus.LinearBuckets(0.25, 0.25, 2), prometheus.LinearBuckets(1, 1, 59), prometheus.LinearBuckets(60, 5, 12), prometheus.LinearBuckets(120, 30, 7)),
-		}),
+		}, []string{"ip_family"}),
 		serviceChanges: prometheus.NewCounter(prometheus.CounterOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_total",
 			Help: "Cumulative proxy rules Service changes",
@@ -91,9 +93,12 @@ func (m *Metrics) Register(r prometheus.Registerer) error {
 	return nil
 }
 
-func (m *Metrics) observeProgramming(now, changed time.Time) {
+// observeProgramming records one network programming latency: from the moment an EndpointSlice's
+// change was triggered (its endpoints.kubernetes.io/last-change-trigger-time annotation) to the
+// change being in force here, for slices of family ("IPv4", "IPv6", as kube-proxy labels it).
+func (m *Metrics) observeProgramming(family string, now, changed time.Time) {
 	if d := now.Sub(changed); d >= 0 {
-		m.programming.Observe(d.Seconds())
+		m.programming.WithLabelValues(family).Observe(d.Seconds())
 	}
 }
 

@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strings"
 	"syscall"
-	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -34,8 +33,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 	start := p.cfg.Clock.Now()
 	changes := p.svcChanges.take()
 	p.mu.Lock()
-	first := p.firstChange
-	p.firstChange = make(map[service.NamespacedName]time.Time)
+	triggers := p.pendingTriggers
+	p.pendingTriggers = nil
 	p.mu.Unlock()
 
 	for name, ch := range changes {
@@ -62,6 +61,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 	m.failedPorts.Set(float64(len(p.failed)))
 	if err != nil {
 		m.syncFailures.Inc()
+		// Not in force yet: the next sync that works observes them.
+		p.mu.Lock()
+		p.pendingTriggers = append(triggers, p.pendingTriggers...)
+		p.mu.Unlock()
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
@@ -81,8 +84,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 		p.markFirstSync()
 	}
 	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
-	for _, t := range first {
-		m.observeProgramming(end, t)
+	for _, t := range triggers {
+		m.observeProgramming(t.family, end, t.at)
 	}
 	p.deps.Health.Updated()
 	if p.deps.ServiceHealth != nil {

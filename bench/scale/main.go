@@ -4,8 +4,11 @@
 // (and peak) and idle CPU with them loaded, and the network programming latency of one change
 // (a new Service + EndpointSlice until traffic through its cluster IP works). -cpuprofile and
 // -trace fetch a profile or an execution trace of the cold start from the proxy's /debug/pprof.
-// -cluster does the cold start against a real API server instead (etcd + kube-apiserver from
-// e2e/framework): process start -> informers' initial lists -> every portal in force.
+// -cluster runs against a real API server instead (etcd + kube-apiserver from e2e/framework),
+// with today's kube-proxy beside the daemon (-kube-proxy, iptables and nftables modes): per
+// target and round, the cold start (process start -> initial lists -> every rule in force), then a
+// steady churn of EndpointSlice changes with the change-to-effect latency seen from a client and
+// the targets' own network_programming_duration_seconds, CPU per minute and RSS (cluster.go).
 // Not part of CI: go run ./bench/scale (as root).
 package main
 
@@ -39,17 +42,20 @@ func main() {
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
 	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file; measures the cold start only")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
-	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) cold-started in the same run, in turn with -proxy, for a side-by-side figure")
-	rounds := flag.Int("rounds", 1, "-cluster: cold starts per binary")
+	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure")
+	kubeProxy := flag.String("kube-proxy", "", "-cluster: a kube-proxy binary (hack/kubeproxy-build.sh) run in the same run in each of -kube-proxy-modes")
+	kubeProxyModes := flag.String("kube-proxy-modes", "iptables,nftables", "-cluster: kube-proxy's modes to run (comma-separated)")
+	rounds := flag.Int("rounds", 1, "-cluster: rounds (cold start, then churn) per target")
+	churn := flag.Duration("churn", 30*time.Second, "-cluster: length of the churn period after each cold start (0: none)")
+	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
 	flag.Parse()
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-		var proxies []string
-		for _, p := range append([]string{*proxy}, strings.Fields(*baseline)...) {
-			abs, _ := filepath.Abs(p)
-			proxies = append(proxies, abs)
+		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
+		if err == nil {
+			err = runCluster(ctx, targets, clusterOptions{services: *services, endpoints: *endpoints, workers: *workers,
+				rounds: *rounds, churn: *churn, churnRate: max(*churnRate, 1)})
 		}
-		err := runCluster(ctx, proxies, *services, *endpoints, *workers, *rounds)
 		stop()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "scale:", err)
@@ -307,7 +313,7 @@ func proxyPID(pid int) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if strings.TrimSpace(string(b)) != "kube-portal-pro" {
+	if c := strings.TrimSpace(string(b)); c != "kube-portal-pro" && c != "kube-proxy" {
 		return 0, fmt.Errorf("pid %d is %q, not the proxy", pid, strings.TrimSpace(string(b)))
 	}
 	return pid, nil

@@ -1,0 +1,109 @@
+package main
+
+// sli.go reads a target's network programming SLI, kubeproxy_network_programming_duration_seconds,
+// from its /metrics on the node namespace's loopback, and estimates quantiles from the
+// histogram's buckets the way Prometheus' histogram_quantile does (linear within a bucket).
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+)
+
+const sliName = "kubeproxy_network_programming_duration_seconds"
+
+// histogram is cumulative counts by upper bound (le), summed over label sets.
+type histogram map[float64]float64
+
+// scrapeSLI fetches the target's SLI histogram.
+func scrapeSLI(ctx context.Context, bed *testbed.Bed) (histogram, error) {
+	out, err := bed.Node.Exec(ctx, "curl", "-sf", "--max-time", "10", "http://"+metricsAddr+"/metrics")
+	if err != nil {
+		return nil, fmt.Errorf("scrape /metrics: %w", err)
+	}
+	return parseHistogram(string(out), sliName)
+}
+
+// parseHistogram sums the _bucket series of name over their labels by le.
+func parseHistogram(text, name string) (histogram, error) {
+	h := histogram{}
+	sc := bufio.NewScanner(strings.NewReader(text))
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		l := sc.Text()
+		if !strings.HasPrefix(l, name+"_bucket{") {
+			continue
+		}
+		i := strings.Index(l, `le="`)
+		if i < 0 {
+			continue
+		}
+		rest := l[i+4:]
+		j := strings.IndexByte(rest, '"')
+		if j < 0 {
+			continue
+		}
+		le, err := strconv.ParseFloat(rest[:j], 64)
+		if err != nil {
+			return nil, fmt.Errorf("%s: le %q: %w", name, rest[:j], err)
+		}
+		f := strings.Fields(l[strings.LastIndexByte(l, '}')+1:])
+		if len(f) == 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[0], 64)
+		if err != nil {
+			return nil, fmt.Errorf("%s: value %q: %w", name, f[0], err)
+		}
+		h[le] += v
+	}
+	return h, sc.Err()
+}
+
+// sub is h - before: the observations made between two scrapes.
+func (h histogram) sub(before histogram) histogram {
+	out := histogram{}
+	for le, v := range h {
+		out[le] = v - before[le]
+	}
+	return out
+}
+
+// count is the number of observations.
+func (h histogram) count() float64 { return h[math.Inf(1)] }
+
+// quantile estimates the q-quantile as histogram_quantile does: the bucket holding rank q*count,
+// linear between its bounds (the first bucket from 0). NaN without observations.
+func (h histogram) quantile(q float64) float64 {
+	n := h.count()
+	if n == 0 {
+		return math.NaN()
+	}
+	les := make([]float64, 0, len(h))
+	for le := range h {
+		les = append(les, le)
+	}
+	slices.Sort(les)
+	rank := q * n
+	lower, below := 0.0, 0.0
+	for _, le := range les {
+		c := h[le]
+		if c >= rank {
+			if math.IsInf(le, 1) {
+				return lower // beyond the last bound: the last bound, as Prometheus
+			}
+			if c == below {
+				return le
+			}
+			return lower + (le-lower)*(rank-below)/(c-below)
+		}
+		lower, below = le, c
+	}
+	return lower
+}
