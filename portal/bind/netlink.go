@@ -41,6 +41,8 @@ type Netlink struct {
 
 	mu sync.Mutex
 	h  *netlink.Handle
+	// dumped is how many addresses the last dump listed, to size the next one's slice.
+	dumped int
 }
 
 // Close closes the handle, if one is open. The next operation opens a new one.
@@ -199,7 +201,7 @@ func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error
 			return err
 		}
 		for range dumpRetries {
-			out, err = dumpAddrs(l.Attrs().Index)
+			out, err = dumpAddrs(l.Attrs().Index, n.dumped)
 			if !errors.Is(err, netlink.ErrDumpInterrupted) {
 				break
 			}
@@ -207,6 +209,7 @@ func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error
 		if err != nil {
 			return fmt.Errorf("link %s: list addresses: %w", name, err)
 		}
+		n.dumped = len(out)
 		return nil
 	})
 	return out, err
@@ -214,10 +217,10 @@ func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error
 
 // dumpAddrs lists the addresses of the link with index idx, from one RTM_GETADDR dump on a socket
 // of the calling thread's namespace (the handle's: both are opened by the thread run uses).
-func dumpAddrs(idx int) ([]netip.Prefix, error) {
+func dumpAddrs(idx, sizeHint int) ([]netip.Prefix, error) {
 	req := nl.NewNetlinkRequest(unix.RTM_GETADDR, unix.NLM_F_DUMP)
 	req.AddData(nl.NewIfAddrmsg(unix.AF_UNSPEC))
-	var out []netip.Prefix
+	out := make([]netip.Prefix, 0, sizeHint)
 	err := req.ExecuteIter(unix.NETLINK_ROUTE, unix.RTM_NEWADDR, func(m []byte) bool {
 		if p, ok := addrOfLink(m, idx); ok {
 			out = append(out, p)
