@@ -33,6 +33,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
@@ -233,10 +234,10 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	healthz := gate.wrap(health.Healthz())
 	w := &wiring{proxier: px, restart: restart, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
 	if o.servicesFile != "" {
-		fsrc := proxier.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
+		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload
 	} else {
-		w.source = proxier.NewInformerSource(client, o.configSyncPeriod, px, log)
+		w.source = config.NewInformerSource(client, o.configSyncPeriod, px, log)
 	}
 	return w, nil
 }

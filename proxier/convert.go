@@ -13,13 +13,14 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // Labels and annotations the proxy reads.
 const (
 	// LabelServiceProxyName marks a Service handled by another proxy; kube-proxy skips it too.
-	LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
+	LabelServiceProxyName = config.LabelServiceProxyName
 	// AnnotationAccessLog turns the access log on ("true") or off ("false") for one Service.
 	AnnotationAccessLog = "portal-proxy.kubernetes.io/access-log"
 	// AnnotationAlgorithm picks the balancing algorithm of every port of a Service:
@@ -469,13 +470,4 @@ func usableEndpoints(eps []service.Endpoint) []netip.AddrPort {
 		return ready
 	}
 	return terminating
-}
-
-// sliceOwner names the Service an EndpointSlice belongs to, from its kubernetes.io/service-name label.
-func sliceOwner(s *discovery.EndpointSlice) (service.NamespacedName, error) {
-	name := s.Labels[discovery.LabelServiceName]
-	if name == "" {
-		return service.NamespacedName{}, fmt.Errorf("endpointslice %s/%s: no %s label", s.Namespace, s.Name, discovery.LabelServiceName)
-	}
-	return service.NamespacedName{Namespace: s.Namespace, Name: name}, nil
 }

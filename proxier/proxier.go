@@ -22,6 +22,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -318,6 +319,9 @@ func (p *Proxier) initialized() bool {
 	return p.servicesSynced && p.endpointsSynced
 }
 
+// The proxier takes its events from a source of package config.
+var _ config.Handler = (*Proxier)(nil)
+
 // OnServiceAdd is called when a Service appears.
 func (p *Proxier) OnServiceAdd(svc *v1.Service) { p.OnServiceUpdate(nil, svc) }
 
@@ -386,7 +390,7 @@ func (p *Proxier) OnEndpointSliceUpdate(_, s *discovery.EndpointSlice) { p.onSli
 func (p *Proxier) OnEndpointSliceDelete(s *discovery.EndpointSlice) { p.onSlice(s, true) }
 
 func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
-	owner, err := sliceOwner(s)
+	owner, err := config.SliceOwner(s)
 	if err != nil {
 		p.log.WithError(err).Debug("Ignoring EndpointSlice")
 		return

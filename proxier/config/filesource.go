@@ -1,4 +1,4 @@
-package proxier
+package config
 
 import (
 	"bufio"
@@ -449,7 +449,7 @@ func (set *manifestSet) addSlice(s *discovery.EndpointSlice, hash uint64) error 
 	if err != nil {
 		return err
 	}
-	if _, err := sliceOwner(s); err != nil {
+	if _, err := SliceOwner(s); err != nil {
 		return err
 	}
 	set.slices[key] = s

@@ -1,4 +1,4 @@
-package proxier
+package config
 
 // manifestjson.go: the services file's YAML to the API types, in one YAML parse and one JSON
 // decode. sigs.k8s.io/yaml's YAMLToJSON parses into generic maps, copies them into maps with

@@ -1,4 +1,4 @@
-package proxier
+package config
 
 import (
 	"context"
@@ -7,7 +7,6 @@ import (
 
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
-	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -16,20 +15,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 )
-
-// Handler receives Service and EndpointSlice events from a source (informers or files).
-type Handler interface {
-	OnServiceAdd(*v1.Service)
-	OnServiceUpdate(old, cur *v1.Service)
-	OnServiceDelete(*v1.Service)
-	OnServicesSynced()
-	OnEndpointSliceAdd(*discovery.EndpointSlice)
-	OnEndpointSliceUpdate(old, cur *discovery.EndpointSlice)
-	OnEndpointSliceDelete(*discovery.EndpointSlice)
-	OnEndpointSlicesSynced()
-}
-
-var _ Handler = (*Proxier)(nil)
 
 // InformerSource feeds a Handler from the API server with shared informers, using kube-proxy's
 // label selector (no service-proxy-name, no headless).
