@@ -7,6 +7,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -40,7 +41,7 @@ func proxySelector() string {
 func (s *InformerSource) Run(ctx context.Context) error {
 	factory := informers.NewSharedInformerFactoryWithOptions(s.client, s.resync,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = proxySelector() }),
-		informers.WithTransform(stripManagedFields))
+		informers.WithTransform(slim))
 	svcInformer := factory.Core().V1().Services().Informer()
 	sliceInformer := factory.Discovery().V1().EndpointSlices().Informer()
 	// The registrations' HasSynced, not the informers': an informer has synced once its store
@@ -79,14 +80,70 @@ func (s *InformerSource) Run(ctx context.Context) error {
 	return nil
 }
 
-// stripManagedFields drops an object's managedFields before the informer caches it: the proxy
-// never reads them, and at 10,000 Services and EndpointSlices they were a good part of the
-// caches' memory.
-func stripManagedFields(o any) (any, error) {
+// slim is the informers' transform: the caches keep a copy of every Service and EndpointSlice
+// beside the proxier's own model, so they keep only what the proxier reads (convert.go, the
+// annotations, the access log's pod and node) and drop the rest before it is stored: managed
+// fields, owner references, finalizers, kubectl's last-applied-configuration annotation (often
+// the largest part of a real object), a Service's selector, IP family fields and conditions, an
+// endpoint's hostname, deprecated topology and the UID and version of its target. A new object
+// is built rather than the decoded one trimmed, so nothing it no longer needs stays reachable.
+func slim(o any) (any, error) {
+	switch v := o.(type) {
+	case *v1.Service:
+		return slimService(v), nil
+	case *discovery.EndpointSlice:
+		return slimEndpointSlice(v), nil
+	}
 	if m, err := meta.Accessor(o); err == nil {
 		m.SetManagedFields(nil)
 	}
 	return o, nil
+}
+
+// lastApplied is kubectl's copy of the whole object, in an annotation no proxy reads.
+const lastApplied = "kubectl.kubernetes.io/last-applied-configuration"
+
+func slimMeta(m *metav1.ObjectMeta) metav1.ObjectMeta {
+	out := metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion,
+		Labels: m.Labels, Annotations: m.Annotations}
+	if _, ok := m.Annotations[lastApplied]; ok {
+		out.Annotations = make(map[string]string, len(m.Annotations)-1)
+		for k, v := range m.Annotations {
+			if k != lastApplied {
+				out.Annotations[k] = v
+			}
+		}
+	}
+	return out
+}
+
+func slimService(s *v1.Service) *v1.Service {
+	sp := &s.Spec
+	return &v1.Service{
+		ObjectMeta: slimMeta(&s.ObjectMeta),
+		Spec: v1.ServiceSpec{
+			Type: sp.Type, Ports: sp.Ports, ClusterIP: sp.ClusterIP, ClusterIPs: sp.ClusterIPs, ExternalIPs: sp.ExternalIPs,
+			SessionAffinity: sp.SessionAffinity, SessionAffinityConfig: sp.SessionAffinityConfig,
+			LoadBalancerSourceRanges: sp.LoadBalancerSourceRanges, ExternalTrafficPolicy: sp.ExternalTrafficPolicy,
+			HealthCheckNodePort: sp.HealthCheckNodePort, InternalTrafficPolicy: sp.InternalTrafficPolicy,
+			TrafficDistribution: sp.TrafficDistribution,
+		},
+		Status: v1.ServiceStatus{LoadBalancer: s.Status.LoadBalancer},
+	}
+}
+
+func slimEndpointSlice(s *discovery.EndpointSlice) *discovery.EndpointSlice {
+	out := &discovery.EndpointSlice{ObjectMeta: slimMeta(&s.ObjectMeta), AddressType: s.AddressType, Ports: s.Ports,
+		Endpoints: make([]discovery.Endpoint, len(s.Endpoints))}
+	for i := range s.Endpoints {
+		e := &s.Endpoints[i]
+		out.Endpoints[i] = discovery.Endpoint{Addresses: e.Addresses, Conditions: e.Conditions, NodeName: e.NodeName,
+			Zone: e.Zone, Hints: e.Hints}
+		if r := e.TargetRef; r != nil {
+			out.Endpoints[i].TargetRef = &v1.ObjectReference{Kind: r.Kind, Namespace: r.Namespace, Name: r.Name}
+		}
+	}
+	return out
 }
 
 // untombstone unwraps the final state of an object deleted while the watch was down.
