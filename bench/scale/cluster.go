@@ -43,6 +43,7 @@ type clusterOptions struct {
 	services, endpoints, workers, rounds int
 	churnRate                            int
 	churn                                time.Duration
+	logDir                               string // each target's log, per round
 }
 
 // clusterRun is one target's round: a cold start, then a churn period.
@@ -59,7 +60,7 @@ type clusterRun struct {
 	churnCPU             time.Duration // proxy + the commands it ran, over the churn period
 	churnRSSKiB          int64         // RSS at the end of the churn (steady)
 	churnPeakKiB         int64         // VmHWM at the end of the churn
-	sliP50, sliP99, sliN float64       // the target's own network_programming_duration_seconds over the churn
+	sliP50, sliP99, sliN float64       // the target's own network_programming_duration_seconds over the churn: the upper bound of the bucket holding p50, p99
 }
 
 // runCluster starts the control plane, creates the objects once, then runs each target (round
@@ -85,6 +86,10 @@ func runCluster(ctx context.Context, targets []target, o clusterOptions) (err er
 	for _, t := range targets {
 		fmt.Printf("target %s: %s %s\n", t.name, t.bin, t.mode)
 	}
+	if o.logDir, err = os.MkdirTemp("", "kpp-scale-logs-"); err != nil {
+		return err
+	}
+	fmt.Printf("targets' logs: %s\n", o.logDir)
 	cfg := cp.AdminConfig()
 	cfg.QPS, cfg.Burst = -1, 0
 	client, err := kubernetes.NewForConfig(cfg)
@@ -96,7 +101,7 @@ func runCluster(ctx context.Context, targets []target, o clusterOptions) (err er
 	results := make([][]clusterRun, len(targets))
 	for round := range o.rounds {
 		for i, t := range targets {
-			r, err := runTarget(ctx, cp, ch, t, o)
+			r, err := runTarget(ctx, cp, ch, t, round+1, o)
 			if err != nil {
 				return fmt.Errorf("%s, round %d: %w", t.name, round+1, err)
 			}
@@ -110,7 +115,7 @@ func runCluster(ctx context.Context, targets []target, o clusterOptions) (err er
 
 // runTarget is one round of one target: a cold start in a fresh node namespace, then (with
 // -churn) the churn period.
-func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t target, o clusterOptions) (r clusterRun, err error) {
+func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t target, round int, o clusterOptions) (r clusterRun, err error) {
 	bed, closeBed, err := testbed.Start(ctx, probePods, 8080, 5353)
 	defer func() { err = errors.Join(err, closeBed()) }()
 	if err != nil {
@@ -149,7 +154,12 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		return r, err
 	}
 	defer func() { _ = cmd.Process.Signal(syscall.SIGTERM); _ = cmd.Wait() }()
-	listed := watchLog(stderr, listedMessage)
+	logFile, err := os.Create(filepath.Join(o.logDir, fmt.Sprintf("%s-%d.log", t.name, round)))
+	if err != nil {
+		return r, err
+	}
+	defer logFile.Close()
+	listed := watchLog(io.TeeReader(stderr, logFile), listedMessage)
 	profiled := profileStart(ctx, bed)
 
 	// The probe service's endpoints are the bed's pods, so it works through kube-proxy's DNAT as
@@ -207,7 +217,7 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		return r, err
 	}
 	d := after.sub(before)
-	r.sliP50, r.sliP99, r.sliN = d.quantile(0.5), d.quantile(0.99), d.count()
+	r.sliP50, r.sliP99, r.sliN = d.bucketOf(0.5), d.bucketOf(0.99), d.count()
 	r.churned = true
 	return r, nil
 }
@@ -246,7 +256,7 @@ func printRun(t target, round int, r clusterRun, churn time.Duration) {
 	}
 	if r.churned {
 		c := r.churn
-		fmt.Printf("    churn: %d changes (%d failed), %d probes (%d lost): p50 %v p99 %v max %v; SLI %.0f samples p50 %.3fs p99 %.3fs; CPU %v (%.2f s/min); RSS %.1f MiB, peak %.1f MiB\n",
+		fmt.Printf("    churn: %d changes (%d failed), %d probes (%d lost): p50 %v p99 %v max %v; SLI %.0f samples p50 <= %gs p99 <= %gs; CPU %v (%.2f s/min); RSS %.1f MiB, peak %.1f MiB\n",
 			c.sent, c.failed, len(c.probes), c.lost, quantile(c.probes, 0.5).Round(time.Millisecond), quantile(c.probes, 0.99).Round(time.Millisecond),
 			quantile(c.probes, 1).Round(time.Millisecond), r.sliN, r.sliP50, r.sliP99, r.churnCPU.Round(10*time.Millisecond),
 			r.churnCPU.Seconds()*60/churn.Seconds(), float64(r.churnRSSKiB)/1024, float64(r.churnPeakKiB)/1024)
@@ -288,8 +298,8 @@ func printSummary(targets []target, results [][]clusterRun, o clusterOptions) {
 	row(fmt.Sprintf("churn %d/s for %v: probe p50", o.churnRate, o.churn), dur(func(r clusterRun) time.Duration { return quantile(r.churn.probes, 0.5) }))
 	row("churn: probe p99", dur(func(r clusterRun) time.Duration { return quantile(r.churn.probes, 0.99) }))
 	row("churn: probes (lost)", func(r clusterRun) string { return fmt.Sprintf("%d (%d)", len(r.churn.probes), r.churn.lost) })
-	row("churn: SLI p50 (s)", func(r clusterRun) string { return fmt.Sprintf("%.3f", r.sliP50) })
-	row("churn: SLI p99 (s)", func(r clusterRun) string { return fmt.Sprintf("%.3f", r.sliP99) })
+	row("churn: SLI p50, bucket (s, <=)", func(r clusterRun) string { return fmt.Sprintf("%g", r.sliP50) })
+	row("churn: SLI p99, bucket (s, <=)", func(r clusterRun) string { return fmt.Sprintf("%g", r.sliP99) })
 	row("churn: SLI samples", func(r clusterRun) string { return fmt.Sprintf("%.0f", r.sliN) })
 	row("churn: CPU s per minute", func(r clusterRun) string { return fmt.Sprintf("%.2f", r.churnCPU.Seconds()*60/o.churn.Seconds()) })
 	row("RSS at the end of the churn (steady, MiB)", func(r clusterRun) string { return fmt.Sprintf("%.1f", float64(r.churnRSSKiB)/1024) })

@@ -30,7 +30,11 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
+// logLevel is the file mode daemon's --log-level (-log-level).
+var logLevel *string
+
 func main() {
+	proxyLogLevel := flag.String("log-level", "warn", "file mode: the daemon's --log-level (its log goes to stderr)")
 	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the binary")
 	services := flag.Int("services", 10000, "service ports to load")
 	endpoints := flag.Int("endpoints", 5, "endpoints per service port")
@@ -49,6 +53,7 @@ func main() {
 	churn := flag.Duration("churn", 30*time.Second, "-cluster: length of the churn period after each cold start (0: none)")
 	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
 	flag.Parse()
+	logLevel = proxyLogLevel
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
@@ -175,7 +180,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 // startProxy starts the proxy binary in the node namespace on the services directory.
 func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
-		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", *logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
@@ -332,7 +337,7 @@ func proxyPID(pid int) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if c := strings.TrimSpace(string(b)); c != "kube-portal-pro" && c != "kube-proxy" {
+	if c := strings.TrimSpace(string(b)); c != "kube-portal-pro" && !strings.HasPrefix(c, "kube-proxy") {
 		return 0, fmt.Errorf("pid %d is %q, not the proxy", pid, strings.TrimSpace(string(b)))
 	}
 	return pid, nil

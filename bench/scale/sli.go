@@ -1,8 +1,8 @@
 package main
 
 // sli.go reads a target's network programming SLI, kubeproxy_network_programming_duration_seconds,
-// from its /metrics on the node namespace's loopback, and estimates quantiles from the
-// histogram's buckets the way Prometheus' histogram_quantile does (linear within a bucket).
+// from its /metrics on the node namespace's loopback: the observations of a period (the difference
+// of two scrapes) and the bucket that holds a quantile.
 
 import (
 	"bufio"
@@ -78,9 +78,9 @@ func (h histogram) sub(before histogram) histogram {
 // count is the number of observations.
 func (h histogram) count() float64 { return h[math.Inf(1)] }
 
-// quantile estimates the q-quantile as histogram_quantile does: the bucket holding rank q*count,
-// linear between its bounds (the first bucket from 0). NaN without observations.
-func (h histogram) quantile(q float64) float64 {
+// bucketOf is the upper bound of the bucket that holds the q-quantile: with kube-proxy's buckets
+// (0.25 s, 0.5 s, then whole seconds) the honest resolution of the SLI. NaN without observations.
+func (h histogram) bucketOf(q float64) float64 {
 	n := h.count()
 	if n == 0 {
 		return math.NaN()
@@ -90,20 +90,10 @@ func (h histogram) quantile(q float64) float64 {
 		les = append(les, le)
 	}
 	slices.Sort(les)
-	rank := q * n
-	lower, below := 0.0, 0.0
 	for _, le := range les {
-		c := h[le]
-		if c >= rank {
-			if math.IsInf(le, 1) {
-				return lower // beyond the last bound: the last bound, as Prometheus
-			}
-			if c == below {
-				return le
-			}
-			return lower + (le-lower)*(rank-below)/(c-below)
+		if h[le] >= q*n {
+			return le
 		}
-		lower, below = le, c
 	}
-	return lower
+	return math.Inf(1)
 }

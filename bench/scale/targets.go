@@ -88,12 +88,26 @@ func (t target) rulesInForce(ctx context.Context, bed *testbed.Bed, n, e int) er
 		if err != nil {
 			return err
 		}
-		return countRules(string(out), n, e, "", ": goto service-", "dnat to")
+		// A service chain DNATs straight to its endpoints: "dnat ip addr . port to numgen random
+		// mod 5 map { 0 : 10.245.0.1 . 8080, 1 : ... }", one map element per endpoint.
+		services, endpoints := 0, 0
+		for _, l := range strings.Split(string(out), "\n") {
+			if strings.Contains(l, ": goto service-") {
+				services++
+			}
+			if strings.Contains(l, "dnat ip addr . port to") {
+				endpoints += strings.Count(l, " : ")
+			}
+		}
+		if services < n || endpoints < e {
+			return fmt.Errorf("%d of %d service map entries, %d of %d endpoint map entries", services, n, endpoints, e)
+		}
+		return nil
 	}
 }
 
-// countRules counts lines holding svcPrefix and svcMark (service ports) and lines holding dnat
-// (endpoints).
+// countRules counts iptables-save lines holding svcPrefix and svcMark (service ports) and lines
+// holding dnat (endpoints).
 func countRules(out string, n, e int, svcPrefix, svcMark, dnat string) error {
 	services, endpoints := 0, 0
 	for _, l := range strings.Split(out, "\n") {
