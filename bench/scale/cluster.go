@@ -196,6 +196,13 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		return r, err
 	}
 	r.rssKiB, r.peakKiB = procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
+	if profile.heap != "" && round == 1 && !t.kubeProxy() {
+		// What the live heap holds once everything is in force (first round of each daemon).
+		file := strings.TrimSuffix(profile.heap, ".pb.gz") + "-" + t.name + ".pb.gz"
+		if out, err := bed.Node.Exec(ctx, "curl", "-sf", "-o", file, "http://"+metricsAddr+"/debug/pprof/heap"); err != nil {
+			return r, fmt.Errorf("heap profile: %w: %s", err, out)
+		}
+	}
 	if o.churn <= 0 {
 		return r, nil
 	}

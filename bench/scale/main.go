@@ -43,6 +43,7 @@ func main() {
 	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
+	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
 	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file; measures the cold start only")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
@@ -345,8 +346,8 @@ func proxyPID(pid int) (int, error) {
 
 // profile is what -cpuprofile and -trace ask for.
 var profile struct {
-	cpu, trace string
-	length     time.Duration
+	cpu, trace, heap string
+	length           time.Duration
 }
 
 // profileStart fetches a CPU profile or an execution trace of the cold start from the proxy's

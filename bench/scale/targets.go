@@ -88,14 +88,14 @@ func (t target) rulesInForce(ctx context.Context, bed *testbed.Bed, n, e int) er
 		if err != nil {
 			return err
 		}
-		// A service chain DNATs straight to its endpoints: "dnat ip addr . port to numgen random
-		// mod 5 map { 0 : 10.245.0.1 . 8080, 1 : ... }", one map element per endpoint.
+		// A service chain DNATs straight to its endpoints (nft 1.0.6 lists it as "dnat ip to numgen random
+		// mod 5 map { 0 : 10.245.0.1 . 8080, 1 : ... }"), one map element per endpoint.
 		services, endpoints := 0, 0
 		for _, l := range strings.Split(string(out), "\n") {
 			if strings.Contains(l, ": goto service-") {
 				services++
 			}
-			if strings.Contains(l, "dnat ip addr . port to") {
+			if strings.Contains(l, " dnat ip ") && strings.Contains(l, " map { ") {
 				endpoints += strings.Count(l, " : ")
 			}
 		}
