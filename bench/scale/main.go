@@ -53,6 +53,7 @@ func main() {
 	rounds := flag.Int("rounds", 1, "-cluster: rounds (cold start, then churn) per target")
 	churn := flag.Duration("churn", 30*time.Second, "-cluster: length of the churn period after each cold start (0: none)")
 	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
+	startLimit := flag.Duration("start-limit", 10*time.Minute, "-cluster: a target whose rules are not in force this long after its start is recorded as such and not run again")
 	flag.Parse()
 	logLevel = proxyLogLevel
 	if *cluster {
@@ -60,7 +61,7 @@ func main() {
 		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
 		if err == nil {
 			err = runCluster(ctx, targets, clusterOptions{services: *services, endpoints: *endpoints, workers: *workers,
-				rounds: *rounds, churn: *churn, churnRate: max(*churnRate, 1)})
+				rounds: *rounds, churn: *churn, churnRate: max(*churnRate, 1), startLimit: *startLimit})
 		}
 		stop()
 		if err != nil {
