@@ -5,8 +5,10 @@ package main
 // controller sets (endpoints.kubernetes.io/last-change-trigger-time: when the change that caused
 // the update happened), from which both kube-proxy and the daemon compute their
 // network_programming_duration_seconds. Beside it, a probe measures the same latency from outside,
-// as a user sees it: the probe service's only endpoint moves to another real pod, and a client
-// connects through its cluster IP every few milliseconds until the new pod answers.
+// as a user sees it: the churn probe service's only endpoint moves to another real pod, and a
+// client connects through its cluster IP every few milliseconds until the new pod answers. That
+// service is not the cold start's probe (whose endpoints are all the pods): it starts each period
+// with endpoints nobody answers on, so no answer can come from a state before the change.
 
 import (
 	"context"
@@ -45,7 +47,7 @@ const (
 type churner struct {
 	c        kubernetes.Interface
 	n, eps   int
-	probeIdx int // the probe service: bulk/s<probeIdx>
+	probeIdx int // the churn probe service: bulk/s<probeIdx>; the churn leaves it and the next one alone
 	seq      atomic.Int64
 }
 
@@ -76,29 +78,27 @@ func (ch *churner) patch(ctx context.Context, i int, ops ...jsonPatch) error {
 
 // change replaces one endpoint of a random bulk service (not the probe's) by a new address.
 func (ch *churner) change(ctx context.Context) error {
-	i := rand.IntN(ch.n - 1)
-	if i >= ch.probeIdx {
-		i++
-	}
+	i := rand.IntN(ch.n - 2) // the two probe services are the last two
+
 	k := ch.seq.Add(1)
 	addr := fmt.Sprintf("10.246.%d.%d", k/250%250, k%250+1)
 	return ch.patch(ctx, i, stamp(time.Now()),
 		jsonPatch{Op: "replace", Path: fmt.Sprintf("/endpoints/%d/addresses/0", rand.IntN(ch.eps)), Value: addr})
 }
 
-// probeEndpoints sets the probe service's endpoints to pods (ready), stamped now.
-func (ch *churner) probeEndpoints(ctx context.Context, pods []netip.Addr) (time.Time, error) {
+// probeEndpoints sets the churn probe service's endpoints to addrs (ready), stamped now.
+func (ch *churner) probeEndpoints(ctx context.Context, addrs []string) (time.Time, error) {
 	var eps []map[string]any
-	for _, p := range pods {
-		eps = append(eps, map[string]any{"addresses": []string{p.String()}, "conditions": map[string]bool{"ready": true}})
+	for _, a := range addrs {
+		eps = append(eps, map[string]any{"addresses": []string{a}, "conditions": map[string]bool{"ready": true}})
 	}
 	at := time.Now()
 	return at, ch.patch(ctx, ch.probeIdx, stamp(at), jsonPatch{Op: "replace", Path: "/endpoints", Value: eps})
 }
 
-// run churns at rate changes a second for d, and probes meanwhile through the probe service's
-// cluster IP from the bed's client. The probe service ends with the endpoints it started with
-// (pods), so the next target's cold start finds the same objects.
+// run churns at rate changes a second for d, and probes meanwhile through the churn probe
+// service's cluster IP from the bed's client. That service ends with the endpoints it was created
+// with (addresses nobody answers on), so the next target starts from the same objects.
 func (ch *churner) run(ctx context.Context, bed *testbed.Bed, vip netip.AddrPort, pods []netip.Addr, rate int, d time.Duration) (churnResult, error) {
 	var r churnResult
 	ctx, cancel := context.WithTimeout(ctx, d)
@@ -144,7 +144,7 @@ func (ch *churner) run(ctx context.Context, bed *testbed.Bed, vip netip.AddrPort
 	var probeErr error
 	for k := 0; ctx.Err() == nil; k++ {
 		pod := k % len(pods)
-		at, err := ch.probeEndpoints(ctx, pods[pod:pod+1])
+		at, err := ch.probeEndpoints(ctx, []string{pods[pod].String()})
 		if err != nil {
 			if ctx.Err() == nil {
 				probeErr = err
@@ -170,7 +170,7 @@ func (ch *churner) run(ctx context.Context, bed *testbed.Bed, vip netip.AddrPort
 	// Back to the starting state, outside the period's deadline.
 	restoreCtx, cancelRestore := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancelRestore()
-	if _, err := ch.probeEndpoints(restoreCtx, pods); err != nil {
+	if _, err := ch.probeEndpoints(restoreCtx, bulkEndpoints(ch.probeIdx, ch.eps)); err != nil {
 		probeErr = err
 	}
 	slices.Sort(r.probes)

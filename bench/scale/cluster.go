@@ -100,7 +100,7 @@ func runCluster(ctx context.Context, targets []target, o clusterOptions) (err er
 	if err != nil {
 		return err
 	}
-	ch := &churner{c: client, n: o.services, eps: o.endpoints, probeIdx: o.services - 1}
+	ch := &churner{c: client, n: o.services, eps: o.endpoints, probeIdx: o.services - 2}
 
 	results := make([][]clusterRun, len(targets))
 	gaveUp := make([]bool, len(targets))
@@ -184,7 +184,7 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		r.noStart, r.incomplete = true, err.Error()
 		r.cpuSelf, r.cpuChild = procstat.OwnCPUTime(cmd.Process.Pid)
 		if pid, err := proxyPID(cmd.Process.Pid); err == nil {
-			r.rssKiB, r.peakKiB = procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
+			r.rssKiB, r.peakKiB = ownRSSKiB(pid), procstat.PeakRSSKiB(pid)
 		}
 		<-profiled
 		return r, nil
@@ -217,7 +217,7 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 	if err != nil {
 		return r, err
 	}
-	r.rssKiB, r.peakKiB = procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
+	r.rssKiB, r.peakKiB = ownRSSKiB(pid), procstat.PeakRSSKiB(pid)
 	if profile.heap != "" && round == 1 && !t.kubeProxy() {
 		// What the live heap holds once everything is in force (first round of each daemon).
 		file := strings.TrimSuffix(profile.heap, ".pb.gz") + "-" + t.name + ".pb.gz"
@@ -234,13 +234,13 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		return r, err
 	}
 	self0, child0 := procstat.OwnCPUTime(pid)
-	r.churn, err = ch.run(ctx, bed, vip, podIPs(), o.churnRate, o.churn)
+	r.churn, err = ch.run(ctx, bed, netip.AddrPortFrom(apiClusterIP(ch.probeIdx), 80), podIPs(), o.churnRate, o.churn)
 	if err != nil {
 		return r, err
 	}
 	self1, child1 := procstat.OwnCPUTime(pid)
 	r.churnCPU = (self1 + child1) - (self0 + child0)
-	r.churnRSSKiB, r.churnPeakKiB = procstat.RSSKiB(pid), procstat.PeakRSSKiB(pid)
+	r.churnRSSKiB, r.churnPeakKiB = ownRSSKiB(pid), procstat.PeakRSSKiB(pid)
 	after, err := scrapeSLI(ctx, bed)
 	if err != nil {
 		return r, err
@@ -249,6 +249,21 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 	r.sliP50, r.sliP99, r.sliN = d.bucketOf(0.5), d.bucketOf(0.99), d.count()
 	r.churned = true
 	return r, nil
+}
+
+// ownRSSKiB is pid's own VmRSS: procstat.RSSKiB sums the tree, which for kube-proxy would add an
+// nft or iptables-restore child caught running.
+func ownRSSKiB(pid int) int64 {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+			if f := strings.Fields(v); len(f) > 0 {
+				n, _ := strconv.ParseInt(f[0], 10, 64)
+				return n
+			}
+		}
+	}
+	return 0
 }
 
 // probePods is how many pods each bed serves: the probe service's endpoints.
@@ -477,10 +492,8 @@ func createOne(ctx context.Context, c kubernetes.Interface, i, eps, probe int) e
 		AddressType: discovery.AddressTypeIPv4,
 		Ports:       []discovery.EndpointPort{{Name: ptr.To("http"), Port: ptr.To[int32](8080), Protocol: ptr.To(corev1.ProtocolTCP)}},
 	}
-	for e := range eps {
-		k := i*eps + e
-		addr := fmt.Sprintf("10.245.%d.%d", k/250%250, k%250+1)
-		if i == probe { // the probe service: the bed's pods, so traffic through it works
+	for e, addr := range bulkEndpoints(i, eps) {
+		if i == probe { // the cold start's probe service: the bed's pods, so traffic through it works
 			addr = testbed.PodIP(e%probePods + 1).String()
 		}
 		slice.Endpoints = append(slice.Endpoints, discovery.Endpoint{
@@ -492,6 +505,16 @@ func createOne(ctx context.Context, c kubernetes.Interface, i, eps, probe int) e
 		return fmt.Errorf("endpointslice bulk/%s-1: %w", name, err)
 	}
 	return nil
+}
+
+// bulkEndpoints are the addresses of bulk service i's eps endpoints (nothing listens on them).
+func bulkEndpoints(i, eps int) []string {
+	var out []string
+	for e := range eps {
+		k := i*eps + e
+		out = append(out, fmt.Sprintf("10.245.%d.%d", k/250%250, k%250+1))
+	}
+	return out
 }
 
 // apiClusterIP is the file mode's clusterIP moved up 100 /24s, clear of the API server's own
