@@ -31,7 +31,8 @@ import (
 
 // churnResult is one target's churn period.
 type churnResult struct {
-	sent, failed int             // bulk changes made, and refused by the API server
+	sent, failed int             // bulk changes sent, and of those refused by the API server
+	dropped      int             // ticks that found every sender busy (the API server was slow)
 	probes       []time.Duration // probe change -> the new pod answers through the cluster IP
 	lost         int             // probes whose pod never answered within probeLimit
 }
@@ -106,7 +107,7 @@ func (ch *churner) run(ctx context.Context, bed *testbed.Bed, vip netip.AddrPort
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	// A pool of senders, so a slow API response does not lower the rate; a tick that finds every
-	// sender busy is counted as failed rather than queued.
+	// sender busy is counted as dropped rather than queued.
 	work := make(chan struct{})
 	for range 8 {
 		wg.Go(func() {
@@ -135,7 +136,7 @@ func (ch *churner) run(ctx context.Context, bed *testbed.Bed, vip netip.AddrPort
 			case work <- struct{}{}:
 			default:
 				mu.Lock()
-				r.failed++
+				r.dropped++
 				mu.Unlock()
 			}
 		}
