@@ -22,12 +22,19 @@ const sliName = "kubeproxy_network_programming_duration_seconds"
 type histogram map[float64]float64
 
 // scrapeSLI fetches the target's SLI histogram.
+// On a loaded machine a scrape of 10,000 ports' series can take long: three tries of 30 s.
 func scrapeSLI(ctx context.Context, bed *testbed.Bed) (histogram, error) {
-	out, err := bed.Node.Exec(ctx, "curl", "-sf", "--max-time", "10", "http://"+metricsAddr+"/metrics")
-	if err != nil {
-		return nil, fmt.Errorf("scrape /metrics: %w", err)
+	var err error
+	for range 3 {
+		var out []byte
+		if out, err = bed.Node.Exec(ctx, "curl", "-sf", "--max-time", "30", "http://"+metricsAddr+"/metrics"); err == nil {
+			return parseHistogram(string(out), sliName)
+		}
+		if ctx.Err() != nil {
+			break
+		}
 	}
-	return parseHistogram(string(out), sliName)
+	return nil, fmt.Errorf("scrape /metrics: %w", err)
 }
 
 // parseHistogram sums the _bucket series of name over their labels by le.
