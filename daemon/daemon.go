@@ -34,6 +34,8 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
@@ -45,6 +47,8 @@ type Daemon struct {
 	version string
 	log     logrus.FieldLogger
 	deps    deps
+	// handoverFailed records the failed steps of this process's hand-overs, for the metrics.
+	handoverFailed handoverFailures
 }
 
 // New builds the daemon for o with the real node, API client, portals and sockets. version names
@@ -182,8 +186,8 @@ type wiring struct {
 func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
 	o, log, clk := d.o, d.log, d.deps.clock
 	reg := prometheus.NewRegistry()
-	metrics := proxier.NewMetrics()
-	if err := metrics.Register(reg); err != nil {
+	syncMetrics := metrics.New()
+	if err := syncMetrics.Register(reg); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	health := healthcheck.NewProxyHealth(clk, 2*o.syncPeriod)
@@ -209,15 +213,15 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
-		Metrics: metrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
+		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp")},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
-	restart := &restartStats{reopened: px.ReopenCounts}
+	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		proxier.NewTrafficCollector(px), restart.collector()}
+		metrics.NewTrafficCollector(px), restart.collector()}
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
 	}
@@ -263,7 +267,7 @@ func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxi
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	px.RegisterDebug(mux)
+	debugview.Register(mux, px)
 	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprint(w, rules())

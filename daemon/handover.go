@@ -52,6 +52,7 @@ func (d *Daemon) receiveHandover(ctx context.Context) *handover.Inherited {
 		log.Info("No running proxy to take over from")
 		return nil
 	case err != nil:
+		d.handoverFailed.receive.Store(true)
 		log.WithError(err).Warn("Taking over from the running proxy failed; starting without its sockets (binding, retried while it still holds them)")
 		return nil
 	}
@@ -132,7 +133,14 @@ type restartStats struct {
 	handover    atomic.Int64 // nanoseconds from asking for the sockets to telling it we are ready
 	reopened    func() (reopened, reboundSockets, reallocated int)
 	handedOffAt atomic.Int64 // unix nanoseconds this process handed over to a successor; 0: not
+	failed      *handoverFailures
 }
+
+// handoverFailures are the steps of a hand-over that failed in this process. Each is set once and
+// stays set: the process started without its predecessor's sockets (receive), or took them but
+// could not tell it to stop accepting (ready), or cannot hand over to its own successor (listen).
+// A failed hand-over is not fatal (the start binds anew), so only the metric and the log say it.
+type handoverFailures struct{ receive, ready, listen atomic.Bool }
 
 func (s *restartStats) collector() prometheus.Collector {
 	socks := prometheus.NewDesc("kube_portal_proxy_restart_sockets",
@@ -145,19 +153,32 @@ func (s *restartStats) collector() prometheus.Collector {
 		"How long taking over from the running proxy took, from asking for its sockets to telling it this process serves (0 without a hand-over).", nil, nil)
 	handedOff := prometheus.NewDesc("kube_portal_proxy_handed_over",
 		"1 once this process has handed its sockets to a successor and only finishes its connections.", nil, nil)
-	return collectorFunc{descs: []*prometheus.Desc{socks, ports, dur, handedOff}, collect: func(ch chan<- prometheus.Metric) {
+	failed := prometheus.NewDesc("kube_portal_proxy_handover_failed",
+		"1 if a step of a hand-over failed in this process: receive (it started without the running proxy's sockets: connections were refused while it bound anew), ready (it could not tell the running proxy to stop accepting), listen (it cannot hand over to its successor: the next update binds anew).",
+		[]string{"step"}, nil)
+	return collectorFunc{descs: []*prometheus.Desc{socks, ports, dur, handedOff, failed}, collect: func(ch chan<- prometheus.Metric) {
 		reopened, rebound, reallocated := s.reopened()
 		ch <- prometheus.MustNewConstMetric(socks, prometheus.GaugeValue, float64(s.inherited.Load()), "inherited")
 		ch <- prometheus.MustNewConstMetric(socks, prometheus.GaugeValue, float64(rebound), "rebound")
 		ch <- prometheus.MustNewConstMetric(ports, prometheus.GaugeValue, float64(reopened), "reopened")
 		ch <- prometheus.MustNewConstMetric(ports, prometheus.GaugeValue, float64(reallocated), "reallocated")
 		ch <- prometheus.MustNewConstMetric(dur, prometheus.GaugeValue, time.Duration(s.handover.Load()).Seconds())
-		v := 0.0
-		if s.handedOffAt.Load() != 0 {
-			v = 1
-		}
+		v := boolFloat(s.handedOffAt.Load() != 0)
 		ch <- prometheus.MustNewConstMetric(handedOff, prometheus.GaugeValue, v)
+		for _, step := range []struct {
+			name string
+			bit  *atomic.Bool
+		}{{"receive", &s.failed.receive}, {"ready", &s.failed.ready}, {"listen", &s.failed.listen}} {
+			ch <- prometheus.MustNewConstMetric(failed, prometheus.GaugeValue, boolFloat(step.bit.Load()), step.name)
+		}
 	}}
+}
+
+func boolFloat(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // handoverGate fails /healthz (the readiness probe) while two processes accept on the same
@@ -233,6 +254,7 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 				d.log.WithField("sockets", strings.Join(unclaimed, " ")).Info("Closed the inherited sockets this process does not serve")
 			}
 			if err != nil {
+				stats.failed.ready.Store(true)
 				log.WithError(err).Warn("Took over the running proxy's sockets, but could not tell it; it stops at its SIGTERM")
 			} else {
 				log.Info("Took over from the running proxy")
@@ -240,6 +262,7 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 		}
 		close(tookOver)
 		if listenErr != nil {
+			stats.failed.listen.Store(true)
 			d.log.WithError(listenErr).Error("Cannot listen on the hand-over socket; a successor will have to bind anew")
 			return
 		}

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -271,6 +273,67 @@ func TestReadyFile(t *testing.T) {
 			}
 			if _, err := os.Stat(ready); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("after exit the ready file is still there (%v)", err)
+			}
+		})
+	}
+}
+
+// TestHandoverFailureIsExported checks kube_portal_proxy_handover_failed{step="receive"}, which the
+// KubePortalProxyHandoverFailed alert reads: set when something answers on the hand-over socket
+// but the sockets do not come (here: a listener that hangs up at once), not when nobody answers
+// (a first start).
+func TestHandoverFailureIsExported(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		listen bool // something accepts on the socket and hangs up
+		want   float64
+	}{
+		{"nobody_answers_is_a_first_start", false, 0},
+		{"a_broken_predecessor_is_a_failure", true, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "handover.sock")
+			if tc.listen {
+				ln, err := net.Listen("unix", path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { ln.Close() })
+				go func() {
+					for {
+						c, err := ln.Accept()
+						if err != nil {
+							return
+						}
+						c.Close()
+					}
+				}()
+			}
+			log, _ := logtest.NewNullLogger()
+			d := &Daemon{o: &Options{handoverSocket: path}, log: log}
+			if in := d.receiveHandover(t.Context()); in != nil {
+				in.Close()
+				t.Fatal("receiveHandover returned sockets; want none")
+			}
+			stats := &restartStats{reopened: func() (int, int, int) { return 0, 0, 0 }, failed: &d.handoverFailed}
+			reg := prometheus.NewPedanticRegistry()
+			reg.MustRegister(stats.collector())
+			mfs, err := reg.Gather()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := map[string]float64{}
+			for _, mf := range mfs {
+				if mf.GetName() != "kube_portal_proxy_handover_failed" {
+					continue
+				}
+				for _, m := range mf.GetMetric() {
+					got[m.GetLabel()[0].GetValue()] = m.GetGauge().GetValue()
+				}
+			}
+			want := map[string]float64{"receive": tc.want, "ready": 0, "listen": 0}
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("kube_portal_proxy_handover_failed by step (-want +got):\n%s", diff)
 			}
 		})
 	}

@@ -2,10 +2,12 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -18,6 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/deploy"
@@ -258,4 +261,157 @@ func readConntrackSysctls(t *testing.T, ns *netns.NS) map[string]string {
 		out[name] = strings.TrimSpace(string(b))
 	}
 	return out
+}
+
+// TestChartServerDryRun renders the Helm chart with its default values and with every value set
+// (ci/full-values.yaml), and applies each to the real API server in server-side dry run, strictly,
+// as deploy/ is above: every object passes defaulting, validation and admission, without a
+// warning. The Prometheus Operator objects (ServiceMonitor, PrometheusRule) are left out: this API
+// server has no monitoring.coreos.com CRDs. The rules they carry are promtool-checked, and the
+// chart test compares them with the rules file.
+func TestChartServerDryRun(t *testing.T) {
+	t.Parallel()
+	requireKubectl(t)
+	helm, err := deploy.HelmBinary()
+	if err != nil {
+		testenv.Unavailable(t, "helm not found (%v): hack/install-deps.sh monitoring, or set %s", err, deploy.EnvHelm)
+	}
+	chart := filepath.Join(repoRoot(t), deploy.ChartPath)
+	admin := adminClient(t)
+	eventually(t, 30*time.Second, "namespace kube-system never appeared", func() error {
+		_, err := admin.CoreV1().Namespaces().Get(t.Context(), "kube-system", metav1.GetOptions{})
+		return err
+	})
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"default_values", nil},
+		// The dashboard's namespace would have to exist: keep it in the release's. This API server
+		// runs without --allow-privileged (kubeadm's has it), so the pod stays unprivileged.
+		{"full_values", []string{"-f", filepath.Join(chart, "ci", "full-values.yaml"), "--set", "monitoring.dashboard.namespace=",
+			"--set", "securityContext.privileged=false"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			r, err := deploy.Render(ctx, helm, chart, "kube-portal-proxy", "kube-system", tc.args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var docs []string
+			var want []string
+			for _, d := range deploy.SplitDocuments(r.YAML) {
+				var obj struct {
+					APIVersion string `json:"apiVersion"`
+					Kind       string `json:"kind"`
+					Metadata   struct {
+						Name string `json:"name"`
+					} `json:"metadata"`
+				}
+				if err := yaml.Unmarshal(d, &obj); err != nil {
+					t.Fatal(err)
+				}
+				if obj.Kind == "" || strings.HasPrefix(obj.APIVersion, "monitoring.coreos.com/") {
+					continue
+				}
+				docs = append(docs, string(d))
+				group := ""
+				if g, _, ok := strings.Cut(obj.APIVersion, "/"); ok {
+					group = "." + g
+				}
+				want = append(want, strings.ToLower(obj.Kind)+group+"/"+obj.Metadata.Name+" created (server dry run)")
+			}
+			file := filepath.Join(t.TempDir(), "rendered.yaml")
+			if err := os.WriteFile(file, []byte(strings.Join(docs, "\n---\n")), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			out, err := controlPlane.Kubectl(ctx, "apply", "--dry-run=server", "--validate=strict", "-f", file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := strings.Split(strings.TrimSpace(string(out)), "\n")
+			slices.Sort(want)
+			slices.Sort(got)
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("kubectl apply --dry-run=server of the rendered chart, output lines (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// prometheusOperator is the Prometheus Operator release whose CRDs the chart's ServiceMonitor and
+// PrometheusRule are checked against (its Go module carries them, so the Go module proxy serves
+// them; v0.80 is the first with the fields the chart uses and is still current in kube-prometheus).
+const prometheusOperator = "github.com/prometheus-operator/prometheus-operator@v0.80.1"
+
+// TestChartMonitoringObjectsServerDryRun installs the Prometheus Operator's ServiceMonitor and
+// PrometheusRule CRDs (from its Go module) in the real API server, and applies the chart's
+// monitoring objects in server-side dry run against their schemas, strictly: a misspelt field
+// fails. The CRDs stay for the rest of the run; nothing else uses them.
+func TestChartMonitoringObjectsServerDryRun(t *testing.T) {
+	t.Parallel()
+	requireKubectl(t)
+	helm, err := deploy.HelmBinary()
+	if err != nil {
+		testenv.Unavailable(t, "helm not found (%v): hack/install-deps.sh monitoring, or set %s", err, deploy.EnvHelm)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	// Outside this module, so go.mod and go.sum stay as they are.
+	dl := exec.CommandContext(ctx, "go", "mod", "download", "-json", prometheusOperator)
+	dl.Dir = t.TempDir()
+	dl.Env = append(os.Environ(), "GOFLAGS=-mod=mod")
+	out, err := dl.Output()
+	var mod struct{ Dir, Error string }
+	if err == nil {
+		err = json.Unmarshal(out, &mod)
+	}
+	if err != nil || mod.Dir == "" {
+		testenv.Unavailable(t, "cannot download %s for its CRDs: %v %s", prometheusOperator, err, mod.Error)
+	}
+	crds := filepath.Join(mod.Dir, "example", "prometheus-operator-crd")
+	if out, err := controlPlane.Kubectl(ctx, "apply", "--server-side", "-f", filepath.Join(crds, "monitoring.coreos.com_servicemonitors.yaml"),
+		"-f", filepath.Join(crds, "monitoring.coreos.com_prometheusrules.yaml")); err != nil {
+		t.Fatalf("install the CRDs: %v\n%s", err, out)
+	}
+	if out, err := controlPlane.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s",
+		"crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com"); err != nil {
+		t.Fatalf("CRDs not established: %v\n%s", err, out)
+	}
+
+	chart := filepath.Join(repoRoot(t), deploy.ChartPath)
+	r, err := deploy.Render(ctx, helm, chart, "kube-portal-proxy", "kube-system", "-f", filepath.Join(chart, "ci", "full-values.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var docs, want []string
+	for _, o := range r.Extra {
+		if !strings.HasPrefix(o.GetAPIVersion(), "monitoring.coreos.com/") {
+			continue
+		}
+		data, err := yaml.Marshal(o.Object)
+		if err != nil {
+			t.Fatal(err)
+		}
+		docs = append(docs, string(data))
+		want = append(want, strings.ToLower(o.GetKind())+".monitoring.coreos.com/"+o.GetName()+" created (server dry run)")
+	}
+	if len(docs) != 2 {
+		t.Fatalf("rendered %d monitoring.coreos.com objects, want a ServiceMonitor and a PrometheusRule", len(docs))
+	}
+	file := filepath.Join(t.TempDir(), "monitoring.yaml")
+	if err := os.WriteFile(file, []byte(strings.Join(docs, "\n---\n")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err = controlPlane.Kubectl(ctx, "apply", "--dry-run=server", "--validate=strict", "-f", file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Split(strings.TrimSpace(string(out)), "\n")
+	slices.Sort(want)
+	slices.Sort(got)
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("kubectl apply --dry-run=server of the chart's monitoring objects, output lines (-want +got):\n%s", diff)
+	}
 }

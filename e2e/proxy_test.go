@@ -31,12 +31,21 @@ const proxyStopGrace = 20 * time.Second
 // stops it (SIGTERM, then SIGKILL) and, when the test failed, prints the end of its log.
 func startProxy(t *testing.T, ns *netns.NS, dir string, args ...string) *proxyProcess {
 	t.Helper()
+	return startProxyEnv(t, ns, dir, nil, args...)
+}
+
+// startProxyEnv is startProxy with env added to the proxy's environment (later entries win).
+func startProxyEnv(t *testing.T, ns *netns.NS, dir string, env []string, args ...string) *proxyProcess {
+	t.Helper()
 	logFile, err := os.CreateTemp(dir, "proxy-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}
 	logFile.Close()
 	cmd := exec.Command("ip", append([]string{"netns", "exec", ns.Name, proxyBinary}, args...)...)
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	c, err := child.Start("proxy", cmd, logFile.Name())
 	if err != nil {
 		t.Fatalf("start %s in %s: %v", proxyBinary, ns.Name, err)

@@ -9,7 +9,11 @@
 #         iptables-restore: the proxy's portal rules)
 #   test  the demo's, plus conntrack (the conntrack cleanup benchmark fills and lists the table
 #         with it; the proxy itself clears entries over netlink), openssl, make, chromium and
-#         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol)
+#         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol), and
+#         the monitoring group's
+#   monitoring  the chart and monitoring tests: prometheus and promtool (Debian's prometheus,
+#         without its recommended node exporter), and helm, which Debian does not package: built
+#         with `go install helm.sh/helm/v3/cmd/helm@HELM_VERSION` into /usr/local/bin (needs go)
 #   cluster  make cluster and make conformance: containerd, runc, the CNI plugins (bridge,
 #         host-local, loopback), mmdebstrap (the images' Debian layers), nsenter/setsid
 #         (util-linux), iproute2, iptables, openssl, curl
@@ -19,8 +23,11 @@
 # Works as root without sudo (containers) and under sudo.
 set -euo pipefail
 
+# helm is not in Debian: the Go module proxy builds it.
+HELM_VERSION=v3.22.0
+
 usage() {
-  echo "usage: $0 [--check] demo|test|cluster..." >&2
+  echo "usage: $0 [--check] demo|test|monitoring|cluster..." >&2
   exit 2
 }
 
@@ -28,7 +35,8 @@ usage() {
 group_tools() {
   case "$1" in
     demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
-    test) echo "$(group_tools demo) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light" ;;
+    test) echo "$(group_tools demo) $(group_tools monitoring) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light" ;;
+    monitoring) echo "prometheus:prometheus promtool:prometheus helm:go:helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ;;
     cluster) echo "$(group_tools demo) containerd:containerd containerd-shim-runc-v2:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins mmdebstrap:mmdebstrap nsenter:util-linux setsid:util-linux openssl:openssl curl:curl" ;;
   esac
 }
@@ -47,26 +55,63 @@ for a in "$@"; do
     --check) check=1 ;;
     -h|--help) usage ;;
     -*) usage ;;
-    demo|test|cluster) groups+=("$a") ;;
-    *) echo "$0: unknown group $a (want demo, test or cluster)" >&2; exit 2 ;;
+    demo|test|monitoring|cluster) groups+=("$a") ;;
+    *) echo "$0: unknown group $a (want demo, test, monitoring or cluster)" >&2; exit 2 ;;
   esac
 done
 [ ${#groups[@]} -gt 0 ] || usage
 
 missing_cmds=()
 missing_pkgs=()
+missing_go=() # Go packages (module@version) built with go install
 for g in "${groups[@]}"; do
   for entry in $(group_tools "$g"); do
     cmd=${entry%%:*} pkg=${entry#*:}
     have "$cmd" && continue
+    case " ${missing_cmds[*]} " in *" $cmd "*) continue ;; esac
     missing_cmds+=("$cmd")
-    case " ${missing_pkgs[*]} " in *" $pkg "*) ;; *) missing_pkgs+=("$pkg") ;; esac
+    case $pkg in
+      go:*) missing_go+=("${pkg#go:}") ;;
+      *) case " ${missing_pkgs[*]} " in *" $pkg "*) ;; *) missing_pkgs+=("$pkg") ;; esac ;;
+    esac
   done
 done
-[ ${#missing_pkgs[@]} -eq 0 ] && exit 0
+[ ${#missing_pkgs[@]} -eq 0 ] && [ ${#missing_go[@]} -eq 0 ] && exit 0
+
+# go_install builds the missing Go tools into /usr/local/bin.
+go_install() {
+  [ ${#missing_go[@]} -eq 0 ] && return 0
+  local go
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  if [ ! -x "$go" ]; then
+    echo "install-deps: go not found: cannot build ${missing_go[*]}" >&2
+    return 1
+  fi
+  for m in "${missing_go[@]}"; do
+    echo "install-deps: building $m with go install" >&2
+    GOBIN=/usr/local/bin "$go" install "$m" >&2
+  done
+}
 
 what="missing: ${missing_cmds[*]} (for ${groups[*]})"
-install="apt-get update && apt-get install -y ${missing_pkgs[*]}"
+install=""
+if [ ${#missing_pkgs[@]} -gt 0 ]; then
+  install="apt-get update && apt-get install -y ${missing_pkgs[*]}"
+fi
+for m in "${missing_go[@]}"; do
+  install="${install:+$install && }GOBIN=/usr/local/bin go install $m"
+done
+if [ ${#missing_pkgs[@]} -eq 0 ]; then
+  # Only Go tools: no apt-get needed, but /usr/local/bin is root's.
+  if [ "$check" = 1 ] || [ "$(id -u)" != 0 ]; then
+    echo "$what" >&2
+    echo "Install them with: $install" >&2
+    exit 1
+  fi
+  go_install
+  echo "install-deps: installed ${missing_go[*]}" >&2
+  exit 0
+fi
 if ! command -v apt-get >/dev/null 2>&1; then
   echo "$what" >&2
   echo "No apt-get here: install the packages that provide them with your package manager (Debian/Ubuntu names: ${missing_pkgs[*]})." >&2
@@ -89,7 +134,14 @@ fi
 echo "install-deps: $what; installing ${missing_pkgs[*]} with apt-get" >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq "${missing_pkgs[@]}" >/dev/null
+# The prometheus package without its recommends: they would pull in (and start) a node exporter.
+plain=() norec=()
+for p in "${missing_pkgs[@]}"; do
+  case $p in prometheus) norec+=("$p") ;; *) plain+=("$p") ;; esac
+done
+[ ${#plain[@]} -eq 0 ] || apt-get install -y -qq "${plain[@]}" >/dev/null
+[ ${#norec[@]} -eq 0 ] || apt-get install -y -qq --no-install-recommends "${norec[@]}" >/dev/null
+go_install
 still=()
 for c in "${missing_cmds[@]}"; do have "$c" || still+=("$c"); done
 if [ ${#still[@]} -gt 0 ]; then

@@ -8,6 +8,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -52,13 +53,6 @@ type drains struct {
 type pendingDrain struct {
 	deadline time.Time
 	stop     chan struct{}
-}
-
-// DrainView is an endpoint out of rotation whose flows go on until a drain deadline.
-type DrainView struct {
-	Endpoint string `json:"endpoint"`
-	// ClosesIn is the time left before its flows are closed.
-	ClosesIn string `json:"closesIn"`
 }
 
 // endRemoved applies the drain policy to the endpoints that left a balancer entry's rotation
@@ -205,13 +199,13 @@ func (d *drains) stoppedServing(key service.ServicePortName, serving func(netip.
 }
 
 // views lists key's endpoints waiting for their drain deadline, sorted.
-func (d *drains) views(key service.ServicePortName, now time.Time) []DrainView {
+func (d *drains) views(key service.ServicePortName, now time.Time) []debugview.DrainView {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	var out []DrainView
+	var out []debugview.DrainView
 	for k, pd := range d.pending {
 		if k.key == key {
-			out = append(out, DrainView{Endpoint: k.ep.String(), ClosesIn: pd.deadline.Sub(now).Round(time.Second).String()})
+			out = append(out, debugview.DrainView{Endpoint: k.ep.String(), ClosesIn: pd.deadline.Sub(now).Round(time.Second).String()})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Endpoint < out[j].Endpoint })

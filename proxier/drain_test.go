@@ -15,6 +15,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -165,7 +166,7 @@ func TestDrainShown(t *testing.T) {
 	e.p.OnEndpointSliceUpdate(nil, webSlice("web-1", 8080, "10.0.0.1"))
 	e.clk.Step(15 * time.Second)
 	v := e.p.Services()[0]
-	if v.DrainTimeout != "1m0s" || len(v.Draining) != 1 || v.Draining[0] != (DrainView{Endpoint: "10.0.0.2:8080", ClosesIn: "45s"}) {
+	if v.DrainTimeout != "1m0s" || len(v.Draining) != 1 || v.Draining[0] != (debugview.DrainView{Endpoint: "10.0.0.2:8080", ClosesIn: "45s"}) {
 		t.Errorf("view: drainTimeout %q draining %+v, want 1m0s and 10.0.0.2:8080 closing in 45s", v.DrainTimeout, v.Draining)
 	}
 }

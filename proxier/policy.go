@@ -12,6 +12,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
@@ -95,8 +96,8 @@ func (p *Proxier) onEjection(e loadbalancer.Ejection) {
 }
 
 // balancingView is how the debug view shows a port's balancing policy.
-func balancingView(b service.Balancing) BalancingView {
-	v := BalancingView{Algorithm: string(b.Algorithm)}
+func balancingView(b service.Balancing) debugview.BalancingView {
+	v := debugview.BalancingView{Algorithm: string(b.Algorithm)}
 	if v.Algorithm == "" {
 		v.Algorithm = string(service.RoundRobin)
 	}
@@ -236,13 +237,13 @@ func (p *Proxier) wakeHeld(port *service.Port, external bool, usable []netip.Add
 
 // connectionPolicyView shows a port's connection policies, with the live held count of its
 // sockets when it holds.
-func connectionPolicyView(v *ServiceView, port *service.Port, open map[service.ServicePortName]activePort) {
+func connectionPolicyView(v *debugview.ServiceView, port *service.Port, open map[service.ServicePortName]activePort) {
 	v.ProxyProtocol = string(port.ProxyProtocol)
 	if !port.Holds() {
 		return
 	}
-	v.Hold = &HoldView{Timeout: port.HoldTimeout.String(), Limit: tcp.DefaultHoldLimit}
-	for _, t := range []*TrafficView{v.Internal, v.External} {
+	v.Hold = &debugview.HoldView{Timeout: port.HoldTimeout.String(), Limit: tcp.DefaultHoldLimit}
+	for _, t := range []*debugview.TrafficView{v.Internal, v.External} {
 		if t != nil && len(t.Endpoints) == 0 {
 			t.Held = true
 		}
@@ -252,19 +253,4 @@ func connectionPolicyView(v *ServiceView, port *service.Port, open map[service.S
 			v.Hold.Held = st.Held
 		}
 	}
-}
-
-// connectionPolicyText is the /debug/services line of a port's connection policies, or "".
-func connectionPolicyText(v ServiceView) string {
-	var parts []string
-	if v.ProxyProtocol != "" {
-		parts = append(parts, "proxy-protocol "+v.ProxyProtocol)
-	}
-	if h := v.Hold; h != nil {
-		parts = append(parts, fmt.Sprintf("hold[%s, %d held, max %d]", h.Timeout, h.Held, h.Limit))
-	}
-	if len(parts) == 0 {
-		return ""
-	}
-	return "connections: " + strings.Join(parts, " ")
 }

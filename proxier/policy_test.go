@@ -17,6 +17,8 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -172,7 +174,7 @@ func TestEjectionIsLoggedEventedCountedAndShown(t *testing.T) {
 	if logged == nil || logged.Data["service"] != "ns/web:http" || logged.Data["endpoint"] != "10.0.0.1:8080" || logged.Data["ejected_for"] != "45s" {
 		t.Errorf("ejection log line = %+v, want service, endpoint and ejected_for fields", logged)
 	}
-	metrics := `
+	wantSeries := `
 # HELP kube_portal_proxy_outlier_ejected_endpoints Endpoints out of rotation now by outlier detection (service ports with it on).
 # TYPE kube_portal_proxy_outlier_ejected_endpoints gauge
 kube_portal_proxy_outlier_ejected_endpoints{service_port="ns/web:http"} 1
@@ -180,7 +182,7 @@ kube_portal_proxy_outlier_ejected_endpoints{service_port="ns/web:http"} 1
 # TYPE kube_portal_proxy_outlier_ejections_total counter
 kube_portal_proxy_outlier_ejections_total{service_port="ns/web:http"} 1
 `
-	if err := testutil.CollectAndCompare(NewTrafficCollector(e.p), strings.NewReader(metrics),
+	if err := testutil.CollectAndCompare(metrics.NewTrafficCollector(e.p), strings.NewReader(wantSeries),
 		"kube_portal_proxy_outlier_ejected_endpoints", "kube_portal_proxy_outlier_ejections_total"); err != nil {
 		t.Error(err)
 	}
@@ -189,7 +191,7 @@ kube_portal_proxy_outlier_ejections_total{service_port="ns/web:http"} 1
 		t.Fatalf("Services() = %+v, want one", views)
 	}
 	v := views[0]
-	if v.Balancing != (BalancingView{Algorithm: "round-robin", OutlierConsecutiveFailures: 2, OutlierEjectionTime: "45s", OutlierMaxEjectionPercent: 50}) {
+	if v.Balancing != (debugview.BalancingView{Algorithm: "round-robin", OutlierConsecutiveFailures: 2, OutlierEjectionTime: "45s", OutlierMaxEjectionPercent: 50}) {
 		t.Errorf("balancing view = %+v", v.Balancing)
 	}
 	var ejected []string

@@ -8,6 +8,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 )
 
 // stamped is s with the EndpointSlice controller's trigger-time annotation at t.
@@ -53,7 +55,7 @@ func TestNetworkProgrammingLatencyMeasuredAsKubeProxy(t *testing.T) {
 		}, 0, 0},
 		{"change that changes rules (last endpoint gone): observed after the sync", func(e *fakeEnv, started time.Time) bool {
 			e.p.OnEndpointSliceUpdate(nil, stamped(webSlice("a", 8080), started.Add(time.Second)))
-			if n := testutil.CollectAndCount(e.p.deps.Metrics.programming); n != 0 {
+			if n := testutil.CollectAndCount(e.p.deps.Metrics.Programming); n != 0 {
 				e.t.Errorf("observed before the sync put the refusal in force (%d series)", n)
 			}
 			e.clk.Step(time.Second) // the sync ends 3 s after the trigger
@@ -72,7 +74,7 @@ func TestNetworkProgrammingLatencyMeasuredAsKubeProxy(t *testing.T) {
 			if tt.event(e, started) {
 				e.sync()
 			}
-			got := testutil.CollectAndCount(e.p.deps.Metrics.programming)
+			got := testutil.CollectAndCount(e.p.deps.Metrics.Programming)
 			if tt.wantCount == 0 {
 				if got != 0 {
 					t.Fatalf("observed %d series, want none", got)
@@ -88,10 +90,10 @@ func TestNetworkProgrammingLatencyMeasuredAsKubeProxy(t *testing.T) {
 }
 
 // programmingSeries reads the one series of the histogram: its count, sum and ip_family label.
-func programmingSeries(t *testing.T, m *Metrics) (uint64, float64, string) {
+func programmingSeries(t *testing.T, m *metrics.Metrics) (uint64, float64, string) {
 	t.Helper()
 	reg := prometheus.NewPedanticRegistry()
-	if err := reg.Register(m.programming); err != nil {
+	if err := reg.Register(m.Programming); err != nil {
 		t.Fatal(err)
 	}
 	mfs, err := reg.Gather()

@@ -23,6 +23,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -95,7 +96,7 @@ type Deps struct {
 	Portals  portal.Portals
 	// Conntrack clears UDP flows of removed service ports; nil when the portal mode uses no NAT.
 	Conntrack conntrack.Interface
-	Metrics   *Metrics
+	Metrics   *metrics.Metrics
 	// Health learns when changes wait and when a sync applied them (/healthz, /livez).
 	Health HealthTracker
 	// ServiceHealth, if set, serves the health check node ports of externalTrafficPolicy: Local
@@ -237,7 +238,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		cfg.ReopenHold = DefaultReopenHold
 	}
 	if deps.Metrics == nil {
-		deps.Metrics = NewMetrics()
+		deps.Metrics = metrics.New()
 	}
 	if deps.Health == nil {
 		deps.Health = healthcheck.NewProxyHealth(cfg.Clock, 2*cfg.SyncPeriod)
@@ -334,7 +335,7 @@ func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	for _, err := range errs {
 		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
 		if errors.Is(err, ErrUnsupportedProtocol) {
-			p.deps.Metrics.unsupportedPorts.Inc()
+			p.deps.Metrics.UnsupportedPorts.Inc()
 		}
 	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
@@ -354,7 +355,7 @@ func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) 
 	pending := p.svcChanges.update(name, previous, ports)
 	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
-	p.deps.Metrics.serviceChanges.Inc()
+	p.deps.Metrics.ServiceChanges.Inc()
 	// Endpoints are matched to ports by name and protocol, so a port change may change them.
 	p.applyEndpoints(name)
 	if pending && synced {
@@ -400,7 +401,7 @@ func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
 		slim = convertSlice(s)
 	}
 	p.slices.update(owner, s.Name, slim)
-	p.deps.Metrics.endpointChanges.Inc()
+	p.deps.Metrics.EndpointChanges.Inc()
 	// Endpoint changes reach the balancer now, not at the next rules sync.
 	rulesChanged := p.applyEndpoints(owner)
 	// network_programming_duration_seconds as kube-proxy measures it: from the trigger time the
@@ -414,7 +415,7 @@ func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
 	if at, ok := triggerTime(s); ok && at.After(p.started) {
 		tr := trigger{family: familyLabel(s.AddressType), at: at}
 		if !rulesChanged {
-			p.deps.Metrics.observeProgramming(tr.family, p.cfg.Clock.Now(), tr.at)
+			p.deps.Metrics.ObserveProgramming(tr.family, p.cfg.Clock.Now(), tr.at)
 			return
 		}
 		p.mu.Lock()

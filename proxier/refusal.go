@@ -139,6 +139,6 @@ func (p *Proxier) countRefused(specs []portal.Spec) {
 			external++
 		}
 	}
-	p.deps.Metrics.refusedPorts.WithLabelValues("cluster").Set(float64(internal))
-	p.deps.Metrics.refusedPorts.WithLabelValues("external").Set(float64(external))
+	p.deps.Metrics.RefusedPorts.WithLabelValues("cluster").Set(float64(internal))
+	p.deps.Metrics.RefusedPorts.WithLabelValues("external").Set(float64(external))
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -37,7 +38,7 @@ func TestBindModeWithRealSockets(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
-	collector := NewTrafficCollector(p)
+	collector := metrics.NewTrafficCollector(p)
 	sync := func() {
 		t.Helper()
 		if err := p.sync(ctx); err != nil {
@@ -76,7 +77,7 @@ func TestBindModeWithRealSockets(t *testing.T) {
 				t.Errorf("%s without endpoints: %q, %v; want ECONNREFUSED", to, got, err)
 			}
 		}
-		if v := testutil.ToFloat64(p.deps.Metrics.refusedPorts.WithLabelValues("cluster")); v != 1 {
+		if v := testutil.ToFloat64(p.deps.Metrics.RefusedPorts.WithLabelValues("cluster")); v != 1 {
 			t.Errorf("refused cluster service ports = %v, want 1", v)
 		}
 	})
@@ -97,7 +98,7 @@ func TestBindModeWithRealSockets(t *testing.T) {
 		if got, err := dial("127.0.0.6", lb); !errors.Is(err, syscall.ECONNRESET) {
 			t.Errorf("from 127.0.0.6 (outside the range) to %s: %q, %v; want a reset", lb, got, err)
 		}
-		if v := testutil.ToFloat64(p.deps.Metrics.refusedPorts.WithLabelValues("cluster")); v != 0 {
+		if v := testutil.ToFloat64(p.deps.Metrics.RefusedPorts.WithLabelValues("cluster")); v != 0 {
 			t.Errorf("refused cluster service ports = %v, want 0", v)
 		}
 		want := `# HELP kube_portal_proxy_source_range_drops_total New connections (reset) or datagrams (dropped) from clients outside loadBalancerSourceRanges, checked by the socket in bind mode (iptables mode drops them in the kernel, uncounted here).

@@ -70,7 +70,7 @@ func TestBindModeRefusesWithoutEndpoints(t *testing.T) {
 	e.synced()
 	e.sync()
 	gauge := func(class string) float64 {
-		return testutil.ToFloat64(e.p.deps.Metrics.refusedPorts.WithLabelValues(class))
+		return testutil.ToFloat64(e.p.deps.Metrics.RefusedPorts.WithLabelValues(class))
 	}
 	steps := []struct {
 		name          string

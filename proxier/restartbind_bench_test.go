@@ -45,18 +45,7 @@ func BenchmarkBindSyncListenState(b *testing.B) {
 			e.synced()
 			addServices(e, 10000, sliceEP{addr: "10.244.0.1"})
 			e.sync()
-			svc := makeService("ns", "s42", "10.96.0.43", nil, tcpPort("", 80))
-			b.ReportAllocs()
-			i := 0
-			for b.Loop() {
-				if i%2 == 0 {
-					e.p.OnServiceDelete(svc)
-				} else {
-					e.p.OnServiceAdd(svc)
-				}
-				i++
-				e.sync()
-			}
+			benchOneChange(b, e)
 			_ = kept
 		})
 	}

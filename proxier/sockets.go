@@ -1,10 +1,13 @@
 package proxier
 
 import (
+	"iter"
 	"net/netip"
 	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
@@ -73,14 +76,14 @@ func socketStats(s ProxySocket) (flow.Stats, bool) {
 }
 
 // connViews lists the live flows of a socket for the debug views.
-func connViews(s ProxySocket, name, protocol string, now time.Time) []ConnView {
+func connViews(s ProxySocket, name, protocol string, now time.Time) []debugview.ConnView {
 	o, ok := s.(observed)
 	if !ok {
 		return nil
 	}
-	var out []ConnView
+	var out []debugview.ConnView
 	for _, f := range o.Live() {
-		out = append(out, ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: addrOrNone(f.Endpoint),
+		out = append(out, debugview.ConnView{Service: name, Protocol: protocol, Client: f.Client.String(), Endpoint: addrOrNone(f.Endpoint),
 			Age: now.Sub(f.Start).Round(time.Millisecond).String(), BytesToEndpoint: f.BytesToEndpoint, BytesToClient: f.BytesToClient})
 	}
 	return out
@@ -106,4 +109,46 @@ func (a *activePort) observedSocket() ProxySocket {
 		return a.sock
 	}
 	return &multiSocket{socks: []ProxySocket{a.sock, a.ext.sock}}
+}
+
+// The traffic series (package metrics) read what Traffic yields at every scrape.
+var _ metrics.TrafficSource = (*Proxier)(nil)
+
+// Traffic yields every open service port with its sockets' counters and its balancer's state,
+// read now: the metrics collector calls it at each scrape.
+func (p *Proxier) Traffic() iter.Seq[metrics.PortTraffic] {
+	return func(yield func(metrics.PortTraffic) bool) {
+		for _, a := range p.activeList() {
+			t := metrics.PortTraffic{Name: a.port.Name, Protocol: a.port.Protocol, Holds: a.port.Holds()}
+			if b := p.deps.Balancer.Lookup(a.port.Name); b != nil {
+				t.Balanced, t.Endpoints = true, len(b.Endpoints())
+			}
+			if t.Outlier = a.port.Balancing.Outlier.On(); t.Outlier {
+				t.Ejections, t.Ejected = p.outliers(a.port.Name)
+			}
+			t.Stats, t.Observed = socketStats(a.observedSocket())
+			if t.Drain = a.port.DrainTimeout > 0; t.Drain && t.Observed {
+				t.Drained = t.Stats.Ended[flow.DrainTimeout]
+				if a.ext != nil {
+					if ext, ok := socketStats(a.ext.observedSocket()); ok {
+						t.Drained += ext.Ended[flow.DrainTimeout]
+					}
+				}
+			}
+			if !yield(t) {
+				return
+			}
+		}
+	}
+}
+
+// activeList snapshots the open sockets (copies, so readers need no lock afterwards).
+func (p *Proxier) activeList() []activePort {
+	p.activeMu.RLock()
+	defer p.activeMu.RUnlock()
+	out := make([]activePort, 0, len(p.active))
+	for _, a := range p.active {
+		out = append(out, *a)
+	}
+	return out
 }

@@ -55,12 +55,13 @@ func (p *Proxier) sync(ctx context.Context) error {
 	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
-	m.syncDuration.Observe(end.Sub(start).Seconds())
-	m.pendingServiceChanges.Set(float64(p.svcChanges.pending()))
-	m.activePorts.Set(float64(p.activeCount()))
-	m.failedPorts.Set(float64(len(p.failed)))
+	m.SyncDuration.Observe(end.Sub(start).Seconds())
+	m.PendingServiceChanges.Set(float64(p.svcChanges.pending()))
+	m.ActivePorts.Set(float64(p.activeCount()))
+	m.FailedPorts.Set(float64(len(p.failed)))
 	if err != nil {
-		m.syncFailures.Inc()
+		m.SyncFailures.Inc()
+		m.SyncFailing.Set(1)
 		// Not in force yet: the next sync that works observes them.
 		p.mu.Lock()
 		p.pendingTriggers = append(triggers, p.pendingTriggers...)
@@ -83,9 +84,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 		debug.FreeOSMemory()
 		p.markFirstSync()
 	}
-	m.lastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
+	m.SyncFailing.Set(0)
 	for _, t := range triggers {
-		m.observeProgramming(t.family, end, t.at)
+		m.ObserveProgramming(t.family, end, t.at)
 	}
 	p.deps.Health.Updated()
 	if p.deps.ServiceHealth != nil {
@@ -159,7 +161,7 @@ func (p *Proxier) startPort(port *service.Port) {
 			}
 		}
 		p.failed[port.Name] = port
-		p.deps.Metrics.socketFailures.Inc()
+		p.deps.Metrics.SocketFailures.Inc()
 		return
 	}
 	delete(p.failed, port.Name)
@@ -235,7 +237,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 			log.WithError(err).Error("Cannot open the external-traffic socket; external traffic is refused until it can")
 			p.extFailed[a.port.Name] = true
 		}
-		p.deps.Metrics.socketFailures.Inc()
+		p.deps.Metrics.SocketFailures.Inc()
 		return
 	}
 	delete(p.extFailed, a.port.Name)

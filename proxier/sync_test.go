@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	clocktesting "k8s.io/utils/clock/testing"
@@ -338,10 +339,18 @@ func TestSyncPortalFailureIsRetried(t *testing.T) {
 	if err := e.p.sync(context.Background()); err == nil {
 		t.Fatal("sync with failing portals returned nil")
 	}
+	m := e.p.deps.Metrics
+	if failing, total := testutil.ToFloat64(m.SyncFailing), testutil.ToFloat64(m.SyncFailures); failing != 1 || total != 1 {
+		t.Errorf("after a failed sync: sync_failing = %v, sync_failures_total = %v; want 1, 1", failing, total)
+	}
 	e.portals.err = nil
 	e.sync()
 	if e.state() == "" {
 		t.Errorf("portals not programmed after the retry")
+	}
+	// The alert on sync_failing clears with the first good sync; the counter keeps the history.
+	if failing, total := testutil.ToFloat64(m.SyncFailing), testutil.ToFloat64(m.SyncFailures); failing != 0 || total != 1 {
+		t.Errorf("after the good retry: sync_failing = %v, sync_failures_total = %v; want 0, 1", failing, total)
 	}
 }
 

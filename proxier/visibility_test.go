@@ -27,6 +27,8 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 )
 
 var (
@@ -61,9 +63,9 @@ func newRealEnv(t *testing.T) *realEnv {
 	p.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
 	e.reg = prometheus.NewRegistry()
-	e.reg.MustRegister(NewTrafficCollector(p))
+	e.reg.MustRegister(metrics.NewTrafficCollector(p))
 	mux := http.NewServeMux()
-	p.RegisterDebug(mux)
+	debugview.Register(mux, p)
 	e.srv = httptest.NewServer(mux)
 	t.Cleanup(e.srv.Close)
 
@@ -109,7 +111,7 @@ func TestVisibilityWithRealSockets(t *testing.T) {
 	c := e.openEcho(t)
 	client := c.LocalAddr().String()
 
-	var conns []ConnView
+	var conns []debugview.ConnView
 	getJSON(t, srv.URL+"/debug/connections?service=ns/echo", &conns)
 	if len(conns) != 1 || conns[0].Client != client || conns[0].Endpoint != tcpBackend.String() {
 		t.Fatalf("/debug/connections = %+v, want one from %s to %s", conns, client, tcpBackend)
@@ -163,7 +165,7 @@ kube_portal_proxy_udp_packets_total{direction="to_endpoint",service_port="ns/ech
 	if err := p.sync(ctx); err != nil {
 		t.Fatal(err)
 	}
-	var svcs []ServiceView
+	var svcs []debugview.ServiceView
 	getJSON(t, srv.URL+"/debug/services", &svcs)
 	getJSON(t, srv.URL+"/debug/connections", &conns)
 	if len(svcs) != 0 || len(conns) != 0 {

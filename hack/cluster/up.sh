@@ -3,7 +3,8 @@
 # (make cluster; see README "Real cluster"): etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, containerd (Debian's) and kubelet, then installs kube-portal-proxy the way a
 # user does: its OCI image imported into containerd and `kubectl apply -k` of deploy/ through an
-# overlay that changes the image and points the proxy at the API server directly.
+# overlay that changes the image and points the proxy at the API server directly (or, with
+# KPP_INSTALL=helm, `helm install` of the chart with those values).
 #
 # The namespace has lo and a port-less bridge node0 carrying the node IP, a route for the
 # service range on it and no default route: nothing leaves it. Global side effects (sysctls
@@ -208,22 +209,47 @@ alive kube-controller-manager
 alive kube-scheduler
 
 # --- kube-portal-proxy, as a user installs it -------------------------------------------------
-# The overlay only changes the image and, as kube-proxy's installers do, gives the proxy the API
-# server's address: in-cluster configuration names the kubernetes Service, which nothing serves
-# before the proxy runs.
-rel=$(realpath --relative-to="$STATE/overlay" "$repo/deploy")
-sed -e "s#@DEPLOY@#$rel#" -e "s#@IMAGE_NAME@#${IMAGE%:*}#" -e "s#@IMAGE_TAG@#${IMAGE##*:}#" \
-  -e "s#@API_HOST@#$NODE_IP#" -e "s#@API_PORT@#6443#" \
-  "$here/overlay/kustomization.yaml.in" >"$STATE/overlay/kustomization.yaml"
-cp "$here/overlay/apiserver-env.yaml" "$STATE/overlay/"
-sed -i -e "s#@API_HOST@#$NODE_IP#" -e "s#@API_PORT@#6443#" "$STATE/overlay/apiserver-env.yaml"
+# KPP_INSTALL=helm installs the Helm chart (deploy/helm/kube-portal-proxy) instead of deploy/:
+# the same objects, with the image, the API server's address and, when needed, the capabilities
+# as values. Helm's cache and config go under $STATE, which make cluster-down removes.
+no_sys_resource=0
 # CAP_SYS_RESOURCE is bit 24 of the bounding set.
 if (( (16#$(awk '/^CapBnd/ {print $2}' /proc/self/status) >> 24 & 1) == 0 )); then
-  log "root lacks CAP_SYS_RESOURCE here: the DaemonSet runs without it (overlay/no-sys-resource.yaml)"
-  cp "$here/overlay/no-sys-resource.yaml" "$STATE/overlay/"
-  printf -- '- path: no-sys-resource.yaml\n' >>"$STATE/overlay/kustomization.yaml"
+  no_sys_resource=1
 fi
-kc apply -k "$STATE/overlay" >/dev/null
+case ${KPP_INSTALL:-kustomize} in
+helm)
+  helm_bin=$(command -v helm) || die "KPP_INSTALL=helm: helm not found (hack/install-deps.sh monitoring)"
+  caps=()
+  if [ "$no_sys_resource" = 1 ]; then
+    log "root lacks CAP_SYS_RESOURCE here: the DaemonSet runs without it (securityContext.capabilities)"
+    caps=(--set 'securityContext.capabilities={NET_ADMIN,NET_RAW,NET_BIND_SERVICE}')
+  fi
+  HELM_CACHE_HOME="$STATE/helm/cache" HELM_CONFIG_HOME="$STATE/helm/config" HELM_DATA_HOME="$STATE/helm/data" \
+    ns "$helm_bin" --kubeconfig="$KUBECONFIG_ADMIN" install kube-portal-proxy "$repo/deploy/helm/kube-portal-proxy" \
+    --namespace kube-system --set-string image.repository="${IMAGE%:*}" --set-string image.tag="${IMAGE##*:}" \
+    --set-string apiServer.host="$NODE_IP" --set-string apiServer.port=6443 "${caps[@]}" >/dev/null
+  log "kube-portal-proxy installed from the Helm chart"
+  ;;
+kustomize)
+  # The overlay only changes the image and, as kube-proxy's installers do, gives the proxy the API
+  # server's address: in-cluster configuration names the kubernetes Service, which nothing serves
+  # before the proxy runs.
+  rel=$(realpath --relative-to="$STATE/overlay" "$repo/deploy")
+  sed -e "s#@DEPLOY@#$rel#" -e "s#@IMAGE_NAME@#${IMAGE%:*}#" -e "s#@IMAGE_TAG@#${IMAGE##*:}#" \
+    -e "s#@API_HOST@#$NODE_IP#" -e "s#@API_PORT@#6443#" \
+    "$here/overlay/kustomization.yaml.in" >"$STATE/overlay/kustomization.yaml"
+  cp "$here/overlay/apiserver-env.yaml" "$STATE/overlay/"
+  sed -i -e "s#@API_HOST@#$NODE_IP#" -e "s#@API_PORT@#6443#" "$STATE/overlay/apiserver-env.yaml"
+  if [ "$no_sys_resource" = 1 ]; then
+    log "root lacks CAP_SYS_RESOURCE here: the DaemonSet runs without it (overlay/no-sys-resource.yaml)"
+    cp "$here/overlay/no-sys-resource.yaml" "$STATE/overlay/"
+    printf -- '- path: no-sys-resource.yaml\n' >>"$STATE/overlay/kustomization.yaml"
+  fi
+  kc apply -k "$STATE/overlay" >/dev/null
+  ;;
+*) die "KPP_INSTALL=$KPP_INSTALL: want kustomize (the default) or helm" ;;
+esac
 kc -n kube-system rollout status daemonset/kube-portal-proxy --timeout=180s >/dev/null ||
   die "kube-portal-proxy not ready; kubectl -n kube-system logs ds/kube-portal-proxy"
 log "kube-portal-proxy DaemonSet ready"

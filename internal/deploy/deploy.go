@@ -1,7 +1,9 @@
 // Package deploy reads the manifests in the repository's deploy/ directory into typed Kubernetes
 // objects, strictly, and answers what a node would run: the proxy's arguments with the downward
 // API expanded, and the config file the ConfigMap mounts. Tests use it to check the manifests and
-// to start the binary exactly as the DaemonSet would.
+// to start the binary exactly as the DaemonSet would. It also renders the Helm chart with the
+// real helm into the same objects (chart.go), and reads the chart's Prometheus rules and Grafana
+// dashboard for the tests that run them (monitoring.go).
 package deploy
 
 import (
@@ -100,6 +102,11 @@ func (m *Manifests) add(file string) error {
 	if err != nil {
 		return err
 	}
+	return m.decode(file, data)
+}
+
+// decode files one object (named name in errors) under its kind.
+func (m *Manifests) decode(file string, data []byte) error {
 	obj, gvk, err := codecs.UniversalDeserializer().Decode(data, nil, nil)
 	if err != nil {
 		return fmt.Errorf("%s: %w", file, err)

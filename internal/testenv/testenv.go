@@ -1,7 +1,7 @@
 // Package testenv holds what the tests of several packages share: polling a condition with a
 // deadline instead of sleeping for a guessed time, skipping a test the machine cannot run (or
-// failing it when KPP_E2E_REQUIRE says everything must run), loopback echo servers, and small
-// constructors of test values.
+// failing it when KPP_E2E_REQUIRE says everything must run), loopback echo servers, a headless
+// browser for the status page, and small constructors of test values.
 package testenv
 
 import (

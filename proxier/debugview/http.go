@@ -1,4 +1,4 @@
-package proxier
+package debugview
 
 import (
 	_ "embed"
@@ -13,7 +13,16 @@ import (
 //go:embed status.html
 var statusPage []byte
 
-// RegisterDebug adds the debug endpoints and the status page to mux:
+// Source is what the views show: the proxier implements it.
+type Source interface {
+	// Services describes every service port, open or not, sorted by name.
+	Services() []ServiceView
+	// Connections lists live TCP connections and UDP sessions, only those of service ports
+	// whose name contains svc and whose client address contains client ("" matches all).
+	Connections(svc, client string) []ConnView
+}
+
+// Register adds the debug endpoints and the status page of src to mux:
 //
 //	/                    the status page (HTML, refreshes itself)
 //	/debug/services      every service port: portals, proxy port, endpoints, affinity, counters
@@ -21,13 +30,13 @@ var statusPage []byte
 //
 // Each /debug endpoint answers JSON for tools (?format=json or Accept: application/json) and
 // aligned text for curl. They show client addresses: serve them on a loopback address.
-func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
+func Register(mux *http.ServeMux, src Source) {
 	mux.HandleFunc("/{$}", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
 		_, _ = w.Write(statusPage)
 	})
 	mux.HandleFunc("/debug/services", func(w http.ResponseWriter, r *http.Request) {
-		serveView(w, r, p.Services(), "SERVICE PORT\tPROTO\tPORTALS\tLISTEN\tENDPOINTS\tAFFINITY\tACTIVE\tTOTAL\tBYTES IN/OUT", func(tw io.Writer, v ServiceView) {
+		serveView(w, r, src.Services(), "SERVICE PORT\tPROTO\tPORTALS\tLISTEN\tENDPOINTS\tAFFINITY\tACTIVE\tTOTAL\tBYTES IN/OUT", func(tw io.Writer, v ServiceView) {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d/%d\n", v.Name, v.Protocol, portals(v),
 				strings.Join(v.Listen, ","), endpointsText(v.Endpoints), v.Affinity, v.Active, v.Total, v.BytesToEndpoint, v.BytesToClient)
 			for _, t := range []struct {
@@ -51,7 +60,7 @@ func (p *Proxier) RegisterDebug(mux *http.ServeMux) {
 		})
 	})
 	mux.HandleFunc("/debug/connections", func(w http.ResponseWriter, r *http.Request) {
-		views := p.Connections(r.URL.Query().Get("service"), r.URL.Query().Get("client"))
+		views := src.Connections(r.URL.Query().Get("service"), r.URL.Query().Get("client"))
 		serveView(w, r, views, "SERVICE PORT\tPROTO\tCLIENT\tENDPOINT\tAGE\tBYTES IN\tBYTES OUT", func(tw io.Writer, c ConnView) {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\n", c.Service, c.Protocol, c.Client, c.Endpoint, c.Age, c.BytesToEndpoint, c.BytesToClient)
 		})
@@ -177,4 +186,19 @@ func drainText(v ServiceView) string {
 		line += "; " + d.Endpoint + " closes in " + d.ClosesIn
 	}
 	return line
+}
+
+// connectionPolicyText is the /debug/services line of a port's connection policies, or "".
+func connectionPolicyText(v ServiceView) string {
+	var parts []string
+	if v.ProxyProtocol != "" {
+		parts = append(parts, "proxy-protocol "+v.ProxyProtocol)
+	}
+	if h := v.Hold; h != nil {
+		parts = append(parts, fmt.Sprintf("hold[%s, %d held, max %d]", h.Timeout, h.Held, h.Limit))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "connections: " + strings.Join(parts, " ")
 }

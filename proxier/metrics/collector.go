@@ -1,6 +1,7 @@
-package proxier
+package metrics
 
 import (
+	"iter"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -9,11 +10,38 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
+// PortTraffic is what the traffic series show of one open service port at a scrape.
+type PortTraffic struct {
+	Name     service.ServicePortName
+	Protocol service.Protocol
+	// Balanced: the balancer has an entry for the port, using Endpoints endpoints.
+	Balanced  bool
+	Endpoints int
+	// Outlier: the port has outlier detection on; Ejections and Ejected are then its counts.
+	Outlier   bool
+	Ejections uint64
+	Ejected   int
+	// Observed: the port's socket keeps counters (Stats); sockets of tests may not.
+	Observed bool
+	Stats    flow.Stats
+	// Drain: the port has a drain-timeout; Drained is then the flows its deadline closed,
+	// over all of the port's sockets.
+	Drain   bool
+	Drained uint64
+	// Holds: the port holds connections while it has no endpoint (TCP).
+	Holds bool
+}
+
+// TrafficSource lists the open service ports at a scrape: the proxier implements it.
+type TrafficSource interface {
+	Traffic() iter.Seq[PortTraffic]
+}
+
 // trafficCollector exports the data-path counters of every open proxy socket. The sockets keep
 // their counters as atomics; this collector only reads them when Prometheus scrapes, so the data
 // path pays nothing for metrics. Series of a removed service port disappear with it.
 type trafficCollector struct {
-	p *Proxier
+	src TrafficSource
 
 	tcpActive, tcpTotal, tcpBytes                    *prometheus.Desc
 	dialAttempts, dialFailures, dialRetries, rejects *prometheus.Desc
@@ -25,14 +53,14 @@ type trafficCollector struct {
 	drained                                          *prometheus.Desc
 }
 
-// NewTrafficCollector returns the per-service-port traffic collector of p.
-func NewTrafficCollector(p *Proxier) prometheus.Collector {
+// NewTrafficCollector returns the per-service-port traffic collector of src.
+func NewTrafficCollector(src TrafficSource) prometheus.Collector {
 	sp := []string{"service_port"}
 	d := func(name, help string, extra ...string) *prometheus.Desc {
 		return prometheus.NewDesc("kube_portal_proxy_"+name, help, append(sp, extra...), nil)
 	}
 	return &trafficCollector{
-		p:            p,
+		src:          src,
 		tcpActive:    d("tcp_connections_active", "Open proxied TCP connections."),
 		tcpTotal:     d("tcp_connections_total", "Accepted TCP connections."),
 		tcpBytes:     d("tcp_bytes_total", "Bytes proxied over TCP; direction is to_endpoint (client to pod) or to_client.", "direction"),
@@ -64,35 +92,28 @@ func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, a := range c.p.activeList() {
-		name := a.port.Name.String()
+	for t := range c.src.Traffic() {
+		name := t.Name.String()
 		counter := func(d *prometheus.Desc, v float64, labels ...string) {
 			ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, append([]string{name}, labels...)...)
 		}
 		gauge := func(d *prometheus.Desc, v float64) {
 			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, name)
 		}
-		if b := c.p.deps.Balancer.Lookup(a.port.Name); b != nil {
-			gauge(c.endpoints, float64(len(b.Endpoints())))
+		if t.Balanced {
+			gauge(c.endpoints, float64(t.Endpoints))
 		}
-		if a.port.Balancing.Outlier.On() {
-			total, out := c.p.outliers(a.port.Name)
-			counter(c.ejections, float64(total))
-			gauge(c.ejected, float64(out))
+		if t.Outlier {
+			counter(c.ejections, float64(t.Ejections))
+			gauge(c.ejected, float64(t.Ejected))
 		}
-		st, ok := socketStats(a.observedSocket())
-		if ok && a.port.DrainTimeout > 0 {
-			drained := st.Ended[flow.DrainTimeout]
-			if a.ext != nil {
-				if ext, ok := socketStats(a.ext.observedSocket()); ok {
-					drained += ext.Ended[flow.DrainTimeout]
-				}
-			}
-			counter(c.drained, float64(drained), strings.ToLower(string(a.port.Protocol)))
+		st, ok := t.Stats, t.Observed
+		if ok && t.Drain {
+			counter(c.drained, float64(t.Drained), strings.ToLower(string(t.Protocol)))
 		}
 		switch {
 		case !ok:
-		case a.port.Protocol == service.UDP:
+		case t.Protocol == service.UDP:
 			gauge(c.udpActive, float64(st.Active))
 			counter(c.udpSessions, float64(st.Total), "created")
 			counter(c.udpSessions, float64(st.Ended[flow.IdleTimeout]), "expired")
@@ -120,7 +141,7 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(c.dialRetries, float64(st.DialRetries))
 			counter(c.rejects, float64(st.NoEndpoint), "tcp")
 			counter(c.sourceDrops, float64(st.SourceDenied), "tcp")
-			if a.port.Holds() {
+			if t.Holds {
 				gauge(c.held, float64(st.Held))
 				for o := range flow.NumHoldOutcomes {
 					counter(c.holds, float64(st.Holds[o]), o.String())
@@ -128,15 +149,4 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
-}
-
-// activeList snapshots the open sockets (copies, so readers need no lock afterwards).
-func (p *Proxier) activeList() []activePort {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	out := make([]activePort, 0, len(p.active))
-	for _, a := range p.active {
-		out = append(out, *a)
-	}
-	return out
 }

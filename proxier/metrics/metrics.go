@@ -1,4 +1,7 @@
-package proxier
+// Package metrics holds the proxier's Prometheus series: the sync series under kube-proxy's
+// names (Metrics, updated by the proxier as it syncs) and the per-service-port traffic series
+// read from the proxy sockets' counters at scrape time (NewTrafficCollector).
+package metrics
 
 import (
 	"time"
@@ -8,73 +11,81 @@ import (
 
 // Metrics are the proxier's Prometheus series. Sync series keep kube-proxy's names so existing
 // dashboards and alerts work unchanged; the proxier's own carry the kube_portal_proxy_ prefix.
+// The proxier updates the fields itself.
 type Metrics struct {
-	syncDuration          prometheus.Histogram
-	lastSync              prometheus.Gauge
-	programming           *prometheus.HistogramVec
-	serviceChanges        prometheus.Counter
-	endpointChanges       prometheus.Counter
-	pendingServiceChanges prometheus.Gauge
-	syncFailures          prometheus.Counter
-	activePorts           prometheus.Gauge
-	failedPorts           prometheus.Gauge
-	socketFailures        prometheus.Counter
-	unsupportedPorts      prometheus.Counter
-	refusedPorts          *prometheus.GaugeVec
+	SyncDuration          prometheus.Histogram
+	LastSync              prometheus.Gauge
+	Programming           *prometheus.HistogramVec
+	ServiceChanges        prometheus.Counter
+	EndpointChanges       prometheus.Counter
+	PendingServiceChanges prometheus.Gauge
+	SyncFailures          prometheus.Counter
+	SyncFailing           prometheus.Gauge
+	ActivePorts           prometheus.Gauge
+	FailedPorts           prometheus.Gauge
+	SocketFailures        prometheus.Counter
+	UnsupportedPorts      prometheus.Counter
+	RefusedPorts          *prometheus.GaugeVec
 }
 
-// NewMetrics creates the series; Register adds them to a registry.
-func NewMetrics() *Metrics {
+// New creates the series; Register adds them to a registry.
+func New() *Metrics {
 	return &Metrics{
-		syncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+		SyncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_duration_seconds",
 			Help:    "SyncProxyRules latency in seconds",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
 		}),
-		lastSync: prometheus.NewGauge(prometheus.GaugeOpts{
+		LastSync: prometheus.NewGauge(prometheus.GaugeOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_last_timestamp_seconds",
 			Help: "The last time proxy rules were successfully synced",
 		}),
-		// kube-proxy's SLI, measured as kube-proxy measures it (see observeProgramming): same
+		// kube-proxy's SLI, measured as kube-proxy measures it (see ObserveProgramming): same
 		// name, label and buckets.
-		programming: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Programming: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy", Name: "network_programming_duration_seconds",
 			Help:    "In Cluster Network Programming Latency in seconds",
 			Buckets: merge(prometheus.LinearBuckets(0.25, 0.25, 2), prometheus.LinearBuckets(1, 1, 59), prometheus.LinearBuckets(60, 5, 12), prometheus.LinearBuckets(120, 30, 7)),
 		}, []string{"ip_family"}),
-		serviceChanges: prometheus.NewCounter(prometheus.CounterOpts{
+		ServiceChanges: prometheus.NewCounter(prometheus.CounterOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_total",
 			Help: "Cumulative proxy rules Service changes",
 		}),
-		endpointChanges: prometheus.NewCounter(prometheus.CounterOpts{
+		EndpointChanges: prometheus.NewCounter(prometheus.CounterOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_endpoint_changes_total",
 			Help: "Cumulative proxy rules Endpoint changes",
 		}),
-		pendingServiceChanges: prometheus.NewGauge(prometheus.GaugeOpts{
+		PendingServiceChanges: prometheus.NewGauge(prometheus.GaugeOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_pending",
 			Help: "Pending proxy rules Service changes",
 		}),
-		syncFailures: prometheus.NewCounter(prometheus.CounterOpts{
+		SyncFailures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_portal_proxy_sync_failures_total",
 			Help: "Syncs whose portal programming failed (retried on the next sync).",
 		}),
-		activePorts: prometheus.NewGauge(prometheus.GaugeOpts{
+		// The counter says failures happened; the gauge says whether they still do, so an alert
+		// clears with the first good sync instead of when a rate window has passed.
+		SyncFailing: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_portal_proxy_sync_failing",
+			Help: "1 while the last sync failed (its portal programming; retried), 0 once one succeeds.",
+		}),
+		ActivePorts: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_portal_proxy_proxy_ports",
 			Help: "Service ports with an open proxy socket.",
 		}),
-		failedPorts: prometheus.NewGauge(prometheus.GaugeOpts{
+		FailedPorts: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_portal_proxy_proxy_ports_failed",
 			Help: "Service ports whose proxy socket could not open (they have no portal).",
 		}),
-		socketFailures: prometheus.NewCounter(prometheus.CounterOpts{
+		SocketFailures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_portal_proxy_proxy_socket_open_failures_total",
 			Help: "Failed attempts to open a proxy socket.",
 		}),
-		unsupportedPorts: prometheus.NewCounter(prometheus.CounterOpts{
+		UnsupportedPorts: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_portal_proxy_unsupported_service_ports_total",
 			Help: "Service ports skipped because their protocol (SCTP) cannot be proxied in userspace.",
 		}),
-		refusedPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		RefusedPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kube_portal_proxy_refused_service_ports",
 			Help: "Service ports whose traffic class (cluster: cluster IPs; external: node port, external and load-balancer IPs) has no usable endpoint and is refused by the kernel (TCP reset, ICMP port unreachable); the refused connections themselves are not counted.",
 		}, []string{"traffic"}),
@@ -83,9 +94,9 @@ func NewMetrics() *Metrics {
 
 // Register adds every series to r.
 func (m *Metrics) Register(r prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.syncDuration, m.lastSync, m.programming, m.serviceChanges,
-		m.endpointChanges, m.pendingServiceChanges, m.syncFailures, m.activePorts, m.failedPorts,
-		m.socketFailures, m.unsupportedPorts, m.refusedPorts} {
+	for _, c := range []prometheus.Collector{m.SyncDuration, m.LastSync, m.Programming, m.ServiceChanges,
+		m.EndpointChanges, m.PendingServiceChanges, m.SyncFailures, m.SyncFailing, m.ActivePorts, m.FailedPorts,
+		m.SocketFailures, m.UnsupportedPorts, m.RefusedPorts} {
 		if err := r.Register(c); err != nil {
 			return err
 		}
@@ -93,12 +104,12 @@ func (m *Metrics) Register(r prometheus.Registerer) error {
 	return nil
 }
 
-// observeProgramming records one network programming latency: from the moment an EndpointSlice's
+// ObserveProgramming records one network programming latency: from the moment an EndpointSlice's
 // change was triggered (its endpoints.kubernetes.io/last-change-trigger-time annotation) to the
 // change being in force here, for slices of family ("IPv4", "IPv6", as kube-proxy labels it).
-func (m *Metrics) observeProgramming(family string, now, changed time.Time) {
+func (m *Metrics) ObserveProgramming(family string, now, changed time.Time) {
 	if d := now.Sub(changed); d >= 0 {
-		m.programming.WithLabelValues(family).Observe(d.Seconds())
+		m.Programming.WithLabelValues(family).Observe(d.Seconds())
 	}
 }
 

@@ -1,0 +1,87 @@
+package daemon
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/deploy"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
+)
+
+// forwardFlags are flags the chart passes only when set, for builds that have them. A build
+// without one is still tested with everything else.
+var forwardFlags = []string{"--default-data-path", "--io-engine"}
+
+// TestChartValuesReachTheProxy renders the chart with every value set (ci/full-values.yaml) and
+// parses the DaemonSet's command line with its ConfigMap as the proxy does at start: every value
+// arrives as the option it is meant to set, and the config file has nothing the proxy ignores.
+func TestChartValuesReachTheProxy(t *testing.T) {
+	helm, err := deploy.HelmBinary()
+	if err != nil {
+		testenv.Unavailable(t, "helm not found (%v): hack/install-deps.sh monitoring, or set %s", err, deploy.EnvHelm)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	chart := filepath.Join("..", deploy.ChartPath)
+	m, err := deploy.Render(ctx, helm, chart, "kpp", "kube-system", "-f", filepath.Join(chart, "ci", "full-values.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(t.TempDir(), "config.conf")
+	data, err := m.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cfg, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args, err := m.LocalArgs("node-1", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	known := newFlagSet(&Options{})
+	var kept []string
+	for _, a := range args {
+		name, _, _ := strings.Cut(a, "=")
+		if known.Lookup(strings.TrimPrefix(name, "--")) == nil {
+			if !slices.Contains(forwardFlags, name) {
+				t.Errorf("the chart passes %s, which this build does not know", a)
+			}
+			t.Logf("this build has no %s yet: left out", name)
+			continue
+		}
+		kept = append(kept, a)
+	}
+	o, _, err := parseOptions(kept)
+	if err != nil {
+		t.Fatalf("the rendered command line %q with its ConfigMap does not start: %v", kept, err)
+	}
+	if len(o.configIgnored) > 0 || len(o.configWarnings) > 0 {
+		t.Errorf("the rendered ConfigMap sets ignored fields %q / warns %q", o.configIgnored, o.configWarnings)
+	}
+	type view struct {
+		PortalMode, PortalInterface, ProxyPortRange, ClusterCIDR, Healthz, Metrics, LogLevel, LogFormat, IptablesVariant string
+		NodePorts                                                                                                        []string
+		Sync, MinSync, ConfigSync, UDP, TCPIdle, Shutdown, Established, CloseWait                                        time.Duration
+		UDPMax, Burst                                                                                                    int
+		QPS                                                                                                              float32
+		OOM, MaxPerCore, ConntrackMin                                                                                    int32
+		AccessLog, Protect, Drain                                                                                        bool
+	}
+	got := view{o.portalMode, o.portalInterface, o.proxyPortRange, o.clusterCIDR, o.healthzBindAddress, o.metricsBindAddress, o.logLevel, o.logFormat, o.iptablesVariant,
+		o.nodePortAddresses, o.syncPeriod, o.minSyncPeriod, o.configSyncPeriod, o.udpTimeout, o.tcpIdleTimeout, o.shutdownTimeout, o.conntrackTCPEstablished, o.conntrackTCPCloseWait,
+		o.udpMaxSessions, o.apiBurst, o.apiQPS, o.oomScoreAdj, o.conntrackMaxPerCore, o.conntrackMin, o.accessLog, o.protectProxyPorts, o.drainEndpoints}
+	want := view{"bind", "kpp0", "40000-40999", "10.244.0.0/16,fd00:10:244::/56", "0.0.0.0:10266", "0.0.0.0:10259", "debug", "json", "nft",
+		[]string{"192.0.2.0/24", "2001:db8::/64"}, time.Minute, 2 * time.Second, 30 * time.Minute, 30 * time.Second, time.Hour, 20 * time.Second, 12 * time.Hour, 30 * time.Minute,
+		2048, 40, 25 /* extraArgs override the file's 20 */, -500, 65536, 262144, true, false, true}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("options from the chart's full values (-want +got):\n%s", diff)
+	}
+}

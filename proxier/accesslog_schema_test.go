@@ -1,0 +1,149 @@
+package proxier
+
+// Address plan: loopback only. A TCP echo backend, a TCP port nothing listens on, a UDP echo
+// backend; the proxies listen on 127.0.0.1, kernel-chosen ports.
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
+	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
+)
+
+// lineBuffer collects the JSON lines a logger writes, safely across the proxies' goroutines.
+type lineBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lineBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lineBuffer) lines() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return strings.Split(strings.TrimSpace(b.buf.String()), "\n")
+}
+
+// TestAccessLogLinesMatchSchema checks accesslog.schema.json, the documented format log
+// pipelines parse, against lines the access log writes with the JSON formatter --log-format=json
+// uses, for real connections through real loopback proxies: a TCP connection to a known pod, a
+// TCP connection whose every dial fails, and a UDP session that idles out.
+func TestAccessLogLinesMatchSchema(t *testing.T) {
+	schema, err := testenv.LoadJSONSchema("accesslog.schema.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := &lineBuffer{}
+	log := logrus.New()
+	log.SetOutput(out)
+	log.SetFormatter(&logrus.JSONFormatter{})
+	quiet := logrus.New() // the sockets' own warnings (the failed dials)
+	quiet.SetOutput(io.Discard)
+	pods := NewPodIndex()
+	al := AccessLog{All: true, Log: log, Pods: pods}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+
+	echo := testenv.EchoTCP(t)
+	web := &service.Port{Name: testenv.PortName("default", "web", "http"), Protocol: service.TCP}
+	dead := &service.Port{Name: testenv.PortName("default", "dead", ""), Protocol: service.TCP}
+	dns := &service.Port{Name: testenv.PortName("kube-system", "kube-dns", "dns"), Protocol: service.UDP}
+	pods.watch(web.Name)
+	pods.update(web.Name, []service.Endpoint{{Addr: echo, NodeName: "node-1", TargetRef: service.NamespacedName{Namespace: "default", Name: "web-0"}}})
+
+	startTCP := func(port *service.Port, ep netip.AddrPort) netip.AddrPort {
+		p := tcp.New(port.Name, onePicker{ep}, tcp.Config{OnEnd: al.OnEnd(port), Logger: quiet})
+		if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+			t.Fatal(err)
+		}
+		go p.Run(ctx)
+		t.Cleanup(p.Shutdown)
+		return p.Addr()
+	}
+	webAddr := startTCP(web, echo)
+	deadAddr := startTCP(dead, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), testenv.FreeTCPPort(t, "127.0.0.1")))
+
+	u := udp.New(dns.Name, onePicker{testenv.EchoUDP(t)}, udp.Config{IdleTimeout: 100 * time.Millisecond, OnEnd: al.OnEnd(dns), Logger: quiet})
+	if err := u.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	go u.Run(ctx)
+	t.Cleanup(u.Shutdown)
+
+	// TCP: one exchange, then the client closes.
+	c, err := net.Dial("tcp4", webAddr.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Read(make([]byte, 5)); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	// TCP: every dial fails, the proxy closes.
+	if c, err := net.Dial("tcp4", deadAddr.String()); err == nil {
+		_ = c.SetReadDeadline(time.Now().Add(testenv.WaitTimeout))
+		_, _ = c.Read(make([]byte, 1))
+		c.Close()
+	}
+	// UDP: one exchange, then the session idles out.
+	uc, err := net.Dial("udp4", u.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer uc.Close()
+	if _, err := uc.Write([]byte("query")); err != nil {
+		t.Fatal(err)
+	}
+	_ = uc.SetReadDeadline(time.Now().Add(testenv.WaitTimeout))
+	if _, err := uc.Read(make([]byte, 5)); err != nil {
+		t.Fatal(err)
+	}
+
+	testenv.WaitFor(t, "three access log lines", func() bool { return len(out.lines()) >= 3 })
+	seen := map[string]bool{}
+	for _, line := range out.lines() {
+		if err := schema.Validate([]byte(line)); err != nil {
+			t.Errorf("access log line does not match the schema: %v", err)
+		}
+		for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`} {
+			if strings.Contains(line, want) {
+				seen[want] = true
+			}
+		}
+	}
+	for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`} {
+		if !seen[want] {
+			t.Errorf("no line has %s: %q", want, out.lines())
+		}
+	}
+
+	// The schema is no rubber stamp: lines that break the format are rejected.
+	for _, bad := range []string{
+		`{"time":"2026-01-01T00:00:00Z","level":"info","msg":"connection closed","access":"tcp","client":"10.0.0.1:1234","endpoint":"none","bytes_to_endpoint":0,"bytes_to_client":0,"duration":"1s","reason":"dial-failed","dial_attempts":1}`,
+		`{"time":"2026-01-01T00:00:00Z","level":"info","msg":"connection closed","access":"tcp","service":"a/b:c","client":"10.0.0.1:1234","endpoint":"none","bytes_to_endpoint":0,"bytes_to_client":0,"duration":"1s","reason":"dial-failed","dial_attempts":1,"packets_to_client":3}`,
+		`{"time":"2026-01-01T00:00:00Z","level":"info","msg":"session ended","access":"udp","service":"a/b:c","client":"10.0.0.1:1234","endpoint":"none","bytes_to_endpoint":0,"bytes_to_client":0,"duration":"1s","reason":"eaten","packets_to_endpoint":0,"packets_to_client":0}`,
+	} {
+		if err := schema.Validate([]byte(bad)); err == nil {
+			t.Errorf("schema accepts a bad line: %s", bad)
+		}
+	}
+}
