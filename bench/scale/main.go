@@ -31,10 +31,10 @@ import (
 )
 
 // logLevel is the file mode daemon's --log-level (-log-level).
-var logLevel *string
+var logLevel = "warn"
 
 func main() {
-	proxyLogLevel := flag.String("log-level", "warn", "file mode: the daemon's --log-level (its log goes to stderr)")
+	flag.StringVar(&logLevel, "log-level", logLevel, "file mode: the daemon's --log-level (its log goes to stderr)")
 	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the binary")
 	services := flag.Int("services", 10000, "service ports to load")
 	endpoints := flag.Int("endpoints", 5, "endpoints per service port")
@@ -45,7 +45,7 @@ func main() {
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
-	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file; measures the cold start only")
+	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file: cold starts and churn, beside -baseline and -kube-proxy")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
 	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure")
 	kubeProxy := flag.String("kube-proxy", "", "-cluster: a kube-proxy binary (hack/kubeproxy-build.sh) run in the same run in each of -kube-proxy-modes")
@@ -55,7 +55,6 @@ func main() {
 	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
 	startLimit := flag.Duration("start-limit", 10*time.Minute, "-cluster: a target whose rules are not in force this long after its start is recorded as such and not run again")
 	flag.Parse()
-	logLevel = proxyLogLevel
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
@@ -182,7 +181,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 // startProxy starts the proxy binary in the node namespace on the services directory.
 func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
-		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", *logLevel,
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
