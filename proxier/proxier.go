@@ -421,6 +421,10 @@ func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
 		p.mu.Lock()
 		p.pendingTriggers = append(p.pendingTriggers, tr)
 		p.mu.Unlock()
+		// A sync applyEndpoints asked for may have taken the pending list already: ask again, so
+		// this one is observed by the next sync (coalesced, at most a minimum sync period later)
+		// rather than the periodic one.
+		p.runner.Trigger()
 	}
 }
 
