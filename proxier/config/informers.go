@@ -85,17 +85,29 @@ func (s *InformerSource) Run(ctx context.Context) error {
 // annotations, the access log's pod and node) and drop the rest before it is stored: managed
 // fields, owner references, finalizers, kubectl's last-applied-configuration annotation (often
 // the largest part of a real object), a Service's selector, IP family fields and conditions, an
-// endpoint's hostname, deprecated topology and the UID and version of its target. A new object
-// is built rather than the decoded one trimmed, so nothing it no longer needs stays reachable.
+// endpoint's hostname, deprecated topology and the UID and version of its target. The decoded
+// object is trimmed in place (it is the informer's own, freshly decoded, as client-go allows):
+// building a slim copy instead cost an allocation per object in the initial lists.
 func slim(o any) (any, error) {
 	switch v := o.(type) {
 	case *v1.Service:
-		return slimService(v), nil
+		slimMeta(&v.ObjectMeta)
+		v.Spec.Selector, v.Spec.IPFamilies, v.Spec.IPFamilyPolicy = nil, nil, nil
+		v.Spec.LoadBalancerClass, v.Spec.AllocateLoadBalancerNodePorts = nil, nil
+		v.Status.Conditions = nil
 	case *discovery.EndpointSlice:
-		return slimEndpointSlice(v), nil
-	}
-	if m, err := meta.Accessor(o); err == nil {
-		m.SetManagedFields(nil)
+		slimMeta(&v.ObjectMeta)
+		for i := range v.Endpoints {
+			e := &v.Endpoints[i]
+			e.Hostname, e.DeprecatedTopology = nil, nil
+			if r := e.TargetRef; r != nil {
+				e.TargetRef = &v1.ObjectReference{Kind: r.Kind, Namespace: r.Namespace, Name: r.Name}
+			}
+		}
+	default:
+		if m, err := meta.Accessor(o); err == nil {
+			m.SetManagedFields(nil)
+		}
 	}
 	return o, nil
 }
@@ -103,47 +115,12 @@ func slim(o any) (any, error) {
 // lastApplied is kubectl's copy of the whole object, in an annotation no proxy reads.
 const lastApplied = "kubectl.kubernetes.io/last-applied-configuration"
 
-func slimMeta(m *metav1.ObjectMeta) metav1.ObjectMeta {
-	out := metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion,
+// slimMeta keeps name, namespace, UID, resource version, labels and annotations (but
+// last-applied-configuration).
+func slimMeta(m *metav1.ObjectMeta) {
+	*m = metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion,
 		Labels: m.Labels, Annotations: m.Annotations}
-	if _, ok := m.Annotations[lastApplied]; ok {
-		out.Annotations = make(map[string]string, len(m.Annotations)-1)
-		for k, v := range m.Annotations {
-			if k != lastApplied {
-				out.Annotations[k] = v
-			}
-		}
-	}
-	return out
-}
-
-func slimService(s *v1.Service) *v1.Service {
-	sp := &s.Spec
-	return &v1.Service{
-		ObjectMeta: slimMeta(&s.ObjectMeta),
-		Spec: v1.ServiceSpec{
-			Type: sp.Type, Ports: sp.Ports, ClusterIP: sp.ClusterIP, ClusterIPs: sp.ClusterIPs, ExternalIPs: sp.ExternalIPs,
-			SessionAffinity: sp.SessionAffinity, SessionAffinityConfig: sp.SessionAffinityConfig,
-			LoadBalancerSourceRanges: sp.LoadBalancerSourceRanges, ExternalTrafficPolicy: sp.ExternalTrafficPolicy,
-			HealthCheckNodePort: sp.HealthCheckNodePort, InternalTrafficPolicy: sp.InternalTrafficPolicy,
-			TrafficDistribution: sp.TrafficDistribution,
-		},
-		Status: v1.ServiceStatus{LoadBalancer: s.Status.LoadBalancer},
-	}
-}
-
-func slimEndpointSlice(s *discovery.EndpointSlice) *discovery.EndpointSlice {
-	out := &discovery.EndpointSlice{ObjectMeta: slimMeta(&s.ObjectMeta), AddressType: s.AddressType, Ports: s.Ports,
-		Endpoints: make([]discovery.Endpoint, len(s.Endpoints))}
-	for i := range s.Endpoints {
-		e := &s.Endpoints[i]
-		out.Endpoints[i] = discovery.Endpoint{Addresses: e.Addresses, Conditions: e.Conditions, NodeName: e.NodeName,
-			Zone: e.Zone, Hints: e.Hints}
-		if r := e.TargetRef; r != nil {
-			out.Endpoints[i].TargetRef = &v1.ObjectReference{Kind: r.Kind, Namespace: r.Namespace, Name: r.Name}
-		}
-	}
-	return out
+	delete(m.Annotations, lastApplied)
 }
 
 // untombstone unwraps the final state of an object deleted while the watch was down.
