@@ -106,7 +106,11 @@ func runCluster(ctx context.Context, targets []target, o clusterOptions) (err er
 	results := make([][]clusterRun, len(targets))
 	gaveUp := make([]bool, len(targets))
 	for round := range o.rounds {
-		for i, t := range targets {
+		// The order rotates each round: the first target of a round meets an API server still
+		// busy with the object creation or the last target's churn.
+		for k := range targets {
+			i := (k + round) % len(targets)
+			t := targets[i]
 			if gaveUp[i] {
 				continue
 			}
