@@ -10,7 +10,7 @@ VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 endif
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit e2e controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
+.PHONY: build test test-deps unit fuzz fuzz-ci e2e e2e-epoll controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -41,13 +41,43 @@ controlplane:
 # Without root the namespace tests skip with a message.
 test: test-deps build controlplane
 	KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=$(if $(filter 0,$(shell id -u)),1,) $(GO) test -race -count=1 -timeout 20m ./...
+	$(MAKE) --no-print-directory fuzz-ci
 
 test-deps:
 	@if [ "$$(id -u)" = 0 ]; then hack/install-deps.sh demo test; fi
 
+# Fuzz targets (package:FuzzName), one per decoder of outside input: the PROXY header encoder and
+# parser, the bind state file, the restart's iptables-save reader, the hand-over's messages from
+# either side, the per-Service annotations, the services file and its fast decoder. go test
+# already runs their seeds (f.Add and testdata/fuzz/) as tests; these search beyond them.
+FUZZ_TARGETS := ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
+	./portal/iptables:FuzzReadSteered ./portal/iptables:FuzzParseRule ./handover:FuzzReceive ./handover:FuzzServe \
+	./proxier:FuzzServiceAnnotations ./proxier/config:FuzzServicesFile ./proxier/config:FuzzDecodeDocument
+FUZZTIME ?= 10m
+FUZZ_CI_TIME ?= 8s
+# FUZZ_PARALLEL=1 keeps a shared machine usable (default: one worker per CPU).
+FUZZ_PARALLEL ?=
+fuzz_run = for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; name=$${t\#\#*:}; \
+	echo "== $$name ($$pkg), $(1)"; \
+	$(GO) test -run '^$$' -fuzz "^$$name$$" -fuzztime $(1) $(if $(FUZZ_PARALLEL),-parallel $(FUZZ_PARALLEL)) $$pkg || exit 1; done
+
+# fuzz runs every fuzz target for FUZZTIME (default 10m each), one after another. A crash stops
+# it and leaves the input in the package's testdata/fuzz/<FuzzName>/: fix it and keep the file.
+fuzz:
+	@$(call fuzz_run,$(FUZZTIME))
+
+# fuzz-ci is make test's short budget: FUZZ_CI_TIME (8s) per target.
+fuzz-ci:
+	@$(call fuzz_run,$(FUZZ_CI_TIME))
+
 # unit runs the tests without building the control plane (end-to-end tests skip).
 unit:
 	$(GO) test -race -count=1 ./...
+
+# e2e-epoll runs the e2e suite once more with the daemon on the epoll engine (--io-engine=epoll);
+# make test runs it on the default engine (io_uring where the kernel allows it).
+e2e-epoll: test-deps build controlplane
+	KPP_E2E_IO_ENGINE=epoll KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=$(if $(filter 0,$(shell id -u)),1,) $(GO) test -race -count=1 -timeout 20m ./e2e/
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt: $$out"; exit 1; fi

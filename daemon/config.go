@@ -25,6 +25,8 @@ import (
 	kubeproxyconfig "k8s.io/kube-proxy/config/v1alpha1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
 const (
@@ -37,6 +39,12 @@ const (
 	// with the mode (v1.26), but files written for that mode still carry it, so it is read from
 	// the raw document.
 	fieldUDPIdleTimeout = "udpIdleTimeout"
+	// fieldIOEngine is --io-engine: this proxy's own field, next to kube-proxy's.
+	fieldIOEngine = "ioEngine"
+
+	// fieldDefaultDataPath is --default-data-path in the file: this proxy's own field beside
+	// kube-proxy's type (kernel or proxy), read from the raw document like udpIdleTimeout.
+	fieldDefaultDataPath = "defaultDataPath"
 
 	// nodePortPrimary is nodePortAddresses' special value for the Node object's primary IPs.
 	nodePortPrimary = "primary"
@@ -54,6 +62,10 @@ type proxyConfig struct {
 	kube kubeproxyconfig.KubeProxyConfiguration
 	// udpIdleTimeout is the legacy field; 0 when absent.
 	udpIdleTimeout time.Duration
+	// ioEngine is fieldIOEngine; empty when absent.
+	ioEngine string
+	// defaultDataPath is the defaultDataPath field; "" when absent.
+	defaultDataPath string
 	// ignored lists the fields that are set but mean nothing here, as dotted paths.
 	ignored []string
 }
@@ -101,6 +113,8 @@ func (c *proxyConfig) settings() []fileSetting {
 		{"configSyncPeriod", "config-sync-period", k.ConfigSyncPeriod.Duration != 0, func(o *Options) { o.configSyncPeriod = k.ConfigSyncPeriod.Duration }},
 		{"portRange", "proxy-port-range", k.PortRange != "", func(o *Options) { o.proxyPortRange = k.PortRange }},
 		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *Options) { o.udpTimeout = c.udpIdleTimeout }},
+		{fieldIOEngine, "io-engine", c.ioEngine != "", func(o *Options) { o.ioEngine = c.ioEngine }},
+		{fieldDefaultDataPath, "default-data-path", c.defaultDataPath != "", func(o *Options) { o.defaultDataPath = c.defaultDataPath }},
 	}
 }
 
@@ -168,6 +182,22 @@ func decodeProxyConfig(data []byte) (*proxyConfig, error) {
 			return nil, err
 		}
 		delete(raw, fieldUDPIdleTimeout)
+	}
+	if v, ok := raw[fieldIOEngine]; ok {
+		s, isString := v.(string)
+		if !isString {
+			return nil, fmt.Errorf("%s: want a string (%s), got %v", fieldIOEngine, strings.Join(tcp.EngineNames, ", "), v)
+		}
+		c.ioEngine = s
+		delete(raw, fieldIOEngine)
+	}
+	if v, ok := raw[fieldDefaultDataPath]; ok {
+		s, _ := v.(string)
+		if s != "kernel" && s != "proxy" {
+			return nil, fmt.Errorf("%s: want kernel or proxy, got %v", fieldDefaultDataPath, v)
+		}
+		c.defaultDataPath = s
+		delete(raw, fieldDefaultDataPath)
 	}
 	configType := reflect.TypeFor[kubeproxyconfig.KubeProxyConfiguration]()
 	if err := visitFields(raw, configType, "", checkDuration); err != nil {
@@ -428,6 +458,10 @@ func marshalConfig(o *Options) ([]byte, error) {
 		return nil, err
 	}
 	doc[fieldUDPIdleTimeout] = o.udpTimeout.String()
+	doc[fieldIOEngine] = o.ioEngine
+	if o.defaultDataPath != "" && o.defaultDataPath != "proxy" {
+		doc[fieldDefaultDataPath] = o.defaultDataPath
+	}
 	return yaml.Marshal(doc)
 }
 

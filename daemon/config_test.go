@@ -176,6 +176,7 @@ func TestConfigFileErrors(t *testing.T) {
 		{"malformed_duration", head + "iptables:\n  syncPeriod: 5 minutes\n", []string{"iptables.syncPeriod", `"5 minutes"`}},
 		{"duration_as_number", head + "configSyncPeriod: 60\n", []string{"configSyncPeriod", "want a duration"}},
 		{"malformed_legacy_udpIdleTimeout", head + "udpIdleTimeout: soon\n", []string{"udpIdleTimeout"}},
+		{"ioEngine_not_a_string", head + "ioEngine: 1\n", []string{"ioEngine", "want a string"}},
 		{"duplicate_field", head + "bindAddress: 0.0.0.0\nbindAddress: 10.0.0.1\n", []string{`"bindAddress"`}},
 		{"iptables_mode", head + "mode: iptables\n", []string{`mode "iptables"`, "userspace (portal) mode", "keep kube-proxy"}},
 		{"ipvs_mode", head + "mode: ipvs\n", []string{`mode "ipvs"`, "mode: userspace"}},

@@ -47,6 +47,7 @@ type Daemon struct {
 	version string
 	log     logrus.FieldLogger
 	deps    deps
+	engine  tcp.Engine // --io-engine, resolved by Run
 	// handoverFailed records the failed steps of this process's hand-overs, for the metrics.
 	handoverFailed handoverFailures
 }
@@ -112,6 +113,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	defer pm.close()
+	if d.engine, err = d.chooseEngine(); err != nil {
+		return err
+	}
+	defer d.engine.Close() // once runAll has shut the proxy sockets down
 	w, err := d.wire(client, pm, events, inh, settle)
 	if err != nil {
 		return err
@@ -137,7 +142,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if pm.state != nil {
 		servingTasks = append(servingTasks, pm.state.Run)
 	}
-	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz}, {o.metricsBindAddress, w.metrics}}, inh)
+	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false}}, inh)
 	if err != nil {
 		return err
 	}
@@ -211,17 +216,19 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState(), Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
+		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
 	}, proxier.Deps{
 		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
+		KernelCounters: pm.kernelCounters,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
-			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp")},
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
 	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(px), restart.collector()}
+		metrics.NewTrafficCollector(px), restart.collector(), engineCollector(d.engine)}
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
 	}
@@ -406,7 +413,21 @@ func portalCollector(rules *iptables.Portals) prometheus.Collector {
 	restores := prometheus.NewDesc("kube_portal_proxy_iptables_restores_total", "iptables-restore runs.", nil, nil)
 	repairs := prometheus.NewDesc("kube_portal_proxy_iptables_repairs_total", "Syncs that found the live chains changed by someone else and rewrote them.", nil, nil)
 	count := prometheus.NewDesc("kube_portal_proxy_portal_rules", "Portal rules programmed (all families and tables).", nil, nil)
-	return collectorFunc{descs: []*prometheus.Desc{failures, restores, repairs, count}, collect: func(ch chan<- prometheus.Metric) {
+	epLabels := []string{"service", "protocol", "endpoint"}
+	kpackets := prometheus.NewDesc("kube_portal_proxy_kernel_endpoint_packets_total",
+		"Packets through the DNAT rule of a kernel-path endpoint's KUBE-SEP chain: the nat table sees the first packet of each connection (UDP flow) only, so this counts new connections.", epLabels, nil)
+	kbytes := prometheus.NewDesc("kube_portal_proxy_kernel_endpoint_bytes_total",
+		"Bytes of the packets counted by kube_portal_proxy_kernel_endpoint_packets_total.", epLabels, nil)
+	return collectorFunc{descs: []*prometheus.Desc{failures, restores, repairs, count, kpackets, kbytes}, collect: func(ch chan<- prometheus.Metric) {
+		// At most one iptables-save -c per family and CounterInterval, none without kernel ports.
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		counters, _ := rules.KernelCounters(ctx)
+		cancel()
+		for _, c := range counters {
+			labels := []string{c.Name.String(), string(c.Protocol), c.Endpoint.String()}
+			ch <- prometheus.MustNewConstMetric(kpackets, prometheus.CounterValue, float64(c.Packets), labels...)
+			ch <- prometheus.MustNewConstMetric(kbytes, prometheus.CounterValue, float64(c.Bytes), labels...)
+		}
 		st := rules.Stats()
 		ch <- prometheus.MustNewConstMetric(failures, prometheus.CounterValue, float64(st.RestoreFailures))
 		ch <- prometheus.MustNewConstMetric(restores, prometheus.CounterValue, float64(st.Restores))
@@ -427,3 +448,28 @@ func (c collectorFunc) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c collectorFunc) Collect(ch chan<- prometheus.Metric) { c.collect(ch) }
+
+// chooseEngine resolves --io-engine. With auto, a kernel or sandbox without io_uring (seccomp,
+// kernel.io_uring_disabled, an old kernel) gets the epoll engine and one log line saying why.
+func (d *Daemon) chooseEngine() (tcp.Engine, error) {
+	e, fallback, err := tcp.ChooseEngine(d.o.ioEngine, d.deps.probeIOUring)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", d.o.setting("--io-engine"), err)
+	}
+	if fallback != nil {
+		d.log.WithError(fallback).WithField("engine", e.Name()).Warn("io_uring is not available here: TCP uses the epoll engine")
+	} else {
+		d.log.WithField("engine", e.Name()).Info("TCP engine")
+	}
+	return e, nil
+}
+
+// engineCollector is kube_portal_proxy_io_engine{engine}: 1 for the engine in use.
+func engineCollector(e tcp.Engine) prometheus.Collector {
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_portal_proxy_io_engine",
+		Help: "The engine that accepts TCP connections and moves their bytes (--io-engine): 1 for the one in use.",
+	}, []string{"engine"})
+	g.WithLabelValues(e.Name()).Set(1)
+	return g
+}

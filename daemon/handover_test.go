@@ -204,7 +204,7 @@ func TestAddressInUseWithoutHandOver(t *testing.T) {
 			log, _ := logtest.NewNullLogger()
 			d := &Daemon{o: &Options{handoverSocket: tc.handover}, log: log, deps: deps{clock: clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)),
 				listen: func(addr string) (net.Listener, error) { return net.Listen("tcp4", addr) }}}
-			tasks, err := d.listenHTTP([]httpServer{{held.Addr().String(), http.NotFoundHandler()}}, nil)
+			tasks, err := d.listenHTTP([]httpServer{{addr: held.Addr().String(), handler: http.NotFoundHandler()}}, nil)
 			if (err != nil) != tc.wantErr || (err == nil && len(tasks) != 1) {
 				t.Errorf("listenHTTP = %d tasks, %v; want error %v", len(tasks), err, tc.wantErr)
 			}

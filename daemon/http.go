@@ -11,12 +11,15 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
+	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 )
 
-// httpServer is one HTTP address and what it serves; an empty address disables it.
+// httpServer is one HTTP address and what it serves; an empty address disables it. limited
+// servers face outside (the health address) and take healthcheck.Limits' defaults.
 type httpServer struct {
 	addr    string
 	handler http.Handler
+	limited bool
 }
 
 // listenHTTP opens every server's listener, so an address in use fails the start, and returns
@@ -46,7 +49,7 @@ func (d *Daemon) listenHTTP(servers []httpServer, inh *handover.Inherited) ([]fu
 			return nil, fmt.Errorf("listen %s: %w", s.addr, err)
 		}
 		opened = append(opened, ln)
-		tasks = append(tasks, serveHTTP(ln, s.handler, d.log.WithField("address", s.addr)))
+		tasks = append(tasks, serveHTTP(ln, s, d.log.WithField("address", s.addr)))
 	}
 	return tasks, nil
 }
@@ -64,15 +67,18 @@ func (d *Daemon) serveWhenFree(s httpServer, inUse error) func(context.Context) 
 			return
 		}
 		log.Info("Address free at last: serving it")
-		serveHTTP(ln, s.handler, log)(ctx)
+		serveHTTP(ln, s, log)(ctx)
 	}
 }
 
-// serveHTTP serves h on ln until ctx is done, then shuts the server down: a second for requests
+// serveHTTP serves s on ln until ctx is done, then shuts the server down: a second for requests
 // in flight, then connections are closed.
-func serveHTTP(ln net.Listener, h http.Handler, log logrus.FieldLogger) func(context.Context) {
+func serveHTTP(ln net.Listener, s httpServer, log logrus.FieldLogger) func(context.Context) {
 	return func(ctx context.Context) {
-		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		srv := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+		if s.limited {
+			ln, srv = healthcheck.Limits{}.Serve(ln, s.handler)
+		}
 		stopped := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {
 			defer close(stopped)

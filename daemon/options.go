@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
@@ -44,10 +46,12 @@ type Options struct {
 	protectProxyPorts  bool
 	drainEndpoints     bool
 	tcpIdleTimeout     time.Duration
+	ioEngine           string
 	iptablesVariant    string
 	shutdownTimeout    time.Duration
 	accessLog          bool
 	portalMode         string
+	defaultDataPath    string
 	portalInterface    string
 	handoverSocket     string
 	readyFile          string
@@ -146,8 +150,10 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.BoolVar(&o.protectProxyPorts, "protect-proxy-ports", true, "Drop new connections that reach a proxy port directly instead of through a portal (the KUBE-PORTALS-GUARD chain).")
 	fs.BoolVar(&o.drainEndpoints, "drain-removed-endpoints", false, "Close established TCP connections to endpoints that were removed (UDP sessions always move).")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 0, "Close TCP connections idle in both directions for this long; 0 never does.")
+	fs.StringVar(&o.ioEngine, "io-engine", tcp.EngineAuto, "How TCP connections are accepted and their bytes moved: io_uring (one ring per CPU, no goroutine per connection), epoll (the Go runtime poller), or auto: io_uring when the kernel and the sandbox allow it (probed at start), else epoll, saying why in the log.")
 	fs.StringVar(&o.iptablesVariant, "iptables-variant", "", "Which iptables binaries to run: empty for the system's, nft or legacy.")
 	fs.StringVar(&o.portalMode, "portal-mode", "iptables", "How service traffic reaches the proxy: iptables (the legacy KUBE-PORTALS NAT rules) or bind (service IPs on a local interface, sockets listen on them; no NAT needed).")
+	fs.StringVar(&o.defaultDataPath, "default-data-path", "proxy", "Data path of a Service without the portal-proxy.kubernetes.io/data-path annotation: proxy (portal rules to a proxy socket: access log, per-endpoint flows, balancing policies) or kernel (kube-proxy's iptables chains DNAT straight to the endpoints, nothing in user space). Kernel needs --portal-mode=iptables.")
 	fs.StringVar(&o.portalInterface, "portal-interface", bind.DefaultInterface, "Interface that carries the service IPs in --portal-mode=bind.")
 	fs.BoolVar(&o.accessLog, "access-log", false, "Log one line per TCP connection and UDP session when it ends, for every service (per Service: annotation portal-proxy.kubernetes.io/access-log: \"true\").")
 	fs.StringVar(&o.handoverSocket, "handover-socket", "", "Unix socket (a host path) on which a running proxy hands its listening sockets to a new one started with the same flag, so a planned restart or upgrade refuses no connection: the new process takes the sockets, the old one stops accepting once the new one has synced, finishes its connections and exits at SIGTERM. Empty disables.")
@@ -231,9 +237,12 @@ func (o *Options) validate() error {
 		{o.apiQPS > 0, "--kube-api-qps", "must be > 0"},
 		{o.apiBurst > 0, "--kube-api-burst", "must be > 0"},
 		{o.tcpIdleTimeout >= 0, "--tcp-idle-timeout", "must be >= 0"},
+		{slices.Contains(tcp.EngineNames, o.ioEngine), "--io-engine", "must be auto, io_uring or epoll"},
 		{o.shutdownTimeout > 0, "--shutdown-timeout", "must be > 0"},
 		{o.logFormat == "text" || o.logFormat == "json", "--log-format", "must be text or json"},
 		{o.portalMode == "iptables" || o.portalMode == "bind", "--portal-mode", "must be iptables or bind"},
+		{o.defaultDataPath == "proxy" || o.defaultDataPath == "kernel", "--default-data-path", "must be proxy or kernel"},
+		{o.defaultDataPath != "kernel" || o.portalMode == "iptables", "--default-data-path", "kernel needs --portal-mode=iptables (bind mode has no NAT)"},
 		{o.portalInterface != "" && len(o.portalInterface) < 16, "--portal-interface", "must be a valid interface name (1-15 characters)"},
 		{o.oomScoreAdj >= -1000 && o.oomScoreAdj <= 1000, "--oom-score-adj", "must be within [-1000, 1000]"},
 		{o.conntrackMaxPerCore >= 0, "--conntrack-max-per-core", "must be >= 0"},

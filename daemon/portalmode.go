@@ -29,6 +29,8 @@ type portalMode struct {
 	freeBind  bool                                 // sockets bind service IPs before they are local
 	collector prometheus.Collector                 // mode-specific metrics, or nil
 	describe  func() string                        // /debug/rules
+	// kernelCounters reads the kernel path's KUBE-SEP counters; nil in bind mode (no kernel path).
+	kernelCounters func(ctx context.Context) ([]portal.EndpointCounter, error)
 	// steered reads the proxy ports the portal rules in force point at (a previous process's),
 	// or in bind mode where the previous process listened (--bind-state-file); nil: nothing to read.
 	steered func(ctx context.Context) ([]proxier.Seed, error)
@@ -74,16 +76,18 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 	}
 	rules := iptables.New(iptables.Config{
 		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts, PodCIDRs: o.podCIDRs,
-		ProtectProxyPorts: o.protectProxyPorts, Logger: log,
+		ProtectProxyPorts: o.protectProxyPorts, KernelPath: true, ConntrackTCPLiberal: o.conntrackTCPBeLiberal,
+		NoRandomFully: !iptables.HasRandomFully(ctx, runner, portal.IPv4), Logger: log,
 	}, runner)
 	return &portalMode{
 		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log, Listen: holdListen(inh)}), Logger: log,
 			OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }},
-		conntrack: &conntrack.Netlink{},
-		collector: portalCollector(rules),
-		describe:  rules.Rules,
-		steered:   steeredSeeds(rules),
-		close:     func() {},
+		conntrack:      &conntrack.Netlink{},
+		collector:      portalCollector(rules),
+		describe:       rules.Rules,
+		kernelCounters: rules.KernelCounters,
+		steered:        steeredSeeds(rules),
+		close:          func() {},
 	}, nil
 }
 

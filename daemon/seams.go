@@ -41,7 +41,10 @@ type deps struct {
 	// kernelPorts reads the node's ephemeral port range, where proxy ports come from without
 	// --proxy-port-range.
 	kernelPorts func() (proxier.KernelPorts, error)
-	clock       clock.Clock
+	// probeIOUring says whether the io_uring TCP engine can run here (--io-engine=auto); nil
+	// means tcp.ProbeIOUring.
+	probeIOUring func() error
+	clock        clock.Clock
 }
 
 // systemDeps are the real process, node, API server and network.

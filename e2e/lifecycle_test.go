@@ -206,15 +206,19 @@ func TestCleanupLeavesNothing(t *testing.T) {
 	n := newClusterNode(t, 2)
 	svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort, externalIP()))
 	n.setEndpoints(t, svc, 1, 2)
+	// A second Service on the kernel data path: its chains must go too.
+	quiet := n.annotatedService(t, "quiet", map[string]string{annotationDataPath: "kernel"})
+	n.setEndpoints(t, quiet, 1, 2)
 	proxy := n.startProxy(t)
 	tg := targetsOf(t, svc)
 	proxy.waitAnswers(t, n.bed.Client, tg.clusterTCP, "the service never answered")
+	proxy.waitAnswers(t, n.bed.Client, targetsOf(t, quiet).clusterTCP, "the kernel-path service never answered")
 	if err := proxy.stop(); err != nil {
 		t.Fatalf("stop the proxy: %v", err)
 	}
 	_, saved := saveRules(t, n.bed.Node, "iptables-save")
-	if left := ownedLines(saved); len(left) == 0 {
-		t.Fatalf("no proxy chain in the node namespace after a clean stop; want the rules kept:\n%s", saved)
+	if left := ownedLines(saved); len(left) == 0 || !strings.Contains(saved, "KUBE-SEP-") {
+		t.Fatalf("no proxy chain (or no kernel-path chain) in the node namespace after a clean stop; want the rules kept:\n%s", saved)
 	}
 
 	for i := 1; i <= 2; i++ {

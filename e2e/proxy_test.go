@@ -97,8 +97,12 @@ func runProxyOnce(t *testing.T, ns *netns.NS, args ...string) (string, error) {
 }
 
 // proxyArgs are the flags every scenario passes: health and metrics on the node's loopback and
-// a short minimum sync period, so changes show within a fraction of a second.
+// a short minimum sync period, so changes show within a fraction of a second; and
+// --io-engine=$KPP_E2E_IO_ENGINE when set (make e2e-epoll runs the suite on the epoll engine).
 func proxyArgs(extra ...string) []string {
+	if e := os.Getenv("KPP_E2E_IO_ENGINE"); e != "" {
+		extra = append([]string{"--io-engine=" + e}, extra...)
+	}
 	return append([]string{
 		"--healthz-bind-address=" + healthzAddr,
 		"--metrics-bind-address=" + metricsAddr,

@@ -49,6 +49,10 @@ func Receive(ctx context.Context, path string, timeout time.Duration) (*Inherite
 		return nil, fmt.Errorf("handover: connect %s: %w", path, err)
 	}
 	c := nc.(*net.UnixConn)
+	if err := samePeerUser(c); err != nil {
+		_ = c.Close()
+		return nil, fmt.Errorf("handover from %s: %w", path, err)
+	}
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
 	deadline(c, start, timeout)
@@ -75,7 +79,12 @@ func (in *Inherited) receive() error {
 		return fmt.Errorf("%w: the running proxy speaks version %d, this one %d", ErrVersion, h.Version, Version)
 	}
 	if h.Error != "" {
-		return fmt.Errorf("the running proxy refused: %s", h.Error)
+		return fmt.Errorf("the running proxy refused: %.200q", h.Error)
+	}
+	// The header bounds what follows: a count of sockets, in as many chunks as this version cuts
+	// them into (a peer cannot keep this process reading).
+	if h.Sockets < 0 || h.Sockets > maxSockets || h.Chunks != len(chunks(h.Sockets)) {
+		return fmt.Errorf("header announces %d sockets in %d chunks", h.Sockets, h.Chunks)
 	}
 	for range h.Chunks {
 		var entries []Entry
@@ -88,7 +97,7 @@ func (in *Inherited) receive() error {
 			return fmt.Errorf("read sockets: %d descriptors for %d manifest entries", len(fds), len(entries))
 		}
 		for i, e := range entries {
-			k, err := e.key()
+			k, err := e.check(fds[i])
 			if err != nil {
 				closeAll(fds[i:])
 				return err

@@ -30,6 +30,10 @@ const Version = 1
 // maxChunk is the most descriptors sent in one message (the kernel allows 253, SCM_MAX_FD).
 const maxChunk = 200
 
+// maxSockets bounds the sockets a header may announce: a proxy at 10,000 service ports in two
+// families with node ports and health checks holds a few tens of thousands.
+const maxSockets = 1 << 20
+
 // maxMessage bounds one message: a chunk's manifest is ~100 bytes per entry.
 const maxMessage = 64 << 10
 

@@ -2,6 +2,7 @@ package handover
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -77,6 +78,9 @@ func NewServer(cfg ServerConfig) *Server {
 func (s *Server) Listen() error {
 	dir := filepath.Dir(s.cfg.Path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("handover socket %s: %w", s.cfg.Path, err)
+	}
+	if err := checkDir(dir); err != nil {
 		return fmt.Errorf("handover socket %s: %w", s.cfg.Path, err)
 	}
 	tmp := filepath.Join(dir, "."+filepath.Base(s.cfg.Path)+"."+strconv.Itoa(os.Getpid()))
@@ -186,9 +190,10 @@ func (s *Server) serve(c *net.UnixConn) error {
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
 	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
-	if _, err := receive(c, &r); err != nil || !r.Ready {
+	var ready reply // a message of its own: the adoption's fields must not count as ready
+	if _, err := receive(c, &ready); err != nil || !ready.Ready {
 		s.pending(false)
-		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, r))
+		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
 	}
 	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
 		Info("Successor is ready: no longer accepting; finishing established connections")
@@ -223,7 +228,10 @@ func (s *Server) close() {
 func closeFD(fd int) error { return syscall.Close(fd) }
 
 // samePeerUser refuses a peer that runs as another user: the socket file is the owner's only
-// (0600), and the sockets handed over are the node's service ports.
+// (0600), and the sockets handed over are the node's service ports. Both sides check: the
+// predecessor whom it gives its sockets to, the successor whose sockets it takes (a process of
+// another user that got to the path first would otherwise feed it listeners it keeps a copy of).
+// The kernel records the credentials at connect (the successor) and at listen (the predecessor).
 func samePeerUser(c *net.UnixConn) error {
 	raw, err := c.SyscallConn()
 	if err != nil {
@@ -238,7 +246,36 @@ func samePeerUser(c *net.UnixConn) error {
 		return fmt.Errorf("handover: peer credentials: %w", cerr)
 	}
 	if int(cred.Uid) != os.Geteuid() {
-		return fmt.Errorf("handover: refusing a peer running as uid %d (pid %d); this process runs as uid %d", cred.Uid, cred.Pid, os.Geteuid())
+		return fmt.Errorf("%w: the peer runs as uid %d (pid %d), this process as uid %d", ErrPeerUser, cred.Uid, cred.Pid, os.Geteuid())
 	}
 	return nil
 }
+
+// ErrPeerUser: the process at the other end of the hand-over socket runs as another user.
+var ErrPeerUser = errors.New("handover: refusing a peer of another user")
+
+// checkDir refuses to put the socket in a directory that another user could write to: they could
+// rename their own socket over the path (to be asked for, or handed, the sockets) or swap the
+// temporary name for a symlink between bind and chmod. The directory must belong to this user or
+// root and be writable by no one else, unless it is sticky (like /tmp, where others can add
+// names but not replace ours).
+func checkDir(dir string) error {
+	st, err := os.Stat(dir) // following symlinks: /var/run is one to /run on most systems
+	if err != nil {
+		return err
+	}
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	if !ok {
+		return nil
+	}
+	if int(sys.Uid) != os.Geteuid() && sys.Uid != 0 {
+		return fmt.Errorf("%w: directory %s belongs to uid %d", ErrUnsafeDir, dir, sys.Uid)
+	}
+	if st.Mode().Perm()&0o022 != 0 && st.Mode()&os.ModeSticky == 0 {
+		return fmt.Errorf("%w: directory %s is writable by group or others (mode %v)", ErrUnsafeDir, dir, st.Mode().Perm())
+	}
+	return nil
+}
+
+// ErrUnsafeDir: the socket's directory is writable by another user.
+var ErrUnsafeDir = errors.New("handover: unsafe socket directory")

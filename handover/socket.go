@@ -49,9 +49,28 @@ type key struct {
 func (e Entry) key() (key, error) {
 	a, err := netip.ParseAddr(e.Address)
 	if err != nil {
-		return key{}, fmt.Errorf("handover: manifest entry %q: address: %w", e.Name, err)
+		return key{}, fmt.Errorf("handover: manifest entry %.100q: address: %w", e.Name, err)
 	}
 	return key{proto: e.Protocol, family: e.Family, addr: a, port: e.Port}, nil
+}
+
+// check returns the key of a received descriptor, after checking that it is what the entry says:
+// a listening TCP or bound UDP socket of that family, address and port. The sockets are used
+// wherever this process would bind, so a descriptor that is something else (a connected socket, a
+// file, a socket on another port) must not be taken for the one the entry names.
+func (e Entry) check(fd int) (key, error) {
+	k, err := e.key()
+	if err != nil {
+		return key{}, err
+	}
+	got, ok := classify(fd)
+	if !ok {
+		return key{}, fmt.Errorf("handover: manifest entry %.100q: the descriptor is not a listening socket", e.Name)
+	}
+	if gk, _ := got.key(); gk != k {
+		return key{}, fmt.Errorf("handover: manifest entry %.100q: the descriptor is %s (%s)", e.Name, got.Name, got.Family)
+	}
+	return k, nil
 }
 
 func newEntry(proto string, family Family, ap netip.AddrPort) Entry {

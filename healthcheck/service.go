@@ -10,7 +10,6 @@ import (
 	"net/netip"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -47,6 +46,9 @@ type ServiceConfig struct {
 	InterfaceAddrs func() ([]netip.Addr, error)
 	// Logger defaults to logrus' standard logger.
 	Logger logrus.FieldLogger
+	// Limits bound what each port accepts from outside (connections, request rate, header size,
+	// timeouts); zero fields take the defaults.
+	Limits Limits
 }
 
 // ServiceHealthServer serves one HTTP health check per Service on its healthCheckNodePort: 200
@@ -83,6 +85,7 @@ func NewServiceHealthServer(cfg ServiceConfig) *ServiceHealthServer {
 	if cfg.InterfaceAddrs == nil {
 		cfg.InterfaceAddrs = hostAddrs
 	}
+	cfg.Limits = cfg.Limits.withDefaults()
 	log := cfg.Logger
 	if log == nil {
 		log = logrus.StandardLogger()
@@ -220,9 +223,12 @@ func (s *ServiceHealthServer) openPort(name service.NamespacedName, port uint16,
 		}
 		p.lns = append(p.lns, ln)
 	}
-	h := s.handler(name)
-	for _, ln := range p.lns {
-		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	h := s.cfg.Limits.handler(s.handler(name))         // one token bucket for the port
+	conns := newConnLimit(s.cfg.Limits.MaxConnections) // shared by the port's addresses
+	for i, ln := range p.lns {
+		p.lns[i] = conns.listener(ln)
+		ln = p.lns[i]
+		srv := s.cfg.Limits.server(h)
 		p.servers = append(p.servers, srv)
 		s.wg.Add(1)
 		go func() {

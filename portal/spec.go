@@ -9,6 +9,7 @@ import (
 	"cmp"
 	"context"
 	"net/netip"
+	"slices"
 
 	"github.com/sirupsen/logrus"
 
@@ -47,6 +48,62 @@ type Spec struct {
 	// SourceRanges, when not empty, are the only client prefixes that reach the service through its
 	// load-balancer IPs (loadBalancerSourceRanges); everything else to those IPs is dropped.
 	SourceRanges []netip.Prefix
+
+	// Kernel, when set, puts the port on the kernel data path: kube-proxy's iptables-mode chains
+	// (portal/kernel) DNAT its traffic straight to the endpoints, and there is no proxy socket.
+	// ProxyPort, ExternalProxyPort and the Reject fields are then unused.
+	Kernel *KernelPath
+}
+
+// KernelPath is what the kernel data path needs of a service port beyond its addresses: the
+// endpoints each traffic policy uses on this node, and the session affinity.
+type KernelPath struct {
+	// Cluster are the endpoints of the Cluster traffic policy (kube-proxy's KUBE-SVC chain): used
+	// by cluster IPs unless internalTrafficPolicy is Local, and by external traffic unless
+	// externalTrafficPolicy is Local (and always by external traffic from the node and its pods).
+	Cluster []netip.AddrPort
+	// Local are the endpoints on this node (KUBE-SVL), used by a Local traffic policy.
+	Local []netip.AddrPort
+	// InternalLocal and ExternalLocal are the traffic policies.
+	InternalLocal, ExternalLocal bool
+	// AnyEndpoints reports whether the port has a usable endpoint anywhere: a Local policy with no
+	// local endpoint then drops (a load balancer may retry another node) instead of rejecting.
+	AnyEndpoints bool
+	// AffinitySeconds, when positive, is ClientIP session affinity with that timeout.
+	AffinitySeconds int
+}
+
+// EndpointCounter is what the kernel counted for one endpoint of a kernel-path port: the packets
+// and bytes through the DNAT rule of its KUBE-SEP chain. The nat table sees the first packet of
+// each connection (UDP: of each flow) only, so Packets counts new connections and Bytes their first
+// packets.
+type EndpointCounter struct {
+	Name     service.ServicePortName
+	Protocol service.Protocol
+	Endpoint netip.AddrPort
+	Chain    string
+	Packets  uint64
+	Bytes    uint64
+}
+
+// Equal reports whether two kernel paths are the same (nil only equals nil).
+func (k *KernelPath) Equal(o *KernelPath) bool {
+	if k == nil || o == nil {
+		return k == o
+	}
+	return k.InternalLocal == o.InternalLocal && k.ExternalLocal == o.ExternalLocal &&
+		k.AnyEndpoints == o.AnyEndpoints && k.AffinitySeconds == o.AffinitySeconds &&
+		slices.Equal(k.Cluster, o.Cluster) && slices.Equal(k.Local, o.Local)
+}
+
+// Clone returns a deep copy (nil for nil).
+func (k *KernelPath) Clone() *KernelPath {
+	if k == nil {
+		return nil
+	}
+	c := *k
+	c.Cluster, c.Local = slices.Clone(k.Cluster), slices.Clone(k.Local)
+	return &c
 }
 
 // ProxyPorts lists the distinct proxy ports of the spec.

@@ -57,10 +57,40 @@ func drainTimeout(svc *v1.Service) (time.Duration, error) {
 	}
 	d, err := time.ParseDuration(strings.TrimSpace(v))
 	if err != nil || d < time.Second || d > maxDrainTimeout {
-		return 0, fmt.Errorf("service %s/%s: annotation %s=%q: want a duration from 1s to 24h, such as 60s; the node's --drain-removed-endpoints applies: %w",
-			svc.Namespace, svc.Name, AnnotationDrainTimeout, v, ErrInvalidAnnotation)
+		return 0, fmt.Errorf("service %s/%s: annotation %s=%s: want a duration from 1s to 24h, such as 60s; the node's --drain-removed-endpoints applies: %w",
+			svc.Namespace, svc.Name, AnnotationDrainTimeout, quoteValue(v), ErrInvalidAnnotation)
 	}
 	return d, nil
+}
+
+// accessLog reads the access-log annotation: "true" logs this Service's connections and sessions
+// whatever --access-log says, "false" or unset leaves it to the flag. Anything else is reported
+// (wrapping ErrInvalidAnnotation) and means unset.
+func accessLog(svc *v1.Service) (bool, error) {
+	v, ok := svc.Annotations[AnnotationAccessLog]
+	if !ok {
+		return false, nil
+	}
+	switch strings.TrimSpace(v) {
+	case "true":
+		return true, nil
+	case "false":
+		return false, nil
+	}
+	return false, fmt.Errorf("service %s/%s: annotation %s=%s: want true or false; --access-log applies: %w",
+		svc.Namespace, svc.Name, AnnotationAccessLog, quoteValue(v), ErrInvalidAnnotation)
+}
+
+// maxQuotedValue bounds how much of a bad annotation value an error quotes: the error becomes a
+// Warning event on the Service and a log line, and a value may be 256 KiB.
+const maxQuotedValue = 64
+
+// quoteValue quotes an annotation value for an error, cut to maxQuotedValue bytes.
+func quoteValue(v string) string {
+	if len(v) <= maxQuotedValue {
+		return strconv.Quote(v)
+	}
+	return strconv.Quote(strings.ToValidUTF8(v[:maxQuotedValue], "")) + fmt.Sprintf("... (%d bytes)", len(v))
 }
 
 // ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
@@ -91,15 +121,20 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 		Affinity:        affinity(svc),
 		ExternalLocal:   externalPolicyLocal(svc),
 		InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
-		AccessLog:       svc.Annotations[AnnotationAccessLog] == "true",
 	}
+	accessLogOn, accessLogErr := accessLog(svc)
+	common.AccessLog = accessLogOn
+	var err error
 	if svc.Spec.TrafficDistribution != nil {
 		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
+	}
+	var dpErr error
+	if common.DataPath, dpErr = dataPath(svc); dpErr != nil {
+		errs = append(errs, dpErr)
 	}
 	var balErrs []error
 	common.Balancing, balErrs = balancing(svc)
 	errs = append(errs, balErrs...)
-	var err error
 	if common.DrainTimeout, err = drainTimeout(svc); err != nil {
 		errs = append(errs, err)
 	}
@@ -111,6 +146,9 @@ func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
 	errs = append(errs, rangeErrs...)
 	proxyProto, hold, connErrs := connectionPolicy(svc)
 	errs = append(errs, connErrs...)
+	if accessLogErr != nil {
+		errs = append(errs, accessLogErr)
+	}
 	for i := range svc.Spec.Ports {
 		sp := &svc.Spec.Ports[i]
 		name := service.ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
@@ -206,7 +244,7 @@ func balancing(svc *v1.Service) (service.Balancing, []error) {
 	var b service.Balancing
 	var errs []error
 	bad := func(key, value, why string) {
-		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%q: %s: %w", svc.Namespace, svc.Name, key, value, why, ErrInvalidAnnotation))
+		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%s: %s: %w", svc.Namespace, svc.Name, key, quoteValue(value), why, ErrInvalidAnnotation))
 	}
 	if v, ok := svc.Annotations[AnnotationAlgorithm]; ok {
 		switch a := service.Algorithm(strings.TrimSpace(v)); a {

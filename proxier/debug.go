@@ -28,6 +28,7 @@ func (p *Proxier) Services() []debugview.ServiceView {
 	}
 	p.mu.Unlock()
 	now := p.cfg.Clock.Now()
+	counters := p.kernelCounters()
 	out := make([]debugview.ServiceView, 0, len(ports))
 	for _, port := range ports {
 		v := debugview.ServiceView{
@@ -45,6 +46,10 @@ func (p *Proxier) Services() []debugview.ServiceView {
 			if a.ext != nil {
 				v.ExternalProxyPort = a.ext.proxyPort
 			}
+		}
+		v.DataPath = string(p.DataPathOf(port.Name))
+		if v.DataPath == string(service.DataPathKernel) {
+			v.Kernel = counters[port.Name]
 		}
 		p.fillSelection(&v, port)
 		v.Balancing = balancingView(port.Balancing)

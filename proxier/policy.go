@@ -147,7 +147,7 @@ const (
 func connectionPolicy(svc *v1.Service) (service.ProxyProtocol, time.Duration, []error) {
 	var errs []error
 	bad := func(key, value, why string) {
-		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%q: %s: %w", svc.Namespace, svc.Name, key, value, why, ErrInvalidAnnotation))
+		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%s: %s: %w", svc.Namespace, svc.Name, key, quoteValue(value), why, ErrInvalidAnnotation))
 	}
 	var pp service.ProxyProtocol
 	if v, ok := svc.Annotations[AnnotationProxyProtocol]; ok {

@@ -83,6 +83,11 @@ type Config struct {
 	// and before its garbage is handed back to the OS (the daemon lowers the GC target there:
 	// the start allocates far more than the steady state keeps).
 	AfterFirstSync func()
+	// KernelPath reports whether the portals can put a port on the kernel data path (iptables
+	// mode; bind mode has no NAT). DefaultDataPath is the data path of a Service without the
+	// data-path annotation ("" means proxy).
+	KernelPath      bool
+	DefaultDataPath service.DataPath
 	// Node is this node's name and zone, for traffic policies and topology hints.
 	Node   NodeTopology
 	Clock  clock.Clock
@@ -106,6 +111,9 @@ type Deps struct {
 	// Pods, if set, is kept up to date with the pods behind the endpoints of the ports whose
 	// access log is on (AccessLog.Pods).
 	Pods *PodIndex
+	// KernelCounters, if set, reads the KUBE-SEP counters of the kernel-path ports for the debug
+	// views (iptables.Portals.KernelCounters: cached, cheap).
+	KernelCounters func(ctx context.Context) ([]portal.EndpointCounter, error)
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
@@ -163,9 +171,19 @@ type Proxier struct {
 	activeMu sync.RWMutex
 	active   map[service.ServicePortName]*activePort
 
+	// kernel holds the ports on the kernel data path (no socket; see kernelpath.go). Written by
+	// the sync goroutine under activeMu.
+	kernel map[service.ServicePortName]*service.Port
+
 	// Owned by the sync goroutine.
 	services map[service.NamespacedName][]*service.Port
-	failed   map[service.ServicePortName]*service.Port
+	// retiring are the sockets of ports that moved to the kernel path, closed after the next
+	// portal sync that works.
+	retiring []*activePort
+	// kernelUDP are the kernel-path UDP ports as last applied, with their endpoints (see
+	// clearStaleKernelUDP).
+	kernelUDP map[service.ServicePortName]kernelUDPPort
+	failed    map[service.ServicePortName]*service.Port
 	// extFailed: ports whose external-traffic socket failed to open (logged once).
 	extFailed map[service.ServicePortName]bool
 	// unsynced names the service ports whose portal spec changed (socket opened or closed)
@@ -255,6 +273,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		sels:           make(map[service.ServicePortName]*portSelection),
 		hcLocal:        make(map[service.NamespacedName]int),
 		active:         make(map[service.ServicePortName]*activePort),
+		kernel:         make(map[service.ServicePortName]*service.Port),
 		services:       make(map[service.NamespacedName][]*service.Port),
 		failed:         make(map[service.ServicePortName]*service.Port),
 		extFailed:      make(map[service.ServicePortName]bool),
@@ -293,7 +312,7 @@ func (p *Proxier) Run(ctx context.Context) {
 
 func (p *Proxier) shutdown() {
 	p.activeMu.Lock()
-	for _, a := range p.active {
+	for _, a := range append(slices.Collect(maps.Values(p.active)), p.retiring...) {
 		for _, sock := range []*activePort{a, a.ext} {
 			if sock == nil {
 				continue
@@ -332,6 +351,7 @@ func (p *Proxier) OnServiceDelete(svc *v1.Service) { p.onService(nsName(svc.Name
 // OnServiceUpdate is called when a Service changes (old is nil for an add).
 func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	ports, errs := convertService(svc)
+	errs = append(errs, p.kernelConflicts(nsName(svc.Namespace, svc.Name), ports)...)
 	for _, err := range errs {
 		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
 		if errors.Is(err, ErrUnsupportedProtocol) {
@@ -484,7 +504,7 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) bool {
 		if sel.split {
 			p.setBalancer(port, externalName(port.Name), sel.External.Endpoints, true, serving)
 		}
-		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) {
+		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) || (p.onKernel(port) && !sel.endpointsEqual(old)) {
 			rulesChanged = true
 			if old != nil && old.split && !sel.split {
 				p.deps.Balancer.DeleteService(externalName(port.Name))

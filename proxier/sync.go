@@ -69,6 +69,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
+	p.closeRetired()
+	p.clearStaleKernelUDP(specs)
 	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
 		p.saveListenState()
 	}
@@ -108,10 +110,16 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 	for _, old := range previous {
 		if _, still := want[old.Name]; !still {
 			p.stopPort(old.Name, true)
+			p.leaveKernel(old.Name)
 			delete(p.failed, old.Name)
 		}
 	}
 	for _, port := range current {
+		if p.onKernel(port) {
+			p.toKernel(port)
+			continue
+		}
+		p.leaveKernel(port.Name)
 		p.activeMu.RLock()
 		a := p.active[port.Name]
 		p.activeMu.RUnlock()
@@ -416,6 +424,7 @@ func (p *Proxier) specs() []portal.Spec {
 		}
 		out = append(out, s)
 	}
+	out = p.kernelSpecs(out)
 	p.selMu.RUnlock()
 	p.activeMu.RUnlock()
 	slices.SortFunc(out, func(a, b portal.Spec) int {

@@ -115,11 +115,27 @@ type Port struct {
 	// HoldTimeout, when positive on a TCP port, holds new connections that find no endpoint for
 	// up to this long instead of refusing them (an annotation; UDP ports ignore it).
 	HoldTimeout time.Duration
+	// DataPath is the data path the Service asks for (an annotation); "" means the node's default.
+	DataPath DataPath
 	// DrainTimeout is how long the flows of an endpoint that left the rotation (terminating or
 	// removed) may continue before what is left is closed (FIN, then reset); 0 means unset: the
 	// node's --drain-removed-endpoints decides (an annotation).
 	DrainTimeout time.Duration
 }
+
+// DataPath is how a service port's traffic reaches its endpoints, spelled as the
+// portal-proxy.kubernetes.io/data-path annotation and --default-data-path take it.
+type DataPath string
+
+// The data paths.
+const (
+	// DataPathProxy: portal rules steer the traffic to a proxy socket that connects to the
+	// endpoint (visible: access log, per-endpoint flows, balancing policies).
+	DataPathProxy DataPath = "proxy"
+	// DataPathKernel: kube-proxy's iptables chains DNAT the traffic straight to the endpoint; no
+	// proxy socket, nothing in user space (portal/kernel).
+	DataPathKernel DataPath = "kernel"
+)
 
 // ProxyProtocol is a PROXY protocol version, spelled as the portal-proxy.kubernetes.io/proxy-protocol
 // annotation takes it.
@@ -188,7 +204,7 @@ func (p *Port) Equal(o *Port) bool {
 	return p.SocketEqual(o) && p.Name == o.Name && p.Affinity == o.Affinity &&
 		p.ExternalLocal == o.ExternalLocal && p.InternalLocal == o.InternalLocal &&
 		p.HealthCheckNodePort == o.HealthCheckNodePort && p.TrafficDistribution == o.TrafficDistribution &&
-		p.Balancing == o.Balancing && p.DrainTimeout == o.DrainTimeout &&
+		p.Balancing == o.Balancing && p.DrainTimeout == o.DrainTimeout && p.DataPath == o.DataPath &&
 		slices.Equal(p.LoadBalancerSourceRanges, o.LoadBalancerSourceRanges)
 }
 

@@ -89,14 +89,16 @@ func (p *Proxy) acceptLoop() error {
 // accept could see its address, so the client sees its connection reset rather than refused; it
 // never reaches an endpoint.
 func (p *Proxy) deny(fd int, peer netip.AddrPort) {
-	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
-	_ = unix.Close(fd)
+	// Counted and reported before the reset: a client (or a test) that has seen its reset must
+	// find it in the metrics and the access log already.
 	p.stats.sourceDenied.Add(1)
 	p.logger().WithField("client", peer.String()).Debug("client outside the allowed source ranges, reset")
 	if p.cfg.OnEnd != nil {
 		now := p.cfg.Clock.Now()
 		p.cfg.OnEnd(flow.Info{Client: peer, Start: now, LastActive: now, End: flow.SourceDenied})
 	}
+	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
+	_ = unix.Close(fd)
 }
 
 // listener returns the listening socket (nil while refusing) and the channel closed when it changes.
@@ -127,7 +129,7 @@ func (p *Proxy) SetRefusing(on bool) error {
 	if on {
 		old, p.ln = p.ln, nil
 	} else {
-		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+		ln, _, err := listenSock(p.addr, p.cfg.FreeBind, p.cfg.KeepAlive, p.engine().blockingListener())
 		if err != nil {
 			return fmt.Errorf("tcp proxy %s: listen again on %s: %w", p.name, p.addr, err)
 		}
@@ -136,6 +138,7 @@ func (p *Proxy) SetRefusing(on bool) error {
 	close(p.lnChanged)
 	p.lnChanged = make(chan struct{})
 	if old != nil {
+		p.engine().stopAccepting(p, old)
 		if err := old.close(); err != nil {
 			return fmt.Errorf("tcp proxy %s: close listener: %w", p.name, err)
 		}

@@ -12,14 +12,42 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 )
 
-// Benchmarks compare the proxy with a direct connection to the same loopback endpoint:
+// Benchmarks compare the proxy on each engine with a direct connection to the same loopback
+// endpoint, side by side in one run:
 //
 //	go test -run '^$' -bench . -benchtime 2s ./tcp/
 
+// benchNames are the targets of every benchmark: direct, then the proxy on each engine.
+var benchNames = []string{"direct", EngineEpoll, EngineIOUring}
+
 func benchTargets(b *testing.B, handler func(*net.TCPConn)) map[string]string {
 	ep := serve(b, "127.0.0.3", handler)
-	p := benchProxy(b, ep, Config{})
-	return map[string]string{"direct": ep.String(), "proxy": p.Addr().String()}
+	t := map[string]string{"direct": ep.String()}
+	for _, e := range benchEngines(b) {
+		t[e.Name()] = benchProxy(b, ep, Config{Engine: e}).Addr().String()
+	}
+	return t
+}
+
+// benchEngines returns an engine of each kind (io_uring only where it is available), closed when
+// the benchmark ends.
+func benchEngines(b *testing.B) []Engine {
+	engines := []Engine{Epoll}
+	if err := ProbeIOUring(); err == nil {
+		e := NewIOUring(0)
+		b.Cleanup(func() { e.Close() }) // registered before the proxies': runs after their Shutdown
+		engines = append(engines, e)
+	}
+	return engines
+}
+
+// benchRun runs f as a sub-benchmark for each target that exists.
+func benchRun(b *testing.B, targets map[string]string, f func(b *testing.B, addr string)) {
+	for _, name := range benchNames {
+		if addr, ok := targets[name]; ok {
+			b.Run(name, func(b *testing.B) { f(b, addr) })
+		}
+	}
 }
 
 func benchProxy(b *testing.B, ep netip.AddrPort, cfg Config) *Proxy {
@@ -36,71 +64,65 @@ func benchProxy(b *testing.B, ep netip.AddrPort, cfg Config) *Proxy {
 func BenchmarkBulkThroughput(b *testing.B) {
 	targets := benchTargets(b, func(c *net.TCPConn) { io.Copy(io.Discard, c); c.Write([]byte{1}) })
 	chunk := make([]byte, 1<<20)
-	for _, name := range []string{"direct", "proxy"} {
-		b.Run(name, func(b *testing.B) {
-			c, err := net.Dial("tcp4", targets[name])
-			if err != nil {
+	benchRun(b, targets, func(b *testing.B, addr string) {
+		c, err := net.Dial("tcp4", addr)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer c.Close()
+		b.SetBytes(int64(len(chunk)))
+		for b.Loop() {
+			if _, err := c.Write(chunk); err != nil {
 				b.Fatal(err)
 			}
-			defer c.Close()
-			b.SetBytes(int64(len(chunk)))
-			for b.Loop() {
-				if _, err := c.Write(chunk); err != nil {
-					b.Fatal(err)
-				}
-			}
-			c.(*net.TCPConn).CloseWrite()
-			io.ReadAll(c)
-		})
-	}
+		}
+		c.(*net.TCPConn).CloseWrite()
+		io.ReadAll(c)
+	})
 }
 
 func BenchmarkConnRate(b *testing.B) {
 	targets := benchTargets(b, echo)
-	for _, name := range []string{"direct", "proxy"} {
-		b.Run(name, func(b *testing.B) {
-			b.RunParallel(func(pb *testing.PB) {
-				buf := make([]byte, 4)
-				for pb.Next() {
-					c, err := net.Dial("tcp4", targets[name])
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					c.Write([]byte("ping"))
-					if _, err := io.ReadFull(c, buf); err != nil {
-						b.Error(err)
-					}
-					c.Close()
-				}
-			})
-		})
-	}
-}
-
-func BenchmarkKeepAliveRequests(b *testing.B) {
-	targets := benchTargets(b, echo)
-	for _, name := range []string{"direct", "proxy"} {
-		b.Run(name, func(b *testing.B) {
-			b.SetParallelism(8)
-			b.RunParallel(func(pb *testing.PB) {
-				c, err := net.Dial("tcp4", targets[name])
+	benchRun(b, targets, func(b *testing.B, addr string) {
+		b.RunParallel(func(pb *testing.PB) {
+			buf := make([]byte, 4)
+			for pb.Next() {
+				c, err := net.Dial("tcp4", addr)
 				if err != nil {
 					b.Error(err)
 					return
 				}
-				defer c.Close()
-				req, resp := make([]byte, 64), make([]byte, 64)
-				for pb.Next() {
-					c.Write(req)
-					if _, err := io.ReadFull(c, resp); err != nil {
-						b.Error(err)
-						return
-					}
+				c.Write([]byte("ping"))
+				if _, err := io.ReadFull(c, buf); err != nil {
+					b.Error(err)
 				}
-			})
+				c.Close()
+			}
 		})
-	}
+	})
+}
+
+func BenchmarkKeepAliveRequests(b *testing.B) {
+	targets := benchTargets(b, echo)
+	benchRun(b, targets, func(b *testing.B, addr string) {
+		b.SetParallelism(8)
+		b.RunParallel(func(pb *testing.PB) {
+			c, err := net.Dial("tcp4", addr)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			defer c.Close()
+			req, resp := make([]byte, 64), make([]byte, 64)
+			for pb.Next() {
+				c.Write(req)
+				if _, err := io.ReadFull(c, resp); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+	})
 }
 
 // BenchmarkIdleMemory reports the live Go heap a parked idle connection holds in the proxy: heap in
@@ -112,7 +134,6 @@ func BenchmarkKeepAliveRequests(b *testing.B) {
 func BenchmarkIdleMemory(b *testing.B) {
 	const benchConns = 1000
 	ep := serve(b, "127.0.0.3", echo)
-	p := benchProxy(b, ep, Config{ParkAfter: 10 * time.Millisecond})
 
 	// heapWith opens benchConns connections to addr, each with one byte echoed (the proxy has
 	// dialed by then), waits until only the endpoint's handler goroutines are left (one per
@@ -152,13 +173,18 @@ func BenchmarkIdleMemory(b *testing.B) {
 		runtime.ReadMemStats(&ms)
 		return ms.HeapAlloc
 	}
-	var heap float64
-	for b.Loop() {
-		direct := heapWith(ep.String())
-		proxied := heapWith(p.Addr().String())
-		heap = float64(int64(proxied)-int64(direct)) / benchConns
+	for _, e := range benchEngines(b) {
+		p := benchProxy(b, ep, Config{ParkAfter: 10 * time.Millisecond, Engine: e})
+		b.Run(e.Name(), func(b *testing.B) {
+			var heap float64
+			for b.Loop() {
+				direct := heapWith(ep.String())
+				proxied := heapWith(p.Addr().String())
+				heap = float64(int64(proxied)-int64(direct)) / benchConns
+			}
+			b.ReportMetric(heap, "heapB/idle-conn")
+		})
 	}
-	b.ReportMetric(heap, "heapB/idle-conn")
 }
 
 // BenchmarkDial compares the dial the proxy used before (package net, a timeout, a cancellable

@@ -25,10 +25,13 @@ type Observer interface {
 	FlowDone(ep netip.AddrPort, reset bool)
 }
 
-// conn is one accepted client connection and, once dialed, its endpoint connection.
+// conn is one accepted client connection and, once dialed, its endpoint connection. Its control
+// (the dial ladder, accounting, termination) is shared by the engines; client, backend, dialing
+// and the directions are the epoll engine's, u the io_uring engine's (nil on epoll).
 type conn struct {
 	p          *Proxy
 	id         uint64
+	u          *uconn
 	client     *sock
 	clientAddr netip.AddrPort
 	start      int64        // unix nanoseconds on the proxy clock
@@ -44,20 +47,32 @@ type conn struct {
 	end      flow.EndReason
 	err      error
 	closed   bool // sockets closed (or closing); no direction may park or restart
+	est      bool // the endpoint connection is established and the connection proxies
 	live     int  // owners not yet released: the dialing goroutine, then one per direction
 	eofs     int  // directions that saw FIN
 	counted  bool // endpoint connected and reported to the Observer: finish reports the end
 	drained  bool // drain deadline passed: both legs were sent FIN (see drain)
 }
 
-// handle starts serving an accepted connection (fd, from peer) on its own goroutine.
-func (p *Proxy) handle(fd int, peer netip.AddrPort) {
+// newConn counts and tracks a new connection from peer, with one owner; u is its io_uring part
+// (nil on epoll), set before the connection is visible to Shutdown and the others.
+func (p *Proxy) newConn(peer netip.AddrPort, u *uconn) *conn {
 	now := p.cfg.Clock.Now().UnixNano()
-	c := &conn{p: p, client: newSock(fd), clientAddr: peer, start: now, live: 1}
+	c := &conn{p: p, clientAddr: peer, start: now, live: 1, u: u}
+	if u != nil {
+		u.c = c
+	}
 	c.last.Store(now)
 	p.stats.total.Add(1)
 	p.stats.active.Add(1)
 	p.track(c)
+	return c
+}
+
+// handle starts serving an accepted connection (fd, from peer) on its own goroutine (epoll).
+func (p *Proxy) handle(fd int, peer netip.AddrPort) {
+	c := p.newConn(peer, nil)
+	c.client = newSock(fd)
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -99,7 +114,7 @@ func (c *conn) serve() {
 		c.release()
 		return
 	}
-	c.backend = be
+	c.backend, c.est = be, true
 	c.up.init(c, true, c.client, be)
 	c.down.init(c, false, be, c.client)
 	c.live++ // endpoint->client; client->endpoint inherits the dialer's share
@@ -137,18 +152,26 @@ func (c *conn) dial() (*sock, flow.EndReason, error) {
 			c.observed(ep, nil)
 			return s, flow.Unknown, nil
 		}
-		lastErr = c.dialFailed(ep, i, timeout, err)
-		if lastErr == nil || outOfResources(err) {
-			c.observed(ep, errNotEndpoints)
-		} else {
-			c.observed(ep, err)
-		}
-		if lastErr == nil {
+		var stop bool
+		if lastErr, stop = c.attemptFailed(ep, i, timeout, err); stop {
 			return nil, flow.Shutdown, err
 		}
 		reset = true
 	}
 	return nil, flow.DialFailed, dialsFailed(lastErr)
+}
+
+// attemptFailed counts, logs and reports to the Observer a failed dial attempt (i) to ep. It
+// returns the error naming the attempt, for the next one to carry; stop means the connection or
+// the proxy is closing and the ladder must end.
+func (c *conn) attemptFailed(ep netip.AddrPort, i int, timeout time.Duration, err error) (lastErr error, stop bool) {
+	lastErr = c.dialFailed(ep, i, timeout, err)
+	if lastErr == nil || outOfResources(err) {
+		c.observed(ep, errNotEndpoints)
+	} else {
+		c.observed(ep, err)
+	}
+	return lastErr, lastErr == nil
 }
 
 // errNotEndpoints stands for a dial that failed for the proxy's own reasons.
@@ -271,7 +294,7 @@ func (c *conn) logger() logrus.FieldLogger {
 func (c *conn) endpointAddr() netip.AddrPort {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.backend == nil {
+	if !c.est {
 		return netip.AddrPort{}
 	}
 	return c.endpoint
@@ -321,6 +344,13 @@ func (c *conn) terminate(reason flow.EndReason, rst bool) bool {
 	}
 	be, dialing, done := c.backend, c.dialing, c.live == 0
 	c.mu.Unlock()
+	if c.u != nil {
+		c.u.terminate(rst) // the loop closes the sockets, then releases its share
+		if done {
+			c.finish()
+		}
+		return true
+	}
 	if rst {
 		c.client.resetOnClose()
 		if be != nil {
@@ -358,11 +388,13 @@ func (c *conn) release() {
 
 // finish runs once, after the last owner is gone and the sockets are closed.
 func (c *conn) finish() {
-	c.up.releasePipe()
-	c.down.releasePipe()
-	pk := c.p.parker.Load()
-	pk.forget(&c.up)
-	pk.forget(&c.down)
+	if c.u == nil {
+		c.up.releasePipe()
+		c.down.releasePipe()
+		pk := c.p.parker.Load()
+		pk.forget(&c.up)
+		pk.forget(&c.down)
+	}
 	c.p.untrack(c)
 	c.mu.Lock()
 	end, counted, ep := c.end, c.counted, c.endpoint
@@ -383,7 +415,7 @@ func (c *conn) finish() {
 // connection is closing, was drained already, or has no endpoint connection yet.
 func (c *conn) drain() bool {
 	c.mu.Lock()
-	if c.closed || c.drained || c.backend == nil {
+	if c.closed || c.drained || !c.est {
 		c.mu.Unlock()
 		return false
 	}
@@ -391,6 +423,10 @@ func (c *conn) drain() bool {
 	c.end = flow.DrainTimeout
 	be := c.backend
 	c.mu.Unlock()
+	if c.u != nil {
+		c.u.drain()
+		return true
+	}
 	// Errors (a peer already gone) are left to the directions, which see them on their sockets.
 	_ = c.client.closeWrite()
 	_ = be.closeWrite()

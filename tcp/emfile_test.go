@@ -64,7 +64,7 @@ func TestAcceptBacksOffOnEMFILE(t *testing.T) {
 		if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
 			var ne net.Error
 			if !errors.As(err, &ne) || !ne.Timeout() {
-				t.Fatalf("client %d: %v, want echo or a wait in the backlog", i, err)
+				t.Fatalf("client %d: %v, want echo or a wait in the backlog\n%s", i, err, stderr.String())
 			}
 			waiting = c
 			break

@@ -1,6 +1,8 @@
 // Package tcp is the proxy socket of one TCP service port: it accepts client connections on the proxy
-// port, picks an endpoint, dials it with retries and splices bytes both ways with half-close, using
-// two file descriptors and no goroutine per idle connection (see splice.go and park.go).
+// port, picks an endpoint, dials it with retries and moves bytes both ways with half-close, using
+// two file descriptors and no goroutine per idle connection. The connection's control (conn.go,
+// hold.go) runs on one of two engines (engine.go): io_uring (uring.go) or the Go runtime poller
+// (splice.go, park.go).
 package tcp
 
 import (
@@ -78,6 +80,10 @@ type Config struct {
 	// ownership of the descriptor and binds nothing, so the socket's accept queue never lacks
 	// an owner. Nil, or no socket for the address, means Listen binds as usual.
 	Adopt func(addr netip.AddrPort) (fd int, ok bool)
+
+	// Engine accepts the connections and moves their bytes (engine.go); nil means Epoll. Proxies
+	// share one engine (ChooseEngine, at start).
+	Engine Engine
 }
 
 func (c Config) withDefaults() Config {
@@ -117,6 +123,9 @@ type Proxy struct {
 	lnChanged chan struct{}
 	addr      netip.AddrPort
 	adopted   bool // Listen took a handed-over socket (Config.Adopt)
+	// uacceptLn is the listener the io_uring engine's loops accept on, with uaccepts (uring.go).
+	uacceptLn *sock
+	uaccepts  []*uaccept
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
 	pkMu      sync.Mutex
@@ -171,9 +180,9 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 	var err error
 	fd, adopted := p.adopt(addr)
 	if adopted {
-		ln, bound, err = adoptSock(fd, p.cfg.KeepAlive)
+		ln, bound, err = adoptSock(fd, p.cfg.KeepAlive, p.engine().blockingListener())
 	} else {
-		ln, bound, err = listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive)
+		ln, bound, err = listenSock(addr, p.cfg.FreeBind, p.cfg.KeepAlive, p.engine().blockingListener())
 	}
 	if err != nil {
 		return fmt.Errorf("tcp proxy %s: listen on %s: %w", p.name, addr, err)
@@ -210,7 +219,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	p.startBackground()
 	stop := context.AfterFunc(ctx, func() { p.Close() })
 	defer stop()
-	return p.acceptLoop()
+	return p.engine().acceptLoop(p)
 }
 
 // Close stops accepting at once and keeps established connections (the legacy behaviour).
@@ -221,6 +230,9 @@ func (p *Proxy) Close() error {
 		p.lnMu.Lock()
 		ln := p.ln
 		p.ln = nil
+		if ln != nil {
+			p.engine().stopAccepting(p, ln)
+		}
 		p.lnMu.Unlock()
 		if ln != nil {
 			err = ln.close()

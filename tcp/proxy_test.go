@@ -498,20 +498,16 @@ func TestKeepAliveOnBothLegs(t *testing.T) {
 	if len(conns) != 1 {
 		t.Fatalf("%d live connections, want 1", len(conns))
 	}
-	conns[0].mu.Lock()
-	legs := map[string]*sock{"client": conns[0].client, "endpoint": conns[0].backend}
-	conns[0].mu.Unlock()
-	for name, leg := range legs {
+	client, endpoint := legFDs(conns[0])
+	for name, fd := range map[string]int{"client": client, "endpoint": endpoint} {
 		var on, idle, nodelay int
 		var gerr error
-		_ = leg.raw.Control(func(fd uintptr) {
-			if on, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE); gerr == nil {
-				idle, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
-			}
-			if gerr == nil {
-				nodelay, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY)
-			}
-		})
+		if on, gerr = unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE); gerr == nil {
+			idle, gerr = unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+		}
+		if gerr == nil {
+			nodelay, gerr = unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY)
+		}
 		if gerr != nil || on != 1 || idle != 7 || nodelay != 1 {
 			t.Errorf("%s leg: SO_KEEPALIVE=%d TCP_KEEPIDLE=%d TCP_NODELAY=%d (%v), want 1, 7 and 1", name, on, idle, nodelay, gerr)
 		}

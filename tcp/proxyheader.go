@@ -16,9 +16,9 @@ import (
 // path stays as it is. The socket has just connected and its send buffer is empty, so the write
 // of at most 107 bytes completes at once; a partial write is finished all the same.
 func (c *conn) sendProxyHeader(be *sock, v proxyprotocol.Version) error {
-	h := proxyprotocol.Header{Source: c.clientAddr, Destination: c.serviceAddr()}
 	var buf [proxyprotocol.MaxLen]byte
-	b := h.Append(buf[:0], v)
+	var b []byte
+	_ = c.client.raw.Control(func(fd uintptr) { b = c.proxyHeader(buf[:0], int(fd), v) })
 	var werr error
 	err := be.raw.Write(func(fd uintptr) bool {
 		for len(b) > 0 {
@@ -42,24 +42,26 @@ func (c *conn) sendProxyHeader(be *sock, v proxyprotocol.Version) error {
 	return werr
 }
 
+// proxyHeader appends the header of version v for this connection, whose client socket is fd.
+func (c *conn) proxyHeader(b []byte, fd int, v proxyprotocol.Version) []byte {
+	h := proxyprotocol.Header{Source: c.clientAddr, Destination: c.serviceAddr(fd)}
+	return h.Append(b, v)
+}
+
 // serviceAddr is the address the client connected to: in iptables mode the portal rule redirected
 // the connection, and conntrack still knows where it was going (SO_ORIGINAL_DST: the cluster IP,
 // node port or external address and the service port); in bind mode, or without conntrack, the
 // socket's local address is the service address itself. Invalid if neither is known, and the
 // header then says the addresses are unknown. Two syscalls, paid only by ports that send the
 // header.
-func (c *conn) serviceAddr() netip.AddrPort {
-	var addr netip.AddrPort
-	_ = c.client.raw.Control(func(fd uintptr) {
-		if a, err := originalDst(int(fd), c.clientAddr.Addr().Is4()); err == nil {
-			addr = a
-			return
-		}
-		if sa, err := unix.Getsockname(int(fd)); err == nil {
-			addr = sockopt.FromSockaddr(sa)
-		}
-	})
-	return addr
+func (c *conn) serviceAddr(fd int) netip.AddrPort {
+	if a, err := originalDst(fd, c.clientAddr.Addr().Is4()); err == nil {
+		return a
+	}
+	if sa, err := unix.Getsockname(fd); err == nil {
+		return sockopt.FromSockaddr(sa)
+	}
+	return netip.AddrPort{}
 }
 
 // originalDst asks conntrack for the destination of the connection before NAT (netfilter's

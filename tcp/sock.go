@@ -155,9 +155,15 @@ func (w *connectWait) probe(fd uintptr) bool {
 // IPv6, the largest backlog the kernel allows), plus IP_FREEBIND if asked and the options every
 // accepted socket inherits (setLegOptions). It is an os.File, not a net.TCPListener, because the
 // accept loop calls accept4 itself through RawConn.Read, which a listener's RawConn refuses.
-func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
+// A blocking socket (an engine that accepts through its own rings) stays out of the runtime
+// poller: os.NewFile registers only non-blocking descriptors.
+func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration, blocking bool) (*sock, netip.AddrPort, error) {
 	domain := sockopt.Family(addr.Addr())
-	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	typ := unix.SOCK_STREAM | unix.SOCK_NONBLOCK | unix.SOCK_CLOEXEC
+	if blocking {
+		typ &^= unix.SOCK_NONBLOCK
+	}
+	fd, err := unix.Socket(domain, typ, 0)
 	if err != nil {
 		return nil, netip.AddrPort{}, os.NewSyscallError("socket", err)
 	}
@@ -198,8 +204,18 @@ func listenSock(addr netip.AddrPort, freeBind bool, keepAlive time.Duration) (*s
 
 // adoptSock takes a listening socket another process bound (a hand-over) and sets on it what
 // listenSock would, for accepted sockets to inherit: the predecessor may be another version.
-func adoptSock(fd int, keepAlive time.Duration) (*sock, netip.AddrPort, error) {
-	err := os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, true))
+//
+// O_NONBLOCK belongs to the open file, which the predecessor shares until it exits. The epoll
+// engine needs it set. The io_uring engine (blocking) accepts either way, so it leaves it as it
+// is: clearing it under a predecessor on the epoll engine would make that one's accept4, a raw
+// system call, block its thread and P until a connection comes, and a garbage collection would
+// wait for it. (Left non-blocking, the socket is in the runtime poller, which then wakes for
+// connections it has no reader for: a cost, not a fault.)
+func adoptSock(fd int, keepAlive time.Duration, blocking bool) (*sock, netip.AddrPort, error) {
+	var err error
+	if !blocking {
+		err = os.NewSyscallError("set non-blocking", unix.SetNonblock(fd, true))
+	}
 	if err == nil {
 		err = setLegOptions(fd, keepAlive)
 	}

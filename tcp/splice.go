@@ -236,27 +236,36 @@ func (d *direction) count(n int64) {
 func (d *direction) eof() {
 	d.releasePipe()
 	c := d.c
-	c.mu.Lock()
-	if c.end == flow.Unknown { // before CloseWrite: the peer may answer our FIN with its own at once
-		c.end = flow.EndpointClosed
-		if d.up {
-			c.end = flow.ClientClosed
-		}
-	}
-	// The other direction already ended: closing both sockets (below) sends this FIN too, so the
-	// shutdown would be a wasted syscall. Nothing is unread on either socket (both reads saw EOF),
-	// so the close sends FIN, not RST.
-	last := c.eofs == 1
-	// drain shut both destinations down already; a second shutdown may fail (ENOTCONN once the
-	// peer's FIN completed the close) and would be taken for a broken leg.
-	drained := c.drained
-	c.mu.Unlock()
-	if !last && !drained {
+	if c.sawEOF(d.up) {
 		if err := d.dst.closeWrite(); err != nil {
 			d.broken(true, err)
 			return
 		}
 	}
+	c.eofForwarded()
+	c.release()
+}
+
+// sawEOF records that a direction (up: client->endpoint) read EOF, and says whether its
+// destination must be shut down for writing to forward the FIN (both engines).
+func (c *conn) sawEOF(up bool) (shut bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.end == flow.Unknown { // before the shutdown: the peer may answer our FIN with its own at once
+		c.end = flow.EndpointClosed
+		if up {
+			c.end = flow.ClientClosed
+		}
+	}
+	// The other direction already ended: closing both sockets sends this FIN too, so the shutdown
+	// would be a wasted syscall. Nothing is unread on either socket (both reads saw EOF), so the
+	// close sends FIN, not RST. And drain shut both destinations down already; a second shutdown
+	// may fail (ENOTCONN once the peer's FIN completed the close) and would be taken for a broken leg.
+	return c.eofs != 1 && !c.drained
+}
+
+// eofForwarded counts a direction that forwarded its EOF; the second one ends the connection.
+func (c *conn) eofForwarded() {
 	c.mu.Lock()
 	c.eofs++
 	both, end := c.eofs == 2, c.end
@@ -264,7 +273,6 @@ func (d *direction) eof() {
 	if both {
 		c.terminate(end, false)
 	}
-	c.release()
 }
 
 // broken handles a read (onWrite=false) or write error: the side that failed is gone or reset, so
@@ -272,19 +280,30 @@ func (d *direction) eof() {
 // closed file"), fail does nothing, so no error is built.
 func (d *direction) broken(onWrite bool, err error) {
 	d.releasePipe()
-	if !d.c.isClosed() {
-		op := "read"
-		if onWrite {
-			op = "write"
-		}
-		clientSide := d.up != onWrite // reading client->endpoint, or writing endpoint->client
-		reason := flow.EndpointReset
-		if clientSide {
-			reason = flow.ClientReset
-		}
-		d.c.fail(reason, fmt.Errorf("%s: %s: %w", d, op, err))
-	}
+	d.c.legFailed(d.up, onWrite, err)
 	d.c.release()
+}
+
+// legFailed resets the connection after a read (onWrite=false) or write error of a direction (up:
+// client->endpoint), with the reason naming the side that failed (both engines).
+func (c *conn) legFailed(up, onWrite bool, err error) {
+	if c.isClosed() {
+		return
+	}
+	op := "read"
+	if onWrite {
+		op = "write"
+	}
+	dir := "endpoint->client"
+	if up {
+		dir = "client->endpoint"
+	}
+	clientSide := up != onWrite // reading client->endpoint, or writing endpoint->client
+	reason := flow.EndpointReset
+	if clientSide {
+		reason = flow.ClientReset
+	}
+	c.fail(reason, fmt.Errorf("%s: %s: %w", dir, op, err))
 }
 
 // park hands the idle source to the watcher and lets the goroutine go (true). If the connection

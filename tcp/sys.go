@@ -92,3 +92,13 @@ func sysConnect(fd int, ep netip.AddrPort) error {
 	}
 	return errnoErr(e)
 }
+
+func sysClose(fd int) {
+	unix.RawSyscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
+}
+
+// sysLingerZero makes close send RST (SO_LINGER with a zero timeout).
+func sysLingerZero(fd int) {
+	l := unix.Linger{Onoff: 1, Linger: 0}
+	unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_LINGER, uintptr(unsafe.Pointer(&l)), unsafe.Sizeof(l), 0)
+}

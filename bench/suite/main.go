@@ -5,7 +5,11 @@
 //   - direct: the client reaches the pod, routed through the node;
 //   - kpp iptables: the real bin/kube-portal-proxy (--services-file) with iptables portals, the
 //     client connecting to the cluster IP;
+//   - kpp kernel: the same binary with --default-data-path kernel: kube-proxy's iptables chains
+//     DNAT the cluster IP straight to the pod, nothing in user space (the proxy's CPU is ~0);
 //   - kpp bind: the same binary in --portal-mode=bind;
+//   - kpp iptables epoll, kpp bind epoll: the same two with --io-engine=epoll (the others run the
+//     default engine: io_uring where the kernel allows it);
 //   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address;
 //   - legacy v1.25: the real userspace kube-proxy of Kubernetes v1.25 (hack/legacy-build.sh),
 //     reading the suite's Services and Endpoints from a real API server (e2e/framework);
@@ -73,7 +77,7 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,bind,haproxy,nginx,legacy,ceiling,compare); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,iptables-epoll,kernel,bind,bind-epoll,haproxy,nginx,legacy,ceiling,compare); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")

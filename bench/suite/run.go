@@ -162,8 +162,11 @@ type candidate struct {
 func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string, api *legacyAPI) []target {
 	all := []candidate{
 		{"direct", directTarget(), ""},
-		{"iptables", kppTarget(cfg.proxy, "iptables"), available("iptables-restore")},
-		{"bind", kppTarget(cfg.proxy, "bind"), ""},
+		{"iptables", kppTarget("kpp iptables", cfg.proxy, "iptables"), available("iptables-restore")},
+		{"kernel", kppTarget("kpp kernel", cfg.proxy, "iptables", "--default-data-path", "kernel"), available("iptables-restore")},
+		{"iptables-epoll", kppTarget("kpp iptables epoll", cfg.proxy, "iptables", "--io-engine", "epoll"), available("iptables-restore")},
+		{"bind", kppTarget("kpp bind", cfg.proxy, "bind"), ""},
+		{"bind-epoll", kppTarget("kpp bind epoll", cfg.proxy, "bind", "--io-engine", "epoll"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
 		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},

@@ -68,26 +68,27 @@ func directTarget() target {
 	}}
 }
 
-// kppTarget runs the real daemon on a services file in the given portal mode.
-func kppTarget(binary, mode string) target {
-	return target{name: "kpp " + mode, start: func(ctx context.Context, b *bed) (*running, error) {
+// kppTarget runs the real daemon on a services file in the given portal mode, with extra flags
+// (the kernel target: --default-data-path kernel).
+func kppTarget(name, binary, mode string, extra ...string) target {
+	return target{name: name, start: func(ctx context.Context, b *bed) (*running, error) {
 		file := filepath.Join(b.dir, "services.yaml")
 		if err := os.WriteFile(file, []byte(servicesYAML()), 0o644); err != nil {
 			return nil, err
 		}
-		logPath := filepath.Join(b.dir, "kpp-"+mode+".log")
+		logPath := filepath.Join(b.dir, strings.ReplaceAll(name, " ", "-")+".log")
 		log, err := os.Create(logPath)
 		if err != nil {
 			return nil, err
 		}
 		defer log.Close()
-		proc, err := startChild(ctx, b.tb.Node, "kube-portal-proxy", log, binary,
+		proc, err := startChild(ctx, b.tb.Node, "kube-portal-proxy", log, append([]string{binary,
 			"--services-file", file, "--portal-mode", mode,
 			"--healthz-bind-address", "", "--metrics-bind-address", "", "--log-level", "warn",
 			"--iptables-min-sync-period", "100ms", "--shutdown-timeout", "2s", "--oom-score-adj", "0",
 			// Leave conntrack sysctls alone: nf_conntrack_max is not the bed's to set.
 			"--conntrack-max-per-core", "0", "--conntrack-tcp-timeout-established", "0",
-			"--conntrack-tcp-timeout-close-wait", "0")
+			"--conntrack-tcp-timeout-close-wait", "0"}, extra...)...)
 		if err != nil {
 			return nil, err
 		}

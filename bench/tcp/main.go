@@ -49,9 +49,10 @@ var (
 	conc       = flag.Int("conc", 16, "concurrent clients in the rate tests")
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
-	only       = flag.String("only", "", "comma-separated targets (direct,kpp,evloop,iouring,iouring-spare-p,haproxy,nginx,compare); empty = all")
+	only       = flag.String("only", "", "comma-separated targets (direct,kpp,kpp-uring,evloop,iouring,iouring-spare-p,haproxy,nginx,compare); empty = all")
 	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
 	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
+	engine     = flag.String("engine", "epoll", "the TCP engine of role proxy: epoll, io_uring or auto (--io-engine)")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
 )
 
@@ -125,9 +126,17 @@ func runProxy() error {
 	}
 	log := logrus.New()
 	log.SetLevel(logrus.WarnLevel)
+	eng, fallback, err := tcp.ChooseEngine(*engine, nil)
+	if err != nil {
+		return err
+	}
+	if fallback != nil {
+		fmt.Fprintln(os.Stderr, "warning: io_uring unavailable, epoll engine:", fallback)
+	}
+	defer eng.Close()
 	for _, ep := range []struct{ name, addr, listen string }{{"echo", *echoEP, *listenEcho}, {"sink", *sinkEP, *listenSink}} {
 		p := tcp.New(service.ServicePortName{Namespace: "bench", Name: ep.name},
-			fixed(netip.MustParseAddrPort(ep.addr)), tcp.Config{Logger: log})
+			fixed(netip.MustParseAddrPort(ep.addr)), tcp.Config{Logger: log, Engine: eng})
 		if err := p.Listen(netip.MustParseAddrPort(ep.listen)); err != nil {
 			return err
 		}
@@ -169,6 +178,7 @@ func runBench() error {
 			return target{name: "direct", echo: addrs["echo"], sink: addrs["sink"], stop: func() {}}, nil
 		}},
 		{"kpp", func() (target, error) { return startOwn(self, "proxy", "kpp", addrs) }},
+		{"kpp-uring", func() (target, error) { return startOwn(self, "proxy", "kpp-uring", addrs, "-engine", "io_uring") }},
 		{"evloop", func() (target, error) { return startOwn(self, "evloop", "evloop", addrs) }},
 		{"iouring", func() (target, error) { return startOwn(self, "iouring", "iouring", addrs) }},
 		{"iouring-spare-p", func() (target, error) {

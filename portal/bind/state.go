@@ -59,10 +59,7 @@ type StateFile struct {
 // whether it wrote.
 func (f *StateFile) Save(ports []ListenState) (bool, error) {
 	ports = slices.Clone(ports)
-	slices.SortFunc(ports, func(a, b ListenState) int {
-		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
-			cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
-	})
+	sortStates(ports)
 	data, err := json.Marshal(stateFile{Version: StateVersion, Ports: ports})
 	if err != nil {
 		return false, fmt.Errorf("bind state %s: encode: %w", f.Path, err)
@@ -75,6 +72,14 @@ func (f *StateFile) Save(ports []ListenState) (bool, error) {
 	}
 	f.last = data
 	return true, nil
+}
+
+// sortStates sorts ports by name and protocol, the order of the file.
+func sortStates(ports []ListenState) {
+	slices.SortFunc(ports, func(a, b ListenState) int {
+		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
+			cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
+	})
 }
 
 // writeAtomic replaces path with data: a reader (or a killed writer) sees the old file or the new
@@ -110,14 +115,64 @@ func ReadState(path string) ([]ListenState, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bind state %s: %w", path, err)
 	}
+	ports, err := decodeState(data)
+	if err != nil {
+		return nil, fmt.Errorf("bind state %s: %w", path, err)
+	}
+	return ports, nil
+}
+
+// decodeState decodes a state file's content. Anything the proxier could not reopen as it is (a
+// port without a name or an address, an invalid address, another protocol, a name listed twice)
+// rejects the whole file: it was not written by a proxy of this version, and half of it could
+// hold sockets no sync would ever close (a second entry of one name replaced the first one's).
+func decodeState(data []byte) ([]ListenState, error) {
 	var st stateFile
 	if err := json.Unmarshal(data, &st); err != nil {
-		return nil, fmt.Errorf("bind state %s: %w: %w", path, ErrStateCorrupt, err)
+		return nil, fmt.Errorf("%w: %w", ErrStateCorrupt, err)
 	}
 	if st.Version != StateVersion {
-		return nil, fmt.Errorf("bind state %s: %w: version %d, want %d", path, ErrStateCorrupt, st.Version, StateVersion)
+		return nil, fmt.Errorf("%w: version %d, want %d", ErrStateCorrupt, st.Version, StateVersion)
+	}
+	seen := make(map[service.ServicePortName]bool, len(st.Ports))
+	for i, p := range st.Ports {
+		if err := p.validate(); err != nil {
+			return nil, fmt.Errorf("%w: ports[%d] %s: %w", ErrStateCorrupt, i, p.Name, err)
+		}
+		if seen[p.Name] {
+			return nil, fmt.Errorf("%w: ports[%d] %s: listed twice", ErrStateCorrupt, i, p.Name)
+		}
+		seen[p.Name] = true
 	}
 	return st.Ports, nil
+}
+
+// validate checks that a port can be reopened as it says.
+func (p ListenState) validate() error {
+	switch {
+	case p.Name.Namespace == "" || p.Name.Name == "":
+		return errors.New("no namespace/name")
+	case p.Protocol != service.TCP && p.Protocol != service.UDP:
+		return fmt.Errorf("protocol %q, want TCP or UDP", p.Protocol)
+	case len(p.Listen) == 0:
+		return errors.New("no address to listen on")
+	}
+	for _, a := range append(slices.Clone(p.Listen), p.External...) {
+		if !a.IsValid() || a.Port() == 0 || a.Addr().Zone() != "" {
+			return fmt.Errorf("listen address %q: want an address without zone and a port", a)
+		}
+	}
+	for _, a := range p.LoadBalancerIPs {
+		if !a.IsValid() || a.Zone() != "" {
+			return fmt.Errorf("load-balancer IP %q", a)
+		}
+	}
+	for _, r := range p.SourceRanges {
+		if !r.IsValid() {
+			return fmt.Errorf("source range %q", r)
+		}
+	}
+	return nil
 }
 
 // Present keeps the ports whose every address is still local (on the portal link or another

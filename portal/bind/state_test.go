@@ -112,6 +112,17 @@ func TestReadState(t *testing.T) {
 		{name: "corrupt_file", content: `{"version":1,"ports":[{`, corrupt: true},
 		{name: "unknown_version", content: `{"version":2,"ports":[]}`, corrupt: true},
 		{name: "bad_address", content: `{"version":1,"ports":[{"listen":["10.96.0.300:80"]}]}`, corrupt: true},
+		// Files a proxy of this version never writes: each was accepted (and reopened) before
+		// the entries were checked.
+		{name: "another_protocol", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"SCTP","listen":["10.96.0.1:80"]}]}`, corrupt: true},
+		{name: "no_protocol", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"listen":["10.96.0.1:80"]}]}`, corrupt: true},
+		{name: "no_name", content: `{"version":1,"ports":[{"protocol":"TCP","listen":["10.96.0.1:80"]}]}`, corrupt: true},
+		{name: "no_listen_address", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"TCP"}]}`, corrupt: true},
+		{name: "listen_port_zero", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"TCP","listen":["10.96.0.1:0"]}]}`, corrupt: true},
+		{name: "listen_with_zone", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"TCP","listen":["[fe80::1%eth0]:80"]}]}`, corrupt: true},
+		{name: "empty_load_balancer_ip", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"TCP","listen":["10.96.0.1:80"],"loadBalancerIPs":[""]}]}`, corrupt: true},
+		{name: "empty_source_range", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"TCP","listen":["10.96.0.1:80"],"sourceRanges":[""]}]}`, corrupt: true},
+		{name: "name_listed_twice", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b"},"protocol":"TCP","listen":["10.96.0.1:80"]},{"name":{"Namespace":"a","Name":"b"},"protocol":"UDP","listen":["10.96.0.1:80"]}]}`, corrupt: true},
 		{name: "valid", content: `{"version":1,"ports":[{"name":{"Namespace":"a","Name":"b","Port":"c"},"protocol":"TCP","listen":["10.96.0.1:80"]}]}`, ports: 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -32,7 +32,11 @@ func TestBenchmarkPortalSync(t *testing.T) {
 		lab := netns.NewTestLab(t)
 		node := lab.MustAdd(t, "bench")
 		runner := &ExecRunner{Prefix: node.CommandPrefix(), Variant: variant}
-		p := New(v4Config(), runner)
+		cfg := v4Config()
+		// KPP_BENCH_KERNEL_PATH=1: as the daemon runs iptables mode, with the kernel data path's
+		// top-level chains beside the (proxy-path) portals.
+		cfg.KernelPath = os.Getenv("KPP_BENCH_KERNEL_PATH") == "1"
+		p := New(cfg, runner)
 		specs := manySpecs(n, 20000)
 		slices.SortFunc(specs, portal.CompareSpecs) // as the proxier passes them
 		rules := 2 * n
@@ -90,7 +94,7 @@ func TestBenchmarkPortalSync(t *testing.T) {
 		}
 		perCheck := time.Since(start) / time.Duration(len(legacyRules))
 
-		t.Logf("%d service ports (%d nat rules), iptables variant %q:", n, rules, variant)
+		t.Logf("%d service ports (%d nat rules), iptables variant %q, kernel path chains %v:", n, rules, variant, cfg.KernelPath)
 		t.Logf("  restore: full sync from nothing %v, one proxy port changed %v (new rules in force after %v), one port added %v, no change %v",
 			full.Round(time.Millisecond), change.Round(time.Millisecond), effective.Round(time.Millisecond),
 			added.Round(time.Millisecond), noop.Round(time.Microsecond))

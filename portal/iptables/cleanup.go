@@ -63,7 +63,7 @@ func cleanupTable(c Chains, table string) error {
 		}
 		for _, r := range rules {
 			body, ok := strings.CutPrefix(r, "-A "+chain+" ")
-			if !ok || !isOwned(table, jumpTarget(body)) {
+			if !ok || !ourJump(table, chain, body) {
 				continue
 			}
 			if err := c.Delete(table, chain, splitRule(body)...); err != nil {

@@ -31,9 +31,21 @@ type Config struct {
 	// ProtectProxyPorts adds the KUBE-PORTALS-GUARD filter chain: a new connection from outside the
 	// node reaches a proxy port only when a portal rule translated it (conntrack state DNAT).
 	ProtectProxyPorts bool
+	// KernelPath keeps the kernel data path's top-level chains and jumps (kube-proxy's
+	// KUBE-SERVICES, KUBE-POSTROUTING, ...; see portal/kernel) and programs the specs that ask for
+	// it (Spec.Kernel). Off, such specs are skipped with an error.
+	KernelPath bool
+	// ConntrackTCPLiberal says nf_conntrack_tcp_be_liberal is set (--conntrack-tcp-be-liberal):
+	// the kernel path then drops no INVALID packets in KUBE-FORWARD.
+	ConntrackTCPLiberal bool
+	// NoRandomFully leaves --random-fully off the kernel path's MASQUERADE (HasRandomFully false).
+	NoRandomFully bool
 	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
 	// repairs them; 0 means DefaultVerifyPeriod.
 	VerifyPeriod time.Duration
+	// CounterInterval is how long KernelCounters reuses one read of the counters; 0 means
+	// DefaultCounterInterval.
+	CounterInterval time.Duration
 	// Clock drives VerifyPeriod; nil means the real clock.
 	Clock  clock.PassiveClock
 	Logger logrus.FieldLogger
@@ -46,6 +58,9 @@ func (c Config) withDefaults() Config {
 	c.BindAddress = c.BindAddress.Unmap()
 	if c.VerifyPeriod <= 0 {
 		c.VerifyPeriod = DefaultVerifyPeriod
+	}
+	if c.CounterInterval <= 0 {
+		c.CounterInterval = DefaultCounterInterval
 	}
 	if c.Clock == nil {
 		c.Clock = clock.RealClock{}

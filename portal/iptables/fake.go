@@ -24,6 +24,9 @@ type Fake struct {
 	NoNAT bool
 	// Unavailable marks families whose binaries are "not installed".
 	Unavailable map[portal.Family]bool
+	// Counters, keyed by "CHAIN rule-body", are the [packets, bytes] SaveCounters shows for a
+	// rule (others show [0:0]). Set before use; read under the fake's lock.
+	Counters map[string][2]uint64
 
 	mu       sync.Mutex
 	fams     map[portal.Family]map[string]*fakeTable
@@ -164,6 +167,25 @@ func (f *Fake) Save(_ context.Context, fam portal.Family, table string) ([]byte,
 		return nil, &ExitError{Command: "iptables-save", Code: 1, Stderr: "table '" + table + "' does not exist"}
 	}
 	return []byte(t.save(table)), nil
+}
+
+// SaveCounters implements CounterSaver: Save with every rule prefixed by its counters.
+func (f *Fake) SaveCounters(ctx context.Context, fam portal.Family, table string) ([]byte, error) {
+	data, err := f.Save(ctx, fam, table)
+	if err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var sb strings.Builder
+	for _, l := range strings.SplitAfter(string(data), "\n") {
+		if rule, ok := strings.CutPrefix(l, "-A "); ok {
+			c := f.Counters[strings.TrimSuffix(rule, "\n")]
+			fmt.Fprintf(&sb, "[%d:%d] ", c[0], c[1])
+		}
+		sb.WriteString(l)
+	}
+	return []byte(sb.String()), nil
 }
 
 // Command implements Runner for -A, -I, -D, -C, -N, -F and -X (with -t TABLE, default filter).

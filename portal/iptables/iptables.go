@@ -55,9 +55,16 @@ type Portals struct {
 	// repeat Sync with the same specs returns without rebuilding 10,000s of rule strings.
 	applied []portal.Spec
 
-	viewMu sync.Mutex // guards stats and view; never held while running a command
+	viewMu sync.Mutex // guards stats, view and kernelPorts; never held while running a command
 	stats  Stats
 	view   map[portal.Family]map[string]*tableState
+	// kernelPorts counts the specs on the kernel path in the last Sync.
+	kernelPorts int
+
+	// counterMu serialises KernelCounters and guards its cache.
+	counterMu  sync.Mutex
+	counters   []portal.EndpointCounter
+	countersAt time.Time
 }
 
 // New returns the iptables portals. It runs nothing: the first Sync reads the live tables
@@ -89,10 +96,20 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 		s := &sorted[i]
 		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
 		s.SourceRanges = slices.Clone(s.SourceRanges)
+		s.Kernel = s.Kernel.Clone()
 	}
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
 		return nil
 	}
+	nk := 0
+	for i := range sorted {
+		if sorted[i].Kernel != nil && p.cfg.KernelPath {
+			nk++
+		}
+	}
+	p.viewMu.Lock()
+	p.kernelPorts = nk
+	p.viewMu.Unlock()
 	p.applied = nil
 	verified := true
 	var errs []error
@@ -322,5 +339,6 @@ func specEqual(a, b portal.Spec) bool {
 		a.ProxyPort == b.ProxyPort && a.ExternalProxyPort == b.ExternalProxyPort &&
 		a.RejectInternal == b.RejectInternal && a.RejectExternal == b.RejectExternal &&
 		slices.Equal(a.ClusterIPs, b.ClusterIPs) && slices.Equal(a.ExternalIPs, b.ExternalIPs) &&
-		slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs) && slices.Equal(a.SourceRanges, b.SourceRanges)
+		slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs) && slices.Equal(a.SourceRanges, b.SourceRanges) &&
+		a.Kernel.Equal(b.Kernel)
 }

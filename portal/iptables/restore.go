@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/kernel"
 )
 
 // maxIncrementalDeletes bounds the "-D CHAIN <rule>" lines one restore may use on a chain before
@@ -18,7 +20,7 @@ const maxIncrementalDeletes = 100
 // jumpHead records which jump bodies are inserted at the head of their chain.
 var jumpHead = func() map[string]bool {
 	m := map[string]bool{}
-	for _, j := range wantedJumps(true) {
+	for _, j := range append(wantedJumps(true), kernelJumps()...) {
 		m[j.body] = j.head
 	}
 	return m
@@ -52,10 +54,17 @@ func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 	}
 	result := newTableState()
 	var decl, jumpDel, body, jumpAdd, drop, deletes []string
-	for _, c := range ownedChains[table] {
+	// Kernel-path chains no longer wanted go in the cleanup transaction, after the deletes: a
+	// rule of a chain changed by head insert and delete (KUBE-SERVICES) may still jump to them
+	// until then, and they jump to each other, so all are flushed before any is removed.
+	var kDecl, kDrop []string
+	for _, c := range chainOrder(table, have, want) {
 		w, wanted := want.chains[c]
 		h, exists := have.chains[c]
 		switch {
+		case !wanted && exists && isKernelChain(table, c):
+			kDecl = append(kDecl, ":"+c+" - [0:0]")
+			kDrop = append(kDrop, "-X "+c)
 		case !wanted && exists:
 			decl = append(decl, ":"+c+" - [0:0]")
 			drop = append(drop, "-X "+c)
@@ -69,7 +78,7 @@ func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 			switch {
 			case len(removed) == 0 && len(added) == 0:
 				result.chains[c] = h
-			case !rewrite && len(removed) <= maxIncrementalDeletes:
+			case !rewrite && len(removed) <= maxIncrementalDeletes && !kernel.Ordered(table, c):
 				// Inserted last first, so the added rules end up at the head in their own order.
 				for i := len(added) - 1; i >= 0; i-- {
 					body = append(body, "-I "+c+" 1 "+added[i])
@@ -105,7 +114,7 @@ func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 	}
 	return plan{
 		apply:   restoreInput(table, decl, jumpDel, body, jumpAdd, drop),
-		cleanup: restoreInput(table, deletes),
+		cleanup: restoreInput(table, kDecl, deletes, kDrop),
 		result:  result,
 	}
 }
@@ -216,7 +225,7 @@ func parseSave(table string, data []byte) (*tableState, error) {
 			chain, body, _ := strings.Cut(line[3:], " ")
 			if isOwned(table, chain) {
 				st.chains[chain] = append(st.chains[chain], body)
-			} else if isOwned(table, jumpTarget(body)) {
+			} else if ourJump(table, chain, body) {
 				st.jumps[chain] = append(st.jumps[chain], body)
 			}
 		}
@@ -244,7 +253,8 @@ func jumpTarget(body string) string {
 func render(table string, st *tableState) string {
 	var sb strings.Builder
 	sb.WriteString("*" + table + "\n")
-	for _, c := range ownedChains[table] {
+	order := chainOrder(table, st)
+	for _, c := range order {
 		if _, ok := st.chains[c]; ok {
 			sb.WriteString(":" + c + " - [0:0]\n")
 		}
@@ -254,7 +264,7 @@ func render(table string, st *tableState) string {
 			sb.WriteString("-A " + chain + " " + j + "\n")
 		}
 	}
-	for _, c := range ownedChains[table] {
+	for _, c := range order {
 		for _, r := range st.chains[c] {
 			sb.WriteString("-A " + c + " " + r + "\n")
 		}

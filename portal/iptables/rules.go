@@ -51,7 +51,9 @@ var ownedChains = map[string][]string{
 	tableFilter: {ChainNodePortNonLocal, ChainGuard, ChainFirewall, ChainReject},
 }
 
-func isOwned(table, chain string) bool { return slices.Contains(ownedChains[table], chain) }
+func isOwned(table, chain string) bool {
+	return slices.Contains(ownedChains[table], chain) || isKernelChain(table, chain)
+}
 
 // jump is one rule in a built-in chain that sends packets into one of our chains.
 type jump struct {
@@ -91,7 +93,8 @@ func filterJumps(chain string) []jump {
 	return []jump{{tableFilter, chain, true, jumpFirewallBody}, {tableFilter, chain, true, jumpRejectBody}}
 }
 
-// wantedJumps are the jump rules in the order they must appear in their built-in chains.
+// wantedJumps are the jump rules in the order they must appear in their built-in chains (the
+// kernel path's, when on, are added by addKernel).
 func wantedJumps(protect bool) []jump {
 	js := []jump{jumpPortalsContainer, jumpNodePortContainer, jumpPortalsHost, jumpNodePortHost}
 	for _, chain := range []string{"INPUT", "FORWARD", "OUTPUT"} {
@@ -200,7 +203,27 @@ func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules
 	}
 
 	var errs []error
+	if cfg.KernelPath {
+		var kspecs []portal.Spec
+		for i := range specs {
+			if specs[i].Kernel == nil {
+				continue
+			}
+			if err := validateKernel(&specs[i]); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			kspecs = append(kspecs, specs[i])
+		}
+		b.addKernel(cfg, kspecs)
+	}
 	for i := range specs {
+		if specs[i].Kernel != nil {
+			if !cfg.KernelPath {
+				errs = append(errs, fmt.Errorf("portal %s: the kernel data path is off on this node", specs[i].Name))
+			}
+			continue
+		}
 		if err := validate(&specs[i]); err != nil {
 			errs = append(errs, err)
 			continue

@@ -154,7 +154,11 @@ func parseRule(body string) (parsedRule, bool) {
 	if _, t, found := strings.Cut(body, "-j REDIRECT --to-ports "); found {
 		target = t
 	} else if _, t, found := strings.Cut(body, "-j DNAT --to-destination "); found {
-		ap, err := netip.ParseAddrPort(strings.Fields(t)[0])
+		f := strings.Fields(t)
+		if len(f) == 0 { // the rule ends there: not one of ours (it crashed the reader)
+			return r, false
+		}
+		ap, err := netip.ParseAddrPort(f[0])
 		if err != nil {
 			return r, false
 		}
@@ -162,7 +166,11 @@ func parseRule(body string) (parsedRule, bool) {
 	} else {
 		return r, false
 	}
-	n, err := strconv.ParseUint(strings.Fields(target + " ")[0], 10, 16)
+	f := strings.Fields(target)
+	if len(f) == 0 {
+		return r, false
+	}
+	n, err := strconv.ParseUint(f[0], 10, 16)
 	if err != nil || n == 0 {
 		return r, false
 	}

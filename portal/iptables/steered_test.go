@@ -100,6 +100,11 @@ func TestParseRule(t *testing.T) {
 		{`-m comment --comment "handle ClusterIPs; NOTE: this must be before the NodePort rules" -j KUBE-PORTALS-CONTAINER`, parsedRule{}, false},
 		{`-p tcp -m comment --comment "no-slash" -m tcp --dport 80 -j REDIRECT --to-ports 1`, parsedRule{}, false},
 		{`-p tcp -m comment --comment "a/b" -m tcp --dport 80 -j REDIRECT --to-ports 0`, parsedRule{}, false},
+		// Found by FuzzParseRule (testdata/fuzz/FuzzParseRule/a5c9f12125c93f8d): a DNAT rule
+		// that ends after --to-destination panicked the restart's read-back.
+		{`-p udp --comment "0/0"-j DNAT --to-destination `, parsedRule{}, false},
+		{`-p tcp -m comment --comment "a/b" -j DNAT --to-destination    `, parsedRule{}, false},
+		{`-p tcp -m comment --comment "a/b" -j REDIRECT --to-ports `, parsedRule{}, false},
 	}
 	for _, tt := range tests {
 		got, ok := parseRule(tt.body)

@@ -289,7 +289,10 @@ func parseFile(file string) (*manifestSet, error) {
 	set := newManifestSet()
 	for i, doc := range docs {
 		if err := set.addDecoded(decoded[i]); err != nil {
-			return nil, fmt.Errorf("%s:%d: %w", file, doc.line+errorLine(err), err)
+			// The YAML parser names the line after the last one when the document ends too
+			// early; the file has no such line, so name its last.
+			line := min(doc.line+errorLine(err), doc.line+max(bytes.Count(doc.body, []byte("\n"))-1, 0))
+			return nil, fmt.Errorf("%s:%d: %w", file, line, err)
 		}
 	}
 	return set, nil

@@ -200,6 +200,9 @@ func TestParseManifestErrors(t *testing.T) {
 		{"no_name", "apiVersion: v1\nkind: Service\nspec: {clusterIP: 10.96.0.1}\n", "f.yaml:1: Service without metadata.name"},
 		{"duplicate", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: a}\n", "f.yaml:5: Service default/a defined twice"},
 		{"bad_ip", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.300}\n", `f.yaml:1: Service default/a: invalid IP "10.96.0.300"`},
+		// Found by FuzzServicesFile (testdata/fuzz/FuzzServicesFile/059d92ea9b26d534): the YAML
+		// error at the end of a 2-line file named line 3.
+		{"error_at_the_end_names_the_last_line", "0000000000: 0\n0", "f.yaml:2: yaml: line 3: could not find expected ':'"},
 		{"slice_without_owner", "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s}\naddressType: IPv4\n", "f.yaml:1: endpointslice default/s: no kubernetes.io/service-name label"},
 	}
 	for _, tc := range tests {

@@ -11,10 +11,12 @@ package config
 // document this path cannot take, goes the old way, so its errors stay those of the API machinery.
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"slices"
 	"strconv"
 	"unicode/utf8"
@@ -30,6 +32,16 @@ import (
 // manifestJSON converts one YAML document to JSON and returns its top-level apiVersion and kind
 // ("" when absent or not strings). js is nil for an empty document.
 func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
+	if !startsAsMapping(body) {
+		// A sequence would decode into the MapSlice (a slice) without a type error, a list of
+		// {key: ..., value: ...} mappings even as an object; tags, anchors and directives are
+		// left to the old path too.
+		js, err := sigsyaml.YAMLToJSON(body)
+		if err == nil && bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+			return nil, "", "", nil // an empty document with an anchor or a tag ("&a", "!!null")
+		}
+		return js, "", "", err
+	}
 	var doc yaml.MapSlice
 	if err := yaml.Unmarshal(body, &doc); err != nil {
 		var te *yaml.TypeError
@@ -42,6 +54,9 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 		return js, "", "", err
 	}
 	if doc == nil {
+		if t := firstToken(body); len(t) > 0 && t[0] == '{' {
+			return []byte("{}"), "", "", nil // an empty mapping, not an empty document: no kind
+		}
 		return nil, "", "", nil
 	}
 	for _, it := range doc {
@@ -54,6 +69,34 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 	}
 	js, err = appendJSON(make([]byte, 0, len(body)+len(body)/2), doc)
 	return js, apiVersion, kind, err
+}
+
+// firstToken is the rest of the line where a document's first token starts (after blank and
+// comment lines), nil for none.
+func firstToken(body []byte) []byte {
+	for line := range bytes.SplitSeq(body, []byte("\n")) {
+		if t := bytes.TrimLeft(line, " \t\r"); len(t) > 0 && t[0] != '#' {
+			return t
+		}
+	}
+	return nil
+}
+
+// startsAsMapping reports whether a document's first token can only start a mapping or a scalar:
+// not a block sequence entry ("- "), a flow sequence ("["), a tag, anchor, alias, directive or
+// block scalar.
+func startsAsMapping(body []byte) bool {
+	t := firstToken(body)
+	if len(t) == 0 {
+		return true // empty: the parser says so
+	}
+	switch t[0] {
+	case '[', '!', '&', '*', '%', '|', '>':
+		return false
+	case '-':
+		return len(t) > 1 && t[1] != ' ' && t[1] != '\t' && t[1] != '\r'
+	}
+	return true
 }
 
 // decodeKnown decodes a Service, an EndpointSlice or a List, or returns nil for anything else.
@@ -114,7 +157,7 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 			if i > 0 {
 				b = append(b, ',')
 			}
-			key, err := jsonKey(it.Key)
+			key, err := jsonKey(it.Key, it.Value)
 			if err != nil {
 				return nil, err
 			}
@@ -128,7 +171,7 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 		keys := make([]string, 0, len(v))
 		byKey := make(map[string]any, len(v))
 		for k, e := range v {
-			key, err := jsonKey(k)
+			key, err := jsonKey(k, e)
 			if err != nil {
 				return nil, err
 			}
@@ -150,8 +193,9 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 	}
 }
 
-// jsonKey is a YAML map key as a JSON object key (sigs.k8s.io/yaml's conversion).
-func jsonKey(k any) (string, error) {
+// jsonKey is a YAML map key as a JSON object key (sigs.k8s.io/yaml's conversion, and its error,
+// which names the value too).
+func jsonKey(k, v any) (string, error) {
 	switch k := k.(type) {
 	case string:
 		return k, nil
@@ -173,7 +217,7 @@ func jsonKey(k any) (string, error) {
 	case bool:
 		return strconv.FormatBool(k), nil
 	default:
-		return "", fmt.Errorf("unsupported map key of type: %T, key: %+#v", k, k)
+		return "", fmt.Errorf("unsupported map key of type: %s, key: %+#v, value: %+#v", reflect.TypeOf(k), k, v)
 	}
 }
 

@@ -98,6 +98,16 @@ items:
 		{"null", "null\n"},
 		{"scalar_rejected", "just text\n"},
 		{"list_at_top_rejected", "- a\n- b\n"},
+		// Found by FuzzDecodeDocument (testdata/fuzz/FuzzDecodeDocument/a31f4cdf15032057): a YAML
+		// sequence decodes into a yaml.MapSlice (a slice) without a type error, so "[]" was an
+		// object without a kind, and a sequence of {key, value} mappings was a Service.
+		{"empty_flow_list_rejected", "[]\n"},
+		{"list_of_key_value_pairs_rejected", "- {key: apiVersion, value: v1}\n- {key: kind, value: Service}\n- {key: metadata, value: {name: x}}\n- {key: spec, value: {clusterIP: 10.96.0.1, ports: [{port: 80}]}}\n"},
+		{"list_after_comments_rejected", "# a comment\n\n  [ ]\n"},
+		{"anchored_empty_document", "&a\n"}, // FuzzDecodeDocument, 33ca7ec128f2d622: the first fix made it an error
+		{"tagged_null_document", "!!null\n"},
+		{"empty_mapping_rejected", "{}\n"}, // FuzzDecodeDocument, 8093511184ad3e25: was skipped as empty
+		{"dash_key_is_a_mapping", "-a: 1\napiVersion: v1\nkind: Service\nmetadata: {name: x}\n"},
 		{"no_kind_rejected", "apiVersion: v1\nmetadata: {name: x}\n"},
 		{"wrong_type_rejected", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: eighty}]}\n"},
 		{"non_string_keys", "apiVersion: v1\nkind: Service\nmetadata: {name: x, labels: {1: one, true: yes, 2.5: f}}\n"},

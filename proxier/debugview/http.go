@@ -47,6 +47,9 @@ func Register(mux *http.ServeMux, src Source) {
 					fmt.Fprintf(tw, "\t\t%s\n", trafficText(t.class, t.view))
 				}
 			}
+			if line := dataPathText(v); line != "" {
+				fmt.Fprintf(tw, "\t\t%s\n", line)
+			}
 			fmt.Fprintf(tw, "\t\t%s\n", balancingText(v))
 			if line := connectionPolicyText(v); line != "" {
 				fmt.Fprintf(tw, "\t\t%s\n", line)
@@ -201,4 +204,20 @@ func connectionPolicyText(v ServiceView) string {
 		return ""
 	}
 	return "connections: " + strings.Join(parts, " ")
+}
+
+// dataPathText is the line of a port's data path, with the kernel counters of a kernel port.
+func dataPathText(v ServiceView) string {
+	if v.DataPath == "" {
+		return ""
+	}
+	line := "path " + v.DataPath
+	for i, k := range v.Kernel {
+		sep := ", "
+		if i == 0 {
+			sep = ": "
+		}
+		line += fmt.Sprintf("%s%s %s %d connections (%d B first packets)", sep, k.Endpoint, k.Chain, k.Packets, k.Bytes)
+	}
+	return line
 }

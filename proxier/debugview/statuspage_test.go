@@ -49,6 +49,13 @@ func sampleSource() *fixedSource {
 				Listen: []string{"127.0.0.1:40002"}, Open: true, Affinity: "None", Balancing: BalancingView{Algorithm: "round-robin"},
 				ProxyProtocol: "v2", Hold: &HoldView{Timeout: "1m0s", Limit: 1024, Held: 1}, Active: 1, Total: 1,
 			},
+			{
+				Name: "ns/quiet:tcp", Protocol: "TCP", Port: 80, ClusterIPs: []string{"10.96.0.9"}, DataPath: "kernel",
+				InternalTrafficPolicy: "Cluster", Internal: &TrafficView{Endpoints: []string{"10.244.1.5:8080"}, Reason: "policy=Cluster"},
+				Affinity: "None", Balancing: BalancingView{Algorithm: "round-robin"},
+				Endpoints: []EndpointView{{Address: "10.244.1.5:8080", Ready: true, Serving: true, InUse: true}},
+				Kernel:    []KernelEndpointView{{Endpoint: "10.244.1.5:8080", Chain: "KUBE-SEP-AFGSLHOD2HFNCBX4", Packets: 12, Bytes: 720}},
+			},
 		},
 		conns: []ConnView{
 			{Service: "ns/echo:tcp", Protocol: "TCP", Client: "127.0.0.1:51001", Endpoint: "127.0.0.1:8080", Age: "1s", BytesToEndpoint: 5, BytesToClient: 5},
@@ -82,6 +89,8 @@ func TestStatusPageInChromium(t *testing.T) {
 		"balancing: round-robin",                           // the balancing policy
 		"127.0.0.1:8080 ready, 1 active",                   // and the endpoint's live flows
 		"connections: PROXY protocol v2, held up to 1m0s while there is no endpoint (1 held, at most 1024)",
+		// The kernel-path port and its KUBE-SEP counters.
+		"kernel path (iptables DNAT, no proxy socket): 10.244.1.5:8080 12 connections",
 		// The held connection, no endpoint yet.
 		"<td><code>127.0.0.1:51002</code></td><td><code>none</code></td>",
 	} {

@@ -27,7 +27,12 @@ type ServiceView struct {
 	LoadBalancerSourceRanges []string     `json:"loadBalancerSourceRanges,omitempty"`
 	Listen                   []string     `json:"listen,omitempty"`
 	Open                     bool         `json:"open"`
-	Affinity                 string       `json:"affinity"`
+	// DataPath is "proxy" (portal rules to a proxy socket) or "kernel" (kube-proxy's iptables
+	// chains, no socket); "" while the port has neither (its socket failed to open).
+	DataPath string `json:"dataPath,omitempty"`
+	// Kernel is, for a kernel-path port, the counters of each endpoint's KUBE-SEP DNAT rule.
+	Kernel   []KernelEndpointView `json:"kernel,omitempty"`
+	Affinity string               `json:"affinity"`
 	// Balancing is the policy the annotations ask for (portal-proxy.kubernetes.io/algorithm ...).
 	Balancing BalancingView `json:"balancing"`
 	// ProxyProtocol is the PROXY protocol header the port's endpoints get ("v1", "v2"; TCP).
@@ -99,6 +104,15 @@ type HoldView struct {
 	Limit int `json:"limit"`
 	// Held is how many wait now.
 	Held int64 `json:"held"`
+}
+
+// KernelEndpointView is what the kernel counted for one endpoint of a kernel-path port. The nat
+// table sees the first packet of each connection only: Packets counts new connections.
+type KernelEndpointView struct {
+	Endpoint string `json:"endpoint"`
+	Chain    string `json:"chain"`
+	Packets  uint64 `json:"packets"`
+	Bytes    uint64 `json:"bytes"`
 }
 
 // AffinityView is one sticky client.

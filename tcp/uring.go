@@ -1,0 +1,530 @@
+package tcp
+
+import (
+	"fmt"
+	"net/netip"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/iouring"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
+)
+
+// The io_uring engine. A few loops (one per P by default), each on a locked OS thread with a ring
+// of its own, serve every proxy sharing the engine: each loop has an accept armed on every
+// listening socket, and a connection lives on the loop that accepted it. Everything a round of
+// completions starts is submitted, and the next completions waited for, in one io_uring_enter.
+//
+// Why single-shot accepts, not multishot: io_uring's accept waits on the listener exclusively,
+// and the kernel wakes the first exclusive waiter in the queue. A multishot accept never leaves
+// the queue, so the loop that armed first got every connection (bench/tcp: one loop thread with
+// 95% of the CPU, the other idle, and connection rates below the epoll engine's in bench/suite).
+// A single-shot accept is re-armed at the tail after each connection, so the loops take turns;
+// and it returns the client's address, which a multishot accept cannot (one getpeername less).
+//
+// A connection on a loop:
+//   - accepted: Allow, then the shared pick (conn.go); a pick that finds nothing
+//     with a hold configured waits on a goroutine (hold.go) and comes back to the loop;
+//   - dialed: socket(2), then IORING_OP_CONNECT linked to an IORING_OP_LINK_TIMEOUT of the
+//     attempt's timeout; a failed attempt goes down the ladder (conn.attemptFailed);
+//   - the PROXY header, if any, sent before anything else;
+//   - each direction: a recv that selects its buffer from the loop's provided-buffer ring when
+//     data arrives (an idle connection holds two armed recvs and no buffer), then a send of it;
+//     a recv that fills a whole buffer means a bulk burst, which is spliced through a pooled pipe
+//     with non-blocking splice(2) calls until the source runs dry (zero copy), waiting for
+//     writability with IORING_OP_POLL_ADD;
+//   - EOF: shutdown(SHUT_WR) of the other socket, as the epoll engine does (IORING_OP_SHUTDOWN
+//     always goes to an io-wq worker thread: bench/RESULTS.md);
+//   - ended (both EOFs, an error, or terminate from any goroutine: Shutdown, DropEndpoint, the
+//     idle sweep): SO_LINGER 0 if it is a reset, every request on its sockets cancelled, then
+//     closed once the last completion is in, and the shared accounting runs (conn.finish).
+//
+// Other goroutines reach a loop through its inbox, a list of functions the loop runs between
+// rounds, and an eventfd that wakes it when it waits in the kernel.
+
+// Tags in the low byte of an SQE's user_data; the rest is a slot in the loop's tables.
+const (
+	tagWake = iota
+	tagAccept
+	tagAcceptCancel
+	tagConnect
+	tagConnectTimeout
+	tagHeader
+	tagRecvUp // recv, send, poll: +0 client->endpoint, +1 endpoint->client
+	tagRecvDown
+	tagSendUp
+	tagSendDown
+	tagPollUp
+	tagPollDown
+	tagCancel
+)
+
+const (
+	ringEntries = 1024
+	// uringBufs buffers of bufSize per loop. Each connection's direction holds one only from the
+	// recv that filled it until its send completes. The kernel hands the buffers out in ring order,
+	// so all of them end up resident: 2 MiB per loop. When all are taken (as many slow readers),
+	// a direction waits for readability with a poll and reads into a pooled buffer of its own
+	// (udir.readOwn), so no connection waits for another's reader.
+	uringBufs = 128
+)
+
+type uringEngine struct {
+	threads int
+	// spareP: the engine raises GOMAXPROCS by one while it runs (see start).
+	spareP    bool
+	prevProcs int
+	ringBufs  int // buffers per loop; 0 means uringBufs (tests make it small)
+
+	startOnce sync.Once
+	startErr  error
+	mu        sync.Mutex
+	closed    bool
+	loops     []*loop
+	wg        sync.WaitGroup
+}
+
+func (e *uringEngine) Name() string           { return EngineIOUring }
+func (e *uringEngine) blockingListener() bool { return true }
+
+// start sets up the loops on first use.
+func (e *uringEngine) start() error {
+	e.startOnce.Do(func() {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if e.closed {
+			e.startErr = errEngineClosed
+			return
+		}
+		// The loops' back-off timers need the runtime poller (timers wake through it). A process
+		// whose only sockets are the engine's has not set it up yet, and setting it up later
+		// fails fatally when descriptors are short (netpollinit's epoll_create): the moment a
+		// back-off timer is first armed. So set it up now with a timer that never fires.
+		time.AfterFunc(time.Hour, func() {}).Stop()
+		// A loop waits for completions in io_uring_enter, a system call. When every P is held by a
+		// thread in a system call, sysmon takes a P from a waiting loop after 20 µs and hands it
+		// to another thread (a futex wake-up, and the way back when the loop wakes), on every
+		// wait: 8-14% of the CPU in bench/iouring's profiles. With one P more than loops, a P is
+		// idle, and sysmon leaves Ps in system calls alone for 10 ms; the loops' threads mostly
+		// wait in the kernel, so the extra P costs no CPU of its own.
+		if e.spareP {
+			e.prevProcs = runtime.GOMAXPROCS(0)
+			runtime.GOMAXPROCS(e.prevProcs + 1)
+		}
+		ready := make(chan error, e.threads)
+		for range e.threads {
+			l := &loop{nbufs: e.ringBufs}
+			if l.nbufs == 0 {
+				l.nbufs = uringBufs
+			}
+			e.loops = append(e.loops, l)
+			e.wg.Add(1)
+			go func() {
+				defer e.wg.Done()
+				// The thread stays locked: it exits with the goroutine, and the ring with it.
+				runtime.LockOSThread()
+				l.run(ready)
+			}()
+		}
+		for range e.threads {
+			if err := <-ready; err != nil && e.startErr == nil {
+				e.startErr = err
+			}
+		}
+		if e.startErr != nil {
+			for _, l := range e.loops {
+				l.post(func() { l.stopping = true })
+			}
+		}
+	})
+	return e.startErr
+}
+
+// Close stops the loops; connections still open on them are closed without accounting.
+func (e *uringEngine) Close() error {
+	e.mu.Lock()
+	e.closed = true
+	loops := e.loops
+	e.mu.Unlock()
+	for _, l := range loops {
+		l.post(func() { l.stopping = true })
+	}
+	e.wg.Wait()
+	e.mu.Lock()
+	if e.prevProcs > 0 {
+		runtime.GOMAXPROCS(e.prevProcs)
+		e.prevProcs = 0
+	}
+	e.mu.Unlock()
+	return nil
+}
+
+// acceptLoop arms an accept on every loop for the proxy's listening socket, and again whenever
+// SetRefusing replaces it, until the proxy is closed. The loops do the accepting.
+func (e *uringEngine) acceptLoop(p *Proxy) error {
+	if err := e.start(); err != nil {
+		return fmt.Errorf("tcp proxy %s: start the io_uring engine: %w", p.name, err)
+	}
+	for {
+		p.lnMu.Lock()
+		ln, changed := p.ln, p.lnChanged
+		if ln != nil && p.uacceptLn != ln {
+			// Armed under lnMu: Close and SetRefusing cancel what is armed before closing ln, so
+			// an accept is never armed on a closed (and maybe reused) descriptor.
+			var fd int
+			_ = ln.raw.Control(func(f uintptr) { fd = int(f) })
+			accs := make([]*uaccept, len(e.loops))
+			for i, l := range e.loops {
+				a := &uaccept{p: p, fd: int32(fd), done: make(chan struct{})}
+				accs[i] = a
+				if !l.post(func() { l.armAccept(a) }) {
+					close(a.done)
+				}
+			}
+			p.uaccepts, p.uacceptLn = accs, ln
+		}
+		p.lnMu.Unlock()
+		select {
+		case <-changed:
+		case <-p.closed:
+			return nil
+		}
+	}
+}
+
+// stopAccepting cancels the accepts armed on ln and waits for the loops to confirm. The caller
+// holds p.lnMu (the loops never take it).
+func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
+	if p.uacceptLn != ln {
+		return
+	}
+	accs := p.uaccepts
+	p.uaccepts, p.uacceptLn = nil, nil
+	for i, a := range accs {
+		l := e.loops[i]
+		if !l.post(func() { l.cancelAccept(a) }) {
+			a.finish()
+		}
+	}
+	for _, a := range accs {
+		<-a.done
+	}
+}
+
+// uaccept is the accept of one proxy's listening socket on one loop.
+type uaccept struct {
+	p         *Proxy
+	fd        int32
+	slot      uint32
+	sa        unix.RawSockaddrInet6 // the client's address, written by the kernel
+	salen     uint32
+	armed     bool // an accept is in the kernel
+	cancelled bool
+	backoff   time.Duration
+	doneOnce  sync.Once
+	done      chan struct{} // closed once cancelled and nothing is armed
+}
+
+func (a *uaccept) finish() { a.doneOnce.Do(func() { close(a.done) }) }
+
+// loop is one ring and what it serves. Everything but the inbox is the loop thread's own.
+type loop struct {
+	r     *iouring.Ring
+	bufs  *iouring.BufRing
+	nbufs int
+	efd   int
+	efdv  [8]byte
+
+	inMu     sync.Mutex
+	inbox    []func()
+	spare    []func()
+	dead     bool // the loop has stopped: posts are refused
+	sleeping atomic.Bool
+
+	stopping bool
+	reap     func(*iouring.CQE) // l.complete, bound once: no allocation per round
+	conns    []*uconn
+	free     []uint32
+	accepts  []*uaccept
+	freeAcc  []uint32
+}
+
+// post queues f to run on the loop; false if the loop has stopped.
+func (l *loop) post(f func()) bool {
+	l.inMu.Lock()
+	if l.dead {
+		l.inMu.Unlock()
+		return false
+	}
+	l.inbox = append(l.inbox, f)
+	l.inMu.Unlock()
+	if l.sleeping.Swap(false) {
+		one := uint64(1)
+		unix.Write(l.efd, (*[8]byte)(unsafe.Pointer(&one))[:])
+	}
+	return true
+}
+
+func (l *loop) run(ready chan<- error) {
+	err := l.setup()
+	ready <- err
+	if err != nil {
+		l.inMu.Lock()
+		l.dead = true
+		l.inMu.Unlock()
+		return
+	}
+	defer l.teardown()
+	for !l.stopping {
+		l.runInbox()
+		if l.stopping {
+			return
+		}
+		l.sleeping.Store(true)
+		l.inMu.Lock()
+		queued := len(l.inbox) > 0
+		l.inMu.Unlock()
+		wait := uint32(1)
+		if queued {
+			l.sleeping.Store(false)
+			wait = 0
+		}
+		if err := l.r.Enter(wait); err != nil {
+			// Only a broken ring fails here (EFAULT, EBADF); nothing on it can progress.
+			fmt.Fprintf(os.Stderr, "tcp: io_uring loop stopped: %v\n", err)
+			return
+		}
+		l.sleeping.Store(false)
+		l.r.Reap(l.reap)
+	}
+}
+
+func (l *loop) setup() error {
+	r, err := iouring.New(ringEntries)
+	if err != nil {
+		return err
+	}
+	bufs, err := r.NewBufRing(1, l.nbufs, bufSize)
+	if err != nil {
+		r.Close()
+		return err
+	}
+	efd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		bufs.Close()
+		r.Close()
+		return os.NewSyscallError("eventfd", err)
+	}
+	l.r, l.bufs, l.efd, l.reap = r, bufs, efd, l.complete
+	l.armWake()
+	return nil
+}
+
+// teardown closes what is left. The engine is closed after the proxies, which end their
+// connections first; a connection still open here is closed and ends as if its peers had gone, so
+// that no Shutdown waits for it.
+func (l *loop) teardown() {
+	l.inMu.Lock()
+	l.dead = true
+	l.inMu.Unlock()
+	l.runInbox() // cancel requests queued before dead: their waiters must hear back
+	for _, a := range l.accepts {
+		if a != nil {
+			a.finish()
+		}
+	}
+	l.r.Close() // cancels every request: descriptors are free to close
+	for _, u := range l.conns {
+		if u != nil && u.inflight >= 0 {
+			u.closing = true
+			u.inflight = 0
+			u.closeNow()
+		}
+	}
+	l.bufs.Close()
+	unix.Close(l.efd)
+}
+
+func (l *loop) runInbox() {
+	l.inMu.Lock()
+	fs := l.inbox
+	l.inbox = l.spare[:0]
+	l.inMu.Unlock()
+	for i, f := range fs {
+		f()
+		fs[i] = nil
+	}
+	l.spare = fs
+}
+
+func (l *loop) armWake() {
+	s := l.r.Get()
+	s.Opcode, s.Fd, s.OpFlags = iouring.OpPollAdd, int32(l.efd), unix.POLLIN
+	s.UserData = tagWake
+}
+
+func userData(slot uint32, tag int) uint64 { return uint64(slot)<<8 | uint64(tag) }
+
+func (l *loop) complete(c *iouring.CQE) {
+	tag, slot := int(c.UserData&0xff), uint32(c.UserData>>8)
+	switch tag {
+	case tagWake:
+		unix.Read(l.efd, l.efdv[:])
+		l.armWake()
+		return
+	case tagAccept:
+		l.accepted(slot, c)
+		return
+	case tagAcceptCancel:
+		return
+	}
+	u := l.conns[slot]
+	u.inflight--
+	switch tag {
+	case tagRecvUp, tagRecvDown:
+		u.d[tag-tagRecvUp].linkedSendDone()
+	case tagSendUp, tagSendDown:
+		if d := &u.d[tag-tagSendUp]; d.linked {
+			// A linked send reports only a failure; its recv is then cancelled.
+			d.linked, d.sendFailed = false, true
+			d.count(-int64(d.n - max(int(c.Res), 0)))
+			if !u.closing {
+				u.c.legFailed(d.i == 0, true, sendError(c.Res))
+			}
+			tag = -1 // handled
+		}
+	}
+	if u.closing {
+		if c.Flags&iouring.CqeFBuffer != 0 {
+			l.releaseBuf(uint16(c.Flags >> 16))
+		}
+	} else {
+		switch tag {
+		case tagConnect:
+			u.connected(c.Res)
+		case tagHeader:
+			u.headerSent(c.Res)
+		case tagRecvUp, tagRecvDown:
+			u.d[tag-tagRecvUp].received(c.Res, c.Flags)
+		case tagSendUp, tagSendDown:
+			u.d[tag-tagSendUp].sent(c.Res)
+		case -1:
+		case tagPollUp, tagPollDown:
+			u.d[tag-tagPollUp].polled()
+		}
+	}
+	if u.closing && u.inflight == 0 {
+		u.closeNow()
+	}
+}
+
+// --- accepting
+
+func (l *loop) armAccept(a *uaccept) {
+	if a.cancelled || a.armed || l.stopping {
+		return
+	}
+	if n := len(l.freeAcc); n > 0 {
+		a.slot, l.freeAcc = l.freeAcc[n-1], l.freeAcc[:n-1]
+		l.accepts[a.slot] = a
+	} else {
+		a.slot = uint32(len(l.accepts))
+		l.accepts = append(l.accepts, a)
+	}
+	a.salen = uint32(unsafe.Sizeof(a.sa))
+	s := l.r.Get()
+	s.Opcode, s.Fd = iouring.OpAccept, a.fd
+	s.Addr, s.Off = uint64(uintptr(unsafe.Pointer(&a.sa))), uint64(uintptr(unsafe.Pointer(&a.salen)))
+	s.OpFlags = unix.SOCK_NONBLOCK | unix.SOCK_CLOEXEC
+	s.UserData = userData(a.slot, tagAccept)
+	a.armed = true
+}
+
+func (l *loop) cancelAccept(a *uaccept) {
+	a.cancelled = true
+	if !a.armed {
+		a.finish()
+		return
+	}
+	s := l.r.Get()
+	s.Opcode, s.Addr = iouring.OpAsyncCancel, userData(a.slot, tagAccept)
+	s.UserData = userData(a.slot, tagAcceptCancel)
+}
+
+func (l *loop) accepted(slot uint32, c *iouring.CQE) {
+	a := l.accepts[slot]
+	if c.Flags&iouring.CqeFMore == 0 {
+		a.armed = false
+		l.accepts[slot] = nil
+		l.freeAcc = append(l.freeAcc, slot)
+	}
+	p := a.p
+	switch {
+	case c.Res >= 0:
+		a.backoff = 0
+		peer, _ := sockopt.ParseRaw(&a.sa)
+		l.serve(p, int(c.Res), peer)
+	case c.Res == -int32(unix.ECANCELED):
+	default:
+		errno := syscall.Errno(-c.Res)
+		err := os.NewSyscallError("accept", errno)
+		switch {
+		case outOfResources(err):
+			a.backoff = nextBackoff(a.backoff)
+			p.logger().WithError(err).WithField("backoff", a.backoff).Warn("accept: out of resources, backing off")
+		case errno == unix.ECONNABORTED || errno == unix.EPERM || errno == unix.EPROTO || errno == unix.EINTR || errno == unix.EAGAIN:
+			// These concern one connection; the listener is fine.
+			p.logger().WithError(err).Debug("accept failed")
+		default:
+			// The listener itself is failing (the epoll engine's Run would return): retrying
+			// at once would spin, so retry at the back-off's pace, and say so.
+			a.backoff = nextBackoff(a.backoff)
+			p.logger().WithError(err).WithField("backoff", a.backoff).Error("accept on the proxy socket failed")
+		}
+	}
+	if a.armed {
+		return
+	}
+	switch {
+	case a.cancelled:
+		a.finish()
+	case a.backoff > 0 && c.Res < 0:
+		// The listener stays readable while descriptors are short: re-arming at once would spin.
+		time.AfterFunc(a.backoff, func() { l.post(func() { l.armAccept(a) }) })
+	default:
+		l.armAccept(a)
+	}
+}
+
+// serve starts a connection accepted on the loop.
+func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
+	if p.cfg.Allow != nil && !p.cfg.Allow(peer.Addr()) {
+		p.deny(fd, peer)
+		return
+	}
+	u := &uconn{l: l, fd: [2]int32{int32(fd), -1}}
+	u.d[0] = udir{u: u, i: 0, buf: -1}
+	u.d[1] = udir{u: u, i: 1, buf: -1}
+	if n := len(l.free); n > 0 {
+		u.slot, l.free = l.free[n-1], l.free[:n-1]
+		l.conns[u.slot] = u
+	} else {
+		u.slot = uint32(len(l.conns))
+		l.conns = append(l.conns, u)
+	}
+	c := p.newConn(peer, u)
+	c.up.c, c.up.up, c.down.c = c, true, c // the directions count bytes (direction.count)
+	p.wg.Add(1)
+	u.pick()
+}
+
+// --- buffers
+
+func (l *loop) releaseBuf(id uint16) { l.bufs.Release(id) }

@@ -1,0 +1,576 @@
+package tcp
+
+// The io_uring engine's connections and directions (uring.go has the engine, its loops and
+// accepting).
+
+import (
+	"fmt"
+	"net/netip"
+	"os"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/iouring"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
+)
+
+// uconn is the io_uring engine's part of a connection; the loop's own.
+type uconn struct {
+	c        *conn
+	l        *loop
+	slot     uint32
+	fd       [2]int32 // client, endpoint; -1 none
+	inflight int      // requests in the kernel, plus a hold or back-off under way
+	closing  bool     // terminate reached the loop: requests cancelled, nothing new starts
+
+	// the dial ladder
+	attempt  int
+	reset    bool
+	lastErr  error
+	ep       netip.AddrPort
+	deadline time.Time
+	backoff  time.Duration
+	sa       unix.RawSockaddrInet6
+	salen    uint32
+	ts       unix.Timespec
+
+	hdr []byte // the PROXY header while it is sent
+
+	d [2]udir // client->endpoint, endpoint->client
+}
+
+// terminate asks the loop to close the connection (conn.terminate, from any goroutine).
+func (u *uconn) terminate(rst bool) {
+	u.l.post(func() { u.close(rst) })
+}
+
+// drain sends FIN to both peers (conn.drain).
+func (u *uconn) drain() {
+	u.l.post(func() {
+		if !u.closing {
+			for _, fd := range u.fd {
+				if fd >= 0 {
+					_ = sysShutdownWrite(int(fd))
+				}
+			}
+		}
+	})
+}
+
+func (u *uconn) close(rst bool) {
+	if u.closing {
+		return
+	}
+	u.closing = true
+	for _, fd := range u.fd {
+		if fd < 0 {
+			continue
+		}
+		if rst {
+			sysLingerZero(int(fd))
+		}
+		if u.inflight > 0 {
+			s := u.l.r.Get()
+			s.Opcode, s.Fd, s.OpFlags = iouring.OpAsyncCancel, fd, iouring.CancelFD|iouring.CancelAll
+			s.UserData = userData(u.slot, tagCancel)
+			u.inflight++
+		}
+	}
+	if u.inflight == 0 {
+		u.closeNow()
+	}
+}
+
+// closeNow runs once nothing of the connection is in the kernel: close, account, free the slot.
+func (u *uconn) closeNow() {
+	l := u.l
+	for i := range u.d {
+		d := &u.d[i]
+		if d.buf >= 0 {
+			l.releaseBuf(uint16(d.buf))
+			d.buf = -1
+		}
+		if d.pipe != nil {
+			pipes.put(d.pipe, d.pn == 0)
+			d.pipe = nil
+		}
+		if d.own != nil {
+			bufs.Put(d.own)
+			d.own = nil
+		}
+	}
+	for i, fd := range u.fd {
+		if fd >= 0 {
+			sysClose(int(fd))
+			u.fd[i] = -1
+		}
+	}
+	l.conns[u.slot] = nil
+	l.free = append(l.free, u.slot)
+	u.inflight = -1 // never again
+	c := u.c
+	c.release()
+	c.p.wg.Done()
+}
+
+// pick asks the picker for the endpoint of the next attempt.
+func (u *uconn) pick() {
+	c := u.c
+	p := c.p
+	if len(p.cfg.DialTimeouts) == 0 {
+		c.fail(flow.DialFailed, dialsFailed(nil))
+		return
+	}
+	ep, err := p.picker.Next(c.clientAddr.Addr(), u.reset)
+	if err == nil {
+		u.dial(ep)
+		return
+	}
+	if u.attempt > 0 {
+		c.fail(flow.DialFailed, dialsFailed(u.lastErr))
+		return
+	}
+
+	if p.cfg.HoldTimeout <= 0 {
+		_, reason, err := c.hold(err) // no hold: returns at once
+		c.fail(reason, err)
+		return
+	}
+	// The hold waits on channels: a goroutine of its own, back to the loop when it is over.
+	u.inflight++
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		ep, reason, err := c.hold(err)
+		if !u.l.post(func() { u.held(ep, reason, err) }) {
+			c.fail(reason, errEngineClosed)
+		}
+	}()
+}
+
+func (u *uconn) held(ep netip.AddrPort, reason flow.EndReason, err error) {
+	u.inflight--
+	if u.closing {
+		if u.inflight == 0 {
+			u.closeNow()
+		}
+		return
+	}
+	if err != nil {
+		u.c.fail(reason, err)
+		return
+	}
+	u.dial(ep)
+}
+
+// dial starts an attempt to ep: a non-blocking socket, then the connect with its timeout.
+func (u *uconn) dial(ep netip.AddrPort) {
+	c := u.c
+	timeout := c.p.cfg.DialTimeouts[u.attempt]
+	if u.backoff == 0 {
+		c.attempt(ep, u.attempt)
+		u.ep, u.deadline = ep, time.Now().Add(timeout)
+	}
+	fd, err := unix.Socket(sockopt.Family(ep.Addr()), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		err = os.NewSyscallError("socket", err)
+	} else if err = setLegOptions(fd, c.p.cfg.KeepAlive); err != nil {
+		unix.Close(fd)
+	}
+	if err != nil {
+		if outOfResources(err) && u.backOff(err) {
+			return
+		}
+		u.backoff = 0
+		u.failed(timeout, err)
+		return
+	}
+	u.backoff = 0
+	u.fd[1] = int32(fd)
+	a := ep.Addr().Unmap()
+	if a.Is4() {
+		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&u.sa))
+		*sa = unix.RawSockaddrInet4{Family: unix.AF_INET, Port: sockopt.Htons(ep.Port()), Addr: a.As4()}
+		u.salen = unix.SizeofSockaddrInet4
+	} else {
+		u.sa = unix.RawSockaddrInet6{Family: unix.AF_INET6, Port: sockopt.Htons(ep.Port()), Addr: a.As16()}
+		u.salen = unix.SizeofSockaddrInet6
+	}
+	u.ts = unix.NsecToTimespec(int64(time.Until(u.deadline)))
+	// The kernel copies the address and the timeout when it takes the SQEs (io_uring_enter), and
+	// u lives until every completion is in.
+	s := u.l.r.Get()
+	s.Opcode, s.Fd, s.Flags = iouring.OpConnect, int32(fd), iouring.SqeIOLink
+	s.Addr, s.Off = uint64(uintptr(unsafe.Pointer(&u.sa))), uint64(u.salen)
+	s.UserData = userData(u.slot, tagConnect)
+	t := u.l.r.Get()
+	t.Opcode, t.Addr, t.Len = iouring.OpLinkTimeout, uint64(uintptr(unsafe.Pointer(&u.ts))), 1
+	t.UserData = userData(u.slot, tagConnectTimeout)
+	u.inflight += 2
+}
+
+// backOff retries a dial that found no descriptor after a pause, while the attempt's time lasts
+// (see conn.dialBackingOff); false when there is no time left.
+func (u *uconn) backOff(err error) bool {
+	u.backoff = nextBackoff(u.backoff)
+	if time.Until(u.deadline) < u.backoff {
+		return false
+	}
+	if u.backoff == minBackoff {
+		u.c.logger().WithError(err).Warn("dial: out of resources, backing off")
+	}
+	u.inflight++
+	ep := u.ep
+	time.AfterFunc(u.backoff, func() {
+		u.l.post(func() {
+			u.inflight--
+			if u.closing {
+				if u.inflight == 0 {
+					u.closeNow()
+				}
+				return
+			}
+			u.dial(ep)
+		})
+	})
+	return true
+}
+
+// failed goes down the ladder after a failed attempt.
+func (u *uconn) failed(timeout time.Duration, err error) {
+	c := u.c
+	lastErr, stop := c.attemptFailed(u.ep, u.attempt, timeout, err)
+	if stop {
+		c.fail(flow.Shutdown, err)
+		return
+	}
+	u.lastErr = lastErr
+	u.attempt++
+	u.reset = true
+	if u.attempt == len(c.p.cfg.DialTimeouts) {
+		c.fail(flow.DialFailed, dialsFailed(lastErr))
+		return
+	}
+	u.pick()
+}
+
+func (u *uconn) connected(res int32) {
+	c := u.c
+	if res < 0 {
+		sysClose(int(u.fd[1])) // nothing else is in flight on it: the timeout has no descriptor
+		u.fd[1] = -1
+		var err error = os.NewSyscallError("connect", syscall.Errno(-res))
+		if res == -int32(unix.ECANCELED) { // the linked timeout fired
+			err = fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
+		}
+		u.failed(c.p.cfg.DialTimeouts[u.attempt], err)
+		return
+	}
+	c.observed(u.ep, nil)
+	if v := c.p.cfg.ProxyProtocol; v != proxyprotocol.Off {
+		u.hdr = c.proxyHeader(make([]byte, 0, proxyprotocol.MaxLen), int(u.fd[0]), v)
+		u.sendHeader()
+		return
+	}
+	u.established()
+}
+
+func (u *uconn) sendHeader() {
+	s := u.l.r.Get()
+	s.Opcode, s.Fd, s.OpFlags = iouring.OpSend, u.fd[1], unix.MSG_NOSIGNAL
+	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&u.hdr[0]))), uint32(len(u.hdr))
+	s.UserData = userData(u.slot, tagHeader)
+	u.inflight++
+}
+
+func (u *uconn) headerSent(res int32) {
+	if res < 0 {
+		u.c.fail(flow.EndpointReset, fmt.Errorf("send the PROXY protocol header: %w", os.NewSyscallError("send", syscall.Errno(-res))))
+		return
+	}
+	if u.hdr = u.hdr[res:]; len(u.hdr) > 0 {
+		u.sendHeader()
+		return
+	}
+	u.hdr = nil
+	u.established()
+}
+
+// established starts both directions.
+func (u *uconn) established() {
+	c := u.c
+	c.mu.Lock()
+	c.est = true
+	c.mu.Unlock()
+	u.d[0].recv()
+	u.d[1].recv()
+}
+
+// --- a direction
+
+// udir moves bytes one way: fd[i] -> fd[1-i].
+type udir struct {
+	u      *uconn
+	i      int
+	buf    int32 // the provided buffer held, -1 none
+	n, off int   // bytes in it, bytes of them sent
+	bulk   bool
+	pipe   *pipe
+	pn     int            // bytes in the pipe
+	nobuf  bool           // the buffer ring was empty: wait with a poll, read into own
+	own    *[bufSize]byte // a pooled buffer being sent, instead of the ring's
+	// linked: a send of buf is in flight with the next recv linked behind it (sendThenRecv);
+	// sendFailed: that send posted its failure.
+	linked, sendFailed bool
+}
+
+func (d *udir) src() int32 { return d.u.fd[d.i] }
+func (d *udir) dst() int32 { return d.u.fd[1-d.i] }
+
+func (d *udir) recv() {
+	l := d.u.l
+	s := l.r.Get()
+	s.Opcode, s.Fd, s.Flags = iouring.OpRecv, d.src(), iouring.SqeBufferSelect
+	s.BufGroup, s.Len = l.bufs.Group(), uint32(bufSize)
+	s.UserData = userData(d.u.slot, tagRecvUp+d.i)
+	d.u.inflight++
+}
+
+func (d *udir) received(res int32, flags uint32) {
+	u := d.u
+	if res <= 0 && flags&iouring.CqeFBuffer != 0 { // not expected, but a buffer lost is lost for good
+		u.l.releaseBuf(uint16(flags >> 16))
+	}
+	switch {
+	case res == -int32(unix.ENOBUFS):
+		// Every buffer of the ring is moving data.
+		d.nobuf = true
+		d.poll(d.src(), unix.POLLIN)
+	case res < 0:
+		u.c.legFailed(d.i == 0, false, os.NewSyscallError("recv", syscall.Errno(-res)))
+	case res == 0:
+		d.eof()
+	default:
+		d.buf, d.n, d.off = int32(flags>>16), int(res), 0
+		d.bulk = int(res) == bufSize
+		if d.bulk {
+			d.send()
+			return
+		}
+		d.sendThenRecv()
+	}
+}
+
+// sendThenRecv sends the buffer and, linked behind it, the next recv, in one submission. The
+// send waits until all of it is sent (MSG_WAITALL) and posts no completion when it succeeds
+// (IOSQE_CQE_SKIP_SUCCESS): the next recv's completion says it did, so a request costs one
+// io_uring_enter per direction instead of two (the send's completion would end the wait at once).
+// A send that fails posts its completion, and the linked recv is cancelled.
+func (d *udir) sendThenRecv() {
+	l := d.u.l
+	b := l.bufs.Buf(uint16(d.buf))
+	s := l.r.Get()
+	s.Opcode, s.Fd, s.OpFlags = iouring.OpSend, d.dst(), unix.MSG_NOSIGNAL|unix.MSG_WAITALL
+	s.Flags = iouring.SqeIOLink | iouring.SqeCQESkipSuccess
+	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&b[0]))), uint32(d.n)
+	s.UserData = userData(d.u.slot, tagSendUp+d.i)
+	d.u.inflight++
+	d.linked, d.sendFailed = true, false
+	// Counted now: no completion will say when it is sent. A failed send takes back what it did
+	// not send (below), and the connection is reset then anyway.
+	d.count(int64(d.n))
+	d.recv()
+}
+
+// linkedSendDone runs at the completion of a recv linked behind a send (sendThenRecv): unless
+// the send reported a failure, it completed in full, silently.
+func (d *udir) linkedSendDone() {
+	if !d.linked {
+		return
+	}
+	d.linked = false
+	d.u.inflight-- // the send's, which posted nothing
+	d.u.l.releaseBuf(uint16(d.buf))
+	d.buf = -1
+}
+
+func sendError(res int32) error {
+	if res < 0 {
+		return os.NewSyscallError("send", syscall.Errno(-res))
+	}
+	return fmt.Errorf("send: %d bytes of the buffer sent before it failed", res)
+}
+
+func (d *udir) send() {
+	l := d.u.l
+	var b []byte
+	if d.own != nil {
+		b = d.own[:]
+	} else {
+		b = l.bufs.Buf(uint16(d.buf))
+	}
+	s := l.r.Get()
+	s.Opcode, s.Fd, s.OpFlags = iouring.OpSend, d.dst(), unix.MSG_NOSIGNAL
+	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&b[d.off]))), uint32(d.n-d.off)
+	s.UserData = userData(d.u.slot, tagSendUp+d.i)
+	d.u.inflight++
+}
+
+func (d *udir) sent(res int32) {
+	u := d.u
+	if res < 0 {
+		u.c.legFailed(d.i == 0, true, os.NewSyscallError("send", syscall.Errno(-res)))
+		return
+	}
+	if d.off += int(res); d.off < d.n {
+		d.send()
+		return
+	}
+	if d.own != nil {
+		bufs.Put(d.own)
+		d.own = nil
+	} else {
+		u.l.releaseBuf(uint16(d.buf))
+		d.buf = -1
+	}
+	d.count(int64(d.n))
+	if d.bulk {
+		d.bulkMove()
+		return
+	}
+	d.recv()
+}
+
+func (d *udir) count(n int64) {
+	dir := &d.u.c.down
+	if d.i == 0 {
+		dir = &d.u.c.up
+	}
+	dir.count(n)
+}
+
+// bulkSlice bounds one bulkMove: then the loop serves its other connections (a poll for
+// readability, which completes at once, brings the burst back).
+const bulkSlice = 4 << 20
+
+// bulkMove splices the source into the destination through a pipe, with non-blocking calls on
+// the loop thread, until the source would block (back to recv: the direction holds nothing while
+// it waits), the destination would block (a poll for writability), or bulkSlice bytes moved.
+func (d *udir) bulkMove() {
+	u := d.u
+	if d.pipe == nil {
+		p, err := pipes.get()
+		if err != nil { // no descriptor for a pipe: copy through buffers instead
+			d.bulk = false
+			d.recv()
+			return
+		}
+		d.pipe = p
+	}
+	moved := 0
+	for moved < bulkSlice {
+		if d.pn == 0 {
+			n, err := sysSplice(int(d.src()), d.pipe.w, d.pipe.size)
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				pipes.put(d.pipe, true)
+				d.pipe, d.bulk = nil, false
+				d.recv()
+				return
+			case err != nil:
+				u.c.legFailed(d.i == 0, false, os.NewSyscallError("splice", err))
+				return
+			case n == 0:
+				pipes.put(d.pipe, true)
+				d.pipe = nil
+				d.eof()
+				return
+			}
+			d.pn = n
+		}
+		for d.pn > 0 {
+			n, err := sysSplice(d.pipe.r, int(d.dst()), d.pn)
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				d.poll(d.dst(), unix.POLLOUT)
+				return
+			case err != nil:
+				u.c.legFailed(d.i == 0, true, os.NewSyscallError("splice", err))
+				return
+			}
+			d.pn -= n
+			moved += n
+			d.count(int64(n))
+		}
+	}
+	d.poll(d.src(), unix.POLLIN)
+}
+
+// polled resumes a direction after its poll: a bulk burst, or a read without a ring buffer.
+func (d *udir) polled() {
+	if d.nobuf {
+		d.readOwn()
+		return
+	}
+	d.bulkMove()
+}
+
+// readOwn reads what the readable source has into a pooled buffer and sends it; the direction
+// then goes back to the buffer ring.
+func (d *udir) readOwn() {
+	buf := bufs.Get().(*[bufSize]byte)
+	for {
+		n, err := sysRead(int(d.src()), buf[:])
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			bufs.Put(buf)
+			d.poll(d.src(), unix.POLLIN)
+			return
+		case err != nil:
+			bufs.Put(buf)
+			d.nobuf = false
+			d.u.c.legFailed(d.i == 0, false, os.NewSyscallError("read", err))
+			return
+		case n == 0:
+			bufs.Put(buf)
+			d.nobuf = false
+			d.eof()
+			return
+		}
+		d.nobuf = false
+		d.own, d.n, d.off = buf, n, 0
+		d.bulk = n == bufSize
+		d.send()
+		return
+	}
+}
+
+func (d *udir) poll(fd int32, events uint32) {
+	s := d.u.l.r.Get()
+	s.Opcode, s.Fd, s.OpFlags = iouring.OpPollAdd, fd, events
+	s.UserData = userData(d.u.slot, tagPollUp+d.i)
+	d.u.inflight++
+}
+
+// eof forwards a FIN (the shared rules: conn.sawEOF).
+func (d *udir) eof() {
+	c := d.u.c
+	if c.sawEOF(d.i == 0) {
+		if err := sysShutdownWrite(int(d.dst())); err != nil {
+			c.legFailed(d.i == 0, true, os.NewSyscallError("shutdown", err))
+			return
+		}
+	}
+	c.eofForwarded()
+}

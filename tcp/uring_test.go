@@ -1,0 +1,157 @@
+package tcp
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Address plan: the proxy on 127.0.0.1, echo endpoints on 127.0.0.3 and 127.0.0.4 (kernel-chosen
+// ports); loopback only.
+
+// TestIOUringRingBuffersRunningOut: with one buffer in each loop's ring, most recvs find none
+// (ENOBUFS) and their directions fall back to a poll and a read into a pooled buffer; every byte
+// still arrives, in order, on every connection.
+func TestIOUringRingBuffersRunningOut(t *testing.T) {
+	requireIOURing(t)
+	e := &uringEngine{threads: 2, ringBufs: 1}
+	t.Cleanup(func() { e.Close() }) // after the proxy's Shutdown (cleanups run last first)
+	ep1, ep2 := serve(t, "127.0.0.3", echo), serve(t, "127.0.0.4", echo)
+	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep1, ep2}}, Config{Engine: e})
+	const clients = 50
+	var wg sync.WaitGroup
+	errs := make(chan error, clients)
+	for i := range clients {
+		wg.Go(func() {
+			c, err := net.Dial("tcp4", p.Addr().String())
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			for j := range 20 {
+				msg := fmt.Sprintf("client %d message %d %0900d", i, j, j)
+				c.Write([]byte(msg))
+				buf := make([]byte, len(msg))
+				if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+					errs <- fmt.Errorf("client %d: got %.40q, %v; want %.40q", i, buf, err, msg)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// TestIOUringCloseEndsWhatIsLeft: an engine closed under an open connection closes it and ends
+// it, so the proxy's Shutdown does not wait for it forever, and the client sees its connection end.
+func TestIOUringCloseEndsWhatIsLeft(t *testing.T) {
+	requireIOURing(t)
+	e := &uringEngine{threads: 1}
+	ep := serve(t, "127.0.0.3", echo)
+	closed := make(closedCh, 1)
+	p := New(testName, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Engine: e, Logger: testLogger(t), OnEnd: closed.onClose})
+	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.Run(t.Context()) }()
+	c := dial(t, p)
+	roundTrip(t, c, "hello")
+	p.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	e.Close()
+	closed.next(t)
+	shut := make(chan struct{})
+	go func() { p.Shutdown(); close(shut) }()
+	select {
+	case <-shut:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Shutdown after the engine closed did not return")
+	}
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Error("the client's connection is still open")
+	}
+}
+
+// TestAdoptionKeepsTheSharedNonBlockingFlag: a listening socket handed over is shared with the
+// predecessor until it exits, O_NONBLOCK included. The io_uring engine leaves the flag as it
+// finds it (a predecessor on the epoll engine needs it set); the epoll engine sets it. Either way
+// the adopted socket serves.
+func TestAdoptionKeepsTheSharedNonBlockingFlag(t *testing.T) {
+	requireIOURing(t)
+	e := NewIOUring(1)
+	t.Cleanup(func() { e.Close() })
+	backend := serve(t, "127.0.0.3", echo)
+	for _, tt := range []struct {
+		name        string
+		engine      Engine
+		nonblocking bool // the predecessor's flag
+		want        bool
+	}{
+		{"io_uring_keeps_non_blocking", e, true, true},
+		{"io_uring_keeps_blocking", e, false, false},
+		{"epoll_sets_non_blocking", Epoll, false, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			typ := unix.SOCK_STREAM | unix.SOCK_CLOEXEC
+			if tt.nonblocking {
+				typ |= unix.SOCK_NONBLOCK
+			}
+			pred, err := unix.Socket(unix.AF_INET, typ, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(pred)
+			if err := unix.Bind(pred, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := unix.Listen(pred, 16); err != nil {
+				t.Fatal(err)
+			}
+			sa, _ := unix.Getsockname(pred)
+			addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
+			fd, err := unix.Dup(pred) // as SCM_RIGHTS delivers it: the same open file
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := New(testName, &fakePicker{eps: []netip.AddrPort{backend}}, Config{Logger: testLogger(t), Engine: tt.engine,
+				Adopt: func(netip.AddrPort) (int, bool) { return fd, true }})
+			if err := p.Listen(addr); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- p.Run(ctx) }()
+			defer func() { cancel(); p.Shutdown(); <-done }()
+			flags, err := unix.FcntlInt(uintptr(pred), unix.F_GETFL, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := flags&unix.O_NONBLOCK != 0; got != tt.want {
+				t.Errorf("the predecessor's socket is non-blocking: %v, want %v", got, tt.want)
+			}
+			c, err := net.DialTCP("tcp4", nil, net.TCPAddrFromAddrPort(addr))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			roundTrip(t, c, "through the adopted socket")
+		})
+	}
+}
