@@ -10,7 +10,7 @@ VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 endif
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit fuzz fuzz-ci e2e e2e-epoll controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
+.PHONY: build test test-deps unit fuzz fuzz-ci e2e e2e-epoll soak controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -83,6 +83,15 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt: $$out"; exit 1; fi
 	$(GO) vet ./...
 	@if command -v staticcheck >/dev/null; then staticcheck ./...; else echo "staticcheck not installed; skipped"; fi
+
+# soak runs the chaos soak (e2e/soak_test.go) for SOAK_DURATION per portal mode, both modes at
+# once: clients through several Services while the proxy is killed, handed over, its endpoints
+# churned, the nat table flushed and its descriptors taken away, with a recorded seed (SOAK_SEED
+# repeats a run). Root; the test suite runs a short version.
+SOAK_DURATION ?= 30m
+soak: build controlplane
+	KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=1 KPP_SOAK_DURATION=$(SOAK_DURATION) $(if $(SOAK_SEED),KPP_SOAK_SEED=$(SOAK_SEED)) \
+		$(GO) test -count=1 -run TestChaosSoak -v -timeout 3h ./e2e/
 
 # bench runs the side-by-side suite (needs root, haproxy, nginx, libnginx-mod-stream): direct,
 # kube-portal-proxy in iptables and bind mode, HAProxy and nginx stream in one run; see

@@ -74,15 +74,21 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 	} else if err != nil {
 		log.WithError(err).Warn("Could not check for NAT support")
 	}
+	ct := &conntrack.Netlink{}
 	rules := iptables.New(iptables.Config{
 		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts, PodCIDRs: o.podCIDRs,
 		ProtectProxyPorts: o.protectProxyPorts, KernelPath: true, ConntrackTCPLiberal: o.conntrackTCPBeLiberal,
 		NoRandomFully: !iptables.HasRandomFully(ctx, runner, portal.IPv4), Logger: log,
+		AfterNATRepair: func(ctx context.Context, specs []portal.Spec) {
+			if err := ct.ClearUntranslated(ctx, untranslatedFlows(specs)); err != nil {
+				log.WithError(err).Warn("Clearing the conntrack entries of connections made while the portal rules were gone")
+			}
+		},
 	}, runner)
 	return &portalMode{
 		portals: &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{Logger: log, Listen: holdListen(inh)}), Logger: log,
 			OnConflict: func(n service.ServicePortName, err error) { events.Warning(n, "PortConflict", err.Error()) }},
-		conntrack:      &conntrack.Netlink{},
+		conntrack:      ct,
 		collector:      portalCollector(rules),
 		describe:       rules.Rules,
 		kernelCounters: rules.KernelCounters,
@@ -137,4 +143,15 @@ func (pm *portalMode) listenState() func([]proxier.Seed) {
 		return nil
 	}
 	return pm.state.Offer
+}
+
+// untranslatedFlows are the portal destinations of specs, for clearing the conntrack entries
+// that a nat flush left untranslated (iptables.Config.AfterNATRepair).
+func untranslatedFlows(specs []portal.Spec) []conntrack.Flows {
+	out := make([]conntrack.Flows, 0, len(specs))
+	for _, s := range specs {
+		addrs := append(append(slices.Clone(s.ClusterIPs), s.ExternalIPs...), s.LoadBalancerIPs...)
+		out = append(out, conntrack.Flows{Addrs: addrs, Port: s.Port, NodePort: s.NodePort})
+	}
+	return out
 }

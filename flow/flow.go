@@ -130,14 +130,15 @@ type HoldOutcome uint8
 
 // The outcomes of a hold.
 const (
-	HoldServed  HoldOutcome = iota // an endpoint appeared and the connection was dialed
-	HoldExpired                    // the hold timeout passed first; the client was reset (HoldTimeout)
-	HoldFull                       // not held: the port already held its limit; the client was reset (NoEndpoints)
-	HoldAborted                    // the proxy socket closed or shut down first
+	HoldServed     HoldOutcome = iota // an endpoint appeared and the connection was dialed
+	HoldExpired                       // the hold timeout passed first; the client was reset (HoldTimeout)
+	HoldFull                          // not held: the port already held its limit; the client was reset (NoEndpoints)
+	HoldAborted                       // the proxy socket closed or shut down first
+	HoldClientGone                    // the client reset, or closed without sending a byte, while held
 	NumHoldOutcomes
 )
 
-var holdOutcomeNames = [NumHoldOutcomes]string{"served", "timeout", "full", "aborted"}
+var holdOutcomeNames = [NumHoldOutcomes]string{"served", "timeout", "full", "aborted", "client-gone"}
 
 func (o HoldOutcome) String() string {
 	if o < NumHoldOutcomes {

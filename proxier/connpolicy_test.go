@@ -231,9 +231,10 @@ func TestHoldAndProxyProtocolWithRealSockets(t *testing.T) {
 	if h := <-headers; h != want {
 		t.Errorf("PROXY header %+v, want %+v", h, want)
 	}
-	served := held(0) + `# HELP kube_portal_proxy_tcp_holds_total TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first).
+	served := held(0) + `# HELP kube_portal_proxy_tcp_holds_total TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first), client-gone (the client reset, or closed without sending a byte, while held).
 # TYPE kube_portal_proxy_tcp_holds_total counter
 kube_portal_proxy_tcp_holds_total{outcome="aborted",service_port="ns/web:http"} 0
+kube_portal_proxy_tcp_holds_total{outcome="client-gone",service_port="ns/web:http"} 0
 kube_portal_proxy_tcp_holds_total{outcome="full",service_port="ns/web:http"} 0
 kube_portal_proxy_tcp_holds_total{outcome="served",service_port="ns/web:http"} 1
 kube_portal_proxy_tcp_holds_total{outcome="timeout",service_port="ns/web:http"} 0

@@ -147,7 +147,10 @@ type Proxier struct {
 	latest          map[service.NamespacedName][]*service.Port
 	servicesSynced  bool
 	endpointsSynced bool
-	firstChange     map[service.NamespacedName]time.Time // for the network programming latency
+	// started and pendingTriggers serve the network programming latency: trigger times of
+	// endpoint changes that also changed rules, observed once a sync put those in force.
+	started         time.Time
+	pendingTriggers []trigger
 	node            NodeTopology
 
 	annotations annotationWarnings
@@ -265,7 +268,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		svcChanges:     newServiceChangeTracker(),
 		slices:         newEndpointSliceCache(),
 		latest:         make(map[service.NamespacedName][]*service.Port),
-		firstChange:    make(map[service.NamespacedName]time.Time),
+		started:        cfg.Clock.Now(),
 		node:           cfg.Node,
 		sels:           make(map[service.ServicePortName]*portSelection),
 		hcLocal:        make(map[service.NamespacedName]int),
@@ -370,11 +373,6 @@ func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) 
 		p.latest[name] = ports
 	}
 	pending := p.svcChanges.update(name, previous, ports)
-	if pending {
-		if _, ok := p.firstChange[name]; !ok {
-			p.firstChange[name] = p.cfg.Clock.Now()
-		}
-	}
 	synced := p.servicesSynced && p.endpointsSynced
 	p.mu.Unlock()
 	p.deps.Metrics.ServiceChanges.Inc()
@@ -425,28 +423,62 @@ func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
 	p.slices.update(owner, s.Name, slim)
 	p.deps.Metrics.EndpointChanges.Inc()
 	// Endpoint changes reach the balancer now, not at the next rules sync.
-	start := p.cfg.Clock.Now()
-	p.applyEndpoints(owner)
-	p.deps.Metrics.ObserveProgramming(p.cfg.Clock.Now(), triggerTime(s, start))
+	rulesChanged := p.applyEndpoints(owner)
+	// network_programming_duration_seconds as kube-proxy measures it: from the trigger time the
+	// EndpointSlice controller stamps on the slice to the change in force, only for slices that
+	// carry one from after this proxier started (not the initial list's), never for a deletion
+	// (its annotation is of the last update). In force is now (the balancer has the endpoints),
+	// or after the next sync when the change also changed rules (a port's refusal).
+	if deleted {
+		return
+	}
+	if at, ok := triggerTime(s); ok && at.After(p.started) {
+		tr := trigger{family: familyLabel(s.AddressType), at: at}
+		if !rulesChanged {
+			p.deps.Metrics.ObserveProgramming(tr.family, p.cfg.Clock.Now(), tr.at)
+			return
+		}
+		p.mu.Lock()
+		p.pendingTriggers = append(p.pendingTriggers, tr)
+		p.mu.Unlock()
+		// A sync applyEndpoints asked for may have taken the pending list already: ask again, so
+		// this one is observed by the next sync (coalesced, at most a minimum sync period later)
+		// rather than the periodic one.
+		p.runner.Trigger()
+	}
+}
+
+// trigger is an endpoint change's trigger time, waiting for the sync that puts it in force.
+type trigger struct {
+	family string
+	at     time.Time
+}
+
+// familyLabel is kube-proxy's ip_family label value of a slice's address type.
+func familyLabel(t discovery.AddressType) string {
+	if t == discovery.AddressTypeIPv6 {
+		return string(v1.IPv6Protocol)
+	}
+	return string(v1.IPv4Protocol)
 }
 
 // triggerTime is when the change that produced this slice happened, from the annotation the
-// EndpointSlice controller sets, or else when the event arrived.
-func triggerTime(s *discovery.EndpointSlice, arrived time.Time) time.Time {
-	if v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]; ok {
-		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
-			return t
-		}
+// EndpointSlice controller sets (false without one, or when it does not parse).
+func triggerTime(s *discovery.EndpointSlice) (time.Time, bool) {
+	v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]
+	if !ok {
+		return time.Time{}, false
 	}
-	return arrived
+	t, err := time.Parse(time.RFC3339Nano, v)
+	return t, err == nil
 }
 
 // applyEndpoints recomputes the endpoints of every port of a Service, selects the ones each class
 // of traffic uses on this node (traffic policies, topology hints, terminating fallback) and hands
 // them to the balancer. Connections or sessions on endpoints that disappeared are dropped where that
 // is the policy (UDP always; TCP with DrainTCP). When a port's refusals or socket split change, the
-// portals must change too, so a sync is asked for.
-func (p *Proxier) applyEndpoints(name service.NamespacedName) {
+// portals must change too, so a sync is asked for (and true returned).
+func (p *Proxier) applyEndpoints(name service.NamespacedName) bool {
 	// The Service and its slices arrive on different goroutines, each storing its object and then
 	// applying. Both are read under epMu, so whichever applies last sees both: read before it, an
 	// apply that had read the Service without its slice could run last and leave the port with no
@@ -491,6 +523,7 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) {
 		p.deps.Health.QueuedUpdate()
 		p.runner.Trigger()
 	}
+	return rulesChanged
 }
 
 // updateLocalCount recounts a Service's ready endpoints on this node when it has a health check

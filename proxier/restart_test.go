@@ -134,6 +134,21 @@ func (s *stubPicker) Next(netip.Addr, bool) (netip.AddrPort, error) {
 	}
 }
 
+// afterFirstPick runs then once, right after its first pick returns: what lands meanwhile.
+type afterFirstPick struct {
+	next  Picker
+	then  func()
+	calls int
+}
+
+func (a *afterFirstPick) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
+	ep, err := a.next.Next(client, reset)
+	if a.calls++; a.calls == 1 {
+		a.then()
+	}
+	return ep, err
+}
+
 func TestHoldPicker(t *testing.T) {
 	ep := netip.MustParseAddrPort("10.244.1.1:8080")
 	client := netip.MustParseAddr("10.0.0.2")
@@ -172,6 +187,18 @@ func TestHoldPicker(t *testing.T) {
 			}
 		})
 	}
+	t.Run("endpoints_in_between_the_failed_pick_and_the_ready_check", func(t *testing.T) {
+		// The window of the flaky TestBindModeReopenWithRealSockets: the first pick finds
+		// nothing, then (before the holdPicker looks at ready) the initial lists land, the
+		// endpoints first, then ready. The stale "no endpoints" must not be returned.
+		ready := make(chan struct{})
+		stub := &stubPicker{eps: make(chan netip.AddrPort, 1)}
+		lands := &afterFirstPick{next: stub, then: func() { stub.eps <- ep; close(ready) }}
+		h := &holdPicker{next: lands, ready: ready, clock: clocktesting.NewFakeClock(time.Unix(0, 0)), hold: time.Hour}
+		if got, err := h.Next(client, false); err != nil || got != ep {
+			t.Errorf("Next = %v, %v; want %v: the endpoints were in when ready was seen", got, err, ep)
+		}
+	})
 	t.Run("after_the_initial_endpoints_no_wait", func(t *testing.T) {
 		ready := make(chan struct{})
 		close(ready)

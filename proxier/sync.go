@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strings"
 	"syscall"
-	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -34,8 +33,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 	start := p.cfg.Clock.Now()
 	changes := p.svcChanges.take()
 	p.mu.Lock()
-	first := p.firstChange
-	p.firstChange = make(map[service.NamespacedName]time.Time)
+	triggers := p.pendingTriggers
+	p.pendingTriggers = nil
 	p.mu.Unlock()
 
 	for name, ch := range changes {
@@ -63,6 +62,10 @@ func (p *Proxier) sync(ctx context.Context) error {
 	if err != nil {
 		m.SyncFailures.Inc()
 		m.SyncFailing.Set(1)
+		// Not in force yet: the next sync that works observes them.
+		p.mu.Lock()
+		p.pendingTriggers = append(triggers, p.pendingTriggers...)
+		p.mu.Unlock()
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
@@ -85,8 +88,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 	}
 	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
 	m.SyncFailing.Set(0)
-	for _, t := range first {
-		m.ObserveProgramming(end, t)
+	for _, t := range triggers {
+		m.ObserveProgramming(t.family, end, t.at)
 	}
 	p.deps.Health.Updated()
 	if p.deps.ServiceHealth != nil {

@@ -3,6 +3,10 @@ package tcp
 import (
 	"fmt"
 	"net/netip"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
@@ -21,10 +25,11 @@ const DefaultHoldLimit = 1024
 // The wake channel is taken before each pick, so an update that lands between a failed pick and
 // the wait still wakes it. A held connection is not idle-swept: it has not started.
 //
-// The client socket is not watched while held: a FIN from the client cannot be told from a
-// half-close (a request, then shutdown(SHUT_WR), then waiting for the answer), which must reach the
-// endpoint like any other, so a client that gave up is noticed when its connection is dialed and
-// its FIN forwarded. The hold's time and count bounds keep what such clients cost in check.
+// The client socket is watched while held (watchHeldClient), so a client that gives up frees its
+// place in the hold at once instead of at the hold timeout: a reset, or a FIN before any byte,
+// ends the hold (HoldClientGone). A FIN after the client sent bytes is kept: it cannot be told from
+// a half-close (a request, then shutdown(SHUT_WR), then waiting for the answer), which must reach
+// the endpoint like any other; the hold's time and count bounds keep what such clients cost in check.
 func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 	p := c.p
 	timeout := p.cfg.HoldTimeout
@@ -44,6 +49,8 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 	}()
 	t := p.cfg.Clock.NewTimer(timeout)
 	defer t.Stop()
+	gone, stopWatch := c.watchHeldClient()
+	defer stopWatch()
 	for {
 		wake := p.holdWake()
 		ep, err := p.picker.Next(c.clientAddr.Addr(), false)
@@ -57,6 +64,9 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 		case <-t.C():
 			p.stats.holds[flow.HoldExpired].Add(1)
 			return netip.AddrPort{}, flow.HoldTimeout, fmt.Errorf("no endpoint within the hold timeout %s: %w", timeout, err)
+		case reason := <-gone:
+			p.stats.holds[flow.HoldClientGone].Add(1)
+			return netip.AddrPort{}, reason, fmt.Errorf("held: the client gave up (%s) before an endpoint appeared: %w", reason, err)
 		case <-p.ctx.Done():
 			p.stats.holds[flow.HoldAborted].Add(1)
 			return netip.AddrPort{}, flow.Shutdown, fmt.Errorf("held: %w", errClosed)
@@ -93,4 +103,69 @@ func (p *Proxy) WakeHeld() {
 		p.wake = nil
 	}
 	p.holdMu.Unlock()
+}
+
+// watchHeldClient watches a held connection's client socket in the runtime poller until stop is
+// called, and sends on gone why the client is gone once it reset the connection (ClientReset) or
+// closed it without having sent a byte (ClientClosed): nothing of it would reach the endpoint, and
+// its place in the hold is free again. The bytes a client sends are left in the socket for the
+// endpoint; each arrival only wakes the watch. stop ends the watch (through an expired read
+// deadline, cleared again afterwards) and waits for it, so the socket is the dialer's again.
+//
+// On the io_uring engine the ring owns the client socket (c.client is nil) and nothing watches it
+// yet: a client that gives up is noticed at the dial, as before.
+func (c *conn) watchHeldClient() (gone <-chan flow.EndReason, stop func()) {
+	if c.client == nil {
+		return nil, func() {}
+	}
+	ch := make(chan flow.EndReason, 1)
+	var stopping atomic.Bool
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// The error is the expired deadline of stop, or a socket closed by terminate: both
+		// mean the hold is over.
+		_ = c.client.raw.Read(func(fd uintptr) bool {
+			if stopping.Load() {
+				return true
+			}
+			if reason, ok := clientGone(int(fd)); ok {
+				ch <- reason
+				return true
+			}
+			return false
+		})
+	}()
+	return ch, func() {
+		stopping.Store(true)
+		_ = c.client.f.SetReadDeadline(time.Unix(1, 0))
+		<-done
+		_ = c.client.f.SetReadDeadline(time.Time{})
+	}
+}
+
+// The kernel's TCP states (include/net/tcp_states.h) as TCP_INFO reports them.
+const (
+	tcpStateClose     = 7
+	tcpStateCloseWait = 8
+)
+
+// clientGone reads a held client socket's TCP state without consuming anything: closed (a reset
+// arrived) means gone; close-wait (a FIN arrived) with nothing queued means it gave up before
+// sending a byte. A FIN after bytes may be a half-close waiting for its answer: not gone.
+func clientGone(fd int) (flow.EndReason, bool) {
+	info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+	if err != nil {
+		return flow.Unknown, false // the dial will find out
+	}
+	switch info.State {
+	case tcpStateClose:
+		return flow.ClientReset, true
+	case tcpStateCloseWait:
+		queued, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+		if err == nil && queued == 0 {
+			return flow.ClientClosed, true
+		}
+	}
+	return flow.Unknown, false
 }

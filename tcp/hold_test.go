@@ -1,7 +1,10 @@
 package tcp
 
 import (
+	"io"
+	"net"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
 
@@ -143,5 +146,69 @@ func TestWithoutHoldTimeoutNoEndpointsStillResets(t *testing.T) {
 	p.WakeHeld() // nothing held: does nothing
 	if st := p.Stats(); st.Holds != [flow.NumHoldOutcomes]uint64{} || st.NoEndpoint != 1 {
 		t.Errorf("holds %v, no-endpoint %d; want none, 1", st.Holds, st.NoEndpoint)
+	}
+}
+
+// TestHeldClientThatGivesUpLeavesTheHold: a held client that resets, or closes before sending a
+// byte, is gone at once (not at the hold timeout, nor at the dial): its place in the hold is free
+// and nothing of it reaches an endpoint. A client that sent a request and then half-closed is
+// still waiting for its answer: it stays held and is served.
+func TestHeldClientThatGivesUpLeavesTheHold(t *testing.T) {
+	if os.Getenv(engineEnv) == EngineIOUring {
+		t.Skip("the io_uring engine does not watch held clients yet (watchHeldClient)")
+	}
+	for _, tc := range []struct {
+		name     string
+		giveUp   func(*net.TCPConn)
+		wantEnd  flow.EndReason
+		wantHeld bool
+	}{
+		{"closed_before_sending", func(c *net.TCPConn) { c.Close() }, flow.ClientClosed, false},
+		{"reset_after_sending", func(c *net.TCPConn) {
+			c.Write([]byte("request"))
+			c.SetLinger(0)
+			c.Close()
+		}, flow.ClientReset, false},
+		{"half_closed_after_a_request", func(c *net.TCPConn) {
+			c.Write([]byte("request"))
+			c.CloseWrite()
+		}, flow.ClientClosed, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			picker := &fakePicker{}
+			closed := make(closedCh, 1)
+			// A hold timeout far longer than the test: only the watch can end the hold.
+			p := startProxy(t, picker, Config{HoldTimeout: time.Hour, OnEnd: closed.onClose})
+			c := dial(t, p)
+			waitHeld(t, p, 1)
+			tc.giveUp(c)
+			if tc.wantHeld {
+				// Give the watch every chance to (wrongly) end the hold: the FIN is in the
+				// socket once the proxy's side is in close-wait, which the hold must survive.
+				time.Sleep(50 * time.Millisecond)
+				if got := held(p)(); got != 1 {
+					t.Fatalf("held after a half-close with a request = %d, want 1", got)
+				}
+				picker.setEndpoints(serve(t, "127.0.0.3", echo))
+				p.WakeHeld()
+				got, err := io.ReadAll(c)
+				if err != nil || string(got) != "request" {
+					t.Fatalf("answer to the half-closed request: %q, %v; want the echo", got, err)
+				}
+				c.Close()
+			}
+			ci := closed.next(t)
+			st := p.Stats()
+			wantGone := uint64(1)
+			if tc.wantHeld {
+				wantGone = 0
+			}
+			if ci.End != tc.wantEnd || st.Held != 0 || st.Holds[flow.HoldClientGone] != wantGone {
+				t.Errorf("end %v, held %d, holds %v; want %v, 0 held, %d client-gone", ci.End, st.Held, st.Holds, tc.wantEnd, wantGone)
+			}
+			if !tc.wantHeld && st.DialAttempts != 0 {
+				t.Errorf("dial attempts = %d; want 0 (nothing dialed for a client that gave up)", st.DialAttempts)
+			}
+		})
 	}
 }

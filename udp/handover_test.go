@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
@@ -105,6 +106,64 @@ func TestHandOver(t *testing.T) {
 			}
 		})
 	})
+}
+
+// TestReleasedProxyEndsAnsweredSessions: once released, a session whose client got its answer ends
+// after a quiet second, not at the idle timeout, so the old process of a hand-over is not kept up
+// to its drain deadline by idle clients; a session still waiting for its reply is kept (until the
+// idle timeout) and relays that reply.
+func TestReleasedProxyEndsAnsweredSessions(t *testing.T) {
+	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	backend, err := net.ListenUDP("udp4", net.UDPAddrFromAddrPort(netip.MustParseAddrPort("127.0.0.2:0")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer backend.Close()
+	p := startProxy(t, newFakePicker(backend.LocalAddr().(*net.UDPAddr).AddrPort()),
+		Config{IdleTimeout: time.Minute, Clock: fc, Logger: quietLogger()})
+	buf := make([]byte, 64)
+	request := func(c *client, msg string) netip.AddrPort {
+		t.Helper()
+		c.send([]byte(msg))
+		backend.SetReadDeadline(time.Now().Add(waitTimeout))
+		n, session, err := backend.ReadFromUDPAddrPort(buf)
+		if err != nil || string(buf[:n]) != msg {
+			t.Fatalf("backend read %q, %v; want %s", buf[:n], err, msg)
+		}
+		return session
+	}
+	reply := func(c *client, session netip.AddrPort, msg string) {
+		t.Helper()
+		if _, err := backend.WriteToUDPAddrPort([]byte(msg), session); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := c.recv(); err != nil || string(got) != msg {
+			t.Fatalf("reply %q, %v; want %s", got, err, msg)
+		}
+	}
+	answered, waiting := newClient(t, "127.0.0.1", p.Addr()), newClient(t, "127.0.0.1", p.Addr())
+	reply(answered, request(answered, "a1"), "ra1")
+	slow := request(waiting, "w1") // its reply is late
+
+	p.Release()
+	stepAndSweep(t, fc, time.Second)
+	live := p.Live()
+	if len(live) != 1 || live[0].Client != waiting.addr() {
+		t.Fatalf("live sessions a quiet second after Release: %v; want only the one waiting for its reply (%v)", live, waiting.addr())
+	}
+	reply(waiting, slow, "rw1") // the late reply still reaches its client
+	stepAndSweep(t, fc, time.Second)
+	testenv.WaitFor(t, "the released proxy to report drained", func() bool {
+		select {
+		case <-p.Drained():
+			return true
+		default:
+			return false
+		}
+	})
+	if st := p.Stats(); st.Ended[flow.IdleTimeout] != 2 {
+		t.Errorf("Stats().Ended = %v, want 2 idle-timeout", st.Ended)
+	}
 }
 
 func dupOf(t *testing.T, c *net.UDPConn) int {

@@ -122,6 +122,7 @@ func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 		return
 	}
 	s.setLocal(local)
+	s.awaiting = true
 	s.pktsTo++
 	s.bytesTo += uint64(len(data))
 	p.stats.pktsTo.Add(1)
@@ -231,6 +232,9 @@ func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
 		w++
 	}
 	b.outN = w
+	if got > 0 {
+		s.awaiting = false
+	}
 	p.touch(s, now)
 }
 
@@ -270,9 +274,27 @@ func (p *Proxy) expire() {
 	for s := p.lru.back; s != nil && !s.lastActive.After(deadline); s = p.lru.back {
 		p.end(s, flow.IdleTimeout)
 	}
+	p.endAnswered()
 	ended := p.takeEnded()
 	p.mu.Unlock()
 	p.report(ended)
+}
+
+// endAnswered ends, once the proxy is released, the sessions that wait for no reply and were quiet
+// for releasedQuiet: no new datagram of their client reaches this process any more (the successor
+// reads the socket), so they would only hold it open until the idle timeout. Called with mu held.
+func (p *Proxy) endAnswered() {
+	if !p.released {
+		return
+	}
+	deadline := p.cfg.Clock.Now().Add(-releasedQuiet(p.cfg.IdleTimeout))
+	for s := p.lru.back; s != nil; {
+		prev := s.lruPrev
+		if s.fd >= 0 && !s.awaiting && !s.lastActive.After(deadline) {
+			p.end(s, flow.IdleTimeout)
+		}
+		s = prev
+	}
 }
 
 // touch records traffic on s: its idle deadline slides and it becomes the last to be evicted.

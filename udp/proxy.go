@@ -361,13 +361,17 @@ func (p *Proxy) relisten() error {
 }
 
 // Release stops reading client datagrams, so that a successor holding the same socket (a
-// hand-over) gets every new one, and keeps the sessions: their replies still leave through the
-// socket, so conntrack un-NATs them, until each session ends by itself (idle timeout, endpoint
-// removed). Drained is closed once none is left; Close ends them at once.
+// hand-over) gets every new one, and keeps the sessions that may still carry a reply: their
+// replies still leave through the socket, so conntrack un-NATs them. A session whose client's last
+// datagram was answered ends once quiet for releasedQuiet (a second), one still waiting for its
+// reply at its idle timeout as before (a resolver's answer after a 5 s upstream timeout still
+// arrives). So the old process of a hand-over exits as soon as the replies it owes are out, not at
+// its drain deadline because clients are idle. Drained is closed once no session is left; Close
+// ends them at once.
 func (p *Proxy) Release() {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.closed || p.released {
+		p.mu.Unlock()
 		return
 	}
 	p.released = true
@@ -376,8 +380,19 @@ func (p *Proxy) Release() {
 			p.log.WithError(err).Warn("Cannot stop reading client datagrams")
 		}
 	}
+	p.endAnswered()
 	p.checkDrained()
+	ended := p.takeEnded()
+	p.mu.Unlock()
+	p.report(ended)
 }
+
+// DefaultReleasedQuiet is how long a released proxy keeps an answered session without traffic: a
+// reply in several datagrams, or a second reply to one request, still finds it.
+const DefaultReleasedQuiet = time.Second
+
+// releasedQuiet is DefaultReleasedQuiet, or the idle timeout when that is shorter.
+func releasedQuiet(idle time.Duration) time.Duration { return min(idle, DefaultReleasedQuiet) }
 
 // Drained is closed once the proxy is released with no session left, or closed.
 func (p *Proxy) Drained() <-chan struct{} { return p.drained }

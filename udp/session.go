@@ -16,6 +16,9 @@ type session struct {
 	// refused marks a session whose endpoint answered with ICMP port unreachable. It stays in the
 	// table, without a socket, so the client's next datagram re-picks with affinity reset.
 	refused bool
+	// awaiting: the client's last datagram went to the endpoint after its last reply, so a reply
+	// may still come. A released proxy keeps only such sessions for long (see Release).
+	awaiting bool
 
 	// clientAddr is the client in kernel form, the destination of every reply.
 	clientAddr    sockaddr

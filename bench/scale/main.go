@@ -4,8 +4,11 @@
 // (and peak) and idle CPU with them loaded, and the network programming latency of one change
 // (a new Service + EndpointSlice until traffic through its cluster IP works). -cpuprofile and
 // -trace fetch a profile or an execution trace of the cold start from the proxy's /debug/pprof.
-// -cluster does the cold start against a real API server instead (etcd + kube-apiserver from
-// e2e/framework): process start -> informers' initial lists -> every portal in force.
+// -cluster runs against a real API server instead (etcd + kube-apiserver from e2e/framework),
+// with today's kube-proxy beside the daemon (-kube-proxy, iptables and nftables modes): per
+// target and round, the cold start (process start -> initial lists -> every rule in force), then a
+// steady churn of EndpointSlice changes with the change-to-effect latency seen from a client and
+// the targets' own network_programming_duration_seconds, CPU per minute and RSS (cluster.go).
 // Not part of CI: go run ./bench/scale (as root).
 package main
 
@@ -27,7 +30,11 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
 
+// logLevel is the file mode daemon's --log-level (-log-level).
+var logLevel = "warn"
+
 func main() {
+	flag.StringVar(&logLevel, "log-level", logLevel, "file mode: the daemon's --log-level (its log goes to stderr)")
 	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the binary")
 	services := flag.Int("services", 10000, "service ports to load")
 	endpoints := flag.Int("endpoints", 5, "endpoints per service port")
@@ -36,20 +43,25 @@ func main() {
 	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
+	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
-	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file; measures the cold start only")
+	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file: cold starts and churn, beside -baseline and -kube-proxy")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
-	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) cold-started in the same run, in turn with -proxy, for a side-by-side figure")
-	rounds := flag.Int("rounds", 1, "-cluster: cold starts per binary")
+	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure")
+	kubeProxy := flag.String("kube-proxy", "", "-cluster: a kube-proxy binary (hack/kubeproxy-build.sh) run in the same run in each of -kube-proxy-modes")
+	kubeProxyModes := flag.String("kube-proxy-modes", "iptables,nftables", "-cluster: kube-proxy's modes to run (comma-separated)")
+	rounds := flag.Int("rounds", 1, "-cluster: rounds (cold start, then churn) per target")
+	churn := flag.Duration("churn", 30*time.Second, "-cluster: length of the churn period after each cold start (0: none)")
+	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
+	startLimit := flag.Duration("start-limit", 10*time.Minute, "-cluster: a target whose rules are not in force this long after its start is recorded as such and not run again")
 	flag.Parse()
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-		var proxies []string
-		for _, p := range append([]string{*proxy}, strings.Fields(*baseline)...) {
-			abs, _ := filepath.Abs(p)
-			proxies = append(proxies, abs)
+		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
+		if err == nil {
+			err = runCluster(ctx, targets, clusterOptions{services: *services, endpoints: *endpoints, workers: *workers,
+				rounds: *rounds, churn: *churn, churnRate: max(*churnRate, 1), startLimit: *startLimit})
 		}
-		err := runCluster(ctx, proxies, *services, *endpoints, *workers, *rounds)
 		stop()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "scale:", err)
@@ -161,13 +173,15 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	fmt.Printf("SIGKILL and immediate restart: %d of %d connections failed, failures spanning %v; first success %v after the kill; slowest successful connection %v\n",
 		w.failed, w.attempts, w.window.Round(time.Millisecond), w.recovered.Round(time.Millisecond), w.slowest.Round(time.Millisecond))
+	fmt.Printf("SIGKILL and immediate restart as a client sees it (one connection every %v): last answer before the kill -> first answer after it: %v\n",
+		probeEvery, w.gap.Round(time.Millisecond))
 	return nil
 }
 
 // startProxy starts the proxy binary in the node namespace on the services directory.
 func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
-		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", "warn",
+		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
@@ -177,17 +191,35 @@ func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
 type window struct {
 	attempts, failed           int
 	window, recovered, slowest time.Duration
+	// gap is what a user measures: from the last answer before the kill to the first answer
+	// after it (the greeting of the pod, read through the service).
+	gap time.Duration
 }
 
-// restartWindow probes addr from the client every 5 ms around restart, each attempt bounded by
-// 10 s (so a connection the new process holds until its endpoints are in counts as slow, not
-// failed), and reports the span of failed attempts, the slowest successful one, and how long after
-// the kill the first attempt succeeded. It stops 1 s after traffic is back, at most 2 minutes
-// after the kill.
+// probeEvery is the restart probe's pace: a client connecting in a loop, one attempt every 10 ms.
+const probeEvery = 10 * time.Millisecond
+
+// restartWindow has a client connect to addr every probeEvery, for 0.5 s before restart and on
+// after it, each attempt bounded by 10 s (so a connection the new process holds until its
+// endpoints are in counts as slow, not failed), and reports the span of failed attempts, the
+// slowest successful one, how long after the kill the first attempt succeeded, and the gap between
+// the last answer before the kill and the first after it. It stops 1 s after traffic is back, at
+// most 2 minutes after the kill.
 func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.Cmd, error), addr netip.AddrPort) (window, error) {
 	var w window
-	if _, err := testbed.Who(bed.Client, addr, 2*time.Second); err != nil {
-		return w, fmt.Errorf("before the kill: %w", err)
+	tick := time.NewTicker(probeEvery)
+	defer tick.Stop()
+	var lastAnswer time.Time
+	for t0 := time.Now(); time.Since(t0) < 500*time.Millisecond; {
+		select {
+		case <-ctx.Done():
+			return w, ctx.Err()
+		case <-tick.C:
+		}
+		if _, err := testbed.Who(bed.Client, addr, 2*time.Second); err != nil {
+			return w, fmt.Errorf("before the kill: %w", err)
+		}
+		lastAnswer = time.Now()
 	}
 	killed := time.Now()
 	if _, err := restart(); err != nil {
@@ -195,8 +227,6 @@ func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.
 	}
 	var firstFail, lastFail time.Time
 	var back time.Time
-	tick := time.NewTicker(5 * time.Millisecond)
-	defer tick.Stop()
 	for time.Since(killed) < 2*time.Minute && (back.IsZero() || time.Since(back) < time.Second) {
 		select {
 		case <-ctx.Done():
@@ -220,6 +250,7 @@ func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.
 			back = time.Now()
 			if w.recovered == 0 {
 				w.recovered = back.Sub(killed)
+				w.gap = back.Sub(lastAnswer)
 			}
 		}
 	}
@@ -307,7 +338,7 @@ func proxyPID(pid int) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if strings.TrimSpace(string(b)) != "kube-portal-pro" {
+	if c := strings.TrimSpace(string(b)); c != "kube-portal-pro" && !strings.HasPrefix(c, "kube-proxy") {
 		return 0, fmt.Errorf("pid %d is %q, not the proxy", pid, strings.TrimSpace(string(b)))
 	}
 	return pid, nil
@@ -315,8 +346,8 @@ func proxyPID(pid int) (int, error) {
 
 // profile is what -cpuprofile and -trace ask for.
 var profile struct {
-	cpu, trace string
-	length     time.Duration
+	cpu, trace, heap string
+	length           time.Duration
 }
 
 // profileStart fetches a CPU profile or an execution trace of the cold start from the proxy's

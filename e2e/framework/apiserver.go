@@ -83,6 +83,15 @@ func startAPIServer(ctx context.Context, bin, dir, etcdURL string, port int, adm
 	if err := writeServiceAccountKey(saKey); err != nil {
 		return nil, err
 	}
+	return runAPIServer(ctx, bin, dir, etcdURL, port, admin)
+}
+
+// runAPIServer runs kube-apiserver with the files startAPIServer wrote into dir (a restart runs it
+// again: same port, certificates, tokens and keys, so every client's kubeconfig stays good) and
+// returns once /readyz is ok for admin. Its log is appended to.
+func runAPIServer(ctx context.Context, bin, dir, etcdURL string, port int, admin identity) (*apiServer, error) {
+	tokenFile := filepath.Join(dir, "tokens.csv")
+	saKey := filepath.Join(dir, "service-account.key")
 	certDir := filepath.Join(dir, "apiserver-certs")
 	args := []string{
 		"--etcd-servers=" + etcdURL,

@@ -53,8 +53,12 @@ type ControlPlane struct {
 
 	etcd      *process
 	apiserver *process
-	runDir    string // the attempt's directory under Dir: data, certificates, logs
-	removeDir bool
+	// restartEtcd and restartAPIServer run the daemon again as it was started (Restart*).
+	restartEtcd      func(context.Context) (*process, error)
+	restartAPIServer func(context.Context) (*process, error)
+	restartMu        sync.Mutex
+	runDir           string // the attempt's directory under Dir: data, certificates, logs
+	removeDir        bool
 
 	stopOnce sync.Once
 	stopErr  error
@@ -129,6 +133,17 @@ func startOnce(ctx context.Context, bins Binaries, dir string) (_ *ControlPlane,
 		return nil, err
 	}
 	cp.Server = s.url
+	cp.restartEtcd = func(ctx context.Context) (*process, error) {
+		p, _, err := startEtcd(ctx, bins.Etcd, dir, ports[0], ports[1])
+		return p, err
+	}
+	cp.restartAPIServer = func(ctx context.Context) (*process, error) {
+		s, err := runAPIServer(ctx, bins.APIServer, dir, etcdURL, ports[2], admin)
+		if s == nil {
+			return nil, err
+		}
+		return s.proc, err
+	}
 	cp.AdminKubeconfig = filepath.Join(dir, "admin.kubeconfig")
 	cp.ProxyKubeconfig = filepath.Join(dir, "kube-proxy.kubeconfig")
 	if err := writeKubeconfig(cp.AdminKubeconfig, s.url, s.caFile, admin); err != nil {
@@ -207,6 +222,39 @@ func (c *ControlPlane) Stop() error {
 		}
 	})
 	return c.stopErr
+}
+
+// RestartAPIServer kills kube-apiserver (its graceful shutdown waits out its watches, tens of
+// seconds) and starts it again on the same port with the same certificates and credentials, and
+// returns once it is ready: clients see their watches end and their requests refused meanwhile.
+func (c *ControlPlane) RestartAPIServer(ctx context.Context) error {
+	c.restartMu.Lock()
+	defer c.restartMu.Unlock()
+	c.apiserver.Kill()
+	p, err := c.restartAPIServer(ctx)
+	if p != nil {
+		c.apiserver = p
+	}
+	if err != nil {
+		return fmt.Errorf("restart kube-apiserver: %w", err)
+	}
+	return nil
+}
+
+// RestartEtcd kills etcd and starts it again on its data, and returns once it is healthy;
+// kube-apiserver keeps running and reconnects.
+func (c *ControlPlane) RestartEtcd(ctx context.Context) error {
+	c.restartMu.Lock()
+	defer c.restartMu.Unlock()
+	c.etcd.Kill()
+	p, err := c.restartEtcd(ctx)
+	if p != nil {
+		c.etcd = p
+	}
+	if err != nil {
+		return fmt.Errorf("restart etcd: %w", err)
+	}
+	return nil
 }
 
 // stopProcesses stops the API server before etcd, so the server never runs without its storage.

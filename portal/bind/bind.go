@@ -123,7 +123,9 @@ func (b *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	plan := planAddrs(want, have)
 	errs := b.apply(ctx, plan, want)
 	if len(errs) == 0 {
-		b.publish(kind, slices.Collect(maps.Keys(want)))
+		if !b.published(kind, plan, want) {
+			b.publish(kind, slices.Collect(maps.Keys(want)))
+		}
 		if n := len(plan.add) + len(plan.del) + len(plan.replace); n > 0 {
 			b.cfg.Logger.WithFields(logrus.Fields{"interface": b.cfg.Interface, "added": len(plan.add),
 				"removed": len(plan.del) + len(plan.replace), "addresses": len(want)}).Info("Portal addresses synced")
@@ -140,9 +142,13 @@ func (b *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 // wanted maps each service address (as a host prefix) to the first service port that has it.
 // Addresses no service IP can be are skipped, with one log line each.
 func (b *Portals) wanted(specs []portal.Spec) map[netip.Prefix]service.ServicePortName {
-	sorted := slices.Clone(specs)
-	slices.SortFunc(sorted, portal.CompareSpecs)
-	want := map[netip.Prefix]service.ServicePortName{}
+	// The proxier passes them sorted; only then is the copy saved (10,000 specs: 2 MB a Sync).
+	sorted := specs
+	if !slices.IsSortedFunc(specs, portal.CompareSpecs) {
+		sorted = slices.Clone(specs)
+		slices.SortFunc(sorted, portal.CompareSpecs)
+	}
+	want := make(map[netip.Prefix]service.ServicePortName, len(specs))
 	for _, s := range sorted {
 		for _, ips := range [][]netip.Addr{s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs} {
 			for _, ip := range ips {
@@ -250,28 +256,35 @@ type addrPlan struct {
 }
 
 // planAddrs diffs the wanted host prefixes against the link's addresses. IPv6 link-local
-// addresses, which the kernel may give the link itself, are left alone.
+// addresses, which the kernel may give the link itself, are left alone. With nothing to change
+// (every Sync but a few) it allocates nothing.
 func planAddrs(want map[netip.Prefix]service.ServicePortName, have []netip.Prefix) addrPlan {
 	var plan addrPlan
-	present := map[netip.Prefix]bool{}
-	wantAddr := map[netip.Addr]bool{}
-	for p := range want {
-		wantAddr[p.Addr()] = true
-	}
+	found := 0 // wanted prefixes on the link (the kernel lists each once)
 	for _, p := range have {
-		present[p] = true
+		a := p.Addr().Unmap()
 		_, wanted := want[p]
+		// Wanted prefixes are host prefixes, so another length of a wanted address is that.
+		_, wantedAddr := want[netip.PrefixFrom(a, a.BitLen())]
 		switch {
-		case wanted, p.Addr().Is6() && p.Addr().IsLinkLocalUnicast():
-		case wantAddr[p.Addr().Unmap()]:
+		case wanted:
+			found++
+		case p.Addr().Is6() && p.Addr().IsLinkLocalUnicast():
+		case wantedAddr:
 			plan.replace = append(plan.replace, p)
 		default:
 			plan.del = append(plan.del, p)
 		}
 	}
-	for p := range want {
-		if !present[p] {
-			plan.add = append(plan.add, p)
+	if found < len(want) {
+		present := make(map[netip.Prefix]bool, len(have))
+		for _, p := range have {
+			present[p] = true
+		}
+		for p := range want {
+			if !present[p] {
+				plan.add = append(plan.add, p)
+			}
 		}
 	}
 	for _, l := range [][]netip.Prefix{plan.replace, plan.add, plan.del} {
@@ -325,6 +338,25 @@ func (b *Portals) Cleanup(ctx context.Context) error {
 	}
 	b.publish("", nil)
 	return nil
+}
+
+// published tells whether the debug view already shows what a Sync that worked leaves: with
+// nothing changed on the link, the same kind and the same addresses as the last publish.
+func (b *Portals) published(kind string, plan addrPlan, want map[netip.Prefix]service.ServicePortName) bool {
+	if len(plan.add)+len(plan.del)+len(plan.replace) > 0 {
+		return false
+	}
+	b.viewMu.Lock()
+	defer b.viewMu.Unlock()
+	if b.kind != kind || len(b.addrs) != len(want) {
+		return false
+	}
+	for p := range want {
+		if _, ok := slices.BinarySearchFunc(b.addrs, p.Addr(), netip.Addr.Compare); !ok {
+			return false
+		}
+	}
+	return true
 }
 
 func (b *Portals) publish(kind string, prefixes []netip.Prefix) {

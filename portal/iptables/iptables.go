@@ -34,6 +34,9 @@ type Stats struct {
 	// different from what was last applied (someone else changed or flushed them).
 	ReadBacks uint64
 	Repairs   uint64
+	// CanaryChecks counts the cheap checks of the canary chain (canary.go) made by the Syncs
+	// that had nothing to change; one that fails makes its Sync read the tables back.
+	CanaryChecks uint64
 	// Rules is the number of rules in our chains, all families, as last applied.
 	Rules int
 }
@@ -41,7 +44,9 @@ type Stats struct {
 // Portals programs the portal chains with iptables-restore. Each Sync computes the wanted rules
 // of every family and table, diffs them against what it believes is live, and sends the
 // difference in one `iptables-restore --noflush` per table (nothing when nothing changed). Every
-// VerifyPeriod it first reads the live chains back, so changes made by others are repaired.
+// VerifyPeriod it first reads the live chains back, so changes made by others are repaired; a
+// Sync with nothing to change (the periodic one) checks the canary chain, and reads back at once
+// if one of our chains or tables was flushed or deleted (canary.go).
 type Portals struct {
 	cfg    Config
 	runner Runner
@@ -51,6 +56,8 @@ type Portals struct {
 	skipped    map[portal.Family]string // families skipped, with the reason already logged
 	lastVerify time.Time
 	invalid    map[string]bool
+	// natRepaired: this Sync restored a nat table found changed by others (AfterNATRepair).
+	natRepaired bool
 	// applied is the sorted specs of the last Sync that left every table known and as wanted, so a
 	// repeat Sync with the same specs returns without rebuilding 10,000s of rule strings.
 	applied []portal.Spec
@@ -99,7 +106,10 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 		s.Kernel = s.Kernel.Clone()
 	}
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
-		return nil
+		if p.canaryIntact(ctx) {
+			return nil
+		}
+		verify = true
 	}
 	nk := 0
 	for i := range sorted {
@@ -135,6 +145,10 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	if verify && verified {
 		p.lastVerify = now
 	}
+	if p.natRepaired && p.cfg.AfterNATRepair != nil {
+		p.cfg.AfterNATRepair(ctx, sorted)
+	}
+	p.natRepaired = false
 	if len(errs) == 0 {
 		p.applied = sorted
 	}
@@ -203,17 +217,40 @@ func (p *Portals) syncFamily(ctx context.Context, fam portal.Family, want family
 		}
 		live[table] = st
 	}
+	// Every table's additions go in before any table's deletions: filter's, then nat's, then
+	// nat's stale rules go, then filter's. A service port whose endpoints arrive changes from a
+	// filter REJECT to a nat REDIRECT: deleting the REJECT first (both tables in turn, as before)
+	// left a moment where a SYN to the service was neither refused nor steered, so it was dropped
+	// and retransmitted a second later. Now the REDIRECT is in first (translated traffic no longer
+	// matches the REJECT), then the REJECT goes. The reverse change adds the REJECT before the
+	// REDIRECT goes. And filter's rules accepting a new proxy port still precede nat steering to it.
+	plans := map[string]plan{}
 	for _, table := range tables {
 		if unread[table] {
 			continue
 		}
 		pl := restorePlan(table, live[table], want[table], repair[table])
-		if err := p.restoreAll(ctx, fam, table, pl.apply, pl.cleanup); err != nil {
+		if err := p.restoreAll(ctx, fam, table, pl.apply); err != nil {
 			live[table] = nil // unknown now: read back before the next attempt
 			errs = append(errs, err)
 			continue
 		}
+		plans[table] = pl
+	}
+	for _, table := range natFirst {
+		pl, ok := plans[table]
+		if !ok {
+			continue
+		}
+		if err := p.restoreAll(ctx, fam, table, pl.cleanup); err != nil {
+			live[table] = nil
+			errs = append(errs, err)
+			continue
+		}
 		live[table] = pl.result
+		if repair[table] && table == tableNAT {
+			p.natRepaired = true
+		}
 	}
 	p.publish(fam, live)
 	return ok, errors.Join(errs...)

@@ -64,8 +64,11 @@ func TestSyncUnchangedRunsNothing(t *testing.T) {
 	mustSync(t, p, manySpecs(3, 34000))
 	before := fake.Counts()
 	mustSync(t, p, manySpecs(3, 34000))
-	if got := fake.Counts(); got != before {
-		t.Errorf("second sync with no change ran commands: before %+v, after %+v", before, got)
+	// Only the canary check of each table: no restore, no read-back.
+	want := before
+	want.Commands += 2
+	if got := fake.Counts(); got != want {
+		t.Errorf("second sync with no change: counts %+v, want %+v (two canary checks only)", got, want)
 	}
 }
 
@@ -190,19 +193,22 @@ func TestSyncRepairsChangesMadeByOthers(t *testing.T) {
 	specs := manySpecs(3, 34000)
 	specs[0].NodePort = 30080
 	want := freshDump(t, cfg, specs)
+	// canarySees: the damage flushes or deletes one of our chains, which the canary check of the
+	// very next (periodic) sync notices; other damage waits for the full read-back.
 	tests := []struct {
-		name   string
-		damage [][]string
+		name       string
+		damage     [][]string
+		canarySees bool
 	}{
-		{"flushed_chain", [][]string{{"-t", "nat", "-F", ChainPortalsContainer}}},
-		{"deleted_rule", [][]string{{"-t", "nat", "-D", ChainPortalsHost, "1"}}},
-		{"deleted_jump", [][]string{{"-t", "nat", "-D", "PREROUTING", "1"}}},
-		{"extra_rule", [][]string{{"-t", "nat", "-A", ChainPortalsHost, "-p", "tcp", "-j", "ACCEPT"}}},
-		{"deleted_chain", [][]string{{"-t", "filter", "-D", "INPUT", "3"}, {"-t", "filter", "-F", ChainGuard}, {"-t", "filter", "-X", ChainGuard}}},
+		{"flushed_chain", [][]string{{"-t", "nat", "-F", ChainPortalsContainer}}, true},
+		{"deleted_rule", [][]string{{"-t", "nat", "-D", ChainPortalsHost, "1"}}, false},
+		{"deleted_jump", [][]string{{"-t", "nat", "-D", "PREROUTING", "1"}}, false},
+		{"extra_rule", [][]string{{"-t", "nat", "-A", ChainPortalsHost, "-p", "tcp", "-j", "ACCEPT"}}, false},
+		{"deleted_chain", [][]string{{"-t", "filter", "-D", "INPUT", "3"}, {"-t", "filter", "-F", ChainGuard}, {"-t", "filter", "-X", ChainGuard}}, true},
 		// The guard (third in INPUT, after the firewall and reject jumps) must come before
 		// KUBE-NODEPORT-NON-LOCAL, which accepts.
 		{"jumps_reordered", [][]string{{"-t", "filter", "-D", "INPUT", "3"}, {"-t", "filter", "-A", "INPUT",
-			"-m", "comment", "--comment", "new connections reach proxy ports only through a portal", "-j", ChainGuard}}},
+			"-m", "comment", "--comment", "new connections reach proxy ports only through a portal", "-j", ChainGuard}}, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -220,7 +226,11 @@ func TestSyncRepairsChangesMadeByOthers(t *testing.T) {
 			}
 			damaged := fake.Dump()
 			mustSync(t, p, specs)
-			if got := fake.Dump(); got != damaged {
+			if tt.canarySees {
+				if d := lineDiff(want, fake.Dump()); d != "" {
+					t.Errorf("rules after the next sync, its canary check failed (-want +got):\n%s", d)
+				}
+			} else if got := fake.Dump(); got != damaged {
 				t.Errorf("sync before the verify period read back and changed the rules")
 			}
 			clk.SetTime(clk.Now().Add(time.Minute))
@@ -450,5 +460,46 @@ func TestSyncReadsEveryTableBeforeRestoring(t *testing.T) {
 	want := []string{"save filter", "save nat", "restore filter", "restore nat"}
 	if diff := cmp.Diff(want, r.ops); diff != "" {
 		t.Errorf("operations (-want +got):\n%s", diff)
+	}
+}
+
+// TestAfterNATRepairSeesTheSpecs: the Sync that restores a nat table someone else flushed calls
+// AfterNATRepair with its specs (the caller clears the conntrack entries left untranslated);
+// an ordinary Sync, or a repair of the filter table only, does not.
+func TestAfterNATRepairSeesTheSpecs(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		damage []string
+		want   bool
+	}{
+		{"nat_flushed", []string{"-t", "nat", "-F", ChainPortalsContainer}, true},
+		{"filter_flushed", []string{"-t", "filter", "-F", ChainReject}, false},
+		{"nothing", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got [][]portal.Spec
+			cfg := v4Config()
+			cfg.AfterNATRepair = func(_ context.Context, specs []portal.Spec) { got = append(got, specs) }
+			fake := NewFake()
+			p := New(cfg, fake)
+			specs := manySpecs(2, 34000)
+			specs[1].RejectInternal = true // its REJECT is in filter's KUBE-PORTALS-REJECT
+			mustSync(t, p, specs)
+			if len(got) != 0 {
+				t.Fatalf("AfterNATRepair called by the first sync")
+			}
+			if tc.damage != nil {
+				if err := fake.Command(t.Context(), portal.IPv4, tc.damage...); err != nil {
+					t.Fatal(err)
+				}
+			}
+			mustSync(t, p, specs)
+			if called := len(got) == 1; called != tc.want {
+				t.Fatalf("AfterNATRepair calls = %d, want called=%v", len(got), tc.want)
+			}
+			if tc.want && !slices.EqualFunc(got[0], specs, specEqual) {
+				t.Errorf("AfterNATRepair specs = %+v, want %+v", got[0], specs)
+			}
+		})
 	}
 }

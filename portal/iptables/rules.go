@@ -31,6 +31,11 @@ const (
 	// ChainReject refuses new connections to portals of service ports that have no endpoint for
 	// that traffic (kube-proxy's "has no endpoints" REJECT rules).
 	ChainReject = "KUBE-PORTALS-REJECT"
+	// ChainCanary is in both tables, and every other chain of ours ends with a jump to it (it
+	// returns at once). The kernel counts those references, and `iptables -n -L` shows the count
+	// for the price of reading this one small chain, however many rules the others hold: a flush
+	// of any of our chains, or of the table, or its deletion, changes it (see canary.go).
+	ChainCanary = "KUBE-PORTALS-CANARY"
 )
 
 // tables lists the tables in the order they are programmed. The filter table comes first: its
@@ -47,8 +52,8 @@ var natFirst = []string{tableNAT, tableFilter}
 // read-back recognise all of them, also the guard chain when protection is switched off, so
 // switching it off removes it.
 var ownedChains = map[string][]string{
-	tableNAT:    {ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost},
-	tableFilter: {ChainNodePortNonLocal, ChainGuard, ChainFirewall, ChainReject},
+	tableNAT:    {ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost, ChainCanary},
+	tableFilter: {ChainNodePortNonLocal, ChainGuard, ChainFirewall, ChainReject, ChainCanary},
 }
 
 func isOwned(table, chain string) bool {
@@ -136,10 +141,17 @@ func maps2Equal(a, b map[string][]string, eq func(a, b []string) bool) bool {
 	return true
 }
 
+// rules counts the rules in our chains, without the canary's (its rule and the jumps to it).
 func (t *tableState) rules() int {
 	n := 0
-	for _, r := range t.chains {
+	for c, r := range t.chains {
+		if c == ChainCanary {
+			continue
+		}
 		n += len(r)
+		if len(r) > 0 && r[len(r)-1] == canaryJump {
+			n--
+		}
 	}
 	return n
 }
@@ -230,8 +242,43 @@ func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules
 		}
 		b.add(&specs[i])
 	}
+	addCanary(b.out)
 	return b.out, errs
 }
+
+// The canary chain's one rule, and the jump every other chain of ours ends with.
+const (
+	canaryRule = `-m comment --comment "kube-portal-proxy canary" -j RETURN`
+	canaryJump = "-j " + ChainCanary
+)
+
+// addCanary adds the canary chain to each table and a jump to it at the end of each of our
+// fixed chains (ownedChains; not the per-service chains of the kernel path, whose number changes
+// with the Services).
+func addCanary(out familyRules) {
+	for _, table := range tables {
+		st := out[table]
+		for _, c := range canaried(table, st) {
+			st.chains[c] = append(st.chains[c], canaryJump)
+		}
+		st.chains[ChainCanary] = []string{canaryRule}
+	}
+}
+
+// canaried lists the chains of st that end with the canary jump: the fixed chains of ours it has.
+func canaried(table string, st *tableState) []string {
+	var out []string
+	for _, c := range ownedChains[table] {
+		if _, ok := st.chains[c]; ok && c != ChainCanary {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// canaryRefs is how many references the canary chain of a table has when the table is as st says:
+// one per fixed chain of ours that exists.
+func canaryRefs(table string, st *tableState) int { return len(canaried(table, st)) }
 
 func validate(s *portal.Spec) error {
 	switch {

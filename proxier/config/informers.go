@@ -7,6 +7,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -40,7 +41,7 @@ func proxySelector() string {
 func (s *InformerSource) Run(ctx context.Context) error {
 	factory := informers.NewSharedInformerFactoryWithOptions(s.client, s.resync,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = proxySelector() }),
-		informers.WithTransform(stripManagedFields))
+		informers.WithTransform(slim))
 	svcInformer := factory.Core().V1().Services().Informer()
 	sliceInformer := factory.Discovery().V1().EndpointSlices().Informer()
 	// The registrations' HasSynced, not the informers': an informer has synced once its store
@@ -79,14 +80,47 @@ func (s *InformerSource) Run(ctx context.Context) error {
 	return nil
 }
 
-// stripManagedFields drops an object's managedFields before the informer caches it: the proxy
-// never reads them, and at 10,000 Services and EndpointSlices they were a good part of the
-// caches' memory.
-func stripManagedFields(o any) (any, error) {
-	if m, err := meta.Accessor(o); err == nil {
-		m.SetManagedFields(nil)
+// slim is the informers' transform: the caches keep a copy of every Service and EndpointSlice
+// beside the proxier's own model, so they keep only what the proxier reads (convert.go, the
+// annotations, the access log's pod and node) and drop the rest before it is stored: managed
+// fields, owner references, finalizers, kubectl's last-applied-configuration annotation (often
+// the largest part of a real object), a Service's selector, IP family fields and conditions, an
+// endpoint's hostname, deprecated topology and the UID and version of its target. The decoded
+// object is trimmed in place (it is the informer's own, freshly decoded, as client-go allows):
+// building a slim copy instead cost an allocation per object in the initial lists.
+func slim(o any) (any, error) {
+	switch v := o.(type) {
+	case *v1.Service:
+		slimMeta(&v.ObjectMeta)
+		v.Spec.Selector, v.Spec.IPFamilies, v.Spec.IPFamilyPolicy = nil, nil, nil
+		v.Spec.LoadBalancerClass, v.Spec.AllocateLoadBalancerNodePorts = nil, nil
+		v.Status.Conditions = nil
+	case *discovery.EndpointSlice:
+		slimMeta(&v.ObjectMeta)
+		for i := range v.Endpoints {
+			e := &v.Endpoints[i]
+			e.Hostname, e.DeprecatedTopology = nil, nil
+			if r := e.TargetRef; r != nil {
+				e.TargetRef = &v1.ObjectReference{Kind: r.Kind, Namespace: r.Namespace, Name: r.Name}
+			}
+		}
+	default:
+		if m, err := meta.Accessor(o); err == nil {
+			m.SetManagedFields(nil)
+		}
 	}
 	return o, nil
+}
+
+// lastApplied is kubectl's copy of the whole object, in an annotation no proxy reads.
+const lastApplied = "kubectl.kubernetes.io/last-applied-configuration"
+
+// slimMeta keeps name, namespace, UID, resource version, labels and annotations (but
+// last-applied-configuration).
+func slimMeta(m *metav1.ObjectMeta) {
+	*m = metav1.ObjectMeta{Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion,
+		Labels: m.Labels, Annotations: m.Annotations}
+	delete(m.Annotations, lastApplied)
 }
 
 // untombstone unwraps the final state of an object deleted while the watch was down.

@@ -78,7 +78,7 @@ func NewTrafficCollector(src TrafficSource) prometheus.Collector {
 		ejections:    d("outlier_ejections_total", "Endpoints taken out of rotation by outlier detection (service ports with it on)."),
 		ejected:      d("outlier_ejected_endpoints", "Endpoints out of rotation now by outlier detection (service ports with it on)."),
 		held:         d("tcp_held_connections", "TCP connections held now for want of an endpoint (service ports with a hold-timeout)."),
-		holds:        d("tcp_holds_total", "TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first).", "outcome"),
+		holds:        d("tcp_holds_total", "TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first), client-gone (the client reset, or closed without sending a byte, while held).", "outcome"),
 		drained:      d("drain_closed_total", "TCP connections or UDP sessions closed by their endpoint's drain deadline (service ports with a drain-timeout).", "protocol"),
 	}
 }

@@ -123,8 +123,8 @@ func TestObserveProgrammingIgnoresChangesFromTheFuture(t *testing.T) {
 		t.Fatal(err)
 	}
 	now := time.Unix(1_700_000_000, 0)
-	m.ObserveProgramming(now, now.Add(-2*time.Second))
-	m.ObserveProgramming(now, now.Add(time.Second)) // a clock step: not a latency
+	m.ObserveProgramming("IPv4", now, now.Add(-2*time.Second))
+	m.ObserveProgramming("IPv4", now, now.Add(time.Second)) // a clock step: not a latency
 	// Only the count and sum are compared: the bucket lines are kube-proxy's long list.
 	got, err := reg.Gather()
 	if err != nil {

@@ -15,7 +15,7 @@ import (
 type Metrics struct {
 	SyncDuration          prometheus.Histogram
 	LastSync              prometheus.Gauge
-	Programming           prometheus.Histogram
+	Programming           *prometheus.HistogramVec
 	ServiceChanges        prometheus.Counter
 	EndpointChanges       prometheus.Counter
 	PendingServiceChanges prometheus.Gauge
@@ -40,11 +40,13 @@ func New() *Metrics {
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_last_timestamp_seconds",
 			Help: "The last time proxy rules were successfully synced",
 		}),
-		Programming: prometheus.NewHistogram(prometheus.HistogramOpts{
+		// kube-proxy's SLI, measured as kube-proxy measures it (see ObserveProgramming): same
+		// name, label and buckets.
+		Programming: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy", Name: "network_programming_duration_seconds",
-			Help:    "In Network Programming Latency in seconds",
+			Help:    "In Cluster Network Programming Latency in seconds",
 			Buckets: merge(prometheus.LinearBuckets(0.25, 0.25, 2), prometheus.LinearBuckets(1, 1, 59), prometheus.LinearBuckets(60, 5, 12), prometheus.LinearBuckets(120, 30, 7)),
-		}),
+		}, []string{"ip_family"}),
 		ServiceChanges: prometheus.NewCounter(prometheus.CounterOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_total",
 			Help: "Cumulative proxy rules Service changes",
@@ -102,11 +104,12 @@ func (m *Metrics) Register(r prometheus.Registerer) error {
 	return nil
 }
 
-// ObserveProgramming records the network programming latency of a change first seen at changed
-// and in force at now (kube-proxy's network_programming_duration_seconds).
-func (m *Metrics) ObserveProgramming(now, changed time.Time) {
+// ObserveProgramming records one network programming latency: from the moment an EndpointSlice's
+// change was triggered (its endpoints.kubernetes.io/last-change-trigger-time annotation) to the
+// change being in force here, for slices of family ("IPv4", "IPv6", as kube-proxy labels it).
+func (m *Metrics) ObserveProgramming(family string, now, changed time.Time) {
 	if d := now.Sub(changed); d >= 0 {
-		m.Programming.Observe(d.Seconds())
+		m.Programming.WithLabelValues(family).Observe(d.Seconds())
 	}
 }
 
