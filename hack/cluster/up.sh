@@ -386,7 +386,8 @@ alive kube-scheduler
 # --- kube-portal-proxy, as a user installs it -------------------------------------------------
 # KPP_INSTALL=helm installs the Helm chart (deploy/helm/kube-portal-proxy) instead of deploy/:
 # the same objects, with the image, the API server's address and, when needed, the capabilities
-# as values. Helm's cache and config go under $STATE, which make cluster-down removes.
+# as values. KPP_HELM_SET adds values of the caller's (helm --set syntax), e.g.
+# KPP_HELM_SET=proxy.defaultDataPath=kernel for the conformance run on the kernel data path. Helm's cache and config go under $STATE, which make cluster-down removes.
 no_sys_resource=0
 # CAP_SYS_RESOURCE is bit 24 of the bounding set.
 if (( (16#$(awk '/^CapBnd/ {print $2}' /proc/self/status) >> 24 & 1) == 0 )); then
@@ -403,7 +404,8 @@ helm)
   HELM_CACHE_HOME="$STATE/helm/cache" HELM_CONFIG_HOME="$STATE/helm/config" HELM_DATA_HOME="$STATE/helm/data" \
     ns "$helm_bin" --kubeconfig="$KUBECONFIG_ADMIN" install kube-portal-proxy "$repo/deploy/helm/kube-portal-proxy" \
     --namespace kube-system --set-string image.repository="${IMAGE%:*}" --set-string image.tag="${IMAGE##*:}" \
-    --set-string apiServer.host="$NODE_IP" --set-string apiServer.port=6443 "${caps[@]}" >/dev/null
+    --set-string apiServer.host="$NODE_IP" --set-string apiServer.port=6443 "${caps[@]}" \
+    ${KPP_HELM_SET:+--set "$KPP_HELM_SET"} >/dev/null
   log "kube-portal-proxy installed from the Helm chart"
   ;;
 kustomize)
