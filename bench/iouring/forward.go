@@ -9,6 +9,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	ring "github.com/kube-portal-proxy/kube-portal-proxy/internal/iouring"
 )
 
 // Operation tags in the low byte of an SQE's user_data; the rest is the connection's slot (or,
@@ -139,7 +141,7 @@ type conn struct {
 }
 
 type loop struct {
-	r      *ring
+	r      *ring.Ring
 	routes []Route
 	lns    []int
 	conns  []*conn
@@ -160,41 +162,44 @@ func (l *loop) getBuf() []byte {
 }
 
 func (f *Forwarder) loop(lns []int) error {
-	r, err := newRing(4096)
+	r, err := ring.New(4096)
 	if err != nil {
 		return err
 	}
-	defer r.close()
+	defer r.Close()
 	l := &loop{r: r, routes: f.routes, lns: lns, closed: &f.closed, accepting: len(lns)}
 	for i := range lns {
 		l.armAccept(i)
 	}
 	for l.accepting > 0 {
-		r.enter(1) // submit everything queued and wait for at least one completion
-		r.reap(l.complete)
+		// Submit everything queued and wait for at least one completion.
+		if err := r.Enter(1); err != nil {
+			return err
+		}
+		r.Reap(l.complete)
 	}
 	return nil
 }
 
 func (l *loop) armAccept(i int) {
-	s := l.r.get()
-	s.opcode, s.fd, s.ioprio = opAcceptK, int32(l.lns[i]), acceptMultishot
-	s.opFlags = unix.SOCK_CLOEXEC
-	s.userData = uint64(i)<<8 | tagAccept
+	s := l.r.Get()
+	s.Opcode, s.Fd, s.Ioprio = ring.OpAccept, int32(l.lns[i]), ring.AcceptMultishot
+	s.OpFlags = unix.SOCK_CLOEXEC
+	s.UserData = uint64(i)<<8 | tagAccept
 }
 
-func (l *loop) complete(c *cqe) {
-	tag, id := int(c.userData&0xff), uint32(c.userData>>8)
+func (l *loop) complete(c *ring.CQE) {
+	tag, id := int(c.UserData&0xff), uint32(c.UserData>>8)
 	if tag == tagAccept {
-		if c.flags&cqeFMore == 0 { // the multishot accept ended: re-arm it, unless closing
+		if c.Flags&ring.CqeFMore == 0 { // the multishot accept ended: re-arm it, unless closing
 			if l.closed.Load() {
 				l.accepting--
 				return
 			}
 			l.armAccept(int(id))
 		}
-		if c.res >= 0 {
-			l.accepted(int(id), c.res)
+		if c.Res >= 0 {
+			l.accepted(int(id), c.Res)
 		}
 		return
 	}
@@ -202,11 +207,11 @@ func (l *loop) complete(c *cqe) {
 	cn.inflight--
 	switch tag {
 	case tagConnect:
-		l.connected(id, cn, c.res)
+		l.connected(id, cn, c.Res)
 	case tagRecv0, tagRecv1:
-		l.received(id, cn, tag-tagRecv0, c.res)
+		l.received(id, cn, tag-tagRecv0, c.Res)
 	case tagSend0, tagSend1:
-		l.sent(id, cn, tag-tagSend0, c.res)
+		l.sent(id, cn, tag-tagSend0, c.Res)
 	}
 	if cn.inflight == 0 {
 		switch {
@@ -241,10 +246,10 @@ func (l *loop) accepted(route int, cfd int32) {
 		id = uint32(len(l.conns))
 		l.conns = append(l.conns, cn)
 	}
-	s := l.r.get()
-	s.opcode, s.fd = opConnectK, cn.bfd
-	s.addr, s.off = uint64(uintptr(unsafe.Pointer(&cn.sa))), uint64(unsafe.Sizeof(cn.sa))
-	s.userData = uint64(id)<<8 | tagConnect
+	s := l.r.Get()
+	s.Opcode, s.Fd = ring.OpConnect, cn.bfd
+	s.Addr, s.Off = uint64(uintptr(unsafe.Pointer(&cn.sa))), uint64(unsafe.Sizeof(cn.sa))
+	s.UserData = uint64(id)<<8 | tagConnect
 	cn.inflight++
 	l.recv(id, cn, 0) // the client's first bytes, in parallel with the connect
 }
@@ -258,20 +263,20 @@ func (l *loop) fds(cn *conn, dir int) (src, dst int32) {
 
 func (l *loop) recv(id uint32, cn *conn, dir int) {
 	src, _ := l.fds(cn, dir)
-	s := l.r.get()
-	s.opcode, s.fd = opRecvK, src
-	s.addr, s.len = uint64(uintptr(unsafe.Pointer(&cn.buf[dir][0]))), BufSize
-	s.userData = uint64(id)<<8 | uint64(tagRecv0+dir)
+	s := l.r.Get()
+	s.Opcode, s.Fd = ring.OpRecv, src
+	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&cn.buf[dir][0]))), BufSize
+	s.UserData = uint64(id)<<8 | uint64(tagRecv0+dir)
 	cn.inflight++
 }
 
 func (l *loop) send(id uint32, cn *conn, dir int) {
 	_, dst := l.fds(cn, dir)
-	s := l.r.get()
-	s.opcode, s.fd = opSendK, dst
-	s.addr, s.len = uint64(uintptr(unsafe.Pointer(&cn.buf[dir][cn.off[dir]]))), uint32(cn.n[dir]-cn.off[dir])
-	s.opFlags = unix.MSG_NOSIGNAL
-	s.userData = uint64(id)<<8 | uint64(tagSend0+dir)
+	s := l.r.Get()
+	s.Opcode, s.Fd = ring.OpSend, dst
+	s.Addr, s.Len = uint64(uintptr(unsafe.Pointer(&cn.buf[dir][cn.off[dir]]))), uint32(cn.n[dir]-cn.off[dir])
+	s.OpFlags = unix.MSG_NOSIGNAL
+	s.UserData = uint64(id)<<8 | uint64(tagSend0+dir)
 	cn.inflight++
 }
 
@@ -356,9 +361,9 @@ func (l *loop) fail(id uint32, cn *conn) {
 func (l *loop) closeConn(id uint32, cn *conn) {
 	cn.closing = true
 	for _, fd := range []int32{cn.cfd, cn.bfd} {
-		s := l.r.get()
-		s.opcode, s.fd = opCloseK, fd
-		s.userData = uint64(id)<<8 | tagClose
+		s := l.r.Get()
+		s.Opcode, s.Fd = ring.OpClose, fd
+		s.UserData = uint64(id)<<8 | tagClose
 		cn.inflight++
 	}
 	cn.cfd, cn.bfd = -1, -1

@@ -10,6 +10,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	ring "github.com/kube-portal-proxy/kube-portal-proxy/internal/iouring"
 )
 
 // Address plan: the forwarder listens on 127.0.0.1 (kernel-chosen port); the endpoint listens on
@@ -18,9 +20,8 @@ import (
 // requireIOURing fails (KPP_E2E_REQUIRE=1) or skips the test where io_uring is not available.
 func requireIOURing(t *testing.T) {
 	t.Helper()
-	r, err := newRing(8)
+	err := ring.Probe()
 	if err == nil {
-		r.close()
 		return
 	}
 	if os.Getenv("KPP_E2E_REQUIRE") == "1" {
