@@ -1,3 +1,9 @@
+// Package iouring is an experiment (issue 20, not product code): a minimal TCP forwarder on
+// io_uring, to measure whether completion-based I/O (multishot accept, connect, recv/send and
+// close submitted in batches, one ring per thread, no readiness round trip) closes the gap to
+// nginx and HAProxy on new connections and keep-alive requests. bench/tcp runs it as the target
+// "iouring" (role iouring). It grew into the product's engine (tcp/uring.go); its ring is now
+// internal/iouring's, the one the engine uses.
 package iouring
 
 import (
