@@ -283,18 +283,7 @@ func cpuSpent(pid int) time.Duration {
 
 // ownRSSKiB is pid's own VmRSS: procstat.RSSKiB sums the tree, which for kube-proxy would add an
 // nft or iptables-restore child caught running.
-func ownRSSKiB(pid int) int64 {
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-			if f := strings.Fields(v); len(f) > 0 {
-				n, _ := strconv.ParseInt(f[0], 10, 64)
-				return n
-			}
-		}
-	}
-	return 0
-}
+func ownRSSKiB(pid int) int64 { return procstat.StatusKiB(pid, "VmRSS") }
 
 // probePods is how many pods each bed serves: the probe service's endpoints.
 const probePods = 5

@@ -104,10 +104,14 @@ func OwnCPUTime(pid int) (self, children time.Duration) {
 }
 
 // PeakRSSKiB is the VmHWM (the highest RSS so far) of pid.
-func PeakRSSKiB(pid int) int64 {
+func PeakRSSKiB(pid int) int64 { return StatusKiB(pid, "VmHWM") }
+
+// StatusKiB is the kB value of one field of /proc/<pid>/status (VmRSS, VmHWM, ...) of pid alone,
+// its children not counted; 0 when the process or the field is gone.
+func StatusKiB(pid int, field string) int64 {
 	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmHWM:"); ok {
+		if v, ok := strings.CutPrefix(l, field+":"); ok {
 			if f := strings.Fields(v); len(f) > 0 {
 				n, _ := strconv.ParseInt(f[0], 10, 64)
 				return n
