@@ -50,7 +50,8 @@ var (
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
 	only       = flag.String("only", "", "comma-separated targets (direct,kpp,kpp-uring,evloop,iouring,iouring-spare-p,haproxy,nginx,compare); empty = all")
-	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment)")
+	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG [ARGS] -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment; words after the first are its arguments, e.g. \"/tmp/benchtcp-old -engine io_uring\")")
+	tests      = flag.String("tests", "bulk,conn,keepalive,idle", "the tests to run, comma-separated (a profile of one workload: -tests conn -dur 20s)")
 	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
 	engine     = flag.String("engine", "epoll", "the TCP engine of role proxy: epoll, io_uring or auto (--io-engine)")
 	nginxMod   = flag.String("nginx-module", "/usr/lib/nginx/modules/ngx_stream_module.so", "nginx stream module")
@@ -188,7 +189,10 @@ func runBench() error {
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
 	if *compare != "" {
-		starters = append(starters, starter{"compare", func() (target, error) { return startOwn(*compare, "proxy", filepath.Base(*compare), addrs) }})
+		argv := strings.Fields(*compare)
+		starters = append(starters, starter{"compare", func() (target, error) {
+			return startOwn(argv[0], "proxy", filepath.Base(argv[0]), addrs, argv[1:]...)
+		}})
 	}
 	var chosen []starter
 	for _, s := range starters {
@@ -208,7 +212,7 @@ func runBench() error {
 				fmt.Fprintf(os.Stderr, "%s: %v (skipped)\n", s.name, err)
 				continue
 			}
-			fmt.Fprintf(os.Stderr, "rep %d: running %s...\n", rep+1, t.name)
+			fmt.Fprintf(os.Stderr, "rep %d: running %s (pid %d)...\n", rep+1, t.name, t.pid)
 			r, err := measure(t)
 			t.stop()
 			if err != nil {
@@ -283,7 +287,7 @@ func startChild(self string, args ...string) (func(), map[string]string, error) 
 // startOwn runs a proxy child: this binary (or another build, -compare) in role (proxy:
 // kube-portal-proxy's TCP proxy; evloop: the experiment in evloop.go).
 func startOwn(self, role, name string, be map[string]string, extra ...string) (target, error) {
-	cmd := exec.Command(self, append([]string{"-role", role, "-echo", be["echo"], "-sink", be["sink"]}, extra...)...)
+	cmd := exec.Command(self, append(extra, "-role", role, "-echo", be["echo"], "-sink", be["sink"])...)
 	cmd.Stderr = os.Stderr
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
@@ -392,26 +396,33 @@ type result struct {
 func measure(t target) (result, error) {
 	r := result{name: t.name}
 	var err error
-	cpu0 := cpuTime(t.pid)
-	start := time.Now()
-	n, err := bulk(t.sink, int64(*bulkMiB)<<20)
-	if err != nil {
-		return r, fmt.Errorf("bulk: %w", err)
+	run := func(test string) bool { return strings.Contains(","+*tests+",", ","+test+",") }
+	if run("bulk") {
+		cpu0 := cpuTime(t.pid)
+		start := time.Now()
+		n, err := bulk(t.sink, int64(*bulkMiB)<<20)
+		if err != nil {
+			return r, fmt.Errorf("bulk: %w", err)
+		}
+		el := time.Since(start).Seconds()
+		r.gbps = float64(n) / el / 1e9
+		r.cpuPerGB = (cpuTime(t.pid) - cpu0) / (float64(n) / 1e9)
 	}
-	el := time.Since(start).Seconds()
-	r.gbps = float64(n) / el / 1e9
-	r.cpuPerGB = (cpuTime(t.pid) - cpu0) / (float64(n) / 1e9)
-
-	cpu0 = cpuTime(t.pid)
-	cn := connRate(t.echo)
-	r.connRate = float64(cn) / dur.Seconds()
-	r.cpuPerConn = (cpuTime(t.pid) - cpu0) / float64(cn) * 1e6
-
-	cpu0 = cpuTime(t.pid)
-	rn := keepAlive(t.echo)
-	r.reqRate = float64(rn) / dur.Seconds()
-	r.cpuPerReq = (cpuTime(t.pid) - cpu0) / float64(rn) * 1e6
-
+	if run("conn") {
+		cpu0 := cpuTime(t.pid)
+		cn := connRate(t.echo)
+		r.connRate = float64(cn) / dur.Seconds()
+		r.cpuPerConn = (cpuTime(t.pid) - cpu0) / float64(cn) * 1e6
+	}
+	if run("keepalive") {
+		cpu0 := cpuTime(t.pid)
+		rn := keepAlive(t.echo)
+		r.reqRate = float64(rn) / dur.Seconds()
+		r.cpuPerReq = (cpuTime(t.pid) - cpu0) / float64(rn) * 1e6
+	}
+	if !run("idle") {
+		return r, nil
+	}
 	time.Sleep(time.Second) // let TIME_WAIT and goroutines of the rate tests settle
 	rss0, fd0 := procstat.RSSKiB(t.pid), procstat.FDCount(t.pid)
 	conns := openIdle(t.echo, *idleN)
