@@ -57,8 +57,13 @@ type conn struct {
 // newConn counts and tracks a new connection from peer, with one owner; u is its io_uring part
 // (nil on epoll), set before the connection is visible to Shutdown and the others.
 func (p *Proxy) newConn(peer netip.AddrPort, u *uconn) *conn {
+	return p.initConn(new(conn), peer, u)
+}
+
+// initConn is newConn on a zero conn the caller allocated (with its uconn, in one allocation).
+func (p *Proxy) initConn(c *conn, peer netip.AddrPort, u *uconn) *conn {
 	now := p.cfg.Clock.Now().UnixNano()
-	c := &conn{p: p, clientAddr: peer, start: now, live: 1, u: u}
+	c.p, c.clientAddr, c.start, c.live, c.u = p, peer, now, 1, u
 	if u != nil {
 		u.c = c
 	}

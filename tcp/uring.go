@@ -243,8 +243,8 @@ type loop struct {
 	efdv  [8]byte
 
 	inMu     sync.Mutex
-	inbox    []func()
-	spare    []func()
+	inbox    []inboxItem
+	spare    []inboxItem
 	dead     bool // the loop has stopped: posts are refused
 	sleeping atomic.Bool
 
@@ -256,14 +256,24 @@ type loop struct {
 	freeAcc  []uint32
 }
 
+// inboxItem is what another goroutine asks of a loop: run f, or, without f, close u (the
+// commonest request, once per connection: a closure for it was an allocation each time).
+type inboxItem struct {
+	f   func()
+	u   *uconn
+	rst bool
+}
+
 // post queues f to run on the loop; false if the loop has stopped.
-func (l *loop) post(f func()) bool {
+func (l *loop) post(f func()) bool { return l.postItem(inboxItem{f: f}) }
+
+func (l *loop) postItem(it inboxItem) bool {
 	l.inMu.Lock()
 	if l.dead {
 		l.inMu.Unlock()
 		return false
 	}
-	l.inbox = append(l.inbox, f)
+	l.inbox = append(l.inbox, it)
 	l.inMu.Unlock()
 	if l.sleeping.Swap(false) {
 		one := uint64(1)
@@ -357,9 +367,13 @@ func (l *loop) runInbox() {
 	fs := l.inbox
 	l.inbox = l.spare[:0]
 	l.inMu.Unlock()
-	for i, f := range fs {
-		f()
-		fs[i] = nil
+	for i, it := range fs {
+		if it.f != nil {
+			it.f()
+		} else {
+			it.u.close(it.rst)
+		}
+		fs[i] = inboxItem{}
 	}
 	l.spare = fs
 }
@@ -509,7 +523,9 @@ func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
 		p.deny(fd, peer)
 		return
 	}
-	u := &uconn{l: l, fd: [2]int32{int32(fd), -1}}
+	both := new(connAndUconn) // one allocation for both parts
+	u := &both.u
+	u.l, u.fd = l, [2]int32{int32(fd), -1}
 	u.d[0] = udir{u: u, i: 0, buf: -1}
 	u.d[1] = udir{u: u, i: 1, buf: -1}
 	if n := len(l.free); n > 0 {
@@ -519,10 +535,16 @@ func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
 		u.slot = uint32(len(l.conns))
 		l.conns = append(l.conns, u)
 	}
-	c := p.newConn(peer, u)
+	c := p.initConn(&both.c, peer, u)
 	c.up.c, c.up.up, c.down.c = c, true, c // the directions count bytes (direction.count)
 	p.wg.Add(1)
 	u.pick()
+}
+
+// connAndUconn is a connection on the io_uring engine: both parts live and die together.
+type connAndUconn struct {
+	c conn
+	u uconn
 }
 
 // --- buffers

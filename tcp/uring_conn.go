@@ -46,7 +46,7 @@ type uconn struct {
 
 // terminate asks the loop to close the connection (conn.terminate, from any goroutine).
 func (u *uconn) terminate(rst bool) {
-	u.l.post(func() { u.close(rst) })
+	u.l.postItem(inboxItem{u: u, rst: rst})
 }
 
 // drain sends FIN to both peers (conn.drain).

@@ -127,6 +127,9 @@ type Ring struct {
 	cqHead, cqTail *uint32
 	cqMask         uint32
 	cqes           []CQE
+	// cur is the completion Reap hands to its callback: a copy in the ring, because a copy on
+	// Reap's stack escapes to the heap through the callback (an allocation per completion).
+	cur CQE
 
 	mem, sqeMem []byte
 }
@@ -228,15 +231,16 @@ func (r *Ring) Enter(wait uint32) error {
 	}
 }
 
-// Reap calls f for every completion available and returns how many there were. f may call Get.
+// Reap calls f for every completion available and returns how many there were. f may call Get,
+// not Reap; the *CQE is valid until f returns.
 func (r *Ring) Reap(f func(*CQE)) int {
 	head := *r.cqHead
 	n := 0
 	for tail := atomic.LoadUint32(r.cqTail); head != tail; tail = atomic.LoadUint32(r.cqTail) {
 		for ; head != tail; head++ {
-			c := r.cqes[head&r.cqMask] // a copy: the slot is the kernel's again once head moves
+			r.cur = r.cqes[head&r.cqMask] // a copy: the slot is the kernel's again once head moves
 			atomic.StoreUint32(r.cqHead, head+1)
-			f(&c)
+			f(&r.cur)
 			n++
 		}
 	}
