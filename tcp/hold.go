@@ -112,11 +112,11 @@ func (p *Proxy) WakeHeld() {
 // endpoint; each arrival only wakes the watch. stop ends the watch (through an expired read
 // deadline, cleared again afterwards) and waits for it, so the socket is the dialer's again.
 //
-// On the io_uring engine the ring owns the client socket (c.client is nil) and nothing watches it
-// yet: a client that gives up is noticed at the dial, as before.
+// On the io_uring engine the loop owns the client socket (c.client is nil) and watches it with a
+// poll of its ring (uconn.watchHeld).
 func (c *conn) watchHeldClient() (gone <-chan flow.EndReason, stop func()) {
-	if c.client == nil {
-		return nil, func() {}
+	if c.u != nil {
+		return c.u.watchHeld()
 	}
 	ch := make(chan flow.EndReason, 1)
 	var stopping atomic.Bool

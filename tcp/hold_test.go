@@ -4,7 +4,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
 	"testing"
 	"time"
 
@@ -154,9 +153,6 @@ func TestWithoutHoldTimeoutNoEndpointsStillResets(t *testing.T) {
 // and nothing of it reaches an endpoint. A client that sent a request and then half-closed is
 // still waiting for its answer: it stays held and is served.
 func TestHeldClientThatGivesUpLeavesTheHold(t *testing.T) {
-	if os.Getenv(engineEnv) == EngineIOUring {
-		t.Skip("the io_uring engine does not watch held clients yet (watchHeldClient)")
-	}
 	for _, tc := range []struct {
 		name     string
 		giveUp   func(*net.TCPConn)

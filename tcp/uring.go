@@ -31,7 +31,8 @@ import (
 //
 // A connection on a loop:
 //   - accepted: Allow, then the shared pick (conn.go); a pick that finds nothing
-//     with a hold configured waits on a goroutine (hold.go) and comes back to the loop;
+//     with a hold configured waits on a goroutine (hold.go) and comes back to the loop, while a
+//     multishot poll on the loop watches the held client socket (uconn.watchHeld);
 //   - dialed: socket(2), then IORING_OP_CONNECT linked to an IORING_OP_LINK_TIMEOUT of the
 //     attempt's timeout; a failed attempt goes down the ladder (conn.attemptFailed);
 //   - the PROXY header, if any, sent before anything else;
@@ -64,6 +65,7 @@ const (
 	tagPollUp
 	tagPollDown
 	tagCancel
+	tagHoldWatch // the multishot poll of a held client's socket (uconn.watchHeld)
 )
 
 const (
@@ -400,6 +402,13 @@ func (l *loop) complete(c *iouring.CQE) {
 		return
 	}
 	u := l.conns[slot]
+	if tag == tagHoldWatch {
+		u.holdPolled(c)
+		if u.closing && u.inflight == 0 {
+			u.closeNow()
+		}
+		return
+	}
 	u.inflight--
 	switch tag {
 	case tagRecvUp, tagRecvDown:

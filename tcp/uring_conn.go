@@ -41,6 +41,11 @@ type uconn struct {
 
 	hdr []byte // the PROXY header while it is sent
 
+	// the watch of a held client (watchHeld): holdCh is the hold's, nil once the watch is
+	// stopped or has reported; holdArmed says the poll is in the kernel.
+	holdCh                   chan<- flow.EndReason
+	holdArmed, holdCancelled bool
+
 	d [2]udir // client->endpoint, endpoint->client
 }
 
@@ -151,6 +156,72 @@ func (u *uconn) pick() {
 			c.fail(reason, errEngineClosed)
 		}
 	}()
+}
+
+// watchHeld is conn.watchHeldClient on the io_uring engine, called by the hold's goroutine: the
+// loop owns the client socket, so the loop watches it, with a multishot poll for input or a peer
+// shutdown. Such a poll is edge-triggered: it completes once per arrival (data, FIN, RST), not
+// again while the socket stays readable, so the bytes a client sends stay queued for the endpoint
+// without the poll spinning. Each completion asks clientGone; stop cancels the poll (through the
+// inbox, ahead of the hold's result, so it is cancelled before the dial starts).
+func (u *uconn) watchHeld() (gone <-chan flow.EndReason, stop func()) {
+	ch := make(chan flow.EndReason, 1)
+	if !u.l.post(func() { u.armHoldWatch(ch) }) {
+		return nil, func() {}
+	}
+	return ch, func() { u.l.post(u.stopHoldWatch) }
+}
+
+func (u *uconn) armHoldWatch(ch chan<- flow.EndReason) {
+	if u.closing {
+		return
+	}
+	u.holdCh, u.holdCancelled = ch, false
+	u.armHoldPoll()
+}
+
+func (u *uconn) armHoldPoll() {
+	s := u.l.r.Get()
+	s.Opcode, s.Fd, s.OpFlags = iouring.OpPollAdd, u.fd[0], unix.POLLIN|unix.POLLRDHUP
+	s.Len = iouring.PollAddMulti
+	s.UserData = userData(u.slot, tagHoldWatch)
+	u.inflight++
+	u.holdArmed = true
+}
+
+func (u *uconn) stopHoldWatch() {
+	u.holdCh = nil
+	if !u.holdArmed || u.holdCancelled || u.closing {
+		return // nothing armed, or close cancels every request on the socket
+	}
+	u.holdCancelled = true
+	s := u.l.r.Get()
+	s.Opcode, s.Addr = iouring.OpAsyncCancel, userData(u.slot, tagHoldWatch)
+	s.UserData = userData(u.slot, tagCancel)
+	u.inflight++
+}
+
+// holdPolled handles a completion of the held client's poll: the client socket saw input, a FIN
+// or a reset (or the poll ended: cancelled, or the kernel dropped the multishot).
+func (u *uconn) holdPolled(c *iouring.CQE) {
+	more := c.Flags&iouring.CqeFMore != 0
+	if !more {
+		u.holdArmed = false
+		u.inflight--
+	}
+	if u.closing || u.holdCh == nil {
+		return
+	}
+	if c.Res >= 0 {
+		if reason, ok := clientGone(int(u.fd[0])); ok {
+			u.holdCh <- reason // buffered, and sent once: holdCh is forgotten now
+			u.holdCh = nil
+			return
+		}
+	}
+	if !more && c.Res != -int32(unix.ECANCELED) {
+		u.armHoldPoll() // the kernel ended the multishot (an overflow, an error): watch on
+	}
 }
 
 func (u *uconn) held(ep netip.AddrPort, reason flow.EndReason, err error) {

@@ -43,6 +43,7 @@ const (
 	AcceptMultishot = 1 << 0 // sqe.ioprio of OpAccept (IORING_ACCEPT_MULTISHOT)
 	CancelAll       = 1 << 0 // sqe.opFlags of OpAsyncCancel (IORING_ASYNC_CANCEL_ALL)
 	CancelFD        = 1 << 1 // IORING_ASYNC_CANCEL_FD: every request on sqe.fd
+	PollAddMulti    = 1 << 0 // sqe.len of OpPollAdd (IORING_POLL_ADD_MULTI): a multishot, edge-triggered poll
 )
 
 // CQE flags.
