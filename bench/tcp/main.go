@@ -50,7 +50,7 @@ var (
 	idleN      = flag.Int("idle", 9000, "idle connections held for the memory test")
 	settle     = flag.Duration("settle", 5*time.Second, "wait after opening idle connections before measuring")
 	only       = flag.String("only", "", "comma-separated targets (direct,kpp,kpp-uring,evloop,iouring,iouring-spare-p,haproxy,nginx,compare); empty = all")
-	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG [ARGS] -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment; words after the first are its arguments, e.g. \"/tmp/benchtcp-old -engine io_uring\")")
+	compare    = flag.String("compare", "", "another program to add as a target, run as: PROG [ARGS] -role proxy -echo ADDR -sink ADDR (an older build of this command for A/B, or a ceiling experiment; words after the first are its arguments, e.g. \"/tmp/benchtcp-old -engine io_uring\"; several programs separated by ';' are as many targets)")
 	tests      = flag.String("tests", "bulk,conn,keepalive,idle", "the tests to run, comma-separated (a profile of one workload: -tests conn -dur 20s)")
 	reps       = flag.Int("reps", 1, "repetitions over all targets, each starting one target later; the last table is the median")
 	engine     = flag.String("engine", "epoll", "the TCP engine of role proxy: epoll, io_uring or auto (--io-engine)")
@@ -189,10 +189,16 @@ func runBench() error {
 		{"nginx", func() (target, error) { return startNginx(addrs) }},
 	}
 	if *compare != "" {
-		argv := strings.Fields(*compare)
-		starters = append(starters, starter{"compare", func() (target, error) {
-			return startOwn(argv[0], "proxy", filepath.Base(argv[0]), addrs, argv[1:]...)
-		}})
+		for i, cmd := range strings.Split(*compare, ";") {
+			argv := strings.Fields(cmd)
+			name := filepath.Base(argv[0])
+			if i > 0 {
+				name += fmt.Sprintf("#%d", i+1)
+			}
+			starters = append(starters, starter{"compare", func() (target, error) {
+				return startOwn(argv[0], "proxy", name, addrs, argv[1:]...)
+			}})
+		}
 	}
 	var chosen []starter
 	for _, s := range starters {
