@@ -65,6 +65,7 @@ const (
 	tagPollUp
 	tagPollDown
 	tagCancel
+	tagClose     // IORING_OP_CLOSE of a connection's socket: posts only a failure, ignored
 	tagHoldWatch // the multishot poll of a held client's socket (uconn.watchHeld)
 )
 
@@ -250,12 +251,13 @@ type loop struct {
 	dead     bool // the loop has stopped: posts are refused
 	sleeping atomic.Bool
 
-	stopping bool
-	reap     func(*iouring.CQE) // l.complete, bound once: no allocation per round
-	conns    []*uconn
-	free     []uint32
-	accepts  []*uaccept
-	freeAcc  []uint32
+	stopping   bool
+	ringClosed bool               // teardown: descriptors are closed with close(2)
+	reap       func(*iouring.CQE) // l.complete, bound once: no allocation per round
+	conns      []*uconn
+	free       []uint32
+	accepts    []*uaccept
+	freeAcc    []uint32
 }
 
 // inboxItem is what another goroutine asks of a loop: run f, or, without f, close u (the
@@ -352,6 +354,8 @@ func (l *loop) teardown() {
 			a.finish()
 		}
 	}
+	_ = l.r.Enter(0) // the closes queued (closeFd)
+	l.ringClosed = true
 	l.r.Close() // cancels every request: descriptors are free to close
 	for _, u := range l.conns {
 		if u != nil && u.inflight >= 0 {
@@ -398,7 +402,7 @@ func (l *loop) complete(c *iouring.CQE) {
 	case tagAccept:
 		l.accepted(slot, c)
 		return
-	case tagAcceptCancel:
+	case tagAcceptCancel, tagClose:
 		return
 	}
 	u := l.conns[slot]
@@ -554,6 +558,20 @@ func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
 type connAndUconn struct {
 	c conn
 	u uconn
+}
+
+// closeFd closes a connection's socket with the loop's next io_uring_enter (IORING_OP_CLOSE):
+// two system calls per connection fewer. Nothing of the connection refers to fd any more, and
+// its number is not reused before the close runs. A failed close (EBADF: a bug) posts a
+// completion, which is ignored like close(2)'s error was.
+func (l *loop) closeFd(fd int32) {
+	if l.ringClosed {
+		sysClose(int(fd))
+		return
+	}
+	s := l.r.Get()
+	s.Opcode, s.Fd, s.Flags = iouring.OpClose, fd, iouring.SqeCQESkipSuccess
+	s.UserData = tagClose
 }
 
 // --- buffers

@@ -111,7 +111,7 @@ func (u *uconn) closeNow() {
 	}
 	for i, fd := range u.fd {
 		if fd >= 0 {
-			sysClose(int(fd))
+			l.closeFd(fd)
 			u.fd[i] = -1
 		}
 	}

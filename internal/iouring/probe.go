@@ -5,7 +5,7 @@ import (
 )
 
 // NeededOps are the opcodes the TCP engine submits.
-var NeededOps = []uint8{OpNop, OpPollAdd, OpAccept, OpAsyncCancel, OpLinkTimeout, OpConnect, OpSend, OpRecv}
+var NeededOps = []uint8{OpNop, OpPollAdd, OpAccept, OpAsyncCancel, OpLinkTimeout, OpConnect, OpClose, OpSend, OpRecv}
 
 var opNames = map[uint8]string{
 	OpNop: "NOP", OpPollAdd: "POLL_ADD", OpTimeout: "TIMEOUT", OpAccept: "ACCEPT", OpAsyncCancel: "ASYNC_CANCEL",
