@@ -93,6 +93,11 @@ func sysConnect(fd int, ep netip.AddrPort) error {
 	return errnoErr(e)
 }
 
+// sysSocket opens a non-blocking, close-on-exec TCP socket of family.
+func sysSocket(family int) (int, error) {
+	return result(unix.RawSyscall(unix.SYS_SOCKET, uintptr(family), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0))
+}
+
 func sysClose(fd int) {
 	unix.RawSyscall(unix.SYS_CLOSE, uintptr(fd), 0, 0)
 }

@@ -66,6 +66,7 @@ const (
 	tagPollDown
 	tagCancel
 	tagClose     // IORING_OP_CLOSE of a connection's socket: posts only a failure, ignored
+	tagSockopt   // a dialed socket's setsockopt (uconn.queueLegOptions): posts only a failure, ignored
 	tagHoldWatch // the multishot poll of a held client's socket (uconn.watchHeld)
 )
 
@@ -252,6 +253,7 @@ type loop struct {
 	sleeping atomic.Bool
 
 	stopping   bool
+	sockCmds   bool               // the kernel runs setsockopt as a ring request (uconn.queueLegOptions)
 	ringClosed bool               // teardown: descriptors are closed with close(2)
 	reap       func(*iouring.CQE) // l.complete, bound once: no allocation per round
 	conns      []*uconn
@@ -337,6 +339,7 @@ func (l *loop) setup() error {
 		return os.NewSyscallError("eventfd", err)
 	}
 	l.r, l.bufs, l.efd, l.reap = r, bufs, efd, l.complete
+	l.sockCmds = r.SocketCommands()
 	l.armWake()
 	return nil
 }
@@ -402,7 +405,7 @@ func (l *loop) complete(c *iouring.CQE) {
 	case tagAccept:
 		l.accepted(slot, c)
 		return
-	case tagAcceptCancel, tagClose:
+	case tagAcceptCancel, tagClose, tagSockopt:
 		return
 	}
 	u := l.conns[slot]

@@ -38,6 +38,7 @@ type uconn struct {
 	sa       unix.RawSockaddrInet6
 	salen    uint32
 	ts       unix.Timespec
+	optv     [2]int32 // setsockopt values the kernel reads at submission (queueLegOptions)
 
 	hdr []byte // the PROXY header while it is sent
 
@@ -247,11 +248,13 @@ func (u *uconn) dial(ep netip.AddrPort) {
 		c.attempt(ep, u.attempt)
 		u.ep, u.deadline = ep, time.Now().Add(timeout)
 	}
-	fd, err := unix.Socket(sockopt.Family(ep.Addr()), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := sysSocket(sockopt.Family(ep.Addr()))
 	if err != nil {
 		err = os.NewSyscallError("socket", err)
-	} else if err = setLegOptions(fd, c.p.cfg.KeepAlive); err != nil {
-		unix.Close(fd)
+	} else if !u.l.sockCmds {
+		if err = setLegOptions(fd, c.p.cfg.KeepAlive); err != nil {
+			sysClose(fd)
+		}
 	}
 	if err != nil {
 		if outOfResources(err) && u.backOff(err) {
@@ -273,6 +276,9 @@ func (u *uconn) dial(ep netip.AddrPort) {
 		u.salen = unix.SizeofSockaddrInet6
 	}
 	u.ts = unix.NsecToTimespec(int64(time.Until(u.deadline)))
+	if u.l.sockCmds {
+		u.queueLegOptions(int32(fd), c.p.cfg.KeepAlive)
+	}
 	// The kernel copies the address and the timeout when it takes the SQEs (io_uring_enter), and
 	// u lives until every completion is in.
 	s := u.l.r.Get()
@@ -283,6 +289,27 @@ func (u *uconn) dial(ep netip.AddrPort) {
 	t.Opcode, t.Addr, t.Len = iouring.OpLinkTimeout, uint64(uintptr(unsafe.Pointer(&u.ts))), 1
 	t.UserData = userData(u.slot, tagConnectTimeout)
 	u.inflight += 2
+}
+
+// queueLegOptions queues setLegOptions' setsockopt calls as ring requests ahead of the connect:
+// the kernel runs them in order when it takes the SQEs, in the io_uring_enter that submits the
+// connect, instead of one system call each (up to four per connection). They post a completion
+// only if they fail, which on a new TCP socket they do not: a failure would leave the option
+// unset, as the accepted leg's options would be if the listener's had failed.
+func (u *uconn) queueLegOptions(fd int32, keepAlive time.Duration) {
+	u.optv = [2]int32{1, int32(max(int(keepAlive/time.Second), 1))}
+	opt := func(level, name uint32, v *int32) {
+		s := u.l.r.Get()
+		s.Setsockopt(fd, level, name, v)
+		s.Flags = iouring.SqeCQESkipSuccess
+		s.UserData = tagSockopt
+	}
+	opt(unix.IPPROTO_TCP, unix.TCP_NODELAY, &u.optv[0])
+	if keepAlive > 0 {
+		opt(unix.SOL_SOCKET, unix.SO_KEEPALIVE, &u.optv[0])
+		opt(unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, &u.optv[1])
+		opt(unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, &u.optv[1])
+	}
 }
 
 // backOff retries a dial that found no descriptor after a pause, while the attempt's time lasts

@@ -29,7 +29,11 @@ const (
 	OpRead        = 22
 	OpSend        = 26
 	OpRecv        = 27
+	OpURingCmd    = 46
 )
+
+// socketSetsockopt is SOCKET_URING_OP_SETSOCKOPT, the cmd_op of an OpURingCmd on a socket (6.7).
+const socketSetsockopt = 3
 
 // SQE flags (IOSQE_*).
 const (
@@ -102,9 +106,42 @@ type SQE struct {
 	UserData uint64
 	BufGroup uint16 // buf_index / buf_group
 	_        uint16 // personality
-	_        int32  // splice_fd_in / file_index
-	_        uint64 // addr3
+	Optlen   uint32 // splice_fd_in / file_index / optlen
+	Addr3    uint64 // addr3 / optval
 	_        uint64
+}
+
+// Setsockopt makes s the socket command setsockopt(fd, level, opt, val, 4) (IORING_OP_URING_CMD,
+// SOCKET_URING_OP_SETSOCKOPT; see Ring.SocketCommands). The kernel reads *val when it takes the
+// SQE, at the next Enter: val must stay put until then.
+func (s *SQE) Setsockopt(fd int32, level, opt uint32, val *int32) {
+	s.Opcode, s.Fd = OpURingCmd, fd
+	s.Off = socketSetsockopt // cmd_op, the low half of off
+	s.Addr = uint64(level) | uint64(opt)<<32
+	s.Optlen, s.Addr3 = 4, uint64(uintptr(unsafe.Pointer(val)))
+}
+
+// SocketCommands reports whether this kernel runs setsockopt as a ring request (6.7), by setting
+// TCP_NODELAY on a throwaway socket. Call it on a ring with nothing else in flight (at setup).
+func (r *Ring) SocketCommands() bool {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	one := int32(1)
+	s := r.Get()
+	s.Setsockopt(int32(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, &one)
+	if err := r.Enter(1); err != nil {
+		return false
+	}
+	var res int32 = -1
+	r.Reap(func(c *CQE) { res = c.Res })
+	if res != 0 {
+		return false
+	}
+	v, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY)
+	return err == nil && v == 1
 }
 
 // CQE is struct io_uring_cqe (without IORING_SETUP_CQE32).
