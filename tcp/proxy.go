@@ -115,6 +115,9 @@ type Proxy struct {
 	name   service.ServicePortName
 	picker Picker
 	cfg    Config
+	// realClock: cfg.Clock is the real clock, so the io_uring engine may stamp activity with the
+	// time its loop read once per round (loop.now) instead of reading the clock per send.
+	realClock bool
 
 	// lnMu guards ln, which SetRefusing closes and reopens under a running accept loop, and
 	// lnChanged, closed (and replaced) whenever ln changes so a loop waiting for a listener wakes.
@@ -156,8 +159,10 @@ type Proxy struct {
 // New returns a proxy for one service port. It opens nothing; see Listen and Run.
 func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	cfg = cfg.withDefaults()
+	_, realClock := cfg.Clock.(clock.RealClock)
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Proxy{
+		realClock: realClock,
 		name:      name,
 		picker:    picker,
 		cfg:       cfg,

@@ -220,7 +220,10 @@ func (d *direction) releasePipe() {
 	}
 }
 
-func (d *direction) count(n int64) {
+func (d *direction) count(n int64) { d.countAt(n, d.c.p.cfg.Clock.Now().UnixNano()) }
+
+// countAt counts n bytes moved at now (unix nanoseconds on the proxy's clock).
+func (d *direction) countAt(n, now int64) {
 	d.bytes.Add(n)
 	c := d.c
 	if d.up {
@@ -228,7 +231,7 @@ func (d *direction) count(n int64) {
 	} else {
 		c.p.stats.bytesOut.Add(n)
 	}
-	c.last.Store(c.p.cfg.Clock.Now().UnixNano())
+	c.last.Store(now)
 }
 
 // eof forwards a FIN: half-close the destination and let the other direction run on. The second

@@ -253,6 +253,7 @@ type loop struct {
 	sleeping atomic.Bool
 
 	stopping   bool
+	now        int64              // unix nanoseconds, read once per round after the wait (udir.count)
 	sockCmds   bool               // the kernel runs setsockopt as a ring request (uconn.queueLegOptions)
 	ringClosed bool               // teardown: descriptors are closed with close(2)
 	reap       func(*iouring.CQE) // l.complete, bound once: no allocation per round
@@ -318,6 +319,7 @@ func (l *loop) run(ready chan<- error) {
 			return
 		}
 		l.sleeping.Store(false)
+		l.now = time.Now().UnixNano()
 		l.r.Reap(l.reap)
 	}
 }

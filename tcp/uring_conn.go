@@ -545,9 +545,18 @@ func (d *udir) sent(res int32) {
 }
 
 func (d *udir) count(n int64) {
-	dir := &d.u.c.down
+	c := d.u.c
+	dir := &c.down
 	if d.i == 0 {
-		dir = &d.u.c.up
+		dir = &c.up
+	}
+	if c.p.realClock {
+		// The time the loop read after its last wait: the idle timeout needs no finer stamp,
+		// and reading the clock per send (twice per keep-alive request and direction) was 2% of
+		// the proxy's CPU in a keep-alive profile (clock_gettime through the vDSO, twice per
+		// time.Now).
+		dir.countAt(n, d.u.l.now)
+		return
 	}
 	dir.count(n)
 }
