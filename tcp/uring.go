@@ -65,7 +65,7 @@ const (
 	tagPollUp
 	tagPollDown
 	tagCancel
-	tagClose     // IORING_OP_CLOSE of a connection's socket: posts only a failure, ignored
+	tagClose     // IORING_OP_CLOSE of a connection's socket (loop.closeFd)
 	tagSockopt   // a dialed socket's setsockopt (uconn.queueLegOptions): posts only a failure, ignored
 	tagHoldWatch // the multishot poll of a held client's socket (uconn.watchHeld)
 )
@@ -407,7 +407,7 @@ func (l *loop) complete(c *iouring.CQE) {
 	case tagAccept:
 		l.accepted(slot, c)
 		return
-	case tagAcceptCancel, tagClose, tagSockopt:
+	case tagAcceptCancel, tagSockopt:
 		return
 	}
 	u := l.conns[slot]
@@ -565,18 +565,20 @@ type connAndUconn struct {
 	u uconn
 }
 
-// closeFd closes a connection's socket with the loop's next io_uring_enter (IORING_OP_CLOSE):
-// two system calls per connection fewer. Nothing of the connection refers to fd any more, and
-// its number is not reused before the close runs. A failed close (EBADF: a bug) posts a
-// completion, which is ignored like close(2)'s error was.
-func (l *loop) closeFd(fd int32) {
+// closeFd closes u's socket fd with the loop's next io_uring_enter (IORING_OP_CLOSE), two system
+// calls per connection fewer, and reports true: its completion counts in u.inflight, and the
+// close is done when it comes (an error, EBADF, would be a bug and is ignored like close(2)'s).
+// At teardown, with the ring closed, it closes with close(2) and reports false.
+func (l *loop) closeFd(u *uconn, fd int32) bool {
 	if l.ringClosed {
 		sysClose(int(fd))
-		return
+		return false
 	}
 	s := l.r.Get()
-	s.Opcode, s.Fd, s.Flags = iouring.OpClose, fd, iouring.SqeCQESkipSuccess
-	s.UserData = tagClose
+	s.Opcode, s.Fd = iouring.OpClose, fd
+	s.UserData = userData(u.slot, tagClose)
+	u.inflight++
+	return true
 }
 
 // --- buffers

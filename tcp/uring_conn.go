@@ -93,6 +93,9 @@ func (u *uconn) close(rst bool) {
 }
 
 // closeNow runs once nothing of the connection is in the kernel: close, account, free the slot.
+// The sockets are closed by ring requests (loop.closeFd), so it runs twice: once to queue the
+// closes, and once they completed, to account (the Observer, OnEnd and Shutdown count on closed
+// sockets: a reset must have gone out when OnEnd runs).
 func (u *uconn) closeNow() {
 	l := u.l
 	for i := range u.d {
@@ -110,11 +113,15 @@ func (u *uconn) closeNow() {
 			d.own = nil
 		}
 	}
+	queued := false
 	for i, fd := range u.fd {
 		if fd >= 0 {
-			l.closeFd(fd)
+			queued = l.closeFd(u, fd) || queued
 			u.fd[i] = -1
 		}
+	}
+	if queued {
+		return // back here when the closes are done: OnEnd follows the closed sockets
 	}
 	l.conns[u.slot] = nil
 	l.free = append(l.free, u.slot)
