@@ -24,6 +24,9 @@
 //
 //	sudo go run ./bench/suite [-quick] [-reps 3] [-json bench.json]
 //
+// A/B: -old-proxy /tmp/kpp-main adds "old iptables" and "old bind", the same targets on another
+// build, alternated with the new ones round by round; -loads udp,real runs only those loads.
+//
 // Every process (backend, each load's clients, each proxy) is a child in its own namespace;
 // every namespace is deleted at the end, also on error or Ctrl-C.
 package main
@@ -41,7 +44,9 @@ import (
 // config is the bench role's flags.
 type config struct {
 	proxy        string
+	oldProxy     string
 	legacy       string
+	loads        string
 	real         bool
 	redisReqs    int
 	reps         int
@@ -66,6 +71,8 @@ func main() {
 	role := flag.String("role", "bench", "bench | backend | client (internal)")
 	var cfg config
 	flag.StringVar(&cfg.proxy, "proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary (make build)")
+	flag.StringVar(&cfg.oldProxy, "old-proxy", "", "another kube-portal-proxy binary (a build of main) whose targets run beside -proxy's in every round: \"old iptables\", \"old bind\" (selected with -only old-iptables,old-bind)")
+	flag.StringVar(&cfg.loads, "loads", "", "comma-separated loads to run (bulk,conn,keepalive,udp,real,idle); empty = all")
 	flag.StringVar(&cfg.legacy, "legacy", legacyBinary(), "the legacy v1.25 userspace kube-proxy (hack/legacy-build.sh)")
 	flag.BoolVar(&cfg.real, "real", true, "also measure real clients: redis-benchmark against redis-server, dnsperf against unbound")
 	flag.IntVar(&cfg.redisReqs, "redis-requests", 100000, "requests of each redis-benchmark test (SET, GET)")

@@ -35,6 +35,18 @@ func runBench(ctx context.Context, cfg config) error {
 	if cfg.proxy, err = filepath.Abs(cfg.proxy); err != nil {
 		return err
 	}
+	if cfg.oldProxy != "" {
+		if cfg.oldProxy, err = filepath.Abs(cfg.oldProxy); err != nil {
+			return err
+		}
+		if _, err := os.Stat(cfg.oldProxy); err != nil {
+			return fmt.Errorf("-old-proxy: %w", err)
+		}
+		rep.note("old iptables and old bind run %s, the others %s", cfg.oldProxy, cfg.proxy)
+	}
+	if !cfg.runs("real") {
+		cfg.real = false
+	}
 	if _, err := os.Stat(cfg.proxy); err != nil {
 		return fmt.Errorf("the daemon binary: %w (run make build)", err)
 	}
@@ -172,6 +184,11 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
 		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
 	}
+	if cfg.oldProxy != "" {
+		all = append(all,
+			candidate{"old-iptables", kppTarget("old iptables", cfg.oldProxy, "iptables"), available("iptables-restore")},
+			candidate{"old-bind", kppTarget("old bind", cfg.oldProxy, "bind"), ""})
+	}
 	if cfg.compare != "" {
 		all = append(all, candidate{"compare", compareTarget(strings.Fields(cfg.compare)), ""})
 	}
@@ -188,6 +205,11 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 		rep.order = append(rep.order, a.t.name)
 	}
 	return out
+}
+
+// runs says whether -loads selects the load.
+func (cfg config) runs(load string) bool {
+	return cfg.loads == "" || strings.Contains(","+cfg.loads+",", ","+load+",")
 }
 
 // wants says whether -only selects the target with this key.
