@@ -17,6 +17,12 @@ const bufSize = 64 << 10
 // touch become resident.
 const maxBatch = 32
 
+// maxLoops bounds Config.Loops.
+const maxLoops = 16
+
+// DefaultLoops is how many loops serve a UDP service port by default. See Config.Loops.
+const DefaultLoops = 2
+
 // DefaultBatchSize is the recvmmsg/sendmmsg vector length. See Config.BatchSize for how it was
 // chosen.
 const DefaultBatchSize = 16
