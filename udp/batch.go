@@ -20,7 +20,11 @@ const maxBatch = 32
 // maxLoops bounds Config.Loops.
 const maxLoops = 16
 
-// DefaultLoops is how many loops serve a UDP service port by default. See Config.Loops.
+// DefaultLoops is how many loops serve a UDP service port by default. One loop used less CPU
+// per exchange than nginx's two workers but reached a lower rate (bench/RESULTS.md, issue 25):
+// it ran at about 60% of one CPU, so the rate was bound by one thread's wake-ups and its share of
+// the CPUs, not by its work. A second loop serves half the clients in parallel; its cost is
+// smaller batches (more wake-ups per exchange). Loops beyond the CPUs would only add wake-ups.
 const DefaultLoops = 2
 
 // DefaultBatchSize is the recvmmsg/sendmmsg vector length. See Config.BatchSize for how it was

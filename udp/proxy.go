@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -68,7 +69,8 @@ type Config struct {
 	// its packet rate was as high or higher. See README.md.
 	BatchSize int
 	// Loops is how many loops serve the port, each on its own socket of an SO_REUSEPORT group
-	// (1..maxLoops); 0 means DefaultLoops. MaxSessions is split evenly between them.
+	// with its own sessions (1..maxLoops); 0 means DefaultLoops, or 1 when GOMAXPROCS is 1.
+	// MaxSessions is split evenly between them. See DefaultLoops.
 	Loops int
 	// Clock drives idle expiry; nil means the real clock.
 	Clock  clock.Clock
@@ -103,7 +105,7 @@ func (c Config) withDefaults() Config {
 	}
 	c.BatchSize = min(c.BatchSize, maxBatch)
 	if c.Loops <= 0 {
-		c.Loops = DefaultLoops
+		c.Loops = min(DefaultLoops, runtime.GOMAXPROCS(0)) // one CPU: a second loop only halves the batches
 	}
 	c.Loops = min(c.Loops, maxLoops)
 	if c.Clock == nil {

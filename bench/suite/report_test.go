@@ -95,3 +95,23 @@ func TestParseScaleFailsWithoutAColdStart(t *testing.T) {
 		t.Error("parseScale accepted output without a cold start")
 	}
 }
+
+func TestLoadsAndOnlySelectWholeKeys(t *testing.T) {
+	for _, tt := range []struct {
+		loads, load string
+		want        bool
+	}{
+		{"", "udp", true},
+		{"udp,real", "udp", true},
+		{"udp,real", "real", true},
+		{"udp,real", "bulk", false},
+		{"keepalive", "alive", false},
+	} {
+		if got := (config{loads: tt.loads}).runs(tt.load); got != tt.want {
+			t.Errorf("-loads %q: runs(%q) = %t, want %t", tt.loads, tt.load, got, tt.want)
+		}
+	}
+	if !(config{only: "bind,old-bind"}).wants("old-bind") || (config{only: "old-bind"}).wants("bind") {
+		t.Error("-only old-bind must select old-bind and not bind")
+	}
+}
