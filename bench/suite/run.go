@@ -169,6 +169,9 @@ type candidate struct {
 	skip string
 }
 
+// namedOnly are the A/B targets an empty -only leaves out: they run when -only names them.
+var namedOnly = map[string]bool{"iptables-1loop": true, "bind-1loop": true}
+
 // selectTargets returns the targets to run, noting the ones skipped. ceiling is the built ceiling
 // forwarder, or ceilingSkip why there is none.
 func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string, api *legacyAPI) []target {
@@ -179,6 +182,8 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 		{"iptables-epoll", kppTarget("kpp iptables epoll", cfg.proxy, "iptables", "--io-engine", "epoll"), available("iptables-restore")},
 		{"bind", kppTarget("kpp bind", cfg.proxy, "bind"), ""},
 		{"bind-epoll", kppTarget("kpp bind epoll", cfg.proxy, "bind", "--io-engine", "epoll"), ""},
+		{"iptables-1loop", kppTarget("kpp iptables 1 UDP loop", cfg.proxy, "iptables", "--udp-loops", "1"), available("iptables-restore")},
+		{"bind-1loop", kppTarget("kpp bind 1 UDP loop", cfg.proxy, "bind", "--udp-loops", "1"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
 		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
@@ -194,7 +199,7 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 	}
 	var out []target
 	for _, a := range all {
-		if !cfg.wants(a.key) {
+		if !cfg.wants(a.key) || (namedOnly[a.key] && cfg.only == "") {
 			continue
 		}
 		if a.skip != "" {
