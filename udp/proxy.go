@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -69,8 +68,8 @@ type Config struct {
 	// its packet rate was as high or higher. See README.md.
 	BatchSize int
 	// Loops is how many loops serve the port, each on its own socket of an SO_REUSEPORT group
-	// with its own sessions (1..maxLoops); 0 means DefaultLoops, or 1 when GOMAXPROCS is 1.
-	// MaxSessions is split evenly between them. See DefaultLoops.
+	// with its own sessions (1..maxLoops); 0 means DefaultLoops. MaxSessions is split evenly
+	// between them. See DefaultLoops for why one is the default.
 	Loops int
 	// Clock drives idle expiry; nil means the real clock.
 	Clock  clock.Clock
@@ -105,7 +104,7 @@ func (c Config) withDefaults() Config {
 	}
 	c.BatchSize = min(c.BatchSize, maxBatch)
 	if c.Loops <= 0 {
-		c.Loops = min(DefaultLoops, runtime.GOMAXPROCS(0)) // one CPU: a second loop only halves the batches
+		c.Loops = DefaultLoops
 	}
 	c.Loops = min(c.Loops, maxLoops)
 	if c.Clock == nil {

@@ -10,8 +10,8 @@
 //   - kpp bind: the same binary in --portal-mode=bind;
 //   - kpp iptables epoll, kpp bind epoll: the same two with --io-engine=epoll (the others run the
 //     default engine: io_uring where the kernel allows it);
-//   - kpp iptables 1 UDP loop, kpp bind 1 UDP loop: the same two with --udp-loops 1 (the default
-//     is two loops per UDP service port);
+//   - kpp iptables 2 UDP loops, kpp bind 2 UDP loops: the same two with --udp-loops 2 (the
+//     default is one loop per UDP service port);
 //   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address;
 //   - legacy v1.25: the real userspace kube-proxy of Kubernetes v1.25 (hack/legacy-build.sh),
 //     reading the suite's Services and Endpoints from a real API server (e2e/framework);
@@ -86,7 +86,7 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,iptables-epoll,iptables-1loop,kernel,bind,bind-epoll,bind-1loop,haproxy,nginx,legacy,ceiling,compare,old-iptables,old-bind); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,iptables-epoll,iptables-2loops,kernel,bind,bind-epoll,bind-2loops,haproxy,nginx,legacy,ceiling,compare,old-iptables,old-bind); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")

@@ -170,7 +170,7 @@ type candidate struct {
 }
 
 // namedOnly are the A/B targets an empty -only leaves out: they run when -only names them.
-var namedOnly = map[string]bool{"iptables-1loop": true, "bind-1loop": true}
+var namedOnly = map[string]bool{"iptables-2loops": true, "bind-2loops": true}
 
 // selectTargets returns the targets to run, noting the ones skipped. ceiling is the built ceiling
 // forwarder, or ceilingSkip why there is none.
@@ -182,8 +182,8 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 		{"iptables-epoll", kppTarget("kpp iptables epoll", cfg.proxy, "iptables", "--io-engine", "epoll"), available("iptables-restore")},
 		{"bind", kppTarget("kpp bind", cfg.proxy, "bind"), ""},
 		{"bind-epoll", kppTarget("kpp bind epoll", cfg.proxy, "bind", "--io-engine", "epoll"), ""},
-		{"iptables-1loop", kppTarget("kpp iptables 1 UDP loop", cfg.proxy, "iptables", "--udp-loops", "1"), available("iptables-restore")},
-		{"bind-1loop", kppTarget("kpp bind 1 UDP loop", cfg.proxy, "bind", "--udp-loops", "1"), ""},
+		{"iptables-2loops", kppTarget("kpp iptables 2 UDP loops", cfg.proxy, "iptables", "--udp-loops", "2"), available("iptables-restore")},
+		{"bind-2loops", kppTarget("kpp bind 2 UDP loops", cfg.proxy, "bind", "--udp-loops", "2"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
 		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
