@@ -223,7 +223,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		KernelCounters: pm.kernelCounters,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
-			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
+			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: o.udpLoops, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
 	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}

@@ -28,6 +28,7 @@ type Options struct {
 	proxyPortRange     string
 	udpTimeout         time.Duration
 	udpMaxSessions     int
+	udpLoops           int
 	syncPeriod         time.Duration
 	minSyncPeriod      time.Duration
 	configSyncPeriod   time.Duration
@@ -132,6 +133,7 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.proxyPortRange, "proxy-port-range", "", "Local ports for proxy sockets: begin-end, begin+offset or a single port; empty means kernel-chosen.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", udp.DefaultIdleTimeout, "How long an idle UDP session is kept. Long enough for a resolver retrying a 2-5 s upstream timeout (the legacy 250ms was not).")
 	fs.IntVar(&o.udpMaxSessions, "udp-max-sessions", udp.DefaultMaxSessions, "Maximum UDP sessions per service port; the least recently used is evicted beyond it.")
+	fs.IntVar(&o.udpLoops, "udp-loops", 0, "Loops per UDP service port, each on its own SO_REUSEPORT socket with its own sessions (1-16); 0 means one.")
 	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "Maximum interval between syncs of sockets and portal rules (the periodic repair).")
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "Minimum interval between syncs; changes within it are batched.")
 	fs.DurationVar(&o.configSyncPeriod, "config-sync-period", 15*time.Minute, "Resync period of the Service and EndpointSlice informers.")
@@ -229,6 +231,7 @@ func (o *Options) validate() error {
 	}{
 		{o.udpTimeout > 0, "--udp-timeout", "must be > 0"},
 		{o.udpMaxSessions > 0, "--udp-max-sessions", "must be > 0"},
+		{o.udpLoops >= 0 && o.udpLoops <= 16, "--udp-loops", "must be 0-16"},
 		{o.syncPeriod > 0, "--iptables-sync-period", "must be > 0"},
 		{o.minSyncPeriod >= 0, "--iptables-min-sync-period", "must be >= 0"},
 		{o.minSyncPeriod <= o.syncPeriod, "--iptables-min-sync-period", "must not exceed --iptables-sync-period"},

@@ -2,6 +2,7 @@ package udp
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -58,7 +59,13 @@ func TestAllowDropsDeniedClients(t *testing.T) {
 // read); the sessions end; refusing off binds the address again and the loop serves it.
 // Address plan: proxy 127.0.0.1, endpoint 127.0.0.2, client 127.0.0.12 (connected socket).
 func TestSetRefusingClosesAndReopensTheSocket(t *testing.T) {
-	p := startProxy(t, newFakePicker(echoServer(t, "127.0.0.2", "a:")), Config{})
+	for _, loops := range []int{1, 2} {
+		t.Run(fmt.Sprintf("%d loops", loops), func(t *testing.T) { testSetRefusing(t, loops) })
+	}
+}
+
+func testSetRefusing(t *testing.T, loops int) {
+	p := startProxy(t, newFakePicker(echoServer(t, "127.0.0.2", "a:")), Config{Loops: loops})
 	c := newClient(t, "127.0.0.11", p.Addr())
 	if got := c.roundTrip("before"); got != "a:before" {
 		t.Fatalf("before: %q", got)

@@ -17,6 +17,20 @@ const bufSize = 64 << 10
 // touch become resident.
 const maxBatch = 32
 
+// maxLoops bounds Config.Loops.
+const maxLoops = 16
+
+// DefaultLoops is how many loops serve a UDP service port by default. One loop used less CPU per
+// exchange than nginx's two workers but reached a lower rate on a quiet machine (bench/RESULTS.md,
+// issue 25): it ran at about 60% of one CPU, so a second loop in parallel was the lever. On this
+// 2-CPU machine under load it did not win: each loop sees half the traffic, so it wakes more often
+// per exchange (0.37 against 0.25 context switches per exchange, replies per sendmmsg 5.8 against
+// 8.5) and used 8-35% more CPU per exchange in iptables portal mode; and every busy loop holds a
+// P while blocked in epoll_wait, so with GOMAXPROCS 2 two loops leave other goroutines waiting
+// for sysmon to retake a P (BenchmarkRoundTrip: 13-25k against 29-74k exchanges/s for one loop;
+// with -cpu 4 two loops were ahead). So one loop stays the default; --udp-loops sets more.
+const DefaultLoops = 1
+
 // DefaultBatchSize is the recvmmsg/sendmmsg vector length. See Config.BatchSize for how it was
 // chosen.
 const DefaultBatchSize = 16

@@ -11,24 +11,28 @@ import (
 )
 
 // BenchmarkRoundTrip compares 64-byte request/response exchanges with an echo endpoint directly and
-// through the proxy, from 8 concurrent clients per CPU. ns/op is per exchange across all clients.
+// through the proxy (the default loops, then one and two), from 8 concurrent clients per CPU.
+// ns/op is per exchange across all clients.
 //
 //	go test -run '^$' -bench RoundTrip -benchtime 2s ./udp/
 func BenchmarkRoundTrip(b *testing.B) {
 	backend := benchEcho(b)
 	quiet := logrus.New()
 	quiet.SetLevel(logrus.WarnLevel)
-	p := New(testService, newFakePicker(backend), Config{Logger: quiet})
-	if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
-		b.Fatal(err)
+	start := func(loops int) netip.AddrPort {
+		p := New(testService, newFakePicker(backend), Config{Logger: quiet, Loops: loops})
+		if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+			b.Fatal(err)
+		}
+		go p.Run(b.Context())
+		b.Cleanup(func() { p.Close() })
+		return p.Addr()
 	}
-	go p.Run(b.Context())
-	b.Cleanup(func() { p.Close() })
 
 	for _, target := range []struct {
 		name string
 		addr netip.AddrPort
-	}{{"direct", backend}, {"proxy", p.Addr()}} {
+	}{{"direct", backend}, {"proxy", start(0)}, {"proxy-1-loop", start(1)}, {"proxy-2-loops", start(2)}} {
 		b.Run(target.name, func(b *testing.B) {
 			b.SetParallelism(8)
 			var lost atomic.Int64

@@ -56,10 +56,11 @@ func TestHandOver(t *testing.T) {
 		}
 		defer backend.Close()
 		p := startProxy(t, newFakePicker(backend.LocalAddr().(*net.UDPAddr).AddrPort()),
-			Config{IdleTimeout: 10 * time.Second, Clock: fc, Logger: quietLogger()})
-		p.mu.Lock()
-		succFD, err := unix.Dup(p.lfd) // the successor holds the same socket, as after a hand-over
-		p.mu.Unlock()
+			Config{IdleTimeout: 10 * time.Second, Clock: fc, Logger: quietLogger(), Loops: 1}) // several: TestLoopsHandOver
+		s := p.shardList()[0]
+		s.mu.Lock()
+		succFD, err := unix.Dup(s.lfd) // the successor holds the same socket, as after a hand-over
+		s.mu.Unlock()
 		if err != nil {
 			t.Fatal(err)
 		}

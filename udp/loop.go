@@ -16,7 +16,7 @@ import (
 // serve is the proxy loop: wait for ready sockets, then under mu read each ready session's replies
 // into the outgoing batch and send them all from the listening socket with one sendmmsg, then read
 // a batch of client datagrams and demultiplex them to their sessions.
-func (p *Proxy) serve() error {
+func (p *shard) serve() error {
 	for {
 		events, err := p.poll.wait()
 		p.mu.Lock()
@@ -68,7 +68,7 @@ type Observer interface {
 
 // readClients reads one batch from the listening socket. Level-triggered epoll reports the
 // socket again if more is queued, so one busy client socket cannot starve the replies.
-func (p *Proxy) readClients(b *batch, now time.Time) {
+func (p *shard) readClients(b *batch, now time.Time) {
 	n := p.cfg.BatchSize
 	b.in.prepareRecv(0, n, true)
 	got, err := recvmmsg(p.lfd, b.in.hdrs[:n])
@@ -93,7 +93,7 @@ func (p *Proxy) readClients(b *batch, now time.Time) {
 }
 
 // forward sends one client datagram to the client's session, opening it if needed.
-func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr, namelen uint32, data []byte, now time.Time) {
+func (p *shard) forward(client netip.AddrPort, local netip.Addr, name *sockaddr, namelen uint32, data []byte, now time.Time) {
 	s := p.sessions[client]
 	if s == nil && p.cfg.Allow != nil && !p.cfg.Allow(client.Addr()) {
 		p.deny(client, now)
@@ -131,7 +131,7 @@ func (p *Proxy) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 }
 
 // deny drops a datagram of a client that Config.Allow refused; it opens no session.
-func (p *Proxy) deny(client netip.AddrPort, now time.Time) {
+func (p *shard) deny(client netip.AddrPort, now time.Time) {
 	p.stats.sourceDenied.Add(1)
 	if p.debug() {
 		p.log.WithField("client", client).Debug("client outside the allowed source ranges, datagram dropped")
@@ -143,7 +143,7 @@ func (p *Proxy) deny(client netip.AddrPort, now time.Time) {
 
 // open picks an endpoint for client and opens a session to it, evicting the least recently used
 // session when the table is full. It returns nil, having counted the drop, on failure.
-func (p *Proxy) open(client netip.AddrPort, name *sockaddr, namelen uint32, reset bool, now time.Time) *session {
+func (p *shard) open(client netip.AddrPort, name *sockaddr, namelen uint32, reset bool, now time.Time) *session {
 	ep, err := p.picker.Next(client.Addr(), reset)
 	if err != nil {
 		p.stats.noEndpoint.Add(1)
@@ -196,7 +196,7 @@ func (p *Proxy) open(client netip.AddrPort, name *sockaddr, namelen uint32, rese
 const perSessionReads = 4
 
 // readBackend reads a session's replies into the outgoing batch.
-func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
+func (p *shard) readBackend(b *batch, s *session, now time.Time) {
 	if b.outN == p.cfg.BatchSize {
 		p.flush(b)
 	}
@@ -240,7 +240,7 @@ func (p *Proxy) readBackend(b *batch, s *session, now time.Time) {
 
 // flush sends the queued replies from the listening socket, so that conntrack maps their source
 // back to the service address the client sent to.
-func (p *Proxy) flush(b *batch) {
+func (p *shard) flush(b *batch) {
 	hs := b.out.hdrs[:b.outN]
 	for len(hs) > 0 {
 		n, err := sendmmsg(p.lfd, hs)
@@ -264,7 +264,7 @@ func (p *Proxy) flush(b *batch) {
 }
 
 // expire ends the sessions idle for IdleTimeout, oldest first.
-func (p *Proxy) expire() {
+func (p *shard) expire() {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -283,7 +283,7 @@ func (p *Proxy) expire() {
 // endAnswered ends, once the proxy is released, the sessions that wait for no reply and were quiet
 // for releasedQuiet: no new datagram of their client reaches this process any more (the successor
 // reads the socket), so they would only hold it open until the idle timeout. Called with mu held.
-func (p *Proxy) endAnswered() {
+func (p *shard) endAnswered() {
 	if !p.released {
 		return
 	}
@@ -298,14 +298,14 @@ func (p *Proxy) endAnswered() {
 }
 
 // touch records traffic on s: its idle deadline slides and it becomes the last to be evicted.
-func (p *Proxy) touch(s *session, now time.Time) {
+func (p *shard) touch(s *session, now time.Time) {
 	s.lastActive = now
 	p.lru.moveToFront(s)
 }
 
 // end closes a session's backend socket and reports it once. A refused session stays in the table
 // as a tombstone, so the client's next datagram re-picks with reset; any other end removes it.
-func (p *Proxy) end(s *session, reason flow.EndReason) {
+func (p *shard) end(s *session, reason flow.EndReason) {
 	if s.fd >= 0 {
 		closeFD(s.fd)
 		delete(p.byFD, int32(s.fd))
@@ -336,7 +336,7 @@ func temporary(err error) bool {
 	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR)
 }
 
-func (p *Proxy) debug() bool {
+func (p *shard) debug() bool {
 	switch l := p.log.(type) {
 	case *logrus.Entry:
 		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
@@ -348,7 +348,7 @@ func (p *Proxy) debug() bool {
 
 // warn logs at most once a second: a flood of bad datagrams must not become a flood of log lines.
 // The counters in Stats are exact.
-func (p *Proxy) warn(now time.Time, msg string, err error, fields logrus.Fields) {
+func (p *shard) warn(now time.Time, msg string, err error, fields logrus.Fields) {
 	if !p.lastWarn.IsZero() && now.Sub(p.lastWarn) < time.Second {
 		return
 	}

@@ -3,6 +3,7 @@ package udp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"testing"
@@ -104,5 +105,80 @@ func TestProxy_repliesFromTheAddressTheClientSentTo(t *testing.T) {
 				t.Errorf("reply from %s, want %s (where the client sent it)", from, to)
 			}
 		})
+	}
+}
+
+// TestLoopsOpenSessionSocketsInTheCallersNamespace: a proxy run inside a namespace serves the
+// clients of every loop there, also those of the loops Run starts on goroutines of their own (a
+// session socket opened in the root namespace would reach no echo server: nothing listens on its
+// port there).
+//
+// Address plan, inside a throwaway namespace with only lo up: the proxy on 127.0.0.1:0 with two
+// loops, the echo endpoint on 127.0.0.2:0, 16 clients on 127.0.0.1:0.
+func TestLoopsOpenSessionSocketsInTheCallersNamespace(t *testing.T) {
+	ns := netns.NewTestLab(t).MustAdd(t, "udp")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ready := make(chan *Proxy, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- ns.Do(func() error {
+			echo, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.MustParseAddrPort("127.0.0.2:0")))
+			if err != nil {
+				close(ready)
+				return err
+			}
+			defer echo.Close()
+			go func() {
+				buf := make([]byte, 512)
+				for {
+					n, from, err := echo.ReadFromUDPAddrPort(buf)
+					if err != nil {
+						return
+					}
+					echo.WriteToUDPAddrPort(buf[:n], from)
+				}
+			}()
+			p := New(testService, newFakePicker(echo.LocalAddr().(*net.UDPAddr).AddrPort()), Config{Loops: 2, Logger: quietLogger()})
+			if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
+				close(ready)
+				return err
+			}
+			ready <- p
+			return p.Run(ctx)
+		})
+	}()
+	p, ok := <-ready
+	if !ok {
+		t.Fatalf("set up in the namespace: %v", <-done)
+	}
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	err := ns.Do(func() error {
+		for i := range 16 {
+			c, err := net.Dial("udp", p.Addr().String())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(waitTimeout))
+			if _, err := c.Write([]byte("q")); err != nil {
+				return err
+			}
+			if _, err := c.Read(make([]byte, 64)); err != nil {
+				return fmt.Errorf("client %d: %w", i, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if per := sessionsPerShard(p); len(per) != 2 || per[0] == 0 || per[1] == 0 {
+		t.Errorf("sessions per loop = %v, want both loops serving some of the 16 clients", per)
 	}
 }

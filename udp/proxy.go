@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -66,6 +67,10 @@ type Config struct {
 	// by 1-28%: under load a pass finds several replies and sends them with one sendmmsg, and
 	// its packet rate was as high or higher. See README.md.
 	BatchSize int
+	// Loops is how many loops serve the port, each on its own socket of an SO_REUSEPORT group
+	// with its own sessions (1..maxLoops); 0 means DefaultLoops. MaxSessions is split evenly
+	// between them. See DefaultLoops for why one is the default.
+	Loops int
 	// Clock drives idle expiry; nil means the real clock.
 	Clock  clock.Clock
 	Logger logrus.FieldLogger
@@ -98,6 +103,10 @@ func (c Config) withDefaults() Config {
 		c.BatchSize = DefaultBatchSize
 	}
 	c.BatchSize = min(c.BatchSize, maxBatch)
+	if c.Loops <= 0 {
+		c.Loops = DefaultLoops
+	}
+	c.Loops = min(c.Loops, maxLoops)
 	if c.Clock == nil {
 		c.Clock = clock.RealClock{}
 	}
@@ -107,11 +116,14 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-// Proxy serves one UDP service port.
+// Proxy serves one UDP service port with Config.Loops loops (shards), each on its own socket of
+// the port's SO_REUSEPORT group with its own sessions: the kernel steers every datagram of one
+// client address and port to the same socket, so a client's session lives in one loop and its
+// datagrams keep their order.
 //
-// Concurrency: Run's goroutine does all socket I/O. The session table is guarded by mu, which the
-// loop takes once per batch of ready sockets (not per datagram); the expiry timer and the control
-// methods (DropEndpoint, Live, Close, Shutdown) take it too, so they work whether or not Run is going.
+// Concurrency: each shard's goroutine does its sockets' I/O under the shard's lock (see shard).
+// mu guards the Proxy's own state; it is taken before a shard's lock, never after. The control
+// methods (DropEndpoint, Live, Close, Shutdown, ...) work whether or not Run is going.
 type Proxy struct {
 	name   service.ServicePortName
 	picker Picker
@@ -119,77 +131,117 @@ type Proxy struct {
 	log    logrus.FieldLogger
 	stats  counters
 
+	// drained is closed once every shard is drained (released or closed with no session left),
+	// or the proxy is closed.
+	drained   chan struct{}
+	drainOne  sync.Once
+	undrained atomic.Int32
+	stopped   chan struct{} // closed by Close
+
 	mu       sync.Mutex
 	closed   bool
-	released bool          // Release: no more client datagrams are read
-	drained  chan struct{} // closed once released (or closed) with no session left
-	drainOne sync.Once
-	stopped  chan struct{} // closed by Close
+	released bool
 	running  bool
-	lfd      int // listening socket, -1 until Listen
 	addr     netip.AddrPort
 	adopted  bool // Listen took a handed-over socket (Config.Adopt)
-	poll     *poller
-	sessions map[netip.AddrPort]*session
-	byFD     map[int32]*session
-	lru      lru
-	ended    []flow.Info // waiting for OnEnd, reported outside mu
-	lastWarn time.Time
+	shards   []*shard
 }
 
 // New returns a proxy for the service port. It opens nothing: call Listen, then Run.
 func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	cfg = cfg.withDefaults()
 	return &Proxy{
-		name:     name,
-		picker:   picker,
-		cfg:      cfg,
-		log:      cfg.Logger.WithField("service", name.String()),
-		lfd:      -1,
-		drained:  make(chan struct{}),
-		stopped:  make(chan struct{}),
-		sessions: make(map[netip.AddrPort]*session),
-		byFD:     make(map[int32]*session),
+		name:    name,
+		picker:  picker,
+		cfg:     cfg,
+		log:     cfg.Logger.WithField("service", name.String()),
+		drained: make(chan struct{}),
+		stopped: make(chan struct{}),
 	}
 }
 
-// Listen opens the service port's socket on addr (port 0 lets the kernel choose; see Addr).
+// Listen opens the service port's sockets on addr (port 0 lets the kernel choose; see Addr).
 func (p *Proxy) Listen(addr netip.AddrPort) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	switch {
 	case p.closed:
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, os.ErrClosed)
-	case p.lfd >= 0:
+	case len(p.shards) > 0:
 		return fmt.Errorf("udp %s: listen %s: already listening on %s", p.name, addr, p.addr)
 	}
-	fd, bound, adopted, err := p.listenOrAdopt(addr)
+	fds, bound, adopted, err := p.openGroup(addr)
 	if err != nil {
 		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 	}
-	poll, err := newPoller(2 * maxBatch)
-	if err == nil {
-		if err = poll.add(fd); err != nil {
-			poll.close()
+	perShard := (p.cfg.MaxSessions + len(fds) - 1) / len(fds)
+	shards := make([]*shard, 0, len(fds))
+	for i, fd := range fds {
+		s, err := newShard(p, fd, perShard)
+		if err != nil {
+			closeFDs(fds[i+1:])
+			for _, s := range shards {
+				s.close()
+				s.closePoller()
+			}
+			return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 		}
+		shards = append(shards, s)
 	}
-	if err != nil {
-		closeFD(fd)
-		return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
-	}
-	p.lfd, p.addr, p.poll, p.adopted = fd, bound, poll, adopted
+	p.undrained.Store(int32(len(shards)))
+	p.shards, p.addr, p.adopted = shards, bound, adopted
 	return nil
 }
 
-func (p *Proxy) listenOrAdopt(addr netip.AddrPort) (fd int, bound netip.AddrPort, adopted bool, err error) {
+// openGroup opens the listening sockets: every socket handed over for addr (Config.Adopt; a
+// predecessor with several loops hands over several), then, up to Config.Loops, new members of
+// their SO_REUSEPORT group. The first socket is bound without SO_REUSEPORT and gets it only once
+// bound: a socket binding port 0 with SO_REUSEPORT may be given the port of another group of the
+// same user (another service port's proxy), and would take a share of its datagrams. A member
+// that cannot be added costs a loop, not the port: it is logged, and the port runs with fewer.
+func (p *Proxy) openGroup(addr netip.AddrPort) (fds []int, bound netip.AddrPort, adopted bool, err error) {
 	if p.cfg.Adopt != nil && addr.Port() != 0 {
-		if fd, ok := p.cfg.Adopt(addr); ok {
-			fd, bound, err = adoptUDP(fd, addr)
-			return fd, bound, true, err
+		for len(fds) < maxLoops {
+			fd, ok := p.cfg.Adopt(addr)
+			if !ok {
+				break
+			}
+			if fd, bound, err = adoptUDP(fd, addr); err != nil {
+				closeFDs(fds)
+				return nil, bound, false, err
+			}
+			fds = append(fds, fd)
 		}
 	}
-	fd, bound, err = listenUDP(addr, p.cfg.FreeBind)
-	return fd, bound, false, err
+	adopted = len(fds) > 0
+	if !adopted {
+		fd, b, err := listenUDP(addr, p.cfg.FreeBind, false)
+		if err != nil {
+			return nil, b, false, err
+		}
+		fds, bound = []int{fd}, b
+	}
+	return p.growGroup(fds, bound, p.cfg.Loops), bound, adopted, nil
+}
+
+// growGroup adds members to the group of fds (bound to bound) up to want and returns them all.
+func (p *Proxy) growGroup(fds []int, bound netip.AddrPort, want int) []int {
+	if len(fds) >= want {
+		return fds
+	}
+	if err := enableReusePort(fds[0]); err != nil {
+		p.log.WithError(err).Warn("UDP service port runs one loop")
+		return fds
+	}
+	for len(fds) < want {
+		fd, _, err := listenUDP(bound, p.cfg.FreeBind, true)
+		if err != nil {
+			p.log.WithError(err).WithField("loops", len(fds)).Warn("UDP service port runs fewer loops")
+			break
+		}
+		fds = append(fds, fd)
+	}
+	return fds
 }
 
 // Adopted reports whether Listen took a handed-over socket instead of binding one.
@@ -214,7 +266,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	case p.closed:
 		p.mu.Unlock()
 		return nil
-	case !p.addr.IsValid():
+	case len(p.shards) == 0:
 		p.mu.Unlock()
 		return fmt.Errorf("udp %s: run: not listening", p.name)
 	case p.running:
@@ -222,6 +274,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 		return fmt.Errorf("udp %s: run: already running", p.name)
 	}
 	p.running = true
+	shards := p.shards
 	p.mu.Unlock()
 
 	stop := make(chan struct{})
@@ -234,18 +287,54 @@ func (p *Proxy) Run(ctx context.Context) error {
 		case <-p.stopped:
 		}
 	}
-	err := p.serve()
+	errs := make([]error, len(shards))
+	var loops sync.WaitGroup
+	ns, err := p.serveExtraLoops(&loops, shards[1:], errs[1:])
+	if err != nil {
+		errs[0] = err
+	} else {
+		errs[0] = shards[0].serve()
+	}
+	p.Close()
+	loops.Wait()
+	if ns != nil {
+		ns.Close()
+	}
 	close(stop)
 	wg.Wait()
 	p.Close()
+	for _, s := range p.shardList() {
+		if err := s.closePoller(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	p.mu.Lock()
 	p.running = false
-	if p.poll != nil {
-		p.poll.close()
-		p.poll = nil
-	}
 	p.mu.Unlock()
-	return err
+	return errors.Join(errs...)
+}
+
+// serveExtraLoops starts the loops of shards on goroutines of their own, in the caller's network
+// namespace (see netns.go), each recording its error in errs. The caller closes ns after they
+// are done.
+func (p *Proxy) serveExtraLoops(loops *sync.WaitGroup, shards []*shard, errs []error) (ns *os.File, err error) {
+	if len(shards) == 0 {
+		return nil, nil
+	}
+	if ns, err = callerNetns(); err != nil {
+		return nil, fmt.Errorf("udp %s: %w", p.name, err)
+	}
+	for i, s := range shards {
+		loops.Go(func() {
+			if err := enterNetns(ns); err != nil {
+				errs[i] = fmt.Errorf("udp %s: loop %d: %w", p.name, i+1, err)
+			} else {
+				errs[i] = s.serve()
+			}
+			p.Close() // one loop failing stops the port: its clients would get no answer
+		})
+	}
+	return ns, nil
 }
 
 // expireLoop ends idle sessions on the injected clock, and closes the proxy when ctx is done.
@@ -261,7 +350,9 @@ func (p *Proxy) expireLoop(ctx context.Context, stop <-chan struct{}) {
 		case <-stop:
 			return
 		case <-t.C():
-			p.expire()
+			for _, s := range p.shardList() {
+				s.expire()
+			}
 			t.Reset(interval)
 		}
 	}
@@ -273,7 +364,13 @@ func sweepInterval(timeout time.Duration) time.Duration {
 	return min(max(timeout/4, 10*time.Millisecond), time.Second)
 }
 
-// Close closes the listening socket and every session. It is safe to call more than once and
+func (p *Proxy) shardList() []*shard {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.shards
+}
+
+// Close closes the listening sockets and every session. It is safe to call more than once and
 // concurrently with Run, which then returns.
 func (p *Proxy) Close() error {
 	p.mu.Lock()
@@ -283,108 +380,106 @@ func (p *Proxy) Close() error {
 	}
 	p.closed = true
 	close(p.stopped)
-	p.markDrained()
 	var errs []error
-	for _, s := range p.sessions {
-		p.end(s, flow.Shutdown)
-	}
-	if p.lfd >= 0 {
-		if err := closeFD(p.lfd); err != nil {
+	var ended []flow.Info
+	for _, s := range p.shards {
+		e, err := s.close()
+		ended = append(ended, e...)
+		if err != nil {
 			errs = append(errs, err)
 		}
-		p.lfd = -1
 	}
-	switch {
-	case p.poll == nil:
-	case p.running:
-		p.poll.wake() // Run's loop sees closed and releases the poller
-	default:
-		if err := p.poll.close(); err != nil {
-			errs = append(errs, err)
+	if !p.running {
+		for _, s := range p.shards {
+			if err := s.closePoller(); err != nil {
+				errs = append(errs, err)
+			}
 		}
-		p.poll = nil
 	}
-	ended := p.takeEnded()
+	p.markDrained()
 	p.mu.Unlock()
-	p.report(ended)
+	report(p.cfg.OnEnd, ended)
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("udp %s: close: %w", p.name, err)
 	}
 	return nil
 }
 
-// SetRefusing closes the listening socket (on) or opens it again on the same address (off), while
-// the proxy stays. With no socket bound to its address the kernel answers a datagram with ICMP
-// port unreachable, so a client learns at once that nobody serves it (ECONNREFUSED on a connected
-// socket), as the portal rules refuse a service port without endpoints in iptables mode. Closing
-// ends every session. For bind portal mode, where the socket listens on the service address
-// itself. It fails if the address cannot be bound again; after Close it does nothing.
+// SetRefusing closes the listening sockets (on) or opens them again on the same address (off),
+// while the proxy stays. With no socket bound to its address the kernel answers a datagram with
+// ICMP port unreachable, so a client learns at once that nobody serves it (ECONNREFUSED on a
+// connected socket), as the portal rules refuse a service port without endpoints in iptables
+// mode. Closing ends every session. For bind portal mode, where the sockets listen on the service
+// address itself. It fails if the address cannot be bound again; after Close it does nothing.
 func (p *Proxy) SetRefusing(on bool) error {
 	p.mu.Lock()
-	if p.closed || p.released || !p.addr.IsValid() || on == (p.lfd < 0) {
+	if p.closed || p.released || len(p.shards) == 0 || on != p.shards[0].listening() {
 		p.mu.Unlock()
 		return nil
 	}
-	var err error
+	var errs []error
+	var ended []flow.Info
 	if on {
-		for _, s := range p.sessions {
-			p.end(s, flow.Shutdown)
+		for _, s := range p.shards {
+			e, err := s.refuse()
+			ended = append(ended, e...)
+			if err != nil {
+				errs = append(errs, err)
+			}
 		}
-		err = closeFD(p.lfd) // closing also takes it out of the epoll set
-		p.lfd = -1
-	} else {
-		err = p.relisten()
+	} else if err := p.relisten(); err != nil {
+		errs = append(errs, err)
 	}
-	ended := p.takeEnded()
 	p.mu.Unlock()
-	p.report(ended)
-	if err != nil {
+	report(p.cfg.OnEnd, ended)
+	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("udp %s: refusing=%t: %w", p.name, on, err)
 	}
 	return nil
 }
 
-// relisten binds the listening socket again on its address. Called with mu held.
+// relisten binds the listening sockets again on their address, one per shard; a shard whose
+// socket cannot join the group stays without one (its share of clients goes to the others).
+// Called with mu held.
 func (p *Proxy) relisten() error {
-	fd, _, err := listenUDP(p.addr, p.cfg.FreeBind)
+	fd, _, err := listenUDP(p.addr, p.cfg.FreeBind, false)
 	if err != nil {
 		return fmt.Errorf("listen again on %s: %w", p.addr, err)
 	}
-	if p.poll != nil {
-		if err := p.poll.add(fd); err != nil {
-			closeFD(fd)
-			return err
+	fds := p.growGroup([]int{fd}, p.addr, len(p.shards))
+	var errs []error
+	for i, s := range p.shards {
+		if i >= len(fds) {
+			break
+		}
+		if err := s.listenAgain(fds[i]); err != nil {
+			errs = append(errs, err)
 		}
 	}
-	p.lfd = fd
-	return nil
+	return errors.Join(errs...)
 }
 
-// Release stops reading client datagrams, so that a successor holding the same socket (a
+// Release stops reading client datagrams, so that a successor holding the same sockets (a
 // hand-over) gets every new one, and keeps the sessions that may still carry a reply: their
-// replies still leave through the socket, so conntrack un-NATs them. A session whose client's last
-// datagram was answered ends once quiet for releasedQuiet (a second), one still waiting for its
-// reply at its idle timeout as before (a resolver's answer after a 5 s upstream timeout still
+// replies still leave through the sockets, so conntrack un-NATs them. A session whose client's
+// last datagram was answered ends once quiet for releasedQuiet (a second), one still waiting for
+// its reply at its idle timeout as before (a resolver's answer after a 5 s upstream timeout still
 // arrives). So the old process of a hand-over exits as soon as the replies it owes are out, not at
 // its drain deadline because clients are idle. Drained is closed once no session is left; Close
 // ends them at once.
 func (p *Proxy) Release() {
 	p.mu.Lock()
-	if p.closed || p.released {
-		p.mu.Unlock()
-		return
-	}
 	p.released = true
-	if p.lfd >= 0 && p.poll != nil {
-		if err := p.poll.remove(p.lfd); err != nil {
-			p.log.WithError(err).Warn("Cannot stop reading client datagrams")
-		}
-	}
-	p.endAnswered()
-	p.checkDrained()
-	ended := p.takeEnded()
+	shards := p.shards
 	p.mu.Unlock()
-	p.report(ended)
+	if len(shards) == 0 {
+		p.markDrained() // nothing to drain
+	}
+	var ended []flow.Info
+	for _, s := range shards {
+		ended = append(ended, s.release()...)
+	}
+	report(p.cfg.OnEnd, ended)
 }
 
 // DefaultReleasedQuiet is how long a released proxy keeps an answered session without traffic: a
@@ -397,18 +492,11 @@ func releasedQuiet(idle time.Duration) time.Duration { return min(idle, DefaultR
 // Drained is closed once the proxy is released with no session left, or closed.
 func (p *Proxy) Drained() <-chan struct{} { return p.drained }
 
-// checkDrained closes drained if the proxy is released and no session is live. Called with mu
-// held, after a session ended.
-func (p *Proxy) checkDrained() {
-	if !p.released {
-		return
+// shardDrained counts a drained shard; the last one drains the proxy.
+func (p *Proxy) shardDrained() {
+	if p.undrained.Add(-1) == 0 {
+		p.markDrained()
 	}
-	for _, s := range p.sessions {
-		if s.fd >= 0 {
-			return
-		}
-	}
-	p.markDrained()
 }
 
 func (p *Proxy) markDrained() { p.drainOne.Do(func() { close(p.drained) }) }
@@ -429,18 +517,13 @@ func (p *Proxy) DrainEndpoint(ep netip.AddrPort, grace time.Duration) int {
 }
 
 func (p *Proxy) endEndpoint(ep netip.AddrPort, reason flow.EndReason) int {
-	p.mu.Lock()
-	n := 0
-	for _, s := range p.sessions {
-		if s.endpoint == ep && s.fd >= 0 {
-			p.end(s, reason)
-			n++
-		}
+	total := 0
+	for _, s := range p.shardList() {
+		n, ended := s.endEndpoint(ep, reason)
+		total += n
+		report(p.cfg.OnEnd, ended)
 	}
-	ended := p.takeEnded()
-	p.mu.Unlock()
-	p.report(ended)
-	return n
+	return total
 }
 
 // Stats returns the counters. It takes no lock.
@@ -448,29 +531,10 @@ func (p *Proxy) Stats() flow.Stats { return p.stats.snapshot() }
 
 // Live is a snapshot of the live sessions, oldest first.
 func (p *Proxy) Live() []flow.Info {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	out := make([]flow.Info, 0, len(p.sessions))
-	for s := p.lru.back; s != nil; s = s.lruPrev {
-		if s.fd >= 0 {
-			out = append(out, s.info(s.lastActive, flow.Unknown))
-		}
+	var out []flow.Info
+	for _, s := range p.shardList() {
+		out = s.live(out)
 	}
 	slices.SortStableFunc(out, func(a, b flow.Info) int { return a.Start.Compare(b.Start) })
 	return out
-}
-
-func (p *Proxy) takeEnded() []flow.Info {
-	e := p.ended
-	p.ended = nil
-	return e
-}
-
-func (p *Proxy) report(ended []flow.Info) {
-	if p.cfg.OnEnd == nil {
-		return
-	}
-	for _, info := range ended {
-		p.cfg.OnEnd(info)
-	}
 }

@@ -222,7 +222,8 @@ func TestProxy_sessionCapEvictsLeastRecentlyUsed(t *testing.T) {
 	backend := echoServer(t, "127.0.0.2", "")
 	var mu sync.Mutex
 	var evicted []netip.AddrPort
-	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: 2, OnEnd: func(s flow.Info) {
+	// One loop: the cap and the LRU order are per loop.
+	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: 2, Loops: 1, OnEnd: func(s flow.Info) {
 		mu.Lock()
 		defer mu.Unlock()
 		if s.End == flow.Evicted {
@@ -264,7 +265,7 @@ func TestProxy_sessionCapEvictsLeastRecentlyUsed(t *testing.T) {
 func TestProxy_sessionCapBoundsSpoofedFlood(t *testing.T) {
 	const maxSessions, sources = 8, 200
 	backend := echoServer(t, "127.0.0.2", "")
-	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: maxSessions})
+	p := startProxy(t, newFakePicker(backend), Config{MaxSessions: maxSessions, Loops: 1})
 	baseFDs := countFDs(t)
 
 	// Each source is a fresh socket on its own loopback address (a reused ephemeral port on one

@@ -37,8 +37,9 @@ const socketBufferSize = 4 << 20
 
 // listenUDP opens the non-blocking listening socket. IPv6 sockets are v6-only: each address family
 // of a dual-stack service gets its own proxy, and v4-mapped client addresses would confuse the
-// session keys.
-func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) {
+// session keys. reusePort binds it into the SO_REUSEPORT group already on addr (never with port 0:
+// see Proxy.openGroup).
+func listenUDP(addr netip.AddrPort, freeBind, reusePort bool) (int, netip.AddrPort, error) {
 	fd, err := unix.Socket(sockopt.Family(addr.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, netip.AddrPort{}, os.NewSyscallError("socket", err)
@@ -61,6 +62,12 @@ func listenUDP(addr netip.AddrPort, freeBind bool) (int, netip.AddrPort, error) 
 	}
 	setBuffer(fd, unix.SO_RCVBUFFORCE, unix.SO_RCVBUF)
 	setBuffer(fd, unix.SO_SNDBUFFORCE, unix.SO_SNDBUF)
+	if reusePort {
+		if err := enableReusePort(fd); err != nil {
+			unix.Close(fd)
+			return -1, netip.AddrPort{}, err
+		}
+	}
 	if err := unix.Bind(fd, sockopt.ToSockaddr(addr)); err != nil {
 		unix.Close(fd)
 		return -1, netip.AddrPort{}, os.NewSyscallError("bind", err)
@@ -92,6 +99,12 @@ func adoptUDP(fd int, addr netip.AddrPort) (int, netip.AddrPort, error) {
 		return -1, netip.AddrPort{}, fmt.Errorf("adopt a handed-over socket: %w", err)
 	}
 	return fd, sockopt.FromSockaddr(sa), nil
+}
+
+// enableReusePort sets SO_REUSEPORT. On a bound socket it lets later sockets bound with it join
+// its group: the kernel builds the group when the second one binds.
+func enableReusePort(fd int) error {
+	return os.NewSyscallError("setsockopt SO_REUSEPORT", unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1))
 }
 
 // setBuffer sizes a socket buffer, beyond the sysctl cap when the proxy has CAP_NET_ADMIN (the
@@ -312,3 +325,9 @@ func send(fd int, data []byte) error {
 var zeroByte byte
 
 func closeFD(fd int) error { return os.NewSyscallError("close", unix.Close(fd)) }
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		closeFD(fd)
+	}
+}

@@ -10,6 +10,8 @@
 //   - kpp bind: the same binary in --portal-mode=bind;
 //   - kpp iptables epoll, kpp bind epoll: the same two with --io-engine=epoll (the others run the
 //     default engine: io_uring where the kernel allows it);
+//   - kpp iptables 2 UDP loops, kpp bind 2 UDP loops: the same two with --udp-loops 2 (the
+//     default is one loop per UDP service port);
 //   - haproxy (TCP) and nginx stream (TCP and UDP) in the node namespace, on the node address;
 //   - legacy v1.25: the real userspace kube-proxy of Kubernetes v1.25 (hack/legacy-build.sh),
 //     reading the suite's Services and Endpoints from a real API server (e2e/framework);
@@ -23,6 +25,9 @@
 // direct and, with -json, writes every sample and median to a file.
 //
 //	sudo go run ./bench/suite [-quick] [-reps 3] [-json bench.json]
+//
+// A/B: -old-proxy /tmp/kpp-main adds "old iptables" and "old bind", the same targets on another
+// build, alternated with the new ones round by round; -loads udp,real runs only those loads.
 //
 // Every process (backend, each load's clients, each proxy) is a child in its own namespace;
 // every namespace is deleted at the end, also on error or Ctrl-C.
@@ -41,7 +46,9 @@ import (
 // config is the bench role's flags.
 type config struct {
 	proxy        string
+	oldProxy     string
 	legacy       string
+	loads        string
 	real         bool
 	redisReqs    int
 	reps         int
@@ -66,6 +73,8 @@ func main() {
 	role := flag.String("role", "bench", "bench | backend | client (internal)")
 	var cfg config
 	flag.StringVar(&cfg.proxy, "proxy", "bin/kube-portal-proxy", "the kube-portal-proxy binary (make build)")
+	flag.StringVar(&cfg.oldProxy, "old-proxy", "", "another kube-portal-proxy binary (a build of main) whose targets run beside -proxy's in every round: \"old iptables\", \"old bind\" (selected with -only old-iptables,old-bind)")
+	flag.StringVar(&cfg.loads, "loads", "", "comma-separated loads to run (bulk,conn,keepalive,udp,real,idle); empty = all")
 	flag.StringVar(&cfg.legacy, "legacy", legacyBinary(), "the legacy v1.25 userspace kube-proxy (hack/legacy-build.sh)")
 	flag.BoolVar(&cfg.real, "real", true, "also measure real clients: redis-benchmark against redis-server, dnsperf against unbound")
 	flag.IntVar(&cfg.redisReqs, "redis-requests", 100000, "requests of each redis-benchmark test (SET, GET)")
@@ -77,7 +86,7 @@ func main() {
 	flag.IntVar(&cfg.udpClients, "udp-clients", 32, "concurrent clients of the UDP test")
 	flag.IntVar(&cfg.idle, "idle", 9000, "idle connections of the memory test (lowered to fit the descriptor limit)")
 	flag.DurationVar(&cfg.settle, "settle", 3*time.Second, "how long the idle connections are held before measuring")
-	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,iptables-epoll,kernel,bind,bind-epoll,haproxy,nginx,legacy,ceiling,compare); empty = all")
+	flag.StringVar(&cfg.only, "only", "", "comma-separated targets (direct,iptables,iptables-epoll,iptables-2loops,kernel,bind,bind-epoll,bind-2loops,haproxy,nginx,legacy,ceiling,compare,old-iptables,old-bind); empty = all")
 	flag.StringVar(&cfg.jsonPath, "json", "", "write the results as JSON to this file")
 	flag.IntVar(&cfg.syncServices, "sync-services", 1000, "service ports of the rules-sync measurement (bench/scale); 0 skips it")
 	flag.DurationVar(&cfg.syncIdle, "sync-idle", 3*time.Second, "bench/scale -idle")

@@ -34,10 +34,56 @@ const (
 // have (UDP on HAProxy, CPU of the direct path) is absent.
 type sample map[string]float64
 
-// measure runs the loads; withIdle adds the idle-connection memory test.
+// measure runs the loads -loads selects; withIdle adds the idle-connection memory test.
 func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool) (sample, error) {
 	s := sample{}
 	hasCPU := r.pid != 0
+	if cfg.runs("bulk") {
+		if err := measureBulk(ctx, cfg, b, r, s); err != nil {
+			return s, err
+		}
+	}
+	if r.bulkAndUDPOnly {
+		if !cfg.runs("udp") {
+			return s, nil
+		}
+		return s, measureUDP(ctx, cfg, b, r, s)
+	}
+	if cfg.runs("conn") {
+		res, err := runLoad(ctx, b, loadSpec{Test: "conn", Addr: r.echo.String(), PID: r.pid, Dur: cfg.dur, Conc: cfg.conc})
+		if err != nil {
+			return s, fmt.Errorf("connections: %w", err)
+		}
+		perOp(s, res, mConn, mCPUPerConn, hasCPU)
+	}
+	if cfg.runs("keepalive") {
+		res, err := runLoad(ctx, b, loadSpec{Test: "keepalive", Addr: r.echo.String(), PID: r.pid, Dur: cfg.dur,
+			Warmup: cfg.warmup, Conc: cfg.conc, Size: 64})
+		if err != nil {
+			return s, fmt.Errorf("keep-alive: %w", err)
+		}
+		perOp(s, res, mReq, mCPUPerReq, hasCPU)
+	}
+	if cfg.runs("udp") {
+		if err := measureUDP(ctx, cfg, b, r, s); err != nil {
+			return s, err
+		}
+	}
+	if cfg.real {
+		if err := measureReal(ctx, cfg, b, r, s); err != nil {
+			return s, err
+		}
+	}
+	if withIdle && hasCPU && cfg.runs("idle") {
+		if err := measureIdle(ctx, cfg, b, r, s); err != nil {
+			return s, fmt.Errorf("idle: %w", err)
+		}
+	}
+	return s, nil
+}
+
+// measureBulk checks half-close and sends cfg.bulkMiB through the sink.
+func measureBulk(ctx context.Context, cfg config, b *bed, r *running, s sample) error {
 	s[mHalfClose] = 0
 	if b.halfClose(r.sink) {
 		s[mHalfClose] = 1
@@ -48,38 +94,13 @@ func measure(ctx context.Context, cfg config, b *bed, r *running, withIdle bool)
 	}
 	res, err := runLoad(ctx, b, loadSpec{Test: bulkTest, Addr: r.sink.String(), PID: r.pid, Bytes: cfg.bulkMiB << 20})
 	if err != nil {
-		return s, fmt.Errorf("bulk: %w", err)
+		return fmt.Errorf("bulk: %w", err)
 	}
 	s[mBulk] = float64(res.Ops) * 8 / res.Seconds / 1e9
-	if hasCPU {
+	if r.pid != 0 {
 		s[mCPUPerGB] = res.CPU / (float64(res.Ops) / 1e9)
 	}
-	if r.bulkAndUDPOnly {
-		return s, measureUDP(ctx, cfg, b, r, s)
-	}
-	if res, err = runLoad(ctx, b, loadSpec{Test: "conn", Addr: r.echo.String(), PID: r.pid, Dur: cfg.dur, Conc: cfg.conc}); err != nil {
-		return s, fmt.Errorf("connections: %w", err)
-	}
-	perOp(s, res, mConn, mCPUPerConn, hasCPU)
-	if res, err = runLoad(ctx, b, loadSpec{Test: "keepalive", Addr: r.echo.String(), PID: r.pid, Dur: cfg.dur,
-		Warmup: cfg.warmup, Conc: cfg.conc, Size: 64}); err != nil {
-		return s, fmt.Errorf("keep-alive: %w", err)
-	}
-	perOp(s, res, mReq, mCPUPerReq, hasCPU)
-	if err := measureUDP(ctx, cfg, b, r, s); err != nil {
-		return s, err
-	}
-	if cfg.real {
-		if err := measureReal(ctx, cfg, b, r, s); err != nil {
-			return s, err
-		}
-	}
-	if withIdle && hasCPU {
-		if err := measureIdle(ctx, cfg, b, r, s); err != nil {
-			return s, fmt.Errorf("idle: %w", err)
-		}
-	}
-	return s, nil
+	return nil
 }
 
 // measureUDP runs the UDP load when the target serves UDP.

@@ -191,6 +191,7 @@ func (rep *report) print(w io.Writer) {
 		fmt.Fprintln(w)
 		fmt.Fprintln(w, "real clients (rates with their share of direct, latencies with their multiple of direct)")
 		rep.table(w, realColumns)
+		rep.printRedisGoal(w)
 	}
 	rep.printBindRatio(w)
 	if rep.Sync != nil {
@@ -248,6 +249,47 @@ func (rep *report) hasAny(cols []column) bool {
 	return false
 }
 
+// The redis-benchmark goal of issue 25, through each target against direct.
+const (
+	redisGoalRate = 0.8 // rate at least this share of direct's
+	redisGoalP99  = 1.5 // p99 latency at most this multiple of direct's
+)
+
+// printRedisGoal says, for each target, whether redis-benchmark's SET and GET through it keep
+// redisGoalRate of direct's rate at no more than redisGoalP99 times its p99.
+func (rep *report) printRedisGoal(w io.Writer) {
+	var lines []string
+	for _, t := range rep.Targets {
+		if t.Name == "direct" || t.VsDirect == nil {
+			continue
+		}
+		var parts []string
+		met := true
+		for _, op := range []struct{ name, rate, p99 string }{{"SET", mRedisSet, mRedisSetP99}, {"GET", mRedisGet, mRedisGetP99}} {
+			r, okR := t.VsDirect[op.rate]
+			l, okL := t.VsDirect[op.p99]
+			if !okR || !okL {
+				continue
+			}
+			met = met && r >= redisGoalRate && l <= redisGoalP99
+			parts = append(parts, fmt.Sprintf("%s rate %.2f×, p99 %.2f×", op.name, r, l))
+		}
+		if len(parts) == 0 {
+			continue
+		}
+		verdict := "met"
+		if !met {
+			verdict = "missed"
+		}
+		lines = append(lines, fmt.Sprintf("  %s: %s: %s", t.Name, strings.Join(parts, "; "), verdict))
+	}
+	if len(lines) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\nredis-benchmark against direct (goal: rate >= %.1f×, p99 <= %.1f×):\n%s\n",
+		redisGoalRate, redisGoalP99, strings.Join(lines, "\n"))
+}
+
 // printBindRatio compares the two portal modes of the daemon (issue 8 asks for the ratio).
 func (rep *report) printBindRatio(w io.Writer) {
 	var ipt, bind *targetResult
@@ -269,6 +311,9 @@ func (rep *report) printBindRatio(w io.Writer) {
 		if okA && okB && a > 0 {
 			parts = append(parts, fmt.Sprintf("%s %.2f", c.title, b/a))
 		}
+	}
+	if len(parts) == 0 {
+		return
 	}
 	fmt.Fprintf(w, "\nbind / iptables portal mode: %s\n", strings.Join(parts, ", "))
 }

@@ -95,3 +95,41 @@ func TestParseScaleFailsWithoutAColdStart(t *testing.T) {
 		t.Error("parseScale accepted output without a cold start")
 	}
 }
+
+func TestLoadsAndOnlySelectWholeKeys(t *testing.T) {
+	for _, tt := range []struct {
+		loads, load string
+		want        bool
+	}{
+		{"", "udp", true},
+		{"udp,real", "udp", true},
+		{"udp,real", "real", true},
+		{"udp,real", "bulk", false},
+		{"keepalive", "alive", false},
+	} {
+		if got := (config{loads: tt.loads}).runs(tt.load); got != tt.want {
+			t.Errorf("-loads %q: runs(%q) = %t, want %t", tt.loads, tt.load, got, tt.want)
+		}
+	}
+	if !(config{only: "bind,old-bind"}).wants("old-bind") || (config{only: "old-bind"}).wants("bind") {
+		t.Error("-only old-bind must select old-bind and not bind")
+	}
+}
+
+func TestRedisGoalComparesEachTargetWithDirect(t *testing.T) {
+	rep := &report{order: []string{"direct", "kpp iptables", "nginx"}}
+	rep.add("direct", sample{mRedisSet: 100, mRedisSetP99: 1, mRedisGet: 100, mRedisGetP99: 1})
+	rep.add("kpp iptables", sample{mRedisSet: 90, mRedisSetP99: 1.2, mRedisGet: 85, mRedisGetP99: 1.5})
+	rep.add("nginx", sample{mRedisSet: 70, mRedisSetP99: 1.2, mRedisGet: 90, mRedisGetP99: 1.6})
+	rep.finish()
+	var b strings.Builder
+	rep.printRedisGoal(&b)
+	for _, want := range []string{
+		"kpp iptables: SET rate 0.90×, p99 1.20×; GET rate 0.85×, p99 1.50×: met",
+		"nginx: SET rate 0.70×, p99 1.20×; GET rate 0.90×, p99 1.60×: missed",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("redis goal lines lack %q:\n%s", want, b.String())
+		}
+	}
+}

@@ -35,6 +35,18 @@ func runBench(ctx context.Context, cfg config) error {
 	if cfg.proxy, err = filepath.Abs(cfg.proxy); err != nil {
 		return err
 	}
+	if cfg.oldProxy != "" {
+		if cfg.oldProxy, err = filepath.Abs(cfg.oldProxy); err != nil {
+			return err
+		}
+		if _, err := os.Stat(cfg.oldProxy); err != nil {
+			return fmt.Errorf("-old-proxy: %w", err)
+		}
+		rep.note("old iptables and old bind run %s, the others %s", cfg.oldProxy, cfg.proxy)
+	}
+	if !cfg.runs("real") {
+		cfg.real = false
+	}
 	if _, err := os.Stat(cfg.proxy); err != nil {
 		return fmt.Errorf("the daemon binary: %w (run make build)", err)
 	}
@@ -157,6 +169,9 @@ type candidate struct {
 	skip string
 }
 
+// namedOnly are the A/B targets an empty -only leaves out: they run when -only names them.
+var namedOnly = map[string]bool{"iptables-2loops": true, "bind-2loops": true}
+
 // selectTargets returns the targets to run, noting the ones skipped. ceiling is the built ceiling
 // forwarder, or ceilingSkip why there is none.
 func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip string, api *legacyAPI) []target {
@@ -167,17 +182,24 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 		{"iptables-epoll", kppTarget("kpp iptables epoll", cfg.proxy, "iptables", "--io-engine", "epoll"), available("iptables-restore")},
 		{"bind", kppTarget("kpp bind", cfg.proxy, "bind"), ""},
 		{"bind-epoll", kppTarget("kpp bind epoll", cfg.proxy, "bind", "--io-engine", "epoll"), ""},
+		{"iptables-2loops", kppTarget("kpp iptables 2 UDP loops", cfg.proxy, "iptables", "--udp-loops", "2"), available("iptables-restore")},
+		{"bind-2loops", kppTarget("kpp bind 2 UDP loops", cfg.proxy, "bind", "--udp-loops", "2"), ""},
 		{"haproxy", haproxyTarget(cfg.idle + fdHeadroom/4), available("haproxy")},
 		{"nginx", nginxTarget(cfg.nginxModule, hard), available("nginx", cfg.nginxModule)},
 		{"legacy", legacyTarget(cfg.legacy, api), legacySkip(cfg.legacy)},
 		{"ceiling", ceilingTarget(ceiling), ceilingSkip},
+	}
+	if cfg.oldProxy != "" {
+		all = append(all,
+			candidate{"old-iptables", kppTarget("old iptables", cfg.oldProxy, "iptables"), available("iptables-restore")},
+			candidate{"old-bind", kppTarget("old bind", cfg.oldProxy, "bind"), ""})
 	}
 	if cfg.compare != "" {
 		all = append(all, candidate{"compare", compareTarget(strings.Fields(cfg.compare)), ""})
 	}
 	var out []target
 	for _, a := range all {
-		if !cfg.wants(a.key) {
+		if !cfg.wants(a.key) || (namedOnly[a.key] && cfg.only == "") {
 			continue
 		}
 		if a.skip != "" {
@@ -188,6 +210,11 @@ func (rep *report) selectTargets(cfg config, hard int, ceiling, ceilingSkip stri
 		rep.order = append(rep.order, a.t.name)
 	}
 	return out
+}
+
+// runs says whether -loads selects the load.
+func (cfg config) runs(load string) bool {
+	return cfg.loads == "" || strings.Contains(","+cfg.loads+",", ","+load+",")
 }
 
 // wants says whether -only selects the target with this key.
