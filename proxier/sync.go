@@ -195,6 +195,14 @@ func (p *Proxier) portLog(port *service.Port) logrus.FieldLogger {
 func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16) *activePort {
 	ctx := p.runCtx
 	a := &activePort{port: port, sock: sock, proxyPort: proxyPort}
+	if st, ok := sock.(starter); ok {
+		if started, err := st.Start(); started {
+			if err != nil {
+				p.portLog(port).WithError(err).Error("Proxy socket stopped")
+			}
+			return a
+		}
+	}
 	p.socketWG.Add(1)
 	go func() {
 		defer p.socketWG.Done()
