@@ -73,7 +73,7 @@ func compareFile(ctx context.Context, bins []string, nServices, nEndpoints, roun
 				return errors.Join(err, closeBed())
 			}
 			r, err := fileRound(ctx, bed, bins[i], dir, nServices, churn, churnRate, writeChurn,
-				round == 0 && profile.heap != "", fmt.Sprintf("%s-%d", filepath.Base(bins[i]), i))
+				round == 0 && profile.heap != "", fmt.Sprint(i))
 			err = errors.Join(err, closeBed())
 			if err != nil {
 				return fmt.Errorf("%s round %d: %w", bins[i], round+1, err)
@@ -123,8 +123,12 @@ func compareFile(ctx context.Context, bins []string, nServices, nEndpoints, roun
 func fileRound(ctx context.Context, bed *testbed.Bed, bin, dir string, nServices int, churn time.Duration, churnRate int,
 	writeChurn func(int) error, heapProfile bool, name string) (r fileRun, err error) {
 	r.load = load1()
+	var env []string
+	if e, b, ok := strings.Cut(bin, "@"); ok {
+		env, bin = strings.Split(e, ","), b
+	}
 	start := time.Now()
-	cmd, err := startProxy(bin, bed, dir)
+	cmd, err := startProxy(bin, bed, dir, env...)
 	if err != nil {
 		return r, err
 	}
@@ -173,6 +177,12 @@ func fileRound(ctx context.Context, bed *testbed.Bed, bin, dir string, nServices
 	}
 	r.churnCPU = procstat.CPUTime(pid) - cpu0
 	r.churnRSSKiB, r.churnPeak = ownRSSKiB(pid), procstat.PeakRSSKiB(pid)
+	if heapProfile { // with the first, -diff_base shows what the churn allocated
+		file := strings.TrimSuffix(profile.heap, ".pb.gz") + "-" + name + "-churn.pb.gz"
+		if out, err := bed.Node.Exec(ctx, "curl", "-sf", "-o", file, "http://"+metricsAddr+"/debug/pprof/heap?gc=1"); err != nil {
+			return r, fmt.Errorf("heap profile: %w: %s", err, out)
+		}
+	}
 	m, err = scrapeGoMetrics(ctx, bed)
 	if err != nil {
 		return r, err

@@ -47,7 +47,7 @@ func main() {
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
 	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file: cold starts and churn, beside -baseline and -kube-proxy")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
-	baseline := flag.String("baseline", "", "other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure; in file mode: cold starts and a churn of rewritten files (-rounds, -churn, -churn-rate, -heapprofile) instead of the single run")
+	baseline := flag.String("baseline", "", "other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure; in file mode (each may be KEY=VALUE,...@binary: its environment, e.g. GOMEMLIMIT=100MiB@bin/kube-portal-proxy): cold starts and a churn of rewritten files (-rounds, -churn, -churn-rate, -heapprofile) instead of the single run")
 	kubeProxy := flag.String("kube-proxy", "", "-cluster: a kube-proxy binary (hack/kubeproxy-build.sh) run in the same run in each of -kube-proxy-modes")
 	kubeProxyModes := flag.String("kube-proxy-modes", "iptables,nftables", "-cluster: kube-proxy's modes to run (comma-separated)")
 	rounds := flag.Int("rounds", 1, "-cluster: rounds (cold start, then churn) per target")
@@ -188,13 +188,17 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	return nil
 }
 
-// startProxy starts the proxy binary in the node namespace on the services directory.
-func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
+// startProxy starts the proxy binary in the node namespace on the services directory, with env
+// (KEY=VALUE) added to the environment.
+func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exec.Cmd, error) {
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
 		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	return cmd, cmd.Start()
 }
 
