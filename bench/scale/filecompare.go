@@ -7,7 +7,6 @@ package main
 // rewritten) and the RSS and peak after it.
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -15,7 +14,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -191,25 +189,32 @@ func fileRound(ctx context.Context, bed *testbed.Bed, bin, dir string, nServices
 	return r, nil
 }
 
-// scrapeGoMetrics forces a GC (a heap profile with gc=1, discarded) and reads the Go runtime's
-// metrics of the proxy right after it, so the heap in use is the live heap.
+// scrapeGoMetrics forces a GC and reads the runtime's memory statistics right after it (the text
+// heap profile ends with them), so HeapAlloc is the live heap, and the goroutine count: not from
+// /metrics, whose 10,000 service ports' series would make garbage of their own.
 func scrapeGoMetrics(ctx context.Context, bed *testbed.Bed) (map[string]float64, error) {
-	if out, err := bed.Node.Exec(ctx, "curl", "-sf", "-o", "/dev/null", "http://"+metricsAddr+"/debug/pprof/heap?gc=1"); err != nil {
+	out, err := bed.Node.Exec(ctx, "curl", "-sf", "http://"+metricsAddr+"/debug/pprof/heap?gc=1&debug=1")
+	if err != nil {
 		return nil, fmt.Errorf("forced GC: %w: %s", err, out)
 	}
-	out, err := bed.Node.Exec(ctx, "curl", "-sf", "http://"+metricsAddr+"/metrics")
-	if err != nil {
-		return nil, fmt.Errorf("metrics: %w", err)
-	}
-	want := []string{"go_memstats_heap_alloc_bytes", "go_memstats_stack_inuse_bytes", "go_goroutines"}
 	m := map[string]float64{}
-	sc := bufio.NewScanner(strings.NewReader(string(out)))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		if len(f) == 2 && slices.Contains(want, f[0]) {
-			m[f[0]], _ = strconv.ParseFloat(f[1], 64)
+	for _, l := range strings.Split(string(out), "\n") {
+		for stat, name := range map[string]string{"HeapAlloc": "go_memstats_heap_alloc_bytes", "StackInuse": "go_memstats_stack_inuse_bytes"} {
+			if v, ok := strings.CutPrefix(l, "# "+stat+" = "); ok {
+				m[name], _ = strconv.ParseFloat(strings.TrimSpace(v), 64)
+			}
 		}
 	}
-	return m, sc.Err()
+	out, err = bed.Node.Exec(ctx, "curl", "-sf", "http://"+metricsAddr+"/debug/pprof/goroutine?debug=1")
+	if err != nil {
+		return nil, fmt.Errorf("goroutines: %w", err)
+	}
+	first, _, _ := strings.Cut(string(out), "\n")
+	if v, ok := strings.CutPrefix(first, "goroutine profile: total "); ok {
+		m["go_goroutines"], _ = strconv.ParseFloat(strings.TrimSpace(v), 64)
+	}
+	if len(m) != 3 {
+		return nil, fmt.Errorf("runtime statistics: got %v", m)
+	}
+	return m, nil
 }
