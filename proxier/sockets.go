@@ -66,6 +66,7 @@ var (
 	_ ProxySocket = (*udp.Proxy)(nil)
 	_ shutdowner  = (*tcp.Proxy)(nil)
 	_ starter     = (*tcp.Proxy)(nil)
+	_ starter     = (*multiSocket)(nil)
 	_ shutdowner  = (*udp.Proxy)(nil)
 	_ observed    = (*tcp.Proxy)(nil)
 	_ observed    = (*udp.Proxy)(nil)
