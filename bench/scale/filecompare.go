@@ -105,6 +105,9 @@ func compareFile(ctx context.Context, bins []string, nServices, nEndpoints, roun
 	}
 	fmt.Printf("| | %s |\n| --- |%s\n", strings.Join(bins, " | "), strings.Repeat(" --- |", len(bins)))
 	for _, row := range rows {
+		if churn <= 0 && strings.Contains(row.name, "churn") {
+			continue
+		}
 		cells := []string{row.name}
 		for i := range bins {
 			var each []string
@@ -199,9 +202,10 @@ func scrapeGoMetrics(ctx context.Context, bed *testbed.Bed) (map[string]float64,
 	}
 	m := map[string]float64{}
 	for _, l := range strings.Split(string(out), "\n") {
-		for stat, name := range map[string]string{"HeapAlloc": "go_memstats_heap_alloc_bytes", "StackInuse": "go_memstats_stack_inuse_bytes"} {
+		// "# Stack = <in use> / <from the OS>"
+		for stat, name := range map[string]string{"HeapAlloc": "go_memstats_heap_alloc_bytes", "Stack": "go_memstats_stack_inuse_bytes"} {
 			if v, ok := strings.CutPrefix(l, "# "+stat+" = "); ok {
-				m[name], _ = strconv.ParseFloat(strings.TrimSpace(v), 64)
+				m[name], _ = strconv.ParseFloat(strings.Fields(v)[0], 64)
 			}
 		}
 	}
