@@ -73,7 +73,7 @@ func (s *Service) eject(e *endpoint, o *service.Outlier, failures int, reset boo
 	s.ejectMu.Lock()
 	now := s.clock.Now().UnixNano()
 	set := s.eps.Load()
-	if ejectedAt(e, now) || set.has[e.addr] != e || s.outlier.Load() != o {
+	if ejectedAt(e, now) || set.get(e.addr) != e || s.outlier.Load() != o {
 		s.ejectMu.Unlock()
 		return
 	}

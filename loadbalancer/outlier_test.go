@@ -35,7 +35,7 @@ func outlierLB(t *testing.T, o service.Outlier, n int) (*LoadBalancer, *clocktes
 func failDials(lb *LoadBalancer, e netip.AddrPort, k int) {
 	s := lb.Lookup(foo)
 	for range k {
-		s.take(s.eps.Load().has[e])
+		s.take(s.eps.Load().get(e))
 		s.DialDone(e, errRefused)
 	}
 }
@@ -93,7 +93,7 @@ func TestOutlierEjection(t *testing.T) {
 		{"immediate_resets_count_too", three, 3, func(t *testing.T, lb *LoadBalancer, _ *clocktesting.FakeClock, ej *[]Ejection) {
 			s := lb.Lookup(foo)
 			for range 3 { // connected, then reset before any reply
-				s.take(s.eps.Load().has[ep(2, 80)])
+				s.take(s.eps.Load().get(ep(2, 80)))
 				s.DialDone(ep(2, 80), nil)
 				s.FlowDone(ep(2, 80), true)
 			}

@@ -221,7 +221,7 @@ func (s *Service) Balancing() service.Balancing {
 // lives on until FlowDone), else the endpoint failed it (refused, timed out, reset) and the
 // flow is over. The proxies call it through their Observer interface.
 func (s *Service) DialDone(ep netip.AddrPort, err error) {
-	e := s.eps.Load().has[ep]
+	e := s.eps.Load().get(ep)
 	switch {
 	case e == nil:
 	case err == nil:
@@ -237,7 +237,7 @@ func (s *Service) DialDone(ep netip.AddrPort, err error) {
 // descriptors). reset says the endpoint cut the flow at once (a reset before any reply, an ICMP
 // port unreachable).
 func (s *Service) FlowDone(ep netip.AddrPort, reset bool) {
-	e := s.eps.Load().has[ep]
+	e := s.eps.Load().get(ep)
 	if e == nil {
 		return
 	}

@@ -101,7 +101,7 @@ func TestAlgorithms(t *testing.T) {
 			s := lb.Lookup(foo)
 			busy := ep(3, 80)
 			for range 5 {
-				s.take(s.eps.Load().has[busy])
+				s.take(s.eps.Load().get(busy))
 			}
 			seen := map[netip.AddrPort]int{}
 			for range 300 {

@@ -165,43 +165,68 @@ func (e *endpoint) release() {
 type endpointSet struct {
 	list []netip.AddrPort
 	eps  []*endpoint // eps[i] is list[i]'s entry
-	has  map[netip.AddrPort]*endpoint
+	// has indexes a large set (more than smallSet endpoints); a small one is searched in list.
+	// At 10,000 service ports of 5 endpoints, a map per set held about half of the balancer's
+	// 11 MB, and scanning 5 addresses is as fast as hashing one.
+	has map[netip.AddrPort]*endpoint
+}
+
+// smallSet is the size up to which an endpoint set has no map.
+const smallSet = 16
+
+// get returns ep's entry, or nil when ep is not in the set.
+func (s *endpointSet) get(ep netip.AddrPort) *endpoint {
+	if s.has != nil {
+		return s.has[ep]
+	}
+	for i, a := range s.list {
+		if a == ep {
+			return s.eps[i]
+		}
+	}
+	return nil
 }
 
 // newEndpointSet builds the set of eps, reusing old's entries for endpoints that stay; order is
 // the order of eps after shuffle.
 func newEndpointSet(eps []netip.AddrPort, old *endpointSet, shuffle func([]netip.AddrPort)) *endpointSet {
-	set := &endpointSet{list: make([]netip.AddrPort, 0, len(eps)), has: make(map[netip.AddrPort]*endpoint, len(eps))}
+	set := &endpointSet{list: make([]netip.AddrPort, 0, len(eps)), eps: make([]*endpoint, 0, len(eps))}
+	if len(eps) > smallSet {
+		set.has = make(map[netip.AddrPort]*endpoint, len(eps))
+	}
 	for _, ep := range eps {
-		if _, dup := set.has[ep]; dup || !ep.IsValid() {
+		if !ep.IsValid() || set.get(ep) != nil {
 			continue
 		}
 		e := (*endpoint)(nil)
 		if old != nil {
-			e = old.has[ep]
+			e = old.get(ep)
 		}
 		if e == nil {
 			e = &endpoint{addr: ep}
 		}
-		set.has[ep] = e
+		if set.has != nil {
+			set.has[ep] = e
+		}
 		set.list = append(set.list, ep)
+		set.eps = append(set.eps, e)
 	}
-	if shuffle != nil {
+	if shuffle != nil && len(set.list) > 1 {
+		unshuffled := &endpointSet{list: slices.Clone(set.list), eps: slices.Clone(set.eps), has: set.has}
 		shuffle(set.list)
-	}
-	set.eps = make([]*endpoint, len(set.list))
-	for i, ep := range set.list {
-		set.eps[i] = set.has[ep]
+		for i, ep := range set.list {
+			set.eps[i] = unshuffled.get(ep)
+		}
 	}
 	return set
 }
 
 func (s *endpointSet) sameMembers(o *endpointSet) bool {
-	if len(s.has) != len(o.has) {
+	if len(s.list) != len(o.list) {
 		return false
 	}
-	for ep := range s.has {
-		if _, ok := o.has[ep]; !ok {
+	for _, ep := range s.list {
+		if o.get(ep) == nil {
 			return false
 		}
 	}
@@ -286,7 +311,7 @@ func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
 	sticky := sh.get(client)
 	var skip *endpoint
 	if sticky != nil {
-		e := set.has[sticky.endpoint]
+		e := set.get(sticky.endpoint)
 		if e != nil && ejectedAt(e, now) {
 			e = nil // out of rotation: the client moves, as if its endpoint were gone
 		}
@@ -338,7 +363,7 @@ func (s *Service) setEndpoints(eps []netip.AddrPort) {
 		// restarted proxy) takes traffic at once, as nothing else could.
 		now := s.clock.Now().UnixNano()
 		for _, e := range next.eps {
-			if old.has[e.addr] != e {
+			if old.get(e.addr) != e {
 				s.warmFrom(e, now)
 			}
 		}
@@ -346,8 +371,7 @@ func (s *Service) setEndpoints(eps []netip.AddrPort) {
 	s.eps.Store(next)
 	if t := s.affinity.Load(); t != nil {
 		t.removeIf(func(e *affinityEntry) bool {
-			_, ok := next.has[e.endpoint]
-			return !ok
+			return next.get(e.endpoint) == nil
 		})
 	}
 }

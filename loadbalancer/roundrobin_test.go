@@ -471,3 +471,44 @@ func BenchmarkNextEndpoint(b *testing.B) {
 		}
 	}
 }
+
+// A set keeps each address with its own entry in both of its forms: small (searched) and large
+// (indexed), shuffled or not, and an endpoint that stays keeps its entry (its flow count) across
+// a replacement.
+func TestEndpointSetEntries(t *testing.T) {
+	reverse := func(l []netip.AddrPort) { slices.Reverse(l) }
+	for _, n := range []int{1, 5, smallSet, smallSet + 1, 40} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			var eps []netip.AddrPort
+			for i := range n {
+				eps = append(eps, ep(i+1, 80))
+			}
+			eps = append(eps, ep(1, 80), netip.AddrPort{}) // a duplicate and an invalid one are left out
+			first := newEndpointSet(eps, nil, reverse)
+			if len(first.list) != n || len(first.eps) != n {
+				t.Fatalf("set of %d: %d addresses, %d entries", n, len(first.list), len(first.eps))
+			}
+			if first.list[0] != ep(n, 80) {
+				t.Errorf("first after the shuffle = %v, want %v", first.list[0], ep(n, 80))
+			}
+			for i, a := range first.list {
+				if first.eps[i].addr != a || first.get(a) != first.eps[i] {
+					t.Fatalf("entry %d: address %v, entry of %v", i, a, first.eps[i].addr)
+				}
+			}
+			if first.get(ep(200, 80)) != nil {
+				t.Error("an address not in the set has an entry")
+			}
+			next := newEndpointSet(append(eps[1:n:n], ep(200, 80)), first, reverse)
+			if next.get(ep(2, 80)) != first.get(ep(2, 80)) {
+				t.Error("an endpoint that stayed has a new entry")
+			}
+			if next.get(ep(1, 80)) != nil || next.get(ep(200, 80)) == nil || next.get(ep(200, 80)) == first.get(ep(200, 80)) && first.get(ep(200, 80)) != nil {
+				t.Error("the replacement's members are wrong")
+			}
+			if !first.sameMembers(newEndpointSet(eps, nil, nil)) || first.sameMembers(next) {
+				t.Error("sameMembers is wrong")
+			}
+		})
+	}
+}

@@ -3,6 +3,7 @@ package proxier
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"sync"
 	"time"
@@ -84,6 +85,33 @@ func (m *multiSocket) Run(ctx context.Context) error {
 	}
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// Start starts every member without a goroutine of their own when they all can (TCP on the
+// io_uring engine: the members share the process's engine, so either all can or none); false,
+// with nothing started, means Run.
+func (m *multiSocket) Start() (bool, error) {
+	starters := make([]starter, 0, len(m.socks))
+	for _, s := range m.socks {
+		st, ok := s.(starter)
+		if !ok {
+			return false, nil
+		}
+		starters = append(starters, st)
+	}
+	var errs []error
+	for i, st := range starters {
+		started, err := st.Start()
+		switch {
+		case !started && i == 0:
+			return false, nil
+		case !started:
+			errs = append(errs, fmt.Errorf("socket %s did not start where %s did", m.socks[i].Addr(), m.socks[0].Addr()))
+		case err != nil:
+			errs = append(errs, err)
+		}
+	}
+	return true, errors.Join(errs...)
 }
 
 func (m *multiSocket) Close() error {

@@ -224,8 +224,6 @@ type activePort struct {
 	port      *service.Port
 	sock      ProxySocket
 	proxyPort uint16
-	cancel    context.CancelFunc
-	done      chan struct{}
 	// ext is the socket of the port's external traffic when it has its own (splitsExternal).
 	ext *activePort
 	// split: the socket was opened for the port's cluster traffic only (splitsExternal then); in
@@ -317,7 +315,6 @@ func (p *Proxier) shutdown() {
 			if sock == nil {
 				continue
 			}
-			sock.cancel()
 			if s, ok := sock.sock.(shutdowner); ok {
 				s.Shutdown() // the process is going away: end established connections too
 			} else {

@@ -125,11 +125,11 @@ func (p *Proxier) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, er
 		p.ports.release(s.ProxyPort)
 		return nil, fmt.Errorf("proxy port %d: %w", s.ProxyPort, err)
 	}
-	a := p.serve(port, sock, s.ProxyPort, log)
+	a := p.serve(port, sock, s.ProxyPort)
 	if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
 		ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name), nil))
 		if err == nil {
-			a.ext = p.serve(port, ext, s.ExternalProxyPort, log)
+			a.ext = p.serve(port, ext, s.ExternalProxyPort)
 		} else {
 			p.ports.release(s.ExternalProxyPort)
 			log.WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")

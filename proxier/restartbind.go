@@ -24,7 +24,7 @@ func (p *Proxier) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, 
 	if err != nil {
 		return nil, err
 	}
-	a := p.serve(port, sock, port.Port, log)
+	a := p.serve(port, sock, port.Port)
 	a.filter, a.listen, a.split = filter, slices.Clone(s.Listen), len(s.External) > 0
 	if !a.split {
 		return a, nil
@@ -34,7 +34,7 @@ func (p *Proxier) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, 
 		p.closeSocket(a)
 		return nil, err
 	}
-	a.ext = p.serve(port, ext, port.Port, log)
+	a.ext = p.serve(port, ext, port.Port)
 	a.ext.filter, a.ext.listen = filter, slices.Clone(s.External)
 	return a, nil
 }

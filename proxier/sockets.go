@@ -44,6 +44,13 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 	}
 }
 
+// starter is implemented by sockets that can serve without a goroutine waiting in Run (a TCP
+// proxy on the io_uring engine, whose rings accept): Start then reports true and the socket
+// serves until Close. At 10,000 service ports that is 10,000 goroutine stacks fewer (24 MB).
+type starter interface {
+	Start() (bool, error)
+}
+
 // shutdowner is implemented by sockets that can end their established connections at exit.
 type shutdowner interface{ Shutdown() }
 
@@ -58,6 +65,8 @@ var (
 	_ ProxySocket = (*tcp.Proxy)(nil)
 	_ ProxySocket = (*udp.Proxy)(nil)
 	_ shutdowner  = (*tcp.Proxy)(nil)
+	_ starter     = (*tcp.Proxy)(nil)
+	_ starter     = (*multiSocket)(nil)
 	_ shutdowner  = (*udp.Proxy)(nil)
 	_ observed    = (*tcp.Proxy)(nil)
 	_ observed    = (*udp.Proxy)(nil)

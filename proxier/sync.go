@@ -154,12 +154,11 @@ func (p *Proxier) retryFailed() {
 
 // startPort opens a proxy socket for a service port and starts serving it.
 func (p *Proxier) startPort(port *service.Port) {
-	log := p.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
 	filter := newSourceFilter(port.LoadBalancerSourceRanges)
 	sock, proxyPort, err := p.open(port, false, filter)
 	if err != nil {
 		if _, already := p.failed[port.Name]; !already {
-			log.WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
+			p.portLog(port).WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
 			if p.deps.Event != nil {
 				reason := "ProxySocketFailed"
 				if errors.Is(err, ErrPortsExhausted) {
@@ -174,25 +173,41 @@ func (p *Proxier) startPort(port *service.Port) {
 	}
 	delete(p.failed, port.Name)
 	p.markUnsynced(port.Name)
-	a := p.serve(port, sock, proxyPort, log)
+	a := p.serve(port, sock, proxyPort)
 	a.filter, a.split = filter, splitsExternal(port)
 	p.activeMu.Lock()
 	p.active[port.Name] = a
 	p.activeMu.Unlock()
-	log.WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
+	p.portLog(port).WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
 	p.reconcileSplit(a)
 }
 
-// serve runs an opened socket in a goroutine the socket WaitGroup tracks.
-func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16, log logrus.FieldLogger) *activePort {
-	ctx, cancel := context.WithCancel(p.runCtx)
-	a := &activePort{port: port, sock: sock, proxyPort: proxyPort, cancel: cancel, done: make(chan struct{})}
+// portLog is the logger of one service port's socket, built only when there is something to log
+// (at 10,000 ports a logger kept per socket held 3.5 MB).
+func (p *Proxier) portLog(port *service.Port) logrus.FieldLogger {
+	return p.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
+}
+
+// serve runs an opened socket in a goroutine the socket WaitGroup tracks. Every socket runs on the
+// run context itself: closeSocket and shutdown stop one with Close, so a context of its own per
+// socket (with the parent's entry for it, and the socket's AfterFunc registered on it) was 10,000
+// contexts and maps, about 8 MB, at 10,000 service ports.
+func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16) *activePort {
+	ctx := p.runCtx
+	a := &activePort{port: port, sock: sock, proxyPort: proxyPort}
+	if st, ok := sock.(starter); ok {
+		if started, err := st.Start(); started {
+			if err != nil {
+				p.portLog(port).WithError(err).Error("Proxy socket stopped")
+			}
+			return a
+		}
+	}
 	p.socketWG.Add(1)
 	go func() {
 		defer p.socketWG.Done()
-		defer close(a.done)
 		if err := sock.Run(ctx); err != nil && ctx.Err() == nil {
-			log.WithError(err).Error("Proxy socket stopped")
+			p.portLog(port).WithError(err).Error("Proxy socket stopped")
 		}
 	}()
 	return a
@@ -228,7 +243,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 	if want == (a.ext != nil) {
 		return
 	}
-	log := p.log.WithFields(logrus.Fields{"service": a.port.Name.String(), "protocol": string(a.port.Protocol)})
+	log := p.portLog(a.port)
 	p.markUnsynced(a.port.Name)
 	if !want {
 		p.activeMu.Lock()
@@ -249,7 +264,7 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 		return
 	}
 	delete(p.extFailed, a.port.Name)
-	ext := p.serve(a.port, sock, proxyPort, log)
+	ext := p.serve(a.port, sock, proxyPort)
 	ext.filter = a.filter
 	p.activeMu.Lock()
 	a.ext = ext
@@ -392,7 +407,6 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 
 // closeSocket stops one socket and gives its proxy port back.
 func (p *Proxier) closeSocket(a *activePort) {
-	a.cancel()
 	if err := a.sock.Close(); err != nil {
 		p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Closing proxy socket")
 	}

@@ -137,6 +137,9 @@ func (p *Proxy) SetRefusing(on bool) error {
 	}
 	close(p.lnChanged)
 	p.lnChanged = make(chan struct{})
+	if u, ok := p.engine().(*uringEngine); ok && p.armsItself {
+		u.arm(p)
+	}
 	if old != nil {
 		p.engine().stopAccepting(p, old)
 		if err := old.close(); err != nil {

@@ -178,22 +178,8 @@ func (e *uringEngine) acceptLoop(p *Proxy) error {
 	}
 	for {
 		p.lnMu.Lock()
-		ln, changed := p.ln, p.lnChanged
-		if ln != nil && p.uacceptLn != ln {
-			// Armed under lnMu: Close and SetRefusing cancel what is armed before closing ln, so
-			// an accept is never armed on a closed (and maybe reused) descriptor.
-			var fd int
-			_ = ln.raw.Control(func(f uintptr) { fd = int(f) })
-			accs := make([]*uaccept, len(e.loops))
-			for i, l := range e.loops {
-				a := &uaccept{p: p, fd: int32(fd), done: make(chan struct{})}
-				accs[i] = a
-				if !l.post(func() { l.armAccept(a) }) {
-					close(a.done)
-				}
-			}
-			p.uaccepts, p.uacceptLn = accs, ln
-		}
+		e.arm(p)
+		changed := p.lnChanged
 		p.lnMu.Unlock()
 		select {
 		case <-changed:
@@ -201,6 +187,27 @@ func (e *uringEngine) acceptLoop(p *Proxy) error {
 			return nil
 		}
 	}
+}
+
+// arm arms an accept on every loop for p's listening socket unless that is done already or p is
+// refusing. The caller holds p.lnMu: Close and SetRefusing cancel what is armed before closing
+// ln, so an accept is never armed on a closed (and maybe reused) descriptor.
+func (e *uringEngine) arm(p *Proxy) {
+	ln := p.ln
+	if ln == nil || p.uacceptLn == ln {
+		return
+	}
+	var fd int
+	_ = ln.raw.Control(func(f uintptr) { fd = int(f) })
+	accs := make([]*uaccept, len(e.loops))
+	for i, l := range e.loops {
+		a := &uaccept{p: p, fd: int32(fd), done: make(chan struct{})}
+		accs[i] = a
+		if !l.post(func() { l.armAccept(a) }) {
+			close(a.done)
+		}
+	}
+	p.uaccepts, p.uacceptLn = accs, ln
 }
 
 // stopAccepting cancels the accepts armed on ln and waits for the loops to confirm. The caller

@@ -43,11 +43,11 @@ func main() {
 	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
-	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
+	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster or file mode with -baseline: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
 	flag.DurationVar(&profile.length, "profile-length", 8*time.Second, "how long the cold start's profile or trace runs")
 	cluster := flag.Bool("cluster", false, "read Services and EndpointSlices from a real API server (etcd + kube-apiserver on loopback, created by -workers concurrent clients) instead of a services file: cold starts and churn, beside -baseline and -kube-proxy")
 	workers := flag.Int("workers", 32, "-cluster: concurrent clients creating the objects")
-	baseline := flag.String("baseline", "", "-cluster: other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure")
+	baseline := flag.String("baseline", "", "other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure; in file mode (each may be KEY=VALUE,...@binary: its environment, e.g. GOMEMLIMIT=100MiB@bin/kube-portal-proxy): cold starts and a churn of rewritten files (-rounds, -churn, -churn-rate, -heapprofile) instead of the single run")
 	kubeProxy := flag.String("kube-proxy", "", "-cluster: a kube-proxy binary (hack/kubeproxy-build.sh) run in the same run in each of -kube-proxy-modes")
 	kubeProxyModes := flag.String("kube-proxy-modes", "iptables,nftables", "-cluster: kube-proxy's modes to run (comma-separated)")
 	rounds := flag.Int("rounds", 1, "-cluster: rounds (cold start, then churn) per target")
@@ -55,6 +55,16 @@ func main() {
 	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
 	startLimit := flag.Duration("start-limit", 10*time.Minute, "-cluster: a target whose rules are not in force this long after its start is recorded as such and not run again")
 	flag.Parse()
+	if !*cluster && *baseline != "" {
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+		err := compareFile(ctx, append([]string{*proxy}, strings.Fields(*baseline)...), *services, *endpoints, *rounds, *churn, max(*churnRate, 1))
+		stop()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "scale:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
@@ -178,13 +188,17 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	return nil
 }
 
-// startProxy starts the proxy binary in the node namespace on the services directory.
-func startProxy(proxy string, bed *testbed.Bed, dir string) (*exec.Cmd, error) {
+// startProxy starts the proxy binary in the node namespace on the services directory, with env
+// (KEY=VALUE) added to the environment.
+func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exec.Cmd, error) {
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
 		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	return cmd, cmd.Start()
 }
 
