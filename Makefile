@@ -154,7 +154,9 @@ cluster-test:
 # e2e.test v1.36 against make cluster's cluster, starting it when it is not up (root; README
 # "Conformance"). NODES=3 starts a three-node cluster and also runs the [Disruptive] specs. JUnit,
 # log and summary.md in bin/conformance. conformance-ci runs the subset CI
-# runs (hack/conformance/ci-focus.txt). conformance-build builds e2e.test and agnhost once.
+# runs (hack/conformance/ci-focus.txt; on a cluster of several nodes, conformance-ci NODES=3,
+# ci-focus-nodes.txt: one spec of each multi-node kind). conformance-build builds e2e.test,
+# agnhost and the other test binaries once.
 CONFORMANCE_OUT := bin/conformance
 # Parallel ginkgo processes (the specs mostly wait on the API server and pods).
 CONFORMANCE_PROCS ?= 4
@@ -165,7 +167,7 @@ conformance: cluster-build conformance-build image-oci
 	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) CONFORMANCE_PROCS=$(CONFORMANCE_PROCS) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
 conformance-ci: cluster-build conformance-build image-oci
-	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) CONFORMANCE_FOCUS=ci CONFORMANCE_PROCS=2 hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
+	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) CONFORMANCE_FOCUS=ci CONFORMANCE_PROCS=2 hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
 # cluster-swap: on a running make cluster, kube-proxy's own DaemonSet and ConfigMap as kubeadm
 # writes them, with this image swapped in, take over from the kube-portal-proxy DaemonSet; a

@@ -36,7 +36,7 @@ for tool in ip nsenter setsid containerd containerd-shim-runc-v2 ctr runc iptabl
   command -v "$tool" >/dev/null 2>&1 ||
     die "$tool not found: apt-get install iproute2 util-linux containerd runc containernetworking-plugins iptables openssl"
 done
-[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] && [ -x /usr/lib/cni/loopback ] ||
+[ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/host-local ] && [ -x /usr/lib/cni/loopback ] && [ -x /usr/lib/cni/portmap ] ||
   die "CNI plugins not found in /usr/lib/cni: apt-get install containernetworking-plugins"
 [ -e "/run/netns/$NS" ] && die "network namespace $NS exists: the cluster is up (make cluster-down first)"
 [ -e "$STATE" ] && die "$STATE exists: the cluster is up or was not removed (make cluster-down)"
@@ -319,6 +319,7 @@ node_start() {
     {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
      "ipam": {"type": "host-local", "dataDir": "$d/cni/networks",
               "ranges": [[{"subnet": "$(node_pod_cidr "$i")"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}},
     {"type": "loopback"}
   ]
 }
@@ -396,15 +397,23 @@ fi
 case ${KPP_INSTALL:-kustomize} in
 helm)
   helm_bin=$(command -v helm) || die "KPP_INSTALL=helm: helm not found (hack/install-deps.sh monitoring)"
-  caps=()
+  sets=()
   if [ "$no_sys_resource" = 1 ]; then
     log "root lacks CAP_SYS_RESOURCE here: the DaemonSet runs without it (securityContext.capabilities)"
-    caps=(--set 'securityContext.capabilities={NET_ADMIN,NET_RAW,NET_BIND_SERVICE}')
+    sets=(--set 'securityContext.capabilities={NET_ADMIN,NET_RAW,NET_BIND_SERVICE}')
+  fi
+  if ((nodes > 1)); then
+    # As overlay/kube-proxy-label.yaml below: the pods also carry k8s-app=kube-proxy, which the
+    # upstream "should work after restarting kube-proxy" spec deletes them by.
+    sets+=(--set-string 'podLabels.k8s-app=kube-proxy')
+    # As overlay/kube-proxy-conntrack.yaml: privileged, with kube-proxy's conntrack TCP timeouts.
+    sets+=(--set securityContext.privileged=true --set-string proxy.conntrack.tcpEstablishedTimeout=24h
+      --set-string proxy.conntrack.tcpCloseWaitTimeout=1h)
   fi
   HELM_CACHE_HOME="$STATE/helm/cache" HELM_CONFIG_HOME="$STATE/helm/config" HELM_DATA_HOME="$STATE/helm/data" \
     ns "$helm_bin" --kubeconfig="$KUBECONFIG_ADMIN" install kube-portal-proxy "$repo/deploy/helm/kube-portal-proxy" \
     --namespace kube-system --set-string image.repository="${IMAGE%:*}" --set-string image.tag="${IMAGE##*:}" \
-    --set-string apiServer.host="$NODE_IP" --set-string apiServer.port=6443 "${caps[@]}" \
+    --set-string apiServer.host="$NODE_IP" --set-string apiServer.port=6443 "${sets[@]}" \
     ${KPP_HELM_SET:+--set "$KPP_HELM_SET"} >/dev/null
   log "kube-portal-proxy installed from the Helm chart"
   ;;
@@ -427,8 +436,12 @@ kustomize)
     # The label kube-proxy's pods carry: the upstream "should work after restarting kube-proxy"
     # spec restarts the service proxy by deleting the kube-system pods labelled k8s-app=kube-proxy.
     # Not on one node, where make cluster-swap runs kubeadm's kube-proxy DaemonSet (that selector).
-    cp "$here/overlay/kube-proxy-label.yaml" "$STATE/overlay/"
+    cp "$here/overlay/kube-proxy-label.yaml" "$here/overlay/kube-proxy-conntrack.yaml" "$STATE/overlay/"
     printf -- '- path: kube-proxy-label.yaml\n' >>"$STATE/overlay/kustomization.yaml"
+    # And privileged with kube-proxy's conntrack TCP timeouts, as kubeadm runs kube-proxy (the
+    # KubeProxy CLOSE_WAIT spec checks the node's close-wait timeout).
+    printf -- '- path: kube-proxy-conntrack.yaml\n  target: {kind: DaemonSet, name: kube-portal-proxy}\n' \
+      >>"$STATE/overlay/kustomization.yaml"
   fi
   kc apply -k "$STATE/overlay" >/dev/null
   ;;

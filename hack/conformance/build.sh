@@ -5,13 +5,15 @@
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/agnhost-<agnhost version> (static)
 #   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/ginkgo-<kube version>     (the ginkgo CLI of
 #       the version e2e.test links, which runs it in parallel processes)
+#   ${KPP_CACHE:-$HOME/.cache/kube-portal-proxy}/bin/regression-issue-74839-<kube version> (static;
+#       the boom-server of the Conntrack invalid-state spec, test/images/regression-issue-74839)
 #
 # e2e.test is `go test -c` of hack/conformance/e2e (a TestMain of ours around the upstream
 # entry point, blank-importing k8s.io/kubernetes/test/e2e/network), compiled in a copy of that
 # folder whose go.mod requires k8s.io/kubernetes and replaces every staging module by its
 # published v0.<minor>.<patch>, as hack/cluster/build.sh does. agnhost (the test image's
-# binary) and the ginkgo CLI are built in the same module. It prints KPP_E2E_TEST=path,
-# KPP_AGNHOST=path and KPP_GINKGO=path.
+# binary), the ginkgo CLI and regression-issue-74839 are built in the same module. It prints
+# KPP_E2E_TEST=path, KPP_AGNHOST=path, KPP_GINKGO=path and KPP_REGRESSION_74839=path.
 #
 # Environment: KPP_CACHE, KPP_KUBE_VERSION (default v1.36.3), KPP_KEEP_GOCACHE=1 keeps the
 # private build cache, KPP_GOCACHE a
@@ -29,6 +31,7 @@ work_dir=$cache/build
 e2e=$bin_dir/e2e-$kube_version.test
 agnhost=$bin_dir/agnhost-$agnhost_version
 ginkgo=$bin_dir/ginkgo-$kube_version
+regression=$bin_dir/regression-issue-74839-$kube_version
 
 log() { printf 'conformance-build: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
@@ -53,7 +56,8 @@ build() {
   (
     cd "$dir"
     go mod edit "${edits[@]}" -require="k8s.io/kubernetes@$kube_version" \
-      -tool=k8s.io/kubernetes/test/images/agnhost -tool=github.com/onsi/ginkgo/v2/ginkgo
+      -tool=k8s.io/kubernetes/test/images/agnhost -tool=github.com/onsi/ginkgo/v2/ginkgo \
+      -tool=k8s.io/kubernetes/test/images/regression-issue-74839
     go mod tidy
     local minor=${kube_version#v1.}
     minor=${minor%%.*}
@@ -74,6 +78,10 @@ build() {
       CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$ginkgo.tmp" github.com/onsi/ginkgo/v2/ginkgo
       mv -f "$ginkgo.tmp" "$ginkgo"
     fi
+    if [ ! -x "$regression" ]; then
+      CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$regression.tmp" k8s.io/kubernetes/test/images/regression-issue-74839
+      mv -f "$regression.tmp" "$regression"
+    fi
   )
   rm -rf "$dir"
 }
@@ -82,7 +90,7 @@ main() {
   mkdir -p "$bin_dir" "$work_dir"
   exec 9>"$work_dir/.lock-e2e"
   if command -v flock >/dev/null 2>&1; then flock 9; fi
-  if [ ! -x "$e2e" ] || [ ! -x "$agnhost" ] || [ ! -x "$ginkgo" ]; then
+  if [ ! -x "$e2e" ] || [ ! -x "$agnhost" ] || [ ! -x "$ginkgo" ] || [ ! -x "$regression" ]; then
     command -v go >/dev/null 2>&1 || die "go not found in PATH (need Go >= 1.26)"
     export GOCACHE=${KPP_GOCACHE:-$work_dir/gocache-e2e}
     build
@@ -91,7 +99,7 @@ main() {
       rm -rf "$GOCACHE"
     fi
   fi
-  printf 'KPP_E2E_TEST=%s\nKPP_AGNHOST=%s\nKPP_GINKGO=%s\n' "$e2e" "$agnhost" "$ginkgo"
+  printf 'KPP_E2E_TEST=%s\nKPP_AGNHOST=%s\nKPP_GINKGO=%s\nKPP_REGRESSION_74839=%s\n' "$e2e" "$agnhost" "$ginkgo" "$regression"
 }
 
 main "$@"
