@@ -47,7 +47,7 @@ test-deps:
 	@if [ "$$(id -u)" = 0 ]; then hack/install-deps.sh demo test; fi
 
 # Fuzz targets (package:FuzzName), one per decoder of outside input: the PROXY header encoder and
-# parser, the bind state file, the restart's iptables-save reader, the hand-over's messages from
+# parser, the bind state file, the restart snapshot, the restart's iptables-save reader, the hand-over's messages from
 # either side, the per-Service annotations, the services file and its fast decoder. go test
 # already runs their seeds (f.Add and testdata/fuzz/) as tests; these search beyond them.
 FUZZ_TARGETS := ./proxier/snapshot:FuzzDecode ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \

@@ -193,7 +193,7 @@ func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName, 
 		if port.Protocol == service.TCP {
 			picker = &holdPicker{next: picker, ready: p.endpointsReady, done: p.runCtx.Done(), clock: p.cfg.Clock, hold: p.cfg.ReopenHold}
 		} else {
-			picker = &gatedPicker{next: picker, ready: p.reopenGate()}
+			picker = &gatedPicker{next: picker, ready: p.restoredGate(key)}
 		}
 		return p.deps.Sockets(port, picker, p.allowFor(port, at, filter))
 	}
@@ -295,5 +295,8 @@ func (h *holdPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error)
 
 // markEndpointsReady releases held connections: the initial Services and EndpointSlices are in.
 func (p *Proxier) markEndpointsReady() {
-	p.readyOnce.Do(func() { close(p.endpointsReady) })
+	p.readyOnce.Do(func() {
+		p.dropRestored() // before held connections pick again
+		close(p.endpointsReady)
+	})
 }
