@@ -31,7 +31,7 @@ type fakeSnapshots struct {
 	taken atomic.Int64
 }
 
-func (f *fakeSnapshots) FirstSync() <-chan struct{}  { return f.first }
+func (f *fakeSnapshots) FirstSync() <-chan struct{} { return f.first }
 func (f *fakeSnapshots) SnapshotGeneration() uint64 { return f.gen.Load() }
 func (f *fakeSnapshots) Snapshot(node string) *snapshot.State {
 	f.taken.Add(1)
