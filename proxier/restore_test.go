@@ -177,3 +177,21 @@ func BenchmarkSnapshot10000Ports(b *testing.B) {
 		}
 	}
 }
+
+func TestRestoredUDPReadsAtOnce(t *testing.T) {
+	dns := service.ServicePortName{Namespace: "ns", Name: "dns", Port: "dns"}
+	other := service.ServicePortName{Namespace: "ns", Name: "other", Port: "dns"}
+	e := newFakeEnv(t, nil)
+	e.p.Reopen([]Seed{seed("ns", "dns", "dns", service.UDP, 34001), seed("ns", "other", "dns", service.UDP, 34002)})
+	e.p.Restore(&snapshot.State{Ports: []snapshot.Port{snapPort(dns, service.UDP, 34001, "10.244.1.4:53")}})
+	select {
+	case <-e.p.restoredGate(dns):
+	default:
+		t.Errorf("the gate of a restored UDP port is closed; want it to read at once")
+	}
+	select {
+	case <-e.p.restoredGate(other):
+		t.Errorf("the gate of a UDP port without snapshot endpoints is open before the initial lists")
+	default:
+	}
+}
