@@ -16,6 +16,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -160,11 +161,13 @@ func BenchmarkWrite(b *testing.B) {
 	st := bigState(10000)
 	path := filepath.Join(b.TempDir(), "snap")
 	b.ReportAllocs()
+	cpu0 := procstat.CPUTime(os.Getpid())
 	for b.Loop() {
 		if err := Write(path, st); err != nil {
 			b.Fatal(err)
 		}
 	}
+	b.ReportMetric(float64(procstat.CPUTime(os.Getpid())-cpu0)/float64(b.N), "cpu-ns/op")
 	b.ReportMetric(float64(len(Encode(st))), "bytes/file")
 }
 
@@ -175,9 +178,11 @@ func BenchmarkRead(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.ReportAllocs()
+	cpu0 := procstat.CPUTime(os.Getpid())
 	for b.Loop() {
 		if _, err := Read(path, "node-a"); err != nil {
 			b.Fatal(err)
 		}
 	}
+	b.ReportMetric(float64(procstat.CPUTime(os.Getpid())-cpu0)/float64(b.N), "cpu-ns/op")
 }
