@@ -72,13 +72,17 @@ type restorer interface {
 }
 
 // restoreSnapshot reads the snapshot and hands it to the proxier, after Reopen and before the
-// sources start. A successor of a hand-over does not: its predecessor serves until it has synced.
+// sources start, and removes the temporary files of a write the previous process was killed in. A successor of a hand-over does not: its predecessor serves until it has synced.
 // A snapshot that is unreadable, of another version or node is logged once and ignored.
 func restoreSnapshot(path, node string, handedOver bool, px restorer, stats *snapshotStats, clk clock.PassiveClock, log logrus.FieldLogger) {
 	if path == "" || handedOver {
 		return
 	}
 	start := clk.Now()
+	// No process writes now (the previous one is gone), so a temporary file is a killed write's.
+	if err := snapshot.RemoveStale(path); err != nil {
+		log.WithError(err).Warn("Cannot remove the temporary files of an interrupted restart snapshot write")
+	}
 	st, err := snapshot.Read(path, node)
 	if err != nil {
 		log.WithError(err).Warn("Ignoring the restart snapshot; reopened proxy ports hold connections until the initial lists are in")

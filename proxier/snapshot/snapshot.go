@@ -84,7 +84,7 @@ func Write(path string, st *State) error {
 }
 
 func writeAtomic(path string, data []byte) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*") // mode 0600
+	tmp, err := os.CreateTemp(filepath.Dir(path), tempPrefix(path)+"*") // mode 0600
 	if err != nil {
 		return fmt.Errorf("create temporary file: %w", err)
 	}
@@ -102,6 +102,26 @@ func writeAtomic(path string, data []byte) error {
 	}
 	return nil
 }
+
+// RemoveStale removes the temporary files a writer killed between creating one and renaming it
+// left beside path (a crash loop would otherwise pile them up in the state directory). Call it
+// before the first Write of a process; it reports what it could not remove.
+func RemoveStale(path string) error {
+	stale, err := filepath.Glob(filepath.Join(filepath.Dir(path), tempPrefix(path)+"*"))
+	if err != nil {
+		return fmt.Errorf("restart snapshot %s: %w", path, err)
+	}
+	var errs []error
+	for _, f := range stale {
+		if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// tempPrefix is how the temporary files of a write of path start.
+func tempPrefix(path string) string { return "." + filepath.Base(path) + ".tmp." }
 
 // Read reads the snapshot at path, written on node. A missing file is no state and no error. A
 // file that does not decode, or of another version or node, is an error wrapping ErrCorrupt,

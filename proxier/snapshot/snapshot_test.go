@@ -132,6 +132,27 @@ func TestWriteRead(t *testing.T) {
 			t.Fatalf("the old snapshot: %v, %v", st, err)
 		}
 	})
+	t.Run("a killed writer's temporary files are removed, nothing else", func(t *testing.T) {
+		stale := filepath.Join(dir, tempPrefix(path)+"12345")
+		other := filepath.Join(dir, ".restart-snapshot-other")
+		for _, f := range []string{stale, other} {
+			if err := os.WriteFile(f, []byte("half"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := RemoveStale(path); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("stale temporary file still there: %v", err)
+		}
+		for _, f := range []string{other, path} {
+			if _, err := os.Stat(f); err != nil {
+				t.Errorf("%s: %v; want it kept", f, err)
+			}
+		}
+		_ = os.Remove(other)
+	})
 	t.Run("a corrupt file is an error, not a state", func(t *testing.T) {
 		if err := os.WriteFile(path, []byte("KPPSNAP\ngarbage"), 0o600); err != nil {
 			t.Fatal(err)
