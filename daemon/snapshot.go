@@ -9,6 +9,7 @@ package daemon
 
 import (
 	"context"
+	"iter"
 	"sync/atomic"
 	"time"
 
@@ -28,7 +29,7 @@ const snapshotPeriod = time.Second
 type snapshotSource interface {
 	FirstSync() <-chan struct{}
 	SnapshotGeneration() uint64
-	Snapshot(node string) *snapshot.State
+	SnapshotPorts() iter.Seq[*snapshot.Port]
 }
 
 // snapshotStats is what the restart snapshot did in this process, for the metrics.
@@ -126,7 +127,7 @@ func (w *snapshotWriter) Run(ctx context.Context) {
 	for {
 		if gen := w.src.SnapshotGeneration(); !written || gen != last {
 			start := w.clock.Now()
-			err := snapshot.Write(w.path, w.src.Snapshot(w.node))
+			err := snapshot.WritePorts(w.path, w.node, start, w.src.SnapshotPorts())
 			w.stats.lastCost.Store(int64(w.clock.Since(start)))
 			if err == nil {
 				written, last = true, gen

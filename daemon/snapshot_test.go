@@ -5,9 +5,11 @@ package daemon
 import (
 	"context"
 	"errors"
+	"iter"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -33,10 +35,10 @@ type fakeSnapshots struct {
 
 func (f *fakeSnapshots) FirstSync() <-chan struct{} { return f.first }
 func (f *fakeSnapshots) SnapshotGeneration() uint64 { return f.gen.Load() }
-func (f *fakeSnapshots) Snapshot(node string) *snapshot.State {
+func (f *fakeSnapshots) SnapshotPorts() iter.Seq[*snapshot.Port] {
 	f.taken.Add(1)
-	return &snapshot.State{Node: node, Written: time.Unix(1_700_000_000, 0), Ports: []snapshot.Port{{Name: snapWeb, Protocol: service.TCP,
-		Internal: []snapshot.Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.1:8080"), Ready: true, Serving: true}}}}}
+	return slices.Values([]*snapshot.Port{{Name: snapWeb, Protocol: service.TCP,
+		Internal: []snapshot.Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.1:8080"), Ready: true, Serving: true}}}})
 }
 
 func TestSnapshotWriter(t *testing.T) {
@@ -119,7 +121,7 @@ func (c *countingRestorer) Restore(st *snapshot.State) int { c.got = st; return 
 func TestRestoreSnapshot(t *testing.T) {
 	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_010, 0))
 	good := filepath.Join(t.TempDir(), "snap")
-	if err := snapshot.Write(good, (&fakeSnapshots{}).Snapshot("node-a")); err != nil {
+	if err := snapshot.WritePorts(good, "node-a", time.Unix(1_700_000_000, 0), (&fakeSnapshots{}).SnapshotPorts()); err != nil {
 		t.Fatal(err)
 	}
 	corrupt := filepath.Join(t.TempDir(), "snap")

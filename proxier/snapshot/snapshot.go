@@ -7,10 +7,14 @@
 package snapshot
 
 import (
+	"bufio"
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
+	"iter"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -77,19 +81,36 @@ func Addrs(eps []Endpoint) []netip.AddrPort {
 // never half of one. There is no fsync: a node that crashes hard enough to lose the data also
 // loses the portal rules the snapshot serves behind.
 func Write(path string, st *State) error {
-	if err := writeAtomic(path, Encode(st)); err != nil {
+	return WritePorts(path, st.Node, st.Written, statePorts(st))
+}
+
+// WritePorts is Write of the ports that ports yields, encoded one by one into the file, so that
+// a snapshot of 10,000 ports is never whole in memory. A yielded Port is read only during the
+// yield (the caller may reuse it).
+func WritePorts(path, node string, written time.Time, ports iter.Seq[*Port]) error {
+	if err := writeAtomic(path, func(w io.Writer) error { return encodeTo(w, node, written, ports) }); err != nil {
 		return fmt.Errorf("restart snapshot %s: %w", path, err)
 	}
 	return nil
 }
 
-func writeAtomic(path string, data []byte) error {
+func statePorts(st *State) iter.Seq[*Port] {
+	return func(yield func(*Port) bool) {
+		for i := range st.Ports {
+			if !yield(&st.Ports[i]) {
+				return
+			}
+		}
+	}
+}
+
+func writeAtomic(path string, write func(io.Writer) error) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), tempPrefix(path)+"*") // mode 0600
 	if err != nil {
 		return fmt.Errorf("create temporary file: %w", err)
 	}
 	name := tmp.Name()
-	_, err = tmp.Write(data)
+	err = write(tmp)
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
 	}
@@ -145,54 +166,70 @@ func Read(path, node string) (*State, error) {
 }
 
 // The format, after the magic: uvarint version, then the body, then the CRC-32C of everything
-// before it (4 bytes, big-endian). Body: string node, varint unix nanoseconds, uvarint port
-// count, then each port: strings namespace, name, port name; a protocol byte; uvarint proxy
-// port and external proxy port; a flags byte (client-IP affinity, split); uvarint affinity
-// timeout; string algorithm; uvarint consecutive failures, ejection time, max ejection percent,
-// slow start; then the internal and the external endpoint lists: uvarint count, then each
-// endpoint: a byte 4 or 16, the address, big-endian uint16 port, a conditions byte.
-// Strings are a uvarint length and the bytes; durations are nanoseconds.
+// before it (4 bytes, big-endian). Body: string node, varint unix nanoseconds, the ports, then a
+// 0 byte (an empty namespace: no port has one). Each port: strings namespace, name, port name; a
+// protocol byte; uvarint proxy port and external proxy port; a flags byte (client-IP affinity,
+// split); uvarint affinity timeout; string algorithm; uvarint consecutive failures, ejection
+// time, max ejection percent, slow start; then the internal and the external endpoint lists:
+// uvarint count, then each endpoint: a byte 4 or 16, the address, big-endian uint16 port, a
+// conditions byte. Strings are a uvarint length and the bytes; durations are nanoseconds. The
+// end marker rather than a count up front lets the writer stream ports it has not counted.
 
 var crcTable = crc32.MakeTable(crc32.Castagnoli)
 
 // Encode serialises st.
 func Encode(st *State) []byte {
-	n := 64
-	for _, p := range st.Ports {
-		n += 48 + len(p.Name.Namespace) + len(p.Name.Name) + len(p.Name.Port) + 20*(len(p.Internal)+len(p.External))
-	}
-	b := make([]byte, 0, n)
+	var buf bytes.Buffer
+	_ = encodeTo(&buf, st.Node, st.Written, statePorts(st)) // a bytes.Buffer does not fail
+	return buf.Bytes()
+}
+
+// encodeTo writes the snapshot of ports to w, through one buffer of 64 KiB and one port's bytes.
+func encodeTo(w io.Writer, node string, written time.Time, ports iter.Seq[*Port]) error {
+	sum := crc32.New(crcTable)
+	bw := bufio.NewWriterSize(io.MultiWriter(w, sum), 64<<10)
+	b := make([]byte, 0, 512)
 	b = append(b, magic...)
 	b = binary.AppendUvarint(b, Version)
-	b = appendString(b, st.Node)
-	b = binary.AppendVarint(b, st.Written.UnixNano())
-	b = binary.AppendUvarint(b, uint64(len(st.Ports)))
-	for _, p := range st.Ports {
-		b = appendString(b, p.Name.Namespace)
-		b = appendString(b, p.Name.Name)
-		b = appendString(b, p.Name.Port)
-		b = append(b, protocolByte(p.Protocol))
-		b = binary.AppendUvarint(b, uint64(p.ProxyPort))
-		b = binary.AppendUvarint(b, uint64(p.ExternalProxyPort))
-		var flags byte
-		if p.Affinity.ClientIP {
-			flags |= 1
-		}
-		if p.Split {
-			flags |= 2
-		}
-		b = append(b, flags)
-		b = binary.AppendUvarint(b, uint64(max(p.Affinity.Timeout, 0)))
-		b = appendString(b, string(p.Balancing.Algorithm))
-		o := p.Balancing.Outlier
-		b = binary.AppendUvarint(b, uint64(max(o.ConsecutiveFailures, 0)))
-		b = binary.AppendUvarint(b, uint64(max(o.EjectionTime, 0)))
-		b = binary.AppendUvarint(b, uint64(max(o.MaxEjectionPercent, 0)))
-		b = binary.AppendUvarint(b, uint64(max(p.Balancing.SlowStart, 0)))
-		b = appendEndpoints(b, p.Internal)
-		b = appendEndpoints(b, p.External)
+	b = appendString(b, node)
+	b = binary.AppendVarint(b, written.UnixNano())
+	_, _ = bw.Write(b) // a bufio.Writer's error is returned by Flush
+	for p := range ports {
+		b = appendPort(b[:0], p)
+		_, _ = bw.Write(b)
 	}
-	return binary.BigEndian.AppendUint32(b, crc32.Checksum(b, crcTable))
+	_ = bw.WriteByte(0)
+	if err := bw.Flush(); err != nil {
+		return err
+	}
+	_, err := w.Write(binary.BigEndian.AppendUint32(nil, sum.Sum32()))
+	return err
+}
+
+func appendPort(b []byte, p *Port) []byte {
+	b = appendString(b, p.Name.Namespace)
+	b = appendString(b, p.Name.Name)
+	b = appendString(b, p.Name.Port)
+	b = append(b, protocolByte(p.Protocol))
+	b = binary.AppendUvarint(b, uint64(p.ProxyPort))
+	b = binary.AppendUvarint(b, uint64(p.ExternalProxyPort))
+	var flags byte
+	if p.Affinity.ClientIP {
+		flags |= 1
+	}
+	if p.Split {
+		flags |= 2
+	}
+	b = append(b, flags)
+	b = binary.AppendUvarint(b, uint64(max(p.Affinity.Timeout, 0)))
+	b = appendString(b, string(p.Balancing.Algorithm))
+	o := p.Balancing.Outlier
+	b = binary.AppendUvarint(b, uint64(max(o.ConsecutiveFailures, 0)))
+	b = binary.AppendUvarint(b, uint64(max(o.EjectionTime, 0)))
+	b = binary.AppendUvarint(b, uint64(max(o.MaxEjectionPercent, 0)))
+	b = binary.AppendUvarint(b, uint64(max(p.Balancing.SlowStart, 0)))
+	b = appendEndpoints(b, p.Internal)
+	return appendEndpoints(b, p.External)
 }
 
 func appendString(b []byte, s string) []byte {
@@ -258,16 +295,15 @@ func Decode(data []byte) (*State, error) {
 	}
 	st := &State{Node: d.string()}
 	st.Written = time.Unix(0, d.varint())
-	n := d.uvarint()
-	// Each port takes at least 16 bytes: no allocation larger than the file allows.
-	if d.err == nil && n > uint64(len(d.b))/16 {
-		d.fail("port count %d larger than the file", n)
-	}
-	if d.err == nil {
-		st.Ports = make([]Port, 0, n)
-	}
-	seen := make(map[service.ServicePortName]bool, n)
-	for i := uint64(0); i < n && d.err == nil; i++ {
+	// A port of five IPv4 endpoints takes about 70 bytes: room for the file's ports at once,
+	// and no allocation larger than the file allows.
+	st.Ports = make([]Port, 0, len(d.b)/64)
+	seen := make(map[service.ServicePortName]bool, len(d.b)/64)
+	for d.err == nil {
+		if len(d.b) > 0 && d.b[0] == 0 { // the end marker
+			d.b = d.b[1:]
+			break
+		}
 		p := d.port()
 		if d.err != nil {
 			break
