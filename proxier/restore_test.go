@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/snapshot"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -202,5 +204,25 @@ func TestRestoredUDPReadsAtOnce(t *testing.T) {
 	case <-e.p.restoredGate(other):
 		t.Errorf("the gate of a UDP port without snapshot endpoints is open before the initial lists")
 	default:
+	}
+}
+
+func TestReopenRetriesAnAddressStillInUse(t *testing.T) {
+	// Just after a SIGKILL the killed process's socket can outlive it for a moment.
+	e := newFakeEnv(t, nil)
+	e.mu.Lock()
+	e.failListen[webHTTP] = fmt.Errorf("listen: %w", syscall.EADDRINUSE)
+	e.mu.Unlock()
+	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
+	done := make(chan struct{})
+	go func() { defer close(done); e.p.reopen() }()
+	testenv.WaitFor(t, "the reopen to wait and try again", e.clk.HasWaiters)
+	e.mu.Lock()
+	delete(e.failListen, webHTTP) // the old socket is gone
+	e.mu.Unlock()
+	e.clk.Step(20 * time.Millisecond)
+	<-done
+	if s := e.open[webHTTP]; s == nil || s.addr.Port() != 34001 {
+		t.Errorf("web after the retry: %v; want its socket on 34001", s)
 	}
 }
