@@ -46,11 +46,12 @@ test: test-deps build controlplane
 test-deps:
 	@if [ "$$(id -u)" = 0 ]; then hack/install-deps.sh demo test; fi
 
-# Fuzz targets (package:FuzzName), one per decoder of outside input: the PROXY header encoder and
-# parser, the bind state file, the restart's iptables-save reader, the hand-over's messages from
-# either side, the per-Service annotations, the services file and its fast decoder. go test
-# already runs their seeds (f.Add and testdata/fuzz/) as tests; these search beyond them.
-FUZZ_TARGETS := ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
+# Fuzz targets (package:FuzzName), one per decoder of outside input: the restart snapshot, the
+# PROXY header encoder and parser, the bind state file, the restart's iptables-save reader, the
+# hand-over's messages from either side, the per-Service annotations, the services file and its
+# fast decoder. go test already runs their seeds (f.Add and testdata/fuzz/) as tests; these
+# search beyond them.
+FUZZ_TARGETS := ./proxier/snapshot:FuzzDecode ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
 	./portal/iptables:FuzzReadSteered ./portal/iptables:FuzzParseRule ./handover:FuzzReceive ./handover:FuzzServe \
 	./proxier:FuzzServiceAnnotations ./proxier/config:FuzzServicesFile ./proxier/config:FuzzDecodeDocument
 FUZZTIME ?= 10m

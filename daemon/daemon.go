@@ -122,6 +122,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	seedReopen(ctx, pm, w.proxier, log)
+	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
 	target := nodeTarget{health: w.health, proxier: w.proxier}
 	target.apply(node, nodeObj) // the zone is known before the first sync
 	// serving ends with ctx, or earlier when this process hands over to a successor: then
@@ -141,6 +142,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	if pm.state != nil {
 		servingTasks = append(servingTasks, pm.state.Run)
+	}
+	if o.restartSnapshot != "" {
+		sw := &snapshotWriter{path: o.restartSnapshot, node: node, src: w.proxier, clock: d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: log}
+		servingTasks = append(servingTasks, sw.Run)
 	}
 	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false}}, inh)
 	if err != nil {
@@ -182,6 +187,7 @@ type wiring struct {
 	source    source
 	reload    func() // reloads the services file; nil in cluster mode
 	restart   *restartStats
+	snapshot  *snapshotStats
 	gate      *handoverGate // fails /healthz while a hand-over is under way
 	healthz   http.Handler
 	metrics   http.Handler
@@ -227,8 +233,9 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		})),
 	})
 	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
+	snap := newSnapshotStats()
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(px), restart.collector(), engineCollector(d.engine)}
+		metrics.NewTrafficCollector(px), restart.collector(), snap.collector(), engineCollector(d.engine)}
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
 	}
@@ -243,7 +250,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
 	healthz := gate.wrap(health.Healthz())
-	w := &wiring{proxier: px, restart: restart, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
+	w := &wiring{proxier: px, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload

@@ -120,6 +120,8 @@ func TestDeployManifests(t *testing.T) {
 			"an update would refuse connections", "handover.sock", o.handoverSocket},
 		{"bind_state_file_on_a_host_path", "--bind-state-file", "the bind state file",
 			"bind mode would refuse every port for a whole cold start after a crash", "bind-state.json", o.bindStateFile},
+		{"restart_snapshot_on_a_host_path", "--restart-snapshot-file", "the restart snapshot",
+			"a restart after a crash would hold every connection for a whole cold start", "restart-snapshot", o.restartSnapshot},
 	} {
 		t.Run(hf.name, func(t *testing.T) {
 			path := argValue(c.Args, hf.flag)

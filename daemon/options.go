@@ -57,6 +57,7 @@ type Options struct {
 	handoverSocket     string
 	readyFile          string
 	bindStateFile      string
+	restartSnapshot    string
 
 	// kube-proxy settings for the node, applied at start (config.go, sysctl.go).
 	configFile                string
@@ -161,6 +162,7 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.handoverSocket, "handover-socket", "", "Unix socket (a host path) on which a running proxy hands its listening sockets to a new one started with the same flag, so a planned restart or upgrade refuses no connection: the new process takes the sockets, the old one stops accepting once the new one has synced, finishes its connections and exits at SIGTERM. Empty disables.")
 	fs.StringVar(&o.readyFile, "ready-file", "", "File created once this process serves (its first sync done and, after a hand-over, its predecessor told), removed at exit. In a container's own filesystem it tells the new pod of an update from the old one, whose HTTP probes reach either process on the shared health port (the DaemonSet's startupProbe tests for it). Empty disables.")
 	fs.StringVar(&o.bindStateFile, "bind-state-file", "", "In --portal-mode=bind, a file (a host path) where the proxy keeps which addresses and ports it listens on, so a process restarted after a crash or SIGKILL reopens them before it has read the Services. Keep it out of the --services-file directory. Empty disables.")
+	fs.StringVar(&o.restartSnapshot, "restart-snapshot-file", "", "A file (a host path) where the proxy keeps a snapshot of what it serves (each service port's endpoints and balancing settings), written at most once a second after a change, so a process restarted after a crash or SIGKILL serves the connections of the proxy ports it reopens from it until it has read the Services, instead of holding them until then. Keep it out of the --services-file directory. Empty disables.")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 10*time.Second, "How long SIGTERM waits for sockets to close before exiting.")
 	fs.Int32Var(&o.oomScoreAdj, "oom-score-adj", -999, "The oom_score_adj of this process, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE).")
 	fs.Int32Var(&o.conntrackMaxPerCore, "conntrack-max-per-core", 32*1024, "Set nf_conntrack_max to this many entries per CPU (at least --conntrack-min); 0 leaves it as it is.")

@@ -217,6 +217,8 @@ type Proxier struct {
 	// gate opens reopened UDP sockets (reopenGate).
 	gate     chan struct{}
 	gateOnce sync.Once
+	// restore: the restart snapshot's endpoints, until the initial lists are in (restore.go).
+	restore restoreState
 }
 
 // activePort is a service port with an open proxy socket.
@@ -556,6 +558,9 @@ func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service
 // setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
 // traffic) its endpoints, and ends or drains the flows of those that left it (endRemoved).
 func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool, serving func(netip.AddrPort) bool) {
+	if p.keepRestored(key, usable) {
+		return // the restart snapshot's endpoints serve until the sources know this port's
+	}
 	p.deps.Balancer.SetAffinity(key, port.Affinity)
 	p.deps.Balancer.SetBalancing(key, port.Balancing)
 	sock := p.drainable(port, external)

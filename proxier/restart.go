@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -75,6 +76,9 @@ func (p *Proxier) reopen() {
 	for _, s := range p.seeds {
 		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		a, err := open(s, log)
+		if errors.Is(err, syscall.EADDRINUSE) {
+			a, err = p.reopenInUse(open, s, log, start)
+		}
 		if errors.Is(err, errOutsideRange) {
 			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
 			continue
@@ -107,6 +111,30 @@ func (p *Proxier) reopen() {
 	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
 	p.seeds = nil
+}
+
+// reopenInUseFor bounds how long reopen tries again a seed whose address is still in use. Just
+// after a SIGKILL the killed process's sockets can outlive it briefly (the kernel tears an
+// io_uring instance down, and closes the files it holds, after the process is gone): seen in
+// bind mode as "address already in use" on the service IP, which then waited for the first sync.
+const reopenInUseFor = time.Second
+
+// reopenInUse opens a seed whose address was in use again, every 20 ms until reopenInUseFor
+// after the reopen started. It returns the last error when the address stays taken.
+func (p *Proxier) reopenInUse(open func(Seed, logrus.FieldLogger) (*activePort, error), s Seed, log logrus.FieldLogger, start time.Time) (*activePort, error) {
+	for {
+		t := p.cfg.Clock.NewTimer(20 * time.Millisecond)
+		select {
+		case <-t.C():
+		case <-p.runCtx.Done():
+			t.Stop()
+			return nil, p.runCtx.Err()
+		}
+		a, err := open(s, log)
+		if !errors.Is(err, syscall.EADDRINUSE) || p.cfg.Clock.Since(start) > reopenInUseFor {
+			return a, err
+		}
+	}
 }
 
 // errOutsideRange: a seed's proxy port is outside --proxy-port-range.
@@ -193,7 +221,7 @@ func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName, 
 		if port.Protocol == service.TCP {
 			picker = &holdPicker{next: picker, ready: p.endpointsReady, done: p.runCtx.Done(), clock: p.cfg.Clock, hold: p.cfg.ReopenHold}
 		} else {
-			picker = &gatedPicker{next: picker, ready: p.reopenGate()}
+			picker = &gatedPicker{next: picker, ready: p.restoredGate(key)}
 		}
 		return p.deps.Sockets(port, picker, p.allowFor(port, at, filter))
 	}
@@ -295,5 +323,8 @@ func (h *holdPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error)
 
 // markEndpointsReady releases held connections: the initial Services and EndpointSlices are in.
 func (p *Proxier) markEndpointsReady() {
-	p.readyOnce.Do(func() { close(p.endpointsReady) })
+	p.readyOnce.Do(func() {
+		p.dropRestored() // before held connections pick again
+		close(p.endpointsReady)
+	})
 }

@@ -76,6 +76,7 @@ func (p *Proxier) selection(name service.ServicePortName) *portSelection {
 
 // setSelection records a port's selection and returns the previous one.
 func (p *Proxier) setSelection(name service.ServicePortName, s *portSelection) *portSelection {
+	p.restore.gen.Add(1) // the restart snapshot may have changed
 	p.selMu.Lock()
 	defer p.selMu.Unlock()
 	old := p.sels[name]

@@ -28,10 +28,18 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/snapshot"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // logLevel is the file mode daemon's --log-level (-log-level).
 var logLevel = "warn"
+
+// restartSnapshot is -restart-snapshot; snapshotFile the file the proxy keeps it in then.
+var (
+	restartSnapshot bool
+	snapshotFile    string
+)
 
 func main() {
 	flag.StringVar(&logLevel, "log-level", logLevel, "file mode: the daemon's --log-level (its log goes to stderr)")
@@ -41,6 +49,7 @@ func main() {
 	idle := flag.Duration("idle", 20*time.Second, "how long to measure idle CPU")
 	changes := flag.Int("changes", 5, "programming-latency samples")
 	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
+	flag.BoolVar(&restartSnapshot, "restart-snapshot", false, "file mode: run the proxy with --restart-snapshot-file (a file in a temporary directory) and, before the SIGKILL, wait until the snapshot holds the probed service (a binary without the flag does not start)")
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster or file mode with -baseline: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
@@ -103,6 +112,15 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	defer os.RemoveAll(dir)
 	if err := os.WriteFile(filepath.Join(dir, "bulk.yaml"), []byte(bulkManifests(nServices, nEndpoints)), 0o644); err != nil {
 		return err
+	}
+
+	if restartSnapshot {
+		snapDir, err := os.MkdirTemp("", "kpp-scale-snapshot-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(snapDir)
+		snapshotFile = filepath.Join(snapDir, "restart-snapshot")
 	}
 
 	start := time.Now()
@@ -170,6 +188,29 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	if !restart || nChanges == 0 {
 		return nil
 	}
+	if snapshotFile != "" {
+		// The snapshot is written at most once a second: a crash right after a change finds
+		// the state before it. Measure the restart with the probed service in the snapshot.
+		probed := service.ServicePortName{Namespace: "bench", Name: "change0", Port: "http"}
+		if err := testbed.Eventually(ctx, 30*time.Second, 50*time.Millisecond, func() error {
+			data, err := os.ReadFile(snapshotFile)
+			if err != nil {
+				return fmt.Errorf("no snapshot yet: %w", err)
+			}
+			st, err := snapshot.Decode(data)
+			if err != nil {
+				return err
+			}
+			for _, p := range st.Ports {
+				if p.Name == probed && len(p.Internal) > 0 {
+					return nil
+				}
+			}
+			return fmt.Errorf("%s not in the snapshot yet", probed)
+		}); err != nil {
+			return err
+		}
+	}
 	// A client connects in a loop through the first change's cluster IP (a real pod behind it)
 	// while the proxy is SIGKILLed and started again at once.
 	w, err := restartWindow(ctx, bed, func() (*exec.Cmd, error) {
@@ -195,6 +236,9 @@ func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exe
 		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
+	if snapshotFile != "" {
+		cmd.Args = append(cmd.Args, "--restart-snapshot-file", snapshotFile)
+	}
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if len(env) > 0 {
 		cmd.Env = append(os.Environ(), env...)

@@ -291,7 +291,7 @@ func (m *Manifests) configMapVolume(name string) (*corev1.ConfigMapVolumeSource,
 // LocalArgs are the arguments for running the binary outside a pod as the DaemonSet runs it on
 // node nodeName, with --config pointing at configFile (a copy of ConfigFile) and the hand-over
 // socket, a host path in the pod, beside it: two local runs must not meet on the host's socket.
-// The bind state file (a host path too) and the ready file (in the container's own filesystem in
+// The bind state file and the restart snapshot (host paths too) and the ready file (in the container's own filesystem in
 // the pod) go beside it too.
 func (m *Manifests) LocalArgs(nodeName, configFile string) ([]string, error) {
 	args, err := m.ProxyArgs(map[string]string{"spec.nodeName": nodeName})
@@ -304,6 +304,9 @@ func (m *Manifests) LocalArgs(nodeName, configFile string) ([]string, error) {
 		}
 		if strings.HasPrefix(a, "--bind-state-file=") {
 			args[i] = "--bind-state-file=" + filepath.Join(filepath.Dir(configFile), "bind-state.json")
+		}
+		if strings.HasPrefix(a, "--restart-snapshot-file=") {
+			args[i] = "--restart-snapshot-file=" + filepath.Join(filepath.Dir(configFile), "restart-snapshot")
 		}
 		if strings.HasPrefix(a, "--ready-file=") {
 			args[i] = "--ready-file=" + filepath.Join(filepath.Dir(configFile), "ready")

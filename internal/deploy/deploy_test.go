@@ -27,7 +27,7 @@ func TestLoadRepositoryManifests(t *testing.T) {
 		t.Fatalf("LocalArgs: %v", err)
 	}
 	// The hand-over socket, a host path in the pod, and the ready file move beside the local config.
-	if diff := cmp.Diff([]string{"--config=/tmp/kpp/config.conf", "--hostname-override=node-1", "--handover-socket=/tmp/kpp/handover.sock", "--bind-state-file=/tmp/kpp/bind-state.json", "--ready-file=/tmp/kpp/ready"}, args); diff != "" {
+	if diff := cmp.Diff([]string{"--config=/tmp/kpp/config.conf", "--hostname-override=node-1", "--handover-socket=/tmp/kpp/handover.sock", "--bind-state-file=/tmp/kpp/bind-state.json", "--restart-snapshot-file=/tmp/kpp/restart-snapshot", "--ready-file=/tmp/kpp/ready"}, args); diff != "" {
 		t.Errorf("LocalArgs (-want +got):\n%s", diff)
 	}
 	p, err := m.ConfigPath()
