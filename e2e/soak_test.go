@@ -142,8 +142,8 @@ type soak struct {
 	// ClientIP affinity: an answer from another pod than the client's last is a move. A move is
 	// explained by a new process (sigkill, handover: the affinity table lives in the process) or
 	// by an endpoint change that took the client's pod out of use; any other is a switch.
-	moves    map[string]int // explained moves by cause
-	switches int            // unexplained moves
+	moves    map[string]int  // explained moves by cause
+	switches int             // unexplained moves
 	stickyIn map[string]bool // pods the sticky Service's ClientIP port should use (ready), as last written
 	streams  int             // keep-alive stream connections completed cleanly
 
@@ -727,7 +727,7 @@ func (s *soak) report() {
 		byKind[w.kind] = append(byKind[w.kind], w)
 	}
 	kills := byKind["sigkill"]
-	in := map[string]map[string]int{}           // fault kind -> target and cause -> failures in its windows
+	in := map[string]map[string]int{}            // fault kind -> target and cause -> failures in its windows
 	longest := make([]time.Duration, len(kills)) // the last failing attempt's start, after the kill
 	lastEnd := make([]time.Duration, len(kills)) // the last failure's end, after the kill
 	late := make([][]soakFailure, len(kills))
