@@ -40,9 +40,19 @@ func TestSoakMoveCause(t *testing.T) {
 		for _, p := range c.ready {
 			s.stickyIn[p] = true
 		}
-		if got := s.moveCause(c.from); got != c.want {
+		if got := s.moveCause(c.from, now); got != c.want {
 			t.Errorf("%s: moveCause(%s) = %q, want %q", c.name, c.from, got, c.want)
 		}
+	}
+	// Seen in a 30-minute run: a request made during a descriptor exhaustion is answered after
+	// the limit came back, by another pod (its dial backed off past its timeout and re-picked).
+	s := &soak{stickyIn: map[string]bool{"pod2": true, "pod3": true}, movedBy: "terminating", moved: now.Add(-3 * time.Second),
+		windows: []soakWindow{{"terminating", now.Add(-3 * time.Second), now.Add(-3 * time.Second)}, {"fdexhaust", now.Add(-1900 * time.Millisecond), now.Add(-200 * time.Millisecond)}}}
+	if got, want := s.moveCause("pod2", now.Add(-time.Second)), "dial without a descriptor re-picked (fdexhaust)"; got != want {
+		t.Errorf("a request made during fdexhaust, answered after it: moveCause = %q, want %q", got, want)
+	}
+	if got := s.moveCause("pod2", now.Add(-100*time.Millisecond)); got != "" {
+		t.Errorf("a request made after fdexhaust: moveCause = %q, want a switch", got)
 	}
 }
 

@@ -521,12 +521,12 @@ func (s *soak) shortTCP(stop <-chan struct{}, name string, addr netip.AddrPort) 
 			s.mu.Lock()
 			s.stickyTo[pod]++
 			if last != "" && pod != last {
-				if cause := s.moveCause(last); cause != "" {
+				if cause := s.moveCause(last, start); cause != "" {
 					s.moves[cause]++
 				} else {
 					s.switches++
-					s.t.Logf("%s: ClientIP affinity moved from %s to %s at %s, no new process and %s still in use (fault under way: %q, last: %s %v before; faults so far: %d)",
-						s.mode, last, pod, start.Format("15:04:05.000"), last, s.active, s.movedBy, time.Since(s.moved).Round(time.Millisecond), len(s.windows))
+					s.t.Logf("%s: ClientIP affinity moved from %s to %s by a request at %s (answered in %v), no new process and %s still in use (fault under way: %q, last: %s %v before; faults so far: %d)",
+						s.mode, last, pod, start.Format("15:04:05.000"), time.Since(start).Round(time.Millisecond), last, s.active, s.movedBy, time.Since(s.moved).Round(time.Millisecond), len(s.windows))
 				}
 			}
 			s.mu.Unlock()
@@ -566,12 +566,17 @@ func (s *soak) shortUDP(stop <-chan struct{}) {
 	}
 }
 
-// moveCause explains a ClientIP client's move off the pod it had: a new process (sigkill or
-// handover under way, or over less than 2 s ago: the new process's table is empty), an endpoint
-// change (churn, terminating) that took that pod out of the ready set, or a dial that failed
-// for want of a descriptor. "" when none: the proxy moved a client it should have kept. Called
-// with mu held.
-func (s *soak) moveCause(from string) string {
+// moveCause explains a ClientIP client's move off the pod it had, for a request made at start: a
+// new process (sigkill or handover under way, or over less than 2 s ago: the new process's table
+// is empty), an endpoint change (churn, terminating) that took that pod out of the ready set, or a
+// dial that failed for want of a descriptor (the request was in flight during fdexhaust). ""
+// when none: the proxy moved a client it should have kept. Called with mu held.
+func (s *soak) moveCause(from string, start time.Time) string {
+	for i := len(s.windows) - 1; i >= 0 && !s.windows[i].to.Before(start); i-- {
+		if s.windows[i].kind == "fdexhaust" {
+			return "dial without a descriptor re-picked (fdexhaust)"
+		}
+	}
 	kind := s.active
 	if kind == "" && time.Since(s.moved) < 2*time.Second {
 		kind = s.movedBy
