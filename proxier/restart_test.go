@@ -5,7 +5,10 @@ package proxier
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
+	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -105,9 +108,30 @@ func TestReopenKeepsToTheProxyPortRange(t *testing.T) {
 	}
 }
 
+// TestReopenWaitsForAKilledPredecessorsSocket: after a SIGKILL the killed process's listener can
+// stay bound for a moment (its io_uring ring is torn down after the reap). The reopen tries the
+// port again instead of leaving it to the first sync, which waits for the API server.
+func TestReopenWaitsForAKilledPredecessorsSocket(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.failListen[webHTTP] = fmt.Errorf("listen on 0.0.0.0:34001: %w", os.NewSyscallError("bind", syscall.EADDRINUSE))
+	e.clk.AfterFunc(30*time.Millisecond, func() { // the predecessor's listener goes away
+		e.mu.Lock()
+		delete(e.failListen, webHTTP)
+		e.mu.Unlock()
+	})
+	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
+	e.p.reopen()
+	if s := e.open[webHTTP]; s == nil || s.addr.Port() != 34001 {
+		t.Fatalf("reopened %v, want a socket on port 34001 once the old one went away", s)
+	}
+	if reopened, rebound, _ := e.p.ReopenCounts(); reopened != 1 || rebound != 1 {
+		t.Errorf("ReopenCounts = %d reopened, %d rebound; want 1, 1", reopened, rebound)
+	}
+}
+
 func TestReopenTakenPortLeftToTheFirstSync(t *testing.T) {
 	e := newFakeEnv(t, nil)
-	e.failListen[webHTTP] = errors.New("bind: address already in use")
+	e.failListen[webHTTP] = fmt.Errorf("listen: %w", os.NewSyscallError("bind", syscall.EADDRINUSE)) // for good: tried for reopenBusyBudget
 	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
 	e.p.reopen()
 	if got := e.openNames(); len(got) != 0 {
