@@ -60,8 +60,9 @@ func (p *Proxier) Reopen(seeds []Seed) {
 }
 
 // reopen opens the seeds' sockets: on the proxy ports the portal rules point at (iptables mode)
-// or on the addresses of the bind state file (bind mode). A seed whose sockets cannot be opened
-// (a port another process took since) is reported and left to the first sync. It runs in the sync
+// or on the addresses of the bind state file (bind mode). A port still in use is tried again for
+// up to reopenInUseFor (the killed predecessor's socket going away); a seed whose sockets still
+// cannot be opened (a port another process took since) is reported and left to the first sync. It runs in the sync
 // goroutine, before the first sync.
 func (p *Proxier) reopen() {
 	if len(p.seeds) == 0 {
@@ -72,11 +73,12 @@ func (p *Proxier) reopen() {
 		open, what = p.reopenSeedBound, "the sockets of the bind state file"
 	}
 	start := p.cfg.Clock.Now()
-	opened, rebound, inherited := 0, 0, 0
+	opened, rebound, inherited, busy := 0, 0, 0, 0
 	for _, s := range p.seeds {
 		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		a, err := open(s, log)
 		if errors.Is(err, syscall.EADDRINUSE) {
+			busy++
 			a, err = p.reopenInUse(open, s, log, start)
 		}
 		if errors.Is(err, errOutsideRange) {
@@ -108,7 +110,8 @@ func (p *Proxier) reopen() {
 	p.reopened.Store(int64(opened))
 	p.rebound.Store(int64(rebound))
 	p.reallocated.Store(int64(len(p.seeds) - opened))
-	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds), "duration": p.cfg.Clock.Since(start).String()}).
+	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds),
+		"stillInUse": busy, "duration": p.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
 	p.seeds = nil
 }

@@ -5,7 +5,10 @@ package proxier
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
+	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -107,9 +110,25 @@ func TestReopenKeepsToTheProxyPortRange(t *testing.T) {
 
 func TestReopenTakenPortLeftToTheFirstSync(t *testing.T) {
 	e := newFakeEnv(t, nil)
-	e.failListen[webHTTP] = errors.New("bind: address already in use")
+	e.failListen[webHTTP] = fmt.Errorf("listen: %w", os.NewSyscallError("bind", syscall.EADDRINUSE)) // for good: tried for reopenInUseFor
 	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
-	e.p.reopen()
+	done := make(chan struct{})
+	go func() { defer close(done); e.p.reopen() }()
+	// The reopen tries again every 20 ms of the fake clock until reopenInUseFor has passed.
+	deadline := time.Now().Add(testenv.WaitTimeout)
+	for waiting := true; waiting; {
+		select {
+		case <-done:
+			waiting = false
+		case <-time.After(time.Millisecond):
+			if e.clk.HasWaiters() {
+				e.clk.Step(20 * time.Millisecond)
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the reopen of a port in use for good did not give up")
+			}
+		}
+	}
 	if got := e.openNames(); len(got) != 0 {
 		t.Fatalf("open = %v, want nothing (the port is taken)", got)
 	}

@@ -2,6 +2,7 @@ package iouring
 
 import (
 	"fmt"
+	"runtime"
 )
 
 // NeededOps are the opcodes the TCP engine submits.
@@ -16,7 +17,11 @@ var opNames = map[uint8]string{
 // without io_uring, kernel.io_uring_disabled, a seccomp profile that blocks it: container runtimes'
 // default profiles do), an opcode the engine needs missing, or no provided-buffer rings. Multishot
 // accept came in the same release as provided-buffer rings (5.19), so registering one is its test.
+// The ring is SINGLE_ISSUER, bound to the thread that sets it up: Probe keeps its goroutine on
+// that thread until the ring is closed (elsewhere io_uring_register fails with EEXIST).
 func Probe() error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	r, err := New(8)
 	if err != nil {
 		return err

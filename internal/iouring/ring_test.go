@@ -2,6 +2,7 @@ package iouring
 
 import (
 	"os"
+	"runtime"
 	"testing"
 	"unsafe"
 
@@ -40,6 +41,8 @@ func waitOne(t *testing.T, r *Ring) CQE {
 // not complete with EAGAIN; it waits in the kernel until the peer reads.
 func TestSendWaitsOnAFullNonBlockingSocket(t *testing.T) {
 	requireIOURing(t)
+	runtime.LockOSThread() // the ring is SINGLE_ISSUER: set up, entered and registered on one thread
+	defer runtime.UnlockOSThread()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -84,6 +87,8 @@ func TestSendWaitsOnAFullNonBlockingSocket(t *testing.T) {
 // reports its id, and fails with ENOBUFS once the ring is empty.
 func TestRecvSelectsARingBuffer(t *testing.T) {
 	requireIOURing(t)
+	runtime.LockOSThread() // the ring is SINGLE_ISSUER: set up, entered and registered on one thread
+	defer runtime.UnlockOSThread()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)

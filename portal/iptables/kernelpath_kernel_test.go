@@ -405,6 +405,9 @@ func TestKernelPathSwitchUnderLoad(t *testing.T) {
 		gen       int        // counts switches
 		ok, bad   atomic.Int64
 		failures  []string
+		// talked counts the long connections that have answered their 10 times; the run ends
+		// only after every one has (under load 20 short connections can take less time).
+		longs, talked atomic.Int64
 	)
 	// pathNow is the path a connection must take, or "" while it may take either.
 	pathNow := func() (string, int) {
@@ -462,6 +465,7 @@ func TestKernelPathSwitchUnderLoad(t *testing.T) {
 			fail("long connection: %v", err)
 			return
 		}
+		longs.Add(1)
 		wg.Go(func() {
 			defer c.Close()
 			n := 0
@@ -475,7 +479,9 @@ func TestKernelPathSwitchUnderLoad(t *testing.T) {
 					fail("long connection opened on %s moved (endpoint saw %s)", want, a.client)
 					return
 				}
-				n++
+				if n++; n == 10 {
+					talked.Add(1)
+				}
 				time.Sleep(20 * time.Millisecond) // the client's pace, not synchronisation
 			}
 			if n < 10 {
@@ -508,6 +514,7 @@ func TestKernelPathSwitchUnderLoad(t *testing.T) {
 	switchTo(proxySpec, viaProxy)
 	long(viaProxy)
 	waitOK(20)
+	testenv.WaitFor(t, "every long connection answered 10 times", func() bool { return talked.Load() == longs.Load() || bad.Load() > 0 })
 	stop()
 	wg.Wait()
 	t.Logf("%d short connections answered, %d failures", ok.Load(), bad.Load())
