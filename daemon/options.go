@@ -134,7 +134,7 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.proxyPortRange, "proxy-port-range", "", "Local ports for proxy sockets: begin-end, begin+offset or a single port; empty means kernel-chosen.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", udp.DefaultIdleTimeout, "How long an idle UDP session is kept. Long enough for a resolver retrying a 2-5 s upstream timeout (the legacy 250ms was not).")
 	fs.IntVar(&o.udpMaxSessions, "udp-max-sessions", udp.DefaultMaxSessions, "Maximum UDP sessions per service port; the least recently used is evicted beyond it.")
-	fs.IntVar(&o.udpLoops, "udp-loops", 0, "Loops per UDP service port, each on its own SO_REUSEPORT socket with its own sessions (1-16); 0 means one.")
+	fs.IntVar(&o.udpLoops, "udp-loops", 0, "Loops per UDP service port, each on its own SO_REUSEPORT socket with its own sessions (1-16); 0 means two in bind mode with more than one CPU, else one.")
 	fs.DurationVar(&o.syncPeriod, "iptables-sync-period", 30*time.Second, "Maximum interval between syncs of sockets and portal rules (the periodic repair).")
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "Minimum interval between syncs; changes within it are batched.")
 	fs.DurationVar(&o.configSyncPeriod, "config-sync-period", 15*time.Minute, "Resync period of the Service and EndpointSlice informers.")
