@@ -11,11 +11,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/atomicfile"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -67,7 +69,7 @@ func (f *StateFile) Save(ports []ListenState) (bool, error) {
 	if f.last != nil && bytes.Equal(data, f.last) {
 		return false, nil
 	}
-	if err := writeAtomic(f.Path, data); err != nil {
+	if err := atomicfile.Write(f.Path, "."+filepath.Base(f.Path)+".", func(w io.Writer) error { _, err := w.Write(data); return err }); err != nil {
 		return false, fmt.Errorf("bind state %s: %w", f.Path, err)
 	}
 	f.last = data
@@ -80,29 +82,6 @@ func sortStates(ports []ListenState) {
 		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
 			cmp.Compare(a.Name.Port, b.Name.Port), cmp.Compare(a.Protocol, b.Protocol))
 	})
-}
-
-// writeAtomic replaces path with data: a reader (or a killed writer) sees the old file or the new
-// one. There is no fsync: the state only matters while the portal link keeps its addresses, and a
-// node that loses the file's data by crashing also loses the link.
-func writeAtomic(path string, data []byte) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
-	if err != nil {
-		return fmt.Errorf("create temporary file: %w", err)
-	}
-	name := tmp.Name()
-	_, err = tmp.Write(data)
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(name, path)
-	}
-	if err != nil {
-		_ = os.Remove(name)
-		return fmt.Errorf("write: %w", err)
-	}
-	return nil
 }
 
 // ReadState reads the state a previous process saved. A missing file is no state and no error; a

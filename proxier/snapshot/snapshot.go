@@ -20,6 +20,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/atomicfile"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -88,7 +89,7 @@ func Write(path string, st *State) error {
 // a snapshot of 10,000 ports is never whole in memory. A yielded Port is read only during the
 // yield (the caller may reuse it).
 func WritePorts(path, node string, written time.Time, ports iter.Seq[*Port]) error {
-	if err := writeAtomic(path, func(w io.Writer) error { return encodeTo(w, node, written, ports) }); err != nil {
+	if err := atomicfile.Write(path, tempPrefix(path), func(w io.Writer) error { return encodeTo(w, node, written, ports) }); err != nil {
 		return fmt.Errorf("restart snapshot %s: %w", path, err)
 	}
 	return nil
@@ -102,26 +103,6 @@ func statePorts(st *State) iter.Seq[*Port] {
 			}
 		}
 	}
-}
-
-func writeAtomic(path string, write func(io.Writer) error) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), tempPrefix(path)+"*") // mode 0600
-	if err != nil {
-		return fmt.Errorf("create temporary file: %w", err)
-	}
-	name := tmp.Name()
-	err = write(tmp)
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(name, path)
-	}
-	if err != nil {
-		_ = os.Remove(name)
-		return fmt.Errorf("write: %w", err)
-	}
-	return nil
 }
 
 // RemoveStale removes the temporary files a writer killed between creating one and renaming it
