@@ -68,8 +68,18 @@ func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 		}
 	}
 	js, err = appendJSON(make([]byte, 0, len(body)+len(body)/2), doc)
+	if errors.Is(err, errDuplicateKey) {
+		// Rare in real files: sigs.k8s.io/yaml's JSON (the last value of a key wins), and the
+		// API machinery finds the kind itself.
+		js, err := sigsyaml.YAMLToJSON(body)
+		return js, "", "", err
+	}
 	return js, apiVersion, kind, err
 }
+
+// errDuplicateKey: a mapping of the document has a key twice (after the conversion to JSON
+// keys: 0 and "0" are the same key).
+var errDuplicateKey = errors.New("a mapping has a key twice")
 
 // firstToken is the rest of the line where a document's first token starts (after blank and
 // comment lines), nil for none.
@@ -152,6 +162,11 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 		}
 		return append(b, ']'), nil
 	case yaml.MapSlice:
+		// A key twice in a mapping: the API machinery's maps keep the last value, where a JSON
+		// object with the key twice is read differently by its decoders (kind sniffing kept the
+		// first): errDuplicateKey sends the document down the old path.
+		var small [16]string
+		var seen map[string]struct{}
 		b = append(b, '{')
 		for i, it := range v {
 			if i > 0 {
@@ -160,6 +175,25 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 			key, err := jsonKey(it.Key, it.Value)
 			if err != nil {
 				return nil, err
+			}
+			if i < len(small) {
+				for _, k := range small[:i] {
+					if k == key {
+						return nil, errDuplicateKey
+					}
+				}
+				small[i] = key
+			} else {
+				if seen == nil {
+					seen = make(map[string]struct{}, len(v))
+					for _, k := range small {
+						seen[k] = struct{}{}
+					}
+				}
+				if _, dup := seen[key]; dup {
+					return nil, errDuplicateKey
+				}
+				seen[key] = struct{}{}
 			}
 			b = append(appendJSONString(b, key), ':')
 			if b, err = appendJSON(b, it.Value); err != nil {

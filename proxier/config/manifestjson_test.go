@@ -112,6 +112,10 @@ items:
 		{"wrong_type_rejected", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: eighty}]}\n"},
 		{"non_string_keys", "apiVersion: v1\nkind: Service\nmetadata: {name: x, labels: {1: one, true: yes, 2.5: f}}\n"},
 		{"syntax_error", "apiVersion: v1\nkind: Service\nmetadata: {name: x\n"},
+		// Found by FuzzDecodeDocument: kind twice, the second (tagged) one empty. The API
+		// machinery's map keeps the empty one (no kind: an error); the fast path's JSON had both
+		// and the universal decoder's kind sniffing took the first (an empty List, no error).
+		{"duplicate_kind_the_last_empty", "ApiVersion: v1\nkind: List\nitems:\n! kind:\n0: 000"},
 		{"duplicate_key_last_wins", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIP: 10.96.0.1}\nspec: {clusterIP: 10.96.0.2}\n"},
 	}
 	for _, tt := range tests {
