@@ -13,7 +13,6 @@ package proxier
 
 import (
 	"iter"
-	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -111,7 +110,7 @@ func (p *Proxier) dropRestored() {
 		services[key.ServiceName()] = true
 	}
 	p.epMu.Unlock()
-	for _, name := range slices.Collect(maps.Keys(services)) {
+	for name := range services {
 		p.applyEndpoints(name)
 	}
 	p.log.WithField("servicePorts", len(left)).Info("Initial Services and EndpointSlices are in; dropped the restart snapshot's endpoints they did not replace")
