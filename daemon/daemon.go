@@ -79,29 +79,37 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 
 	started := d.deps.clock.Now()
+	steps := newStartupSteps(d.deps.clock, log)
+	steps.done("tune and check")
 	inh := d.receiveHandover(ctx)
 	if inh != nil {
 		defer inh.Close() // what no one took; after Ready there is nothing left
 	}
+	steps.done("hand-over")
 
 	node := nodeName(o)
 	var client kubernetes.Interface
-	var nodeAddrs []netip.Addr
-	var nodeObj *v1.Node
 	if o.servicesFile == "" {
 		c, err := d.deps.client(o, d.version)
 		if err != nil {
 			return err
 		}
 		client = c
-		nodeObj = getNode(ctx, c, node, log)
-		nodeAddrs = nodeAddresses(nodeObj)
 	}
 	var notNode []string
 	if o.portalMode == "bind" {
 		notNode = append(notNode, o.portalInterface) // service IPs, left there by a previous process
 	}
-	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddrs, notNode...))
+	// The node IPs come from the interfaces until the Node object is read, after the sockets
+	// serve (startup.go). Only a node without an interface address waits for the Node first.
+	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nil, notNode...))
+	var nodeObj *v1.Node
+	nodeRead := false
+	if len(hostIPs) == 0 && o.bind.IsUnspecified() && client != nil {
+		nodeObj, nodeRead = getNode(ctx, client, node, log), true
+		hostIPs = proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddresses(nodeObj), notNode...))
+		steps.done("Node object (no interface address)")
+	}
 	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
 		return errors.New("no node IP found (no global unicast address on any interface): set --bind-address")
 	}
@@ -114,6 +122,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	defer pm.close()
+	steps.done("portals")
 	if d.engine, err = d.chooseEngine(); err != nil {
 		return err
 	}
@@ -122,17 +131,40 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	steps.done("wiring")
 	seedReopen(ctx, pm, w.proxier, log)
+	steps.done("read the rules in force (or the bind state)")
 	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
-	target := nodeTarget{health: w.health, proxier: w.proxier}
-	target.apply(node, nodeObj) // the zone is known before the first sync
+	steps.done("restart snapshot")
+	target := nodeTarget{health: w.health, proxier: w.proxier,
+		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: pm.setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
+	target.apply(node, nodeObj) // a Node read above: the zone is known before the first sync
 	// serving ends with ctx, or earlier when this process hands over to a successor: then
 	// everything but the proxy sockets' draining stops.
 	serving, stopServing := context.WithCancel(ctx)
 	defer stopServing()
 	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
+		if client != nil && !nodeRead {
+			// After the sockets serve, before the sources: the first sync has the Node's
+			// addresses and zone (an unreachable API server costs the first sync the read's
+			// timeout, as it did when the read came first, but not the reopened sockets).
+			target.apply(node, getNode(ctx, client, node, log))
+			steps.done("Node object")
+		}
 		if err := w.source.Run(ctx); err != nil && ctx.Err() == nil {
 			log.WithError(err).Error("Source stopped")
+		}
+	}, func(ctx context.Context) {
+		select {
+		case <-w.proxier.Serving():
+			steps.serving()
+		case <-ctx.Done():
+			return
+		}
+		select {
+		case <-w.proxier.FirstSync():
+			steps.done("first sync")
+		case <-ctx.Done():
 		}
 	}}
 	if w.reload != nil {

@@ -73,6 +73,7 @@ type recordingPortals struct {
 	next    portal.Portals
 	mu      sync.Mutex
 	specs   []portal.Spec
+	syncs   int
 	changed chan struct{}
 }
 
@@ -80,6 +81,7 @@ func (r *recordingPortals) Sync(ctx context.Context, specs []portal.Spec) error 
 	err := r.next.Sync(ctx, specs)
 	r.mu.Lock()
 	r.specs = slices.Clone(specs)
+	r.syncs++
 	r.mu.Unlock()
 	select {
 	case r.changed <- struct{}{}:
@@ -551,14 +553,37 @@ func TestDaemonServesFromTheAPIServer(t *testing.T) {
 
 	h := newHarness(t, "--hostname-override=node-1", fmt.Sprintf("--proxy-port-range=%d", onlyPort),
 		"--healthz-bind-address=", "--metrics-bind-address=")
-	var gotHostIPs map[portal.Family]netip.Addr
+	// The portals start with the interfaces' addresses (the restart serves before it reads the
+	// Node); the Node's InternalIP must be set before the first sync programs anything.
+	var (
+		mu          sync.Mutex
+		gotHostIPs  map[portal.Family]netip.Addr
+		syncsBefore = -1
+	)
 	portals := h.d.deps.portals
 	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error) {
-		gotHostIPs = hostIPs
-		return portals(ctx, o, hostIPs, ev, inh, log)
+		pm, err := portals(ctx, o, hostIPs, ev, inh, log)
+		if pm != nil {
+			pm.setHostIPs = func(ips map[portal.Family]netip.Addr) {
+				h.portals.mu.Lock()
+				n := h.portals.syncs
+				h.portals.mu.Unlock()
+				mu.Lock()
+				gotHostIPs, syncsBefore = ips, n
+				mu.Unlock()
+			}
+		}
+		return pm, err
 	}
 	h.d.deps.client = func(*Options, string) (kubernetes.Interface, error) { return client, nil }
 	stop := h.start(t)
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, e := range h.log.AllEntries() {
+				t.Logf("log: %s %v", e.Message, e.Data)
+			}
+		}
+	})
 
 	// Which service wins the one port depends on the order of the sync.
 	spec := h.portals.waitSpec(t, "either service", func(portal.Spec) bool { return true })
@@ -591,7 +616,12 @@ func TestDaemonServesFromTheAPIServer(t *testing.T) {
 		t.Fatalf("Run: %v", err)
 	}
 	waitGoroutines(t, before)
+	mu.Lock()
+	defer mu.Unlock()
 	if want := netip.MustParseAddr("192.0.2.10"); gotHostIPs[portal.IPv4] != want {
 		t.Errorf("host IPs %v, want the Node's InternalIP %v first", gotHostIPs, want)
+	}
+	if syncsBefore != 0 {
+		t.Errorf("the Node's addresses reached the portals after %d portal syncs, want before the first", syncsBefore)
 	}
 }

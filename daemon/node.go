@@ -20,11 +20,12 @@ import (
 type nodeTarget struct {
 	health  *healthcheck.ProxyHealth
 	proxier interface{ SetNodeTopology(proxier.NodeTopology) }
+	ips     *nodeIPs // nil: the node IPs do not follow the Node (tests)
 }
 
 // apply tells the health check whether the node is going away (deleted, or tainted by the cluster
-// autoscaler for deletion: load balancers should drain it) and the proxier its zone (topology
-// hints). A nil node (not found) changes nothing.
+// autoscaler for deletion: load balancers should drain it), the proxier its zone (topology
+// hints) and the portals its addresses (nodeIPs). A nil node (not found) changes nothing.
 func (t nodeTarget) apply(name string, n *v1.Node) {
 	if n == nil {
 		return
@@ -35,6 +36,9 @@ func (t nodeTarget) apply(name string, n *v1.Node) {
 	}
 	t.health.SyncNode(n.DeletionTimestamp != nil, taints...)
 	t.proxier.SetNodeTopology(proxier.NodeTopology{Name: name, Zone: n.Labels[v1.LabelTopologyZone]})
+	if t.ips != nil {
+		t.ips.update(n)
+	}
 }
 
 // watchNode follows this node's Node object (one object: a field selector on its name) until ctx

@@ -34,6 +34,9 @@ type portalMode struct {
 	// steered reads the proxy ports the portal rules in force point at (a previous process's),
 	// or in bind mode where the previous process listened (--bind-state-file); nil: nothing to read.
 	steered func(ctx context.Context) ([]proxier.Seed, error)
+	// setHostIPs replaces the node IPs the portal rules DNAT to (the Node object's, read after
+	// the start); nil in bind mode, which has no such rules.
+	setHostIPs func(map[portal.Family]netip.Addr)
 	// state keeps, in bind mode, where the sockets listen after each sync; nil: not kept.
 	state *stateWriter
 	close func()
@@ -93,6 +96,7 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		describe:       rules.Rules,
 		kernelCounters: rules.KernelCounters,
 		steered:        steeredSeeds(rules),
+		setHostIPs:     rules.SetHostIPs,
 		close:          func() {},
 	}, nil
 }

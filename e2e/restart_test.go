@@ -596,3 +596,100 @@ func testRestartFromSnapshot(t *testing.T, mode string, flags []string) {
 		t.Errorf("the third process did not restore from the snapshot either")
 	}
 }
+
+// blackHoleAPI is an address on the node's loopback that accepts connections and never answers:
+// an API server too loaded to serve. Its connections close when the test ends.
+func blackHoleAPI(t *testing.T, node *netns.NS) string {
+	t.Helper()
+	var ln net.Listener
+	if err := node.Do(func() error {
+		var err error
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return // closed by the cleanup
+			}
+			held = append(held, c)
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); <-done })
+	return "https://" + ln.Addr().String()
+}
+
+// TestRestartWithSlowAPIServer SIGKILLs the proxy and starts it again against an API server that
+// accepts connections and never answers (a loaded control plane): the restart must serve the
+// restart snapshot's endpoints on the reopened sockets without waiting for it. The start reads
+// the Node object only after the sockets serve, so nothing on that path waits out the Node read's
+// 10 s timeout; the bound is restoreDeadline (for a loaded 2-CPU machine), below that timeout.
+func TestRestartWithSlowAPIServer(t *testing.T) {
+	t.Parallel()
+	for _, m := range restartModes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			n := newClusterNode(t, 2)
+			svc := n.createService(t, "web", webSpec(corev1.ServiceTypeNodePort))
+			n.setEndpoints(t, svc, 1, 2)
+			tg := targetsOf(t, svc)
+			snapPath := filepath.Join(n.dir, "restart-snapshot")
+			flags := append(slices.Clone(m.flags), "--restart-snapshot-file="+snapPath, "--log-level=debug")
+			if m.name == "bind" {
+				flags = append(flags, "--bind-state-file="+filepath.Join(n.dir, "bind-state.json"))
+			}
+			first := n.startProxy(t, flags...)
+			first.waitAnswers(t, n.bed.Client, tg.clusterTCP, "the service never answered")
+			eventually(t, 10*time.Second, "no restart snapshot written", func() error {
+				_, err := os.Stat(snapPath)
+				return err
+			})
+
+			slow := filepath.Join(n.dir, "slow.kubeconfig")
+			if err := framework.WriteRelayedKubeconfig(n.kubeconfig, slow, blackHoleAPI(t, n.bed.Node)); err != nil {
+				t.Fatal(err)
+			}
+			first.Kill()
+			killed := time.Now()
+			second := startProxy(t, n.bed.Node, n.dir, proxyArgs(append([]string{"--kubeconfig=" + slow, "--hostname-override=" + n.name}, flags...)...)...)
+			var answered time.Duration
+			eventually(t, 2*restoreDeadline, "no answer through the cluster IP while the API server does not answer", func() error {
+				if err := second.exited(); err != nil {
+					return err
+				}
+				_, err := whoTCP(n.bed.Client, tg.clusterTCP)
+				if err == nil {
+					answered = time.Since(killed)
+				}
+				return err
+			})
+			eventually(t, 2*restoreDeadline, "no UDP answer through the cluster IP while the API server does not answer", func() error {
+				_, err := whoUDP(n.bed.Client, tg.clusterUDP)
+				return err
+			})
+			t.Logf("%s mode: SIGKILL -> first answer through the cluster IP, API server silent: %v", m.name, answered.Round(time.Millisecond))
+			for _, l := range strings.Split(second.LogTail(200), "\n") {
+				if strings.Contains(l, "Start-up") || strings.Contains(l, "Proxy sockets open") {
+					t.Logf("new process: %s", strings.TrimSpace(l))
+				}
+			}
+			if answered > restoreDeadline {
+				t.Errorf("first answer %v after the SIGKILL; want under %v", answered.Round(time.Millisecond), restoreDeadline)
+			}
+			if line := lineWith(second.LogTail(2000), "from the restart snapshot"); line == "" || strings.Contains(line, "restoredServicePorts=0 ") {
+				t.Errorf("the restarted process did not restore from the snapshot: %q", line)
+			}
+		})
+	}
+}

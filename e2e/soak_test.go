@@ -170,7 +170,9 @@ func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, 
 	s := &soak{t: t, n: n, mode: mode, rng: rand.New(rand.NewPCG(seed, uint64(len(mode)))),
 		attempts: map[string]int{}, stickyTo: map[string]int{}, faults: map[string]int{}, moves: map[string]int{},
 		stickyIn: map[string]bool{"pod1": true, "pod2": true, "pod3": true}}
+	// As the DaemonSet runs it: the hand-over socket and the restart snapshot beside it.
 	s.flags = append(slices.Clone(flags), "--handover-socket="+filepath.Join(n.dir, "run", "handover.sock"),
+		"--restart-snapshot-file="+filepath.Join(n.dir, "run", "restart-snapshot"),
 		"--shutdown-timeout=10s", "--iptables-sync-period=1s")
 	if mode == "bind" {
 		s.flags = append(s.flags, "--bind-state-file="+filepath.Join(n.dir, "bind-state.json"))
@@ -236,11 +238,18 @@ func (s *soak) inject(kind string) {
 	switch kind {
 	case "sigkill":
 		s.proxy.Kill()
+		reaped := time.Since(start) // the killed process's exit: its sockets are closed by then
 		s.proxy = s.n.startProxy(t, s.flags...)
 		for name, addr := range s.tcp {
 			s.proxy.waitAnswers(t, s.n.bed.Client, addr, "after SIGKILL ("+name+")")
 		}
 		s.base = procFigures{}
+		// Where a window's time goes: the kill until the killed process is reaped, the new
+		// process's exec until its sockets serve (its own figure), the rest until every target
+		// answered.
+		serving := lineWith(s.proxy.LogTail(4000), "Proxy sockets open: serving")
+		t.Logf("%s: sigkill: killed process reaped +%v, all targets answered +%v; new process: %s", s.mode,
+			reaped.Round(time.Millisecond), time.Since(start).Round(time.Millisecond), serving)
 	case "handover":
 		old := s.proxy
 		next := s.n.startProxy(t, s.flags...)

@@ -120,6 +120,11 @@ func members(s ProxySocket) []ProxySocket {
 // then is open and the portals point at them. A successor tells its predecessor it is ready then.
 func (p *Proxier) FirstSync() <-chan struct{} { return p.firstSync }
 
+// Serving is closed once Run has reopened the sockets of the seeds (Reopen), the first thing it
+// does: from then on the proxy ports the rules in force point at accept again. The daemon times
+// its start-up by it.
+func (p *Proxier) Serving() <-chan struct{} { return p.serving }
+
 func (p *Proxier) markFirstSync() { p.firstSyncOnce.Do(func() { close(p.firstSync) }) }
 
 // ReopenCounts says how many service ports Run reopened, before the first sync, on the proxy

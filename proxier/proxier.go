@@ -211,6 +211,8 @@ type Proxier struct {
 	// firstSync is closed after the first portal sync that worked (FirstSync).
 	firstSync     chan struct{}
 	firstSyncOnce sync.Once
+	// serving is closed once Run has reopened the seeds' sockets (Serving).
+	serving chan struct{}
 	// reopened and reallocated count the seeds reopened on their proxy port, and those that
 	// could not be (the first sync allocates another port): ReopenCounts.
 	reopened, rebound, reallocated atomic.Int64
@@ -282,6 +284,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		keepPort:       make(map[service.ServicePortName]uint16),
 		endpointsReady: make(chan struct{}),
 		firstSync:      make(chan struct{}),
+		serving:        make(chan struct{}),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {
@@ -304,6 +307,7 @@ func (p *Proxier) Run(ctx context.Context) {
 	p.runCtx = sockets
 	p.deps.Health.QueuedUpdate()
 	p.reopen()
+	close(p.serving)
 	p.runner.Run(p.syncContext(ctx))
 	p.drain()
 	endSockets()

@@ -13,6 +13,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -85,6 +87,18 @@ func New(cfg Config, runner Runner) *Portals {
 		invalid: map[string]bool{},
 		view:    map[portal.Family]map[string]*tableState{},
 	}
+}
+
+// SetHostIPs replaces the node IP per family (Config.HostIPs, the target of HOST DNAT rules);
+// the next Sync rebuilds the rules with it. The daemon builds the portals with the interfaces'
+// addresses so that a restart reopens its proxy ports before it has read the Node object, and
+// sets the Node's addresses once it has them (before the sources start, and whenever they change).
+func (p *Portals) SetHostIPs(ips map[portal.Family]netip.Addr) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cfg.HostIPs = maps.Clone(ips)
+	p.skipped = map[portal.Family]string{} // a family without a node IP may have one now
+	p.applied = nil                        // the next Sync builds the rules again
 }
 
 // Sync makes the portal chains of every family match specs. A failed restore leaves the other
