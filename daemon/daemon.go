@@ -135,6 +135,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	seedReopen(ctx, pm, w.proxier, log)
 	steps.done("read the rules in force (or the bind state)")
 	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
+	inheritAffinity(inh, w.proxier, d.deps.clock, log)
 	steps.done("restart snapshot")
 	target := nodeTarget{health: w.health, proxier: w.proxier,
 		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: pm.setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
@@ -195,7 +196,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		defer endDrain()
 		tookOver := make(chan struct{})
 		serves = tookOver
-		tasks = append(tasks, d.handoverTask(inh, w.proxier, w.restart, w.gate, tookOver, started, func() {
+		tasks = append(tasks, d.handoverTask(inh, w.proxier, affinityTable(w.balancer, d.deps.clock), w.restart, w.gate, tookOver, started, func() {
 			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
 			w.proxier.HandOff(drain)
 			stopServing()
@@ -215,6 +216,7 @@ func drainBudget(shutdownTimeout time.Duration) time.Duration { return shutdownT
 // wiring is the daemon's pieces, connected: the proxier, its source, and the HTTP handlers.
 type wiring struct {
 	proxier   *proxier.Proxier
+	balancer  *loadbalancer.LoadBalancer
 	svcHealth *healthcheck.ServiceHealthServer
 	health    *healthcheck.ProxyHealth
 	source    source
@@ -251,13 +253,14 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		kernelPorts = kp
 	}
 	pods := proxier.NewPodIndex() // the access log names the pod behind each endpoint
+	lb := loadbalancer.New(clk)
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState(), Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
 	}, proxier.Deps{
-		Balancer: loadbalancer.New(clk), Portals: pm.portals, Conntrack: pm.conntrack,
+		Balancer: lb, Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
 		KernelCounters: pm.kernelCounters,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
@@ -283,7 +286,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
 	healthz := gate.wrap(health.Healthz())
-	w := &wiring{proxier: px, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
+	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload

@@ -28,6 +28,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
+	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -224,11 +225,11 @@ func readyFileTask(path string, serves <-chan struct{}, log logrus.FieldLogger) 
 }
 
 // handoverTask waits for the first sync, takes the --handover-socket path over, tells the
-// predecessor (if any) that this process serves now, then answers a successor's request until
-// ctx ends; handedOff runs when a successor is ready. The path is taken before ready is sent, so
+// predecessor (if any) that this process serves now, then answers a successor's request (handing
+// it the sockets and the affinity table) until ctx ends; handedOff runs when a successor is ready. The path is taken before ready is sent, so
 // the predecessor, which removes the socket file at exit only while it is its own, never removes
 // this process's.
-func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats *restartStats, gate *handoverGate, tookOver chan<- struct{}, started time.Time, handedOff func()) func(context.Context) {
+func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, affinity func() []handover.AffinityEntry, stats *restartStats, gate *handoverGate, tookOver chan<- struct{}, started time.Time, handedOff func()) func(context.Context) {
 	return func(ctx context.Context) {
 		select {
 		case <-px.FirstSync():
@@ -238,7 +239,7 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, stats
 			}
 			return
 		}
-		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store})
+		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store, Affinity: affinity})
 		listenErr := srv.Listen()
 		if in != nil {
 			taken := in.Taken()
@@ -289,4 +290,44 @@ func drainContext(ctx context.Context, clk clock.Clock, budget time.Duration) (c
 		}
 	}()
 	return drain, cancel
+}
+
+// affinityTable lists the balancer's ClientIP affinity entries for a successor (a planned restart
+// keeps clients on their endpoints), with how long each has been idle.
+func affinityTable(lb *loadbalancer.LoadBalancer, clk clock.PassiveClock) func() []handover.AffinityEntry {
+	return func() []handover.AffinityEntry {
+		now := clk.Now()
+		var out []handover.AffinityEntry
+		for _, name := range lb.Names() {
+			s := lb.Lookup(name)
+			if s == nil || !s.Affinity().ClientIP {
+				continue
+			}
+			for _, e := range s.AffinityEntries() {
+				out = append(out, handover.AffinityEntry{Service: name, Client: e.Client, Endpoint: e.Endpoint, Idle: max(now.Sub(e.LastUsed), 0)})
+			}
+		}
+		return out
+	}
+}
+
+// inheritAffinity gives the proxier the predecessor's affinity table (none from an older build
+// or without ClientIP clients), and logs what was dropped on receipt.
+func inheritAffinity(in *handover.Inherited, px *proxier.Proxier, clk clock.PassiveClock, log logrus.FieldLogger) {
+	if in == nil {
+		return
+	}
+	if n, why := in.AffinityDropped(); n > 0 {
+		log.WithError(why).WithField("dropped", n).Warn("Dropped ClientIP affinity entries of the hand-over that do not check out; those clients are placed anew")
+	}
+	entries := in.Affinity()
+	if len(entries) == 0 {
+		return
+	}
+	now := clk.Now()
+	table := map[service.ServicePortName][]loadbalancer.AffinityEntry{}
+	for _, e := range entries {
+		table[e.Service] = append(table[e.Service], loadbalancer.AffinityEntry{Client: e.Client, Endpoint: e.Endpoint, LastUsed: now.Add(-e.Idle)})
+	}
+	px.InheritAffinity(table)
 }

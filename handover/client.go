@@ -29,6 +29,12 @@ type Inherited struct {
 	socks map[key][]int
 	names map[int]string // descriptor -> manifest name, for the report of unclaimed sockets
 	taken int
+
+	// affinity is the predecessor's affinity table, checked; affinityDropped the entries (or
+	// messages) dropped on receipt, affinityWhy the first one's reason.
+	affinity        []AffinityEntry
+	affinityDropped int
+	affinityWhy     error
 }
 
 // Receive asks the process listening on path for its listening sockets. It returns
@@ -68,7 +74,7 @@ func Receive(ctx context.Context, path string, timeout time.Duration) (*Inherite
 }
 
 func (in *Inherited) receive() error {
-	if err := send(in.conn, hello{Version: Version}, nil); err != nil {
+	if err := send(in.conn, hello{Version: Version, Affinity: true}, nil); err != nil {
 		return fmt.Errorf("send hello: %w", err)
 	}
 	var h header
@@ -85,6 +91,9 @@ func (in *Inherited) receive() error {
 	// them into (a peer cannot keep this process reading).
 	if h.Sockets < 0 || h.Sockets > maxSockets || h.Chunks != len(chunks(h.Sockets)) {
 		return fmt.Errorf("header announces %d sockets in %d chunks", h.Sockets, h.Chunks)
+	}
+	if h.Affinity < 0 || h.Affinity > maxAffinityChunks {
+		return fmt.Errorf("header announces %d affinity messages (at most %d)", h.Affinity, maxAffinityChunks)
 	}
 	for range h.Chunks {
 		var entries []Entry
@@ -109,6 +118,9 @@ func (in *Inherited) receive() error {
 	}
 	if in.received != h.Sockets {
 		return fmt.Errorf("received %d sockets, the header announced %d", in.received, h.Sockets)
+	}
+	if err := in.receiveAffinity(in.conn, h.Affinity); err != nil {
+		return err
 	}
 	n := in.received
 	if err := send(in.conn, reply{Adopted: &n}, nil); err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -13,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // fuzzFDs counts this process's descriptors (a fuzz target's testing.F has no testing.T helper).
@@ -55,6 +58,17 @@ func FuzzReceive(f *testing.F) {
 	f.Add([]byte(`{"version":2,"sockets":1,"chunks":1}`), []byte("["+entry+"]"), uint8(1), []byte{})
 	f.Add([]byte(`{"version":1,"sockets":201,"chunks":2}`), []byte("["+entry+"]"), uint8(1), []byte(`[]`))
 	f.Add([]byte(`{"version":1,"sockets":1,"chunks":1}`), []byte(`[{"address":"::1%lo","protocol":"udp","port":PORT}]`), uint8(1), []byte{})
+	// The affinity messages after the sockets (affinity.go): good, bad entries beside good ones,
+	// a message with descriptors, one that does not decode, more announced than sent, too many.
+	aff := `{"affinity":[{"ns":"default","n":"web","p":"http","c":"10.244.1.5","e":"10.244.2.3:8080","i":1500}]}`
+	f.Add([]byte(`{"version":1,"sockets":1,"chunks":1,"affinity":1}`), []byte("["+entry+"]"), uint8(1), []byte(aff))
+	f.Add([]byte(`{"version":1,"sockets":1,"chunks":1,"affinity":1}`), []byte("["+entry+"]"), uint8(1),
+		[]byte(`{"affinity":[{"ns":"","n":"web","c":"10.244.1.5","e":"10.244.2.3:8080"},{"ns":"a","n":"b","c":"::","e":"[::1]:0","i":-1},{"ns":"a","n":"b","c":"10.0.0.1","e":"10.0.0.2:80","i":99999999999},{"ns":"a","n":"b","c":"fe80::1%eth0","e":"10.0.0.2:80"},{"ns":"a","n":"b","c":"10.0.0.1","e":"10.0.0.2:80","i":1}]}`))
+	f.Add([]byte(`{"version":1,"sockets":0,"chunks":0,"affinity":2}`), []byte(aff), uint8(2), []byte(`{"affinity":[1,"x",null,{}]}`))
+	f.Add([]byte(`{"version":1,"sockets":0,"chunks":0,"affinity":1}`), []byte(`{"affinity":`), uint8(0), []byte{})
+	f.Add([]byte(`{"version":1,"sockets":0,"chunks":0,"affinity":3}`), []byte(aff), uint8(0), []byte(aff))
+	f.Add([]byte(`{"version":1,"sockets":0,"chunks":0,"affinity":99999999}`), []byte(aff), uint8(0), []byte{})
+	f.Add([]byte(`{"version":1,"sockets":0,"chunks":0,"affinity":-1}`), []byte(aff), uint8(0), []byte{})
 
 	f.Fuzz(func(t *testing.T, head, chunk []byte, nfds uint8, chunk2 []byte) {
 		head = []byte(strings.ReplaceAll(string(head), "PORT", port))
@@ -82,6 +96,15 @@ func FuzzReceive(f *testing.F) {
 		if err == nil {
 			if in.Received() > len(fds) {
 				t.Fatalf("received %d sockets, %d were sent", in.Received(), len(fds))
+			}
+			if len(in.Affinity()) > maxAffinityEntries {
+				t.Fatalf("took %d affinity entries, over the bound %d", len(in.Affinity()), maxAffinityEntries)
+			}
+			for _, e := range in.Affinity() {
+				if e.Service.Namespace == "" || e.Service.Name == "" || !e.Client.IsValid() || e.Client.Zone() != "" ||
+					!e.Endpoint.IsValid() || e.Endpoint.Port() == 0 || e.Idle < 0 || e.Idle > maxAffinityIdle {
+					t.Fatalf("took an affinity entry that does not check out: %+v", e)
+				}
 			}
 			for k, got := range in.socks {
 				for _, fd := range got {
@@ -119,9 +142,11 @@ func FuzzServe(f *testing.F) {
 	f.Add([]byte(`{"version":1}`), []byte(`{"adopted":0}`), []byte(`{"ready":false}`))
 	f.Add([]byte(`{"version":1}`), []byte(`{"adopted":-5,"ready":true}`), []byte(`null`))
 	f.Add([]byte(``), []byte(``), []byte(``))
+	f.Add([]byte(`{"version":1,"affinity":true}`), []byte(`{"adopted":1}`), []byte(`{"ready":true}`))
+	f.Add([]byte(`{"version":1,"affinity":"yes"}`), []byte(`{"adopted":1}`), []byte(`{"ready":true}`))
 	f.Fuzz(func(t *testing.T, hi, adopted, ready []byte) {
 		before := fuzzFDs()
-		pending, collected, err := playSuccessor(t, ln, hi, adopted, ready)
+		pending, collected, affinity, err := playSuccessor(t, ln, hi, adopted, ready)
 		var hv hello
 		var ra, rr reply
 		valid := json.Unmarshal(hi, &hv) == nil && hv.Version == Version &&
@@ -132,6 +157,9 @@ func FuzzServe(f *testing.F) {
 		}
 		if collected > 0 && (json.Unmarshal(hi, &hv) != nil || hv.Version != Version) {
 			t.Fatalf("collected the sockets for hello %q", hi)
+		}
+		if want := collected > 0 && hv.Affinity; (affinity > 0) != want {
+			t.Fatalf("hello %q: %d affinity messages sent; want them only to a successor that asks", hi, affinity)
 		}
 		switch {
 		case len(pending) == 0:
@@ -148,8 +176,9 @@ func FuzzServe(f *testing.F) {
 
 // playSuccessor runs one predecessor's serve against a successor that sends hi, adopted and
 // ready as they are (reading what it is sent in between), and returns serve's result, what it
-// reported as pending, and how often it collected its sockets (one listener, ln).
-func playSuccessor(t *testing.T, ln net.Listener, hi, adopted, ready []byte) (pending []bool, collected int32, err error) {
+// reported as pending, how often it collected its sockets (one listener, ln), and how many
+// affinity messages it sent (each must decode to a valid entry; the predecessor has one).
+func playSuccessor(t *testing.T, ln net.Listener, hi, adopted, ready []byte) (pending []bool, collected int32, affinity int, err error) {
 	pair, perr := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if perr != nil {
 		t.Fatal(perr)
@@ -167,6 +196,10 @@ func playSuccessor(t *testing.T, ln net.Listener, hi, adopted, ready []byte) (pe
 	var collects atomic.Int32
 	s := NewServer(ServerConfig{Path: "unused", Logger: quietLog(), Timeout: 2 * time.Second, ReadyTimeout: 2 * time.Second,
 		Pending: func(p bool) { pending = append(pending, p) },
+		Affinity: func() []AffinityEntry {
+			return []AffinityEntry{{Service: service.ServicePortName{Namespace: "default", Name: "web", Port: "http"},
+				Client: netip.MustParseAddr("10.244.1.5"), Endpoint: netip.MustParseAddrPort("10.244.2.3:8080"), Idle: time.Second}}
+		},
 		Collect: func() ([]socket, error) {
 			collects.Add(1)
 			raw, _ := ln.(*net.TCPListener).SyscallConn()
@@ -198,10 +231,29 @@ func playSuccessor(t *testing.T, ln net.Listener, hi, adopted, ready []byte) (pe
 				break
 			}
 		}
+		for range max(0, min(h.Affinity, 10)) {
+			b, fds, err := receiveRaw(succ)
+			closeAll(fds)
+			if err != nil {
+				break
+			}
+			affinity++
+			var chunk affinityChunk
+			if err := json.Unmarshal(b, &chunk); err != nil || len(chunk.Affinity) != 1 {
+				t.Fatalf("affinity message %q: %v", b, err)
+			}
+			var w affinityWire
+			if err := json.Unmarshal(chunk.Affinity[0], &w); err != nil {
+				t.Fatalf("affinity entry %q: %v", chunk.Affinity[0], err)
+			}
+			if _, err := w.decode(); err != nil {
+				t.Fatalf("affinity entry %q does not check out: %v", chunk.Affinity[0], err)
+			}
+		}
 	}
 	_, _, _ = succ.WriteMsgUnix(adopted, nil, nil)
 	_, _, _ = succ.WriteMsgUnix(ready, nil, nil)
 	_ = succ.Close()
 	err = <-errc
-	return pending, collects.Load(), err
+	return pending, collects.Load(), affinity, err
 }

@@ -3,9 +3,12 @@ package handover
 // protocol.go: the messages. The Unix socket is SOCK_SEQPACKET, so every message arrives whole
 // and alone, with the descriptors sent with it.
 //
-//	new -> old  hello    {"version":1}
-//	old -> new  header   {"version":1,"sockets":N,"chunks":K}   (or {"version":1,"error":"..."})
+//	new -> old  hello    {"version":1,"affinity":true}
+//	old -> new  header   {"version":1,"sockets":N,"chunks":K,"affinity":A}   (or {"version":1,"error":"..."})
 //	old -> new  K chunks [entry, ...] + SCM_RIGHTS, at most maxChunk descriptors each
+//	old -> new  A chunks {"affinity":[...]}   ClientIP affinity entries (affinity.go), no descriptors;
+//	                                          only to a successor whose hello asked, so A is 0
+//	                                          (absent) between this build and an older one
 //	new -> old  adopted  {"adopted":N}     the new process holds every socket now
 //	new -> old  ready    {"ready":true}    the new process has synced and serves; the old one
 //	                                       stops accepting and finishes what it has
@@ -39,6 +42,9 @@ const maxMessage = 64 << 10
 
 type hello struct {
 	Version int `json:"version"`
+	// Affinity: the successor takes the affinity table (affinity.go). Older builds neither send
+	// nor read it.
+	Affinity bool `json:"affinity,omitempty"`
 }
 
 type header struct {
@@ -46,6 +52,9 @@ type header struct {
 	Sockets int    `json:"sockets"`
 	Chunks  int    `json:"chunks"`
 	Error   string `json:"error,omitempty"`
+	// Affinity is the number of affinity messages after the socket chunks; only sent to a
+	// successor that asked.
+	Affinity int `json:"affinity,omitempty"`
 }
 
 type reply struct {
@@ -72,11 +81,25 @@ func send(c *net.UnixConn, msg any, fds []int) error {
 // receive reads one message into msg and returns the descriptors that came with it (owned by the
 // caller, close-on-exec).
 func receive(c *net.UnixConn, msg any) ([]int, error) {
+	b, fds, err := receiveRaw(c)
+	if err == nil {
+		err = json.Unmarshal(b, msg)
+	}
+	if err != nil {
+		closeAll(fds)
+		return nil, err
+	}
+	return fds, nil
+}
+
+// receiveRaw reads one message whole and the descriptors that came with it (owned by the caller,
+// close-on-exec).
+func receiveRaw(c *net.UnixConn) ([]byte, []int, error) {
 	buf := make([]byte, maxMessage)
 	oob := make([]byte, unix.CmsgSpace(maxChunk*4))
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	fds, perr := parseRights(oob[:oobn])
 	switch {
@@ -88,14 +111,12 @@ func receive(c *net.UnixConn, msg any) ([]int, error) {
 		err = errors.New("message truncated")
 	case n == 0:
 		err = errors.New("connection closed") // SOCK_SEQPACKET: a zero-length read is EOF
-	default:
-		err = json.Unmarshal(buf[:n], msg)
 	}
 	if err != nil {
 		closeAll(fds)
-		return nil, err
+		return nil, nil, err
 	}
-	return fds, nil
+	return buf[:n], fds, nil
 }
 
 func parseRights(oob []byte) ([]int, error) {

@@ -437,7 +437,7 @@ func TestServeWantsItsOwnReady(t *testing.T) {
 		{"a ready without an adoption does not", `{"ready":true}`, `{"ready":true}`, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, _, err := playSuccessor(t, ln, []byte(`{"version":1}`), []byte(tc.adopted), []byte(tc.ready))
+			_, _, _, err := playSuccessor(t, ln, []byte(`{"version":1}`), []byte(tc.adopted), []byte(tc.ready))
 			if (err == nil) != tc.handsOver {
 				t.Fatalf("serve = %v; want a hand-over %v", err, tc.handsOver)
 			}

@@ -35,8 +35,11 @@ type ServerConfig struct {
 	ReadyTimeout time.Duration
 	// Collect lists the sockets to hand over; nil means Collect (every listening socket).
 	Collect func() ([]socket, error)
-	Logger  logrus.FieldLogger
-	Clock   clock.PassiveClock
+	// Affinity, if set, lists the ClientIP affinity table, sent to a successor that asks for it
+	// (affinity.go).
+	Affinity func() []AffinityEntry
+	Logger   logrus.FieldLogger
+	Clock    clock.PassiveClock
 	// Pending, if set, is called with true once a successor has adopted the sockets (from then on
 	// both processes accept on them, the health listener included, until the successor is
 	// ready), and with false if that successor fails before it is ready. A process answers its
@@ -168,7 +171,21 @@ func (s *Server) serve(c *net.UnixConn) error {
 		}
 	}()
 	parts := chunks(len(socks))
-	if err := send(c, header{Version: Version, Sockets: len(socks), Chunks: len(parts)}, nil); err != nil {
+	var affinity [][]byte
+	sentAffinity := 0
+	if h.Affinity && s.cfg.Affinity != nil {
+		entries := s.cfg.Affinity()
+		msgs, left, err := encodeAffinity(entries, maxAffinityEntries)
+		if err != nil { // entries of this process's own table: not expected
+			s.cfg.Logger.WithError(err).Warn("Cannot encode the affinity table; handing over without it")
+		} else {
+			affinity, sentAffinity = msgs, len(entries)-left
+		}
+		if left > 0 {
+			s.cfg.Logger.WithFields(logrus.Fields{"entries": len(entries), "left": left}).Warn("Handing over part of the affinity table: over its bound, the least recently used stay behind")
+		}
+	}
+	if err := send(c, header{Version: Version, Sockets: len(socks), Chunks: len(parts), Affinity: len(affinity)}, nil); err != nil {
 		return fmt.Errorf("handover: send header: %w", err)
 	}
 	for _, p := range parts {
@@ -182,11 +199,16 @@ func (s *Server) serve(c *net.UnixConn) error {
 			return fmt.Errorf("handover: send sockets: %w", err)
 		}
 	}
+	for _, msg := range affinity {
+		if _, _, err := c.WriteMsgUnix(msg, nil, nil); err != nil {
+			return fmt.Errorf("handover: send affinity: %w", err)
+		}
+	}
 	var r reply
 	if _, err := receive(c, &r); err != nil || r.Adopted == nil {
 		return fmt.Errorf("handover: successor did not confirm adoption: %v", orNot(err, r))
 	}
-	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted,
+	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted, "affinityEntries": sentAffinity,
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
 	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // affinityShards spreads clients over independently locked maps so that picks of different clients
@@ -85,4 +87,51 @@ func (t *affinityTable) entries() []AffinityEntry {
 		sh.mu.RUnlock()
 	}
 	return out
+}
+
+// putIfAbsent stores an entry unless the client has one.
+func (sh *affinityShard) putIfAbsent(client netip.Addr, ep netip.AddrPort, lastUsed int64) bool {
+	e := &affinityEntry{endpoint: ep}
+	e.lastUsed.Store(lastUsed)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if _, ok := sh.m[client]; ok {
+		return false
+	}
+	sh.m[client] = e
+	return true
+}
+
+// ImportAffinity adds sticky clients a predecessor process handed over (a planned restart) to a
+// service port's table, so they keep their endpoint. An entry is taken only while the port has
+// ClientIP affinity on, for an endpoint of its current set, within the TTL, and never over an
+// entry of this process's own (a pick made since is the newer). It returns how many it took.
+func (lb *LoadBalancer) ImportAffinity(name service.ServicePortName, entries []AffinityEntry) int {
+	s := lb.lookup(name)
+	if s == nil {
+		return 0
+	}
+	return s.importAffinity(entries)
+}
+
+func (s *Service) importAffinity(entries []AffinityEntry) int {
+	s.writeMu.Lock() // no endpoint or affinity update between the checks and the puts
+	defer s.writeMu.Unlock()
+	t := s.affinity.Load()
+	if t == nil || !s.clientIP.Load() {
+		return 0
+	}
+	set := s.eps.Load()
+	now, ttl := s.clock.Now().UnixNano(), s.ttl.Load()
+	n := 0
+	for _, e := range entries {
+		used := e.LastUsed.UnixNano()
+		if !e.Client.IsValid() || set.get(e.Endpoint) == nil || now-used >= ttl {
+			continue
+		}
+		if t.shard(e.Client).putIfAbsent(e.Client, e.Endpoint, min(used, now)) {
+			n++
+		}
+	}
+	return n
 }

@@ -158,6 +158,8 @@ type Proxier struct {
 
 	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
 	epMu sync.Mutex
+	// inherited is a hand-over predecessor's affinity table until the ports take it (affinity.go).
+	inherited inheritedAffinity
 
 	// selMu guards sels, the endpoint selection of every service port, written by applyEndpoints
 	// and read by the sync (portal refusals) and the debug view.
@@ -573,6 +575,7 @@ func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, u
 		before = p.deps.Balancer.Service(key).Endpoints()
 	}
 	p.deps.Balancer.SetEndpoints(key, usable)
+	p.takeInherited(key, len(usable))
 	p.wakeHeld(port, external, usable)
 	if sock != nil {
 		p.endRemoved(sock, port, key, before, usable, serving)

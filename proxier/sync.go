@@ -84,6 +84,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 			p.cfg.AfterFirstSync()
 		}
 		debug.FreeOSMemory()
+		p.endInherited()
 		p.markFirstSync()
 	}
 	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
