@@ -136,7 +136,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	steps.done("read the rules in force (or the bind state)")
 	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
 	inheritAffinity(inh, w.proxier, d.deps.clock, log)
-	steps.done("restart snapshot")
+	steps.done("restart snapshot or the predecessor's affinity")
 	target := nodeTarget{health: w.health, proxier: w.proxier,
 		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: pm.setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
 	target.apply(node, nodeObj) // a Node read above: the zone is known before the first sync
@@ -146,9 +146,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 	defer stopServing()
 	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
 		if client != nil && !nodeRead {
-			// After the sockets serve, before the sources: the first sync has the Node's
-			// addresses and zone (an unreachable API server costs the first sync the read's
-			// timeout, as it did when the read came first, but not the reopened sockets).
+			// Off the path to serving (it runs beside the reopen in proxier.Run), before the
+			// sources: the first sync has the Node's addresses and zone (an unreachable API
+			// server costs the first sync the read's timeout, as it did when the read came
+			// first, but not the reopened sockets).
 			target.apply(node, getNode(ctx, client, node, log))
 			steps.done("Node object")
 		}

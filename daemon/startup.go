@@ -5,9 +5,10 @@ package daemon
 // bind mode, the sockets of its state file) with the restart snapshot's endpoints; nothing on that
 // path may wait for the API server, which may be slow or unreachable when the node is under load.
 // So the Node object (its addresses are the HOST DNAT target of the portal rules, its zone the
-// topology hints) is read after that, just before the sources start: the start takes the node IPs
-// from the interfaces, and the Node's, once read, replace them before the first sync can program
-// anything (nodeIPs). Each step is logged at debug level with its time since the start.
+// topology hints) is read off that path, beside the reopen and before the sources start: the
+// start takes the node IPs from the interfaces, and the Node's, once read, replace them before
+// the first sync can program anything (nodeIPs). Each step is logged at debug level with its
+// time since the start.
 
 import (
 	"bytes"
