@@ -140,8 +140,9 @@ type soak struct {
 	slow     int // requests that took over a second (a retransmitted SYN)
 	stickyTo map[string]int
 	// ClientIP affinity: an answer from another pod than the client's last is a move. A move is
-	// explained by a new process (sigkill, handover: the affinity table lives in the process) or
-	// by an endpoint change that took the client's pod out of use; any other is a switch.
+	// explained by a new process (sigkill: the affinity table lives in the process; handover: the
+	// table goes over, but a client placed while both processes accept is not in it) or by an
+	// endpoint change that took the client's pod out of use; any other is a switch.
 	moves    map[string]int  // explained moves by cause
 	switches int             // unexplained moves
 	stickyIn map[string]bool // pods the sticky Service's ClientIP port should use (ready), as last written

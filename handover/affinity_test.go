@@ -5,6 +5,7 @@ package handover
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
@@ -189,5 +190,36 @@ func TestReceiveDropsBadAffinity(t *testing.T) {
 	}
 	if n, why := in.AffinityDropped(); n != 3 || why == nil {
 		t.Fatalf("dropped %d (%v); want 3 (an entry without a namespace, one that is not an object, a message that does not decode)", n, why)
+	}
+}
+
+// BenchmarkAffinityRoundTrip is the cost of encoding 10,000 entries into messages and decoding
+// and checking them on the successor's side (the socket itself left out).
+func BenchmarkAffinityRoundTrip(b *testing.B) {
+	entries := affinityEntries(10000)
+	b.ReportAllocs()
+	for b.Loop() {
+		msgs, _, err := encodeAffinity(entries, maxAffinityEntries)
+		if err != nil {
+			b.Fatal(err)
+		}
+		in := &Inherited{}
+		for _, m := range msgs {
+			var chunk affinityChunk
+			if err := json.Unmarshal(m, &chunk); err != nil {
+				b.Fatal(err)
+			}
+			for _, raw := range chunk.Affinity {
+				var w affinityWire
+				if err := json.Unmarshal(raw, &w); err != nil {
+					b.Fatal(err)
+				}
+				e, err := w.decode()
+				if err != nil {
+					b.Fatal(err)
+				}
+				in.affinity = append(in.affinity, e)
+			}
+		}
 	}
 }
