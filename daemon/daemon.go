@@ -132,8 +132,17 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	steps.done("wiring")
-	seedReopen(ctx, pm, w.proxier, log)
+	rulesInForce := seedReopen(ctx, pm, w.proxier, log)
 	steps.done("read the rules in force (or the bind state)")
+	// A fresh start probes now (a node that cannot NAT fails here, as before). A restart's rules
+	// in force prove NAT works: the --random-fully probe waits until the sockets serve.
+	probeLater := pm.probe != nil && rulesInForce
+	if pm.probe != nil && !rulesInForce {
+		if err := pm.probe(ctx, false); err != nil {
+			return err
+		}
+		steps.done("iptables probes")
+	}
 	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
 	inheritAffinity(inh, w.proxier, d.deps.clock, log)
 	steps.done("restart snapshot or the predecessor's affinity")
@@ -145,6 +154,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 	serving, stopServing := context.WithCancel(ctx)
 	defer stopServing()
 	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
+		if probeLater {
+			_ = pm.probe(ctx, true) // NAT proven: no error to report
+			steps.done("iptables probe (--random-fully)")
+		}
 		if client != nil && !nodeRead {
 			// Off the path to serving (it runs beside the reopen in proxier.Run), before the
 			// sources: the first sync has the Node's addresses and zone (an unreachable API

@@ -37,13 +37,18 @@ type portalMode struct {
 	// setHostIPs replaces the node IPs the portal rules DNAT to (the Node object's, read after
 	// the start); nil in bind mode, which has no such rules.
 	setHostIPs func(map[portal.Family]netip.Addr)
+	// probe checks, in iptables mode, that the node can NAT and whether MASQUERADE takes
+	// --random-fully (two iptables-restore runs). Run does it before reopening on a fresh start,
+	// and after, off the reopen's way, on a restart (the rules in force prove NAT works); nil:
+	// nothing to probe.
+	probe func(ctx context.Context, natProven bool) error
 	// state keeps, in bind mode, where the sockets listen after each sync; nil: not kept.
 	state *stateWriter
 	close func()
 }
 
-// newPortalMode builds what --portal-mode needs. It is called by Run, not New: in iptables mode it
-// first checks, with one iptables-restore, that the node can NAT.
+// newPortalMode builds what --portal-mode needs. It is called by Run, not New. In iptables mode
+// it runs nothing: Run calls probe (can the node NAT, does MASQUERADE take --random-fully).
 func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error) {
 	if o.portalMode == "bind" {
 		nl := &bind.Netlink{}
@@ -72,16 +77,12 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		}, nil
 	}
 	runner := &iptables.ExecRunner{Variant: o.iptablesVariant}
-	if err := iptables.CheckNAT(ctx, runner, portal.IPv4); errors.Is(err, iptables.ErrNATUnavailable) {
-		return nil, fmt.Errorf("this node cannot NAT, which iptables portals need; run with --portal-mode=bind: %w", err)
-	} else if err != nil {
-		log.WithError(err).Warn("Could not check for NAT support")
-	}
 	ct := &conntrack.Netlink{}
+	// NoRandomFully until the probe says otherwise (Run probes before the first sync).
 	rules := iptables.New(iptables.Config{
 		BindAddress: o.bind, HostIPs: hostIPs, NodePortAddresses: o.nodePorts, PodCIDRs: o.podCIDRs,
 		ProtectProxyPorts: o.protectProxyPorts, KernelPath: true, ConntrackTCPLiberal: o.conntrackTCPBeLiberal,
-		NoRandomFully: !iptables.HasRandomFully(ctx, runner, portal.IPv4), Logger: log,
+		NoRandomFully: true, Logger: log,
 		AfterNATRepair: func(ctx context.Context, specs []portal.Spec) {
 			if err := ct.ClearUntranslated(ctx, untranslatedFlows(specs)); err != nil {
 				log.WithError(err).Warn("Clearing the conntrack entries of connections made while the portal rules were gone")
@@ -97,7 +98,18 @@ func newPortalMode(ctx context.Context, o *Options, hostIPs map[portal.Family]ne
 		kernelCounters: rules.KernelCounters,
 		steered:        steeredSeeds(rules),
 		setHostIPs:     rules.SetHostIPs,
-		close:          func() {},
+		probe: func(ctx context.Context, natProven bool) error {
+			if !natProven {
+				if err := iptables.CheckNAT(ctx, runner, portal.IPv4); errors.Is(err, iptables.ErrNATUnavailable) {
+					return fmt.Errorf("this node cannot NAT, which iptables portals need; run with --portal-mode=bind: %w", err)
+				} else if err != nil {
+					log.WithError(err).Warn("Could not check for NAT support")
+				}
+			}
+			rules.SetNoRandomFully(!iptables.HasRandomFully(ctx, runner, portal.IPv4))
+			return nil
+		},
+		close: func() {},
 	}, nil
 }
 

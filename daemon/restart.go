@@ -33,10 +33,11 @@ func steeredSeeds(rules *iptables.Portals) func(ctx context.Context) ([]proxier.
 }
 
 // seedReopen hands the proxier the proxy ports the rules in force point at. A failed read-back
-// is logged and costs only the head start: the first sync programs everything anyway.
-func seedReopen(ctx context.Context, pm *portalMode, px *proxier.Proxier, log logrus.FieldLogger) {
+// is logged and costs only the head start: the first sync programs everything anyway. It reports
+// whether rules of a previous process are in force (iptables mode): then the node can NAT.
+func seedReopen(ctx context.Context, pm *portalMode, px *proxier.Proxier, log logrus.FieldLogger) (rulesInForce bool) {
 	if pm.steered == nil {
-		return
+		return false
 	}
 	seeds, err := pm.steered(ctx)
 	if err != nil && pm.plan == nil {
@@ -50,6 +51,7 @@ func seedReopen(ctx context.Context, pm *portalMode, px *proxier.Proxier, log lo
 		log.WithField("servicePorts", len(seeds)).Info("A previous process listened on portal addresses still on the link; reopening its sockets")
 	}
 	px.Reopen(seeds)
+	return len(seeds) > 0 && pm.plan == nil
 }
 
 // boundSeeds reads, in bind mode, where the previous process listened (its state file), keeping

@@ -38,3 +38,27 @@ func TestSetHostIPs(t *testing.T) {
 		t.Errorf("after SetHostIPs: the old node IP's rule is still there:\n%s", dump)
 	}
 }
+
+// TestSetNoRandomFully: a restart builds the portals before it probes for --random-fully (the
+// probe runs after the proxy ports are reopened); the next Sync of the same specs takes the
+// answer. Address plan: kernelpath_test.go's.
+func TestSetNoRandomFully(t *testing.T) {
+	fake := NewFake()
+	cfg := kernelCfg()
+	cfg.NoRandomFully = true
+	p := New(cfg, fake)
+	specs := []portal.Spec{onKernel(webSpec())}
+	if err := p.Sync(t.Context(), specs); err != nil {
+		t.Fatal(err)
+	}
+	if dump := fake.Dump(); !strings.Contains(dump, "-j MASQUERADE") || strings.Contains(dump, "--random-fully") {
+		t.Fatalf("before: want MASQUERADE without --random-fully:\n%s", dump)
+	}
+	p.SetNoRandomFully(false)
+	if err := p.Sync(t.Context(), specs); err != nil {
+		t.Fatal(err)
+	}
+	if dump := fake.Dump(); !strings.Contains(dump, "-j MASQUERADE --random-fully") {
+		t.Fatalf("after SetNoRandomFully(false): want MASQUERADE --random-fully:\n%s", dump)
+	}
+}

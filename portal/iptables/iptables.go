@@ -101,6 +101,18 @@ func (p *Portals) SetHostIPs(ips map[portal.Family]netip.Addr) {
 	p.applied = nil                        // the next Sync builds the rules again
 }
 
+// SetNoRandomFully sets Config.NoRandomFully (HasRandomFully's answer) after construction: a
+// restart probes for it after reopening its proxy ports, off their way; the next Sync builds the
+// rules with it.
+func (p *Portals) SetNoRandomFully(no bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cfg.NoRandomFully != no {
+		p.cfg.NoRandomFully = no
+		p.applied = nil
+	}
+}
+
 // Sync makes the portal chains of every family match specs. A failed restore leaves the other
 // tables and families applied; it is counted, returned, and retried by the next Sync (the failed
 // table is read back first, since its state is then unknown).
