@@ -22,11 +22,13 @@ import (
 
 // TestNewServiceFirstAnswerHasNoStall creates 50 Services one after another against the real API
 // server. Each is first refused (no endpoints yet), then its EndpointSlice is applied while a
-// client retries at once on each refusal: the first answer must come within half a second of the
-// apply, every time (a dropped SYN costs a whole second).
+// client retries at once on each refusal. A dropped SYN shows as an attempt that lasts a whole
+// second (the kernel's first retransmission), so the answered attempt must take under 900 ms,
+// every time; apply to first answer (the propagation, slower on a loaded machine: 541 ms once
+// in CI beside other builds, with no stalled attempt) must stay under 2 s.
 func TestNewServiceFirstAnswerHasNoStall(t *testing.T) {
 	t.Parallel()
-	const runs, limit = 50, 500 * time.Millisecond
+	const runs, attemptLimit, limit = 50, 900 * time.Millisecond, 2 * time.Second
 	n := newClusterNode(t, 1)
 	proxy := n.startProxy(t, "--iptables-min-sync-period=100ms")
 	var took []time.Duration
@@ -45,8 +47,12 @@ func TestNewServiceFirstAnswerHasNoStall(t *testing.T) {
 		applied := time.Now()
 		n.setEndpoints(t, svc, 1)
 		for {
+			attempt := time.Now()
 			_, err := testbed.Who(n.bed.Client, addr, 5*time.Second)
 			if err == nil {
+				if d := time.Since(attempt); d > attemptLimit {
+					t.Errorf("%s: the answered attempt took %v, want under %v (a dropped and retransmitted SYN)", svc.Name, d.Round(time.Millisecond), attemptLimit)
+				}
 				break
 			}
 			if !errors.Is(err, syscall.ECONNREFUSED) || time.Since(applied) > 10*time.Second {
