@@ -35,7 +35,10 @@ func TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer(t *testing.T) {
 		want string // the ClearUntranslated calls so far, one a line
 	}{
 		{"new_port_without_endpoints_refuses_clears_nothing", func() { e.p.OnServiceAdd(dns) }, ""},
-		{"a_TCP_port_never_clears", func() { e.p.OnServiceAdd(webService(nil)); e.p.OnEndpointSliceAdd(webSlice("web-a", 8080, "10.244.1.9")) }, ""},
+		{"a_TCP_port_never_clears", func() {
+			e.p.OnServiceAdd(webService(nil))
+			e.p.OnEndpointSliceAdd(webSlice("web-a", 8080, "10.244.1.9"))
+		}, ""},
 		{"endpoints_appear_clears", func() { e.p.OnEndpointSliceAdd(slice("10.244.1.5")) }, cleared},
 		{"more_endpoints_clear_nothing", func() { e.p.OnEndpointSliceUpdate(slice("10.244.1.5"), slice("10.244.1.5", "10.244.1.6")) }, cleared},
 		{"a_sync_with_no_change_clears_nothing", func() {}, cleared},
