@@ -74,3 +74,30 @@ func TestSyncClearsUntranslatedOncePerSync(t *testing.T) {
 		t.Errorf("ClearUntranslated calls (-want +got):\n-%q\n+%q", want, got)
 	}
 }
+
+// TestSyncClearsUntranslatedUDPOnTheKernelPath: a kernel-path UDP port clears its untranslated
+// entries when its endpoints go from none to some (kube-proxy's moment), not when they only change.
+func TestSyncClearsUntranslatedUDPOnTheKernelPath(t *testing.T) {
+	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
+	e.synced()
+	slice := func(addrs ...string) *discovery.EndpointSlice {
+		var eps []sliceEP
+		for _, a := range addrs {
+			eps = append(eps, sliceEP{addr: a})
+		}
+		return makeSlice("kube-system", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+	}
+	const cleared = "10.96.0.53:53"
+	e.p.OnServiceAdd(makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53)))
+	e.sync()
+	if got := e.conntrack.DumpUntranslated(); got != "" {
+		t.Fatalf("no endpoints (REJECT): ClearUntranslated %q, want none", got)
+	}
+	e.p.OnEndpointSliceAdd(slice("10.244.1.1"))
+	e.sync()
+	e.p.OnEndpointSliceUpdate(slice("10.244.1.1"), slice("10.244.1.2"))
+	e.sync()
+	if got := e.conntrack.DumpUntranslated(); got != cleared {
+		t.Errorf("endpoints none -> some -> others: ClearUntranslated (-want +got):\n-%q\n+%q", cleared, got)
+	}
+}
