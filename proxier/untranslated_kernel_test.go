@@ -44,19 +44,31 @@ const upstreamWait = 60 * time.Second
 //     started). The node delivers it untranslated, nothing listens on 30053, and the conntrack
 //     entry without NAT pins every later datagram of the flow past the REJECT and then the
 //     REDIRECT. Before the proxier cleared untranslated entries it was never answered.
+//   - before_the_first_rules_port_held: the same with the daemon's portal.Held, whose socket
+//     on the node port receives the pinned datagrams and never answers them.
 //   - refused_first: the port's REJECT is in place before the first datagram; the REJECT drops it
 //     before conntrack confirms an entry, so nothing is pinned.
 func TestKernelNodePortUDPClientFromBeforeTheRules(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
 		refuseFirst bool
-	}{{"before_the_first_rules", false}, {"refused_first", true}} {
+		holder      bool // the daemon's wiring: a PortHolder holds the node port (portal.Held)
+	}{{"before_the_first_rules", false, false}, {"before_the_first_rules_port_held", false, true}, {"refused_first", true, false}} {
 		t.Run(tc.name, func(t *testing.T) {
 			client, node := netns.NewTestPair(t)
 			echo := testenv.EchoUDP(t)
 			cfg := iptables.Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")}, ProtectProxyPorts: true}
 			rules := iptables.New(cfg, &iptables.ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do})
-			p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: rules,
+			var portals portal.Portals = rules
+			if tc.holder {
+				// The held node port is where a pinned datagram lands: queued on a socket nobody
+				// reads, so the client gets neither an answer nor a refusal (the CI failure's
+				// tries 5 s apart).
+				held := &portal.Held{Rules: rules, Holder: portal.NewPortHolder(portal.HolderConfig{})}
+				t.Cleanup(func() { _ = node.Do(func() error { return held.Cleanup(context.Background()) }) })
+				portals = held
+			}
+			p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: portals,
 				Conntrack: &conntrack.Netlink{Do: node.Do}, Sockets: RealSockets(SocketConfig{})})
 			ctx, cancel := context.WithCancel(t.Context())
 			p.runCtx = ctx
@@ -86,8 +98,10 @@ func TestKernelNodePortUDPClientFromBeforeTheRules(t *testing.T) {
 			if !tc.refuseFirst {
 				p.OnServiceAdd(dns)
 				sync()
-				before := c.refused.Load()
-				testenv.WaitFor(t, "the client refused after the REJECT is in", func() bool { return c.refused.Load() > before+2 })
+				if !tc.holder {
+					before := c.refused.Load()
+					testenv.WaitFor(t, "the client refused after the REJECT is in", func() bool { return c.refused.Load() > before+2 })
+				}
 			}
 			p.OnEndpointSliceAdd(makeSlice("kube-system", "dns", "dns-a", discovery.AddressTypeIPv4,
 				[]discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, int32(echo.Port()))}, sliceEP{addr: "127.0.0.1"}))
