@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -79,7 +80,12 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	webAddr := startTCP(web, echo)
 	deadAddr := startTCP(dead, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), testenv.FreeTCPPort(t, "127.0.0.1")))
 
-	u := udp.New(dns.Name, onePicker{testenv.EchoUDP(t)}, udp.Config{IdleTimeout: 100 * time.Millisecond, OnEnd: al.OnEnd(dns), Logger: quiet})
+	// The UDP session idles out on a fake clock, stepped once the reply is in: on the real clock a
+	// 100 ms idle timeout ended the session before a loaded machine (-race, -count=50) had the
+	// echo's reply through it, and the read below timed out (1 run in 50).
+	const idle = 100 * time.Millisecond
+	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	u := udp.New(dns.Name, onePicker{testenv.EchoUDP(t)}, udp.Config{IdleTimeout: idle, Clock: fc, OnEnd: al.OnEnd(dns), Logger: quiet})
 	if err := u.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
 		t.Fatal(err)
 	}
@@ -117,6 +123,8 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	if _, err := uc.Read(make([]byte, 5)); err != nil {
 		t.Fatal(err)
 	}
+	testenv.WaitFor(t, "UDP expiry timer armed", fc.HasWaiters)
+	fc.Step(2 * idle)
 
 	testenv.WaitFor(t, "three access log lines", func() bool { return len(out.lines()) >= 3 })
 	seen := map[string]bool{}

@@ -185,7 +185,11 @@ type Proxier struct {
 	// kernelUDP are the kernel-path UDP ports as last applied, with their endpoints (see
 	// clearStaleKernelUDP).
 	kernelUDP map[service.ServicePortName]kernelUDPPort
-	failed    map[service.ServicePortName]*service.Port
+	// steered: what each UDP port's rules steered at the last sync that worked, and steerGen
+	// that sync's number (clearUntranslatedUDP).
+	steered  map[service.ServicePortName]*steeredUDP
+	steerGen uint64
+	failed   map[service.ServicePortName]*service.Port
 	// extFailed: ports whose external-traffic socket failed to open (logged once).
 	extFailed map[service.ServicePortName]bool
 	// unsynced names the service ports whose portal spec changed (socket opened or closed)

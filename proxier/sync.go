@@ -71,6 +71,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 	}
 	p.closeRetired()
 	p.clearStaleKernelUDP(specs)
+	p.clearUntranslatedUDP(specs)
 	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
 		p.saveListenState()
 	}

@@ -128,7 +128,8 @@ func (c *conn) serve() {
 	c.p.goRun(&c.up)
 }
 
-// dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure.
+// dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure
+// of the endpoint (retryElsewhere).
 func (c *conn) dial() (*sock, flow.EndReason, error) {
 	p := c.p
 	reset := false
@@ -161,7 +162,7 @@ func (c *conn) dial() (*sock, flow.EndReason, error) {
 		if lastErr, stop = c.attemptFailed(ep, i, timeout, err); stop {
 			return nil, flow.Shutdown, err
 		}
-		reset = true
+		reset = retryElsewhere(err)
 	}
 	return nil, flow.DialFailed, dialsFailed(lastErr)
 }
@@ -177,6 +178,16 @@ func (c *conn) attemptFailed(ep netip.AddrPort, i int, timeout time.Duration, er
 		c.observed(ep, err)
 	}
 	return lastErr, lastErr == nil
+}
+
+// retryElsewhere reports whether the next attempt after one that failed with err should ask the
+// picker for another endpoint (reset=true, which also moves a ClientIP-affinity client off its
+// endpoint). Not when the proxy itself ran out of descriptors or kernel memory (EMFILE, ENFILE,
+// ENOBUFS, ENOMEM) through the attempt's back-off: that says nothing about the endpoint, so the
+// next attempt goes to the same pick again, after the back-off it already waited, and a client
+// with affinity keeps its endpoint. If the shortage outlasts the ladder the client is refused.
+func retryElsewhere(err error) bool {
+	return !outOfResources(err)
 }
 
 // errNotEndpoints stands for a dial that failed for the proxy's own reasons.

@@ -356,7 +356,7 @@ func (u *uconn) failed(timeout time.Duration, err error) {
 	}
 	u.lastErr = lastErr
 	u.attempt++
-	u.reset = true
+	u.reset = retryElsewhere(err)
 	if u.attempt == len(c.p.cfg.DialTimeouts) {
 		c.fail(flow.DialFailed, dialsFailed(lastErr))
 		return
@@ -373,6 +373,10 @@ func (u *uconn) connected(res int32) {
 		if res == -int32(unix.ECANCELED) { // the linked timeout fired
 			err = fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
 		}
+		if outOfResources(err) && u.backOff(err) { // as the epoll engine's dialSock: same endpoint, later
+			return
+		}
+		u.backoff = 0
 		u.failed(c.p.cfg.DialTimeouts[u.attempt], err)
 		return
 	}

@@ -45,7 +45,11 @@ func FlowsOf(p *service.Port) Flows {
 
 // Interface deletes conntrack entries.
 type Interface interface {
+	// ClearUDP deletes every UDP entry to f's destinations.
 	ClearUDP(ctx context.Context, f Flows) error
+	// ClearUntranslated deletes the entries to fs's destinations that no portal rule translated
+	// (untranslated.go), with one walk of the table per family for all of fs.
+	ClearUntranslated(ctx context.Context, fs []Flows) error
 }
 
 var (

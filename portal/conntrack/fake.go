@@ -14,6 +14,8 @@ import (
 type Fake struct {
 	mu      sync.Mutex
 	cleared []Flows
+	// untranslated are the ClearUntranslated calls, one slice each.
+	untranslated [][]Flows
 	// Err, if set, is returned by every ClearUDP (after recording the call).
 	Err error
 }
@@ -25,6 +27,36 @@ func (f *Fake) ClearUDP(_ context.Context, flows Flows) error {
 	flows.Addrs = slices.Clone(flows.Addrs)
 	f.cleared = append(f.cleared, flows)
 	return f.Err
+}
+
+// ClearUntranslated implements Interface.
+func (f *Fake) ClearUntranslated(_ context.Context, fs []Flows) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	call := make([]Flows, len(fs))
+	for i, fl := range fs {
+		fl.Addrs = slices.Clone(fl.Addrs)
+		call[i] = fl
+	}
+	f.untranslated = append(f.untranslated, call)
+	return f.Err
+}
+
+// DumpUntranslated lists the ClearUntranslated calls one per line, in call order, each as its
+// sorted destinations: "10.96.0.10:53 nodeport 30053, 10.96.0.11:53".
+func (f *Fake) DumpUntranslated() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var lines []string
+	for _, call := range f.untranslated {
+		var parts []string
+		for _, fl := range call {
+			parts = append(parts, describe(fl))
+		}
+		slices.Sort(parts)
+		lines = append(lines, strings.Join(parts, ", "))
+	}
+	return strings.Join(lines, "\n")
 }
 
 // Dump lists the cleared entries one per line, sorted: "udp <ip>:<port>" for an address and
@@ -49,5 +81,5 @@ func (f *Fake) Dump() string {
 func (f *Fake) Reset() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.cleared = nil
+	f.cleared, f.untranslated = nil, nil
 }

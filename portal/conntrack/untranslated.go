@@ -17,27 +17,48 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// untranslatedFilter matches TCP and UDP entries to one of a service port's portal destinations
-// whose reply would come from that same destination: no portal rule translated them.
+// untranslatedFilter matches TCP and UDP entries to one of the portal destinations of a set of
+// service ports whose reply would come from that same destination: no portal rule translated
+// them. It is one filter for every port, with a set lookup per entry: the kernel's table is
+// walked once however many ports are given (a filter per port cost ports × entries, which at
+// 10,000 service ports and a busy table is billions of comparisons).
 type untranslatedFilter struct {
-	addrs    map[netip.Addr]bool
-	port     uint16
-	nodePort uint16
+	dsts      map[netip.AddrPort]struct{}
+	nodePorts map[uint16]struct{}
 }
 
 var _ netlink.CustomConntrackFilter = (*untranslatedFilter)(nil)
+
+func newUntranslatedFilter(fs []Flows) *untranslatedFilter {
+	u := &untranslatedFilter{dsts: map[netip.AddrPort]struct{}{}, nodePorts: map[uint16]struct{}{}}
+	for _, f := range fs {
+		for _, a := range f.Addrs {
+			u.dsts[netip.AddrPortFrom(a.Unmap(), f.Port)] = struct{}{}
+		}
+		if f.NodePort != 0 {
+			u.nodePorts[f.NodePort] = struct{}{}
+		}
+	}
+	return u
+}
 
 func (u *untranslatedFilter) MatchConntrackFlow(flow *netlink.ConntrackFlow) bool {
 	fw, rv := flow.Forward, flow.Reverse
 	if fw.Protocol != unix.IPPROTO_TCP && fw.Protocol != unix.IPPROTO_UDP {
 		return false
 	}
+	if !rv.SrcIP.Equal(fw.DstIP) || rv.SrcPort != fw.DstPort {
+		return false // translated
+	}
 	dst, ok := netip.AddrFromSlice(fw.DstIP)
 	if !ok {
 		return false
 	}
-	portal := (u.addrs[dst.Unmap()] && fw.DstPort == u.port) || (u.nodePort != 0 && fw.DstPort == u.nodePort)
-	return portal && rv.SrcIP.Equal(fw.DstIP) && rv.SrcPort == fw.DstPort
+	if _, ok := u.dsts[netip.AddrPortFrom(dst.Unmap(), fw.DstPort)]; ok {
+		return true
+	}
+	_, ok = u.nodePorts[fw.DstPort]
+	return ok
 }
 
 // ClearUntranslated deletes, in every family, the TCP and UDP entries to f's destinations that no
@@ -49,14 +70,7 @@ func (n *Netlink) ClearUntranslated(ctx context.Context, fs []Flows) error {
 	if len(fs) == 0 {
 		return nil
 	}
-	filters := make([]netlink.CustomConntrackFilter, 0, len(fs))
-	for _, f := range fs {
-		u := &untranslatedFilter{addrs: map[netip.Addr]bool{}, port: f.Port, nodePort: f.NodePort}
-		for _, a := range f.Addrs {
-			u.addrs[a.Unmap()] = true
-		}
-		filters = append(filters, u)
-	}
+	filter := newUntranslatedFilter(fs)
 	run := func(fn func() error) error { return fn() }
 	if n.Do != nil {
 		run = n.Do
@@ -69,7 +83,7 @@ func (n *Netlink) ClearUntranslated(ctx context.Context, fs []Flows) error {
 		defer h.Close()
 		var errs []error
 		for _, fam := range []netlink.InetFamily{unix.AF_INET, unix.AF_INET6} {
-			if _, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, fam, filters...); err != nil {
+			if _, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, fam, filter); err != nil {
 				errs = append(errs, fmt.Errorf("conntrack %s: delete untranslated entries of %d service ports: %w", familyName(fam), len(fs), err))
 			}
 		}

@@ -1,0 +1,113 @@
+package proxier
+
+// untranslated.go: a UDP client that sends to a service port before any rule steers it (the
+// port is new and its first sync has not run yet, or the node port had neither its REJECT nor
+// its REDIRECT) gets a conntrack entry without NAT: the datagram is delivered to the node
+// itself, where nothing listens on the node port, and the entry is confirmed. The nat table is
+// consulted only for a flow's first packet, so every later datagram of that flow (same source
+// port: the upstream conntrack e2e client sends from a fixed port in a tight loop, each ICMP
+// port unreachable ending its nc at once) follows the entry past the REDIRECT that the port
+// gets later, and the entry never times out while the client keeps sending. The filter-table
+// REJECT does not create such entries (it drops the datagram before conntrack confirms it),
+// so it is the window before a port's first rules that does.
+//
+// kube-proxy deletes a UDP service's entries when its endpoints go from none to some. Here the
+// proxier deletes, after a sync that made a UDP port steer a class of its traffic (cluster or
+// external) that it did not steer before, the untranslated entries to that port's destinations:
+// only the ones that cannot be right (a translated entry belongs to a live flow through the
+// proxy socket or, on the kernel path, to an endpoint), all ports of one sync in one walk of
+// the table per family.
+
+import (
+	"slices"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+)
+
+// steerBits says which classes of a UDP port's traffic its applied rules steer to a socket or
+// an endpoint.
+type steerBits uint8
+
+const (
+	steersInternal steerBits = 1 << iota
+	steersExternal
+)
+
+// steeredUDP is what a UDP port's rules steered as of the last sync that worked; gen is the
+// sync that last saw the port, so ports gone since can be dropped.
+type steeredUDP struct {
+	bits steerBits
+	gen  uint64
+}
+
+// steersOf reports what a spec's rules steer.
+func steersOf(s *portal.Spec) steerBits {
+	var b steerBits
+	if k := s.Kernel; k != nil {
+		if len(k.Cluster) > 0 || len(k.Local) > 0 {
+			b = steersInternal | steersExternal
+		}
+		return b
+	}
+	if !s.RejectInternal {
+		b |= steersInternal
+	}
+	if !s.RejectExternal {
+		b |= steersExternal
+	}
+	return b
+}
+
+// clearUntranslatedUDP is called after a sync that worked, with its specs: it deletes the
+// untranslated conntrack entries of the UDP ports that steer a class of traffic they did not
+// steer at the last sync (new ports included), in one ClearUntranslated. Per sync it costs a map
+// lookup per UDP port, and a walk of the conntrack table only when some port began to steer.
+func (p *Proxier) clearUntranslatedUDP(specs []portal.Spec) {
+	if p.deps.Conntrack == nil {
+		return // bind mode: no NAT, every entry is untranslated and right
+	}
+	if p.steered == nil {
+		p.steered = make(map[service.ServicePortName]*steeredUDP)
+	}
+	p.steerGen++
+	gen := p.steerGen
+	var flows []conntrack.Flows
+	seen := 0
+	for i := range specs {
+		s := &specs[i]
+		if s.Protocol != service.UDP {
+			continue
+		}
+		seen++
+		bits := steersOf(s)
+		st := p.steered[s.Name] // one map lookup per port
+		if st == nil {
+			st = &steeredUDP{}
+			p.steered[s.Name] = st
+		}
+		if bits&^st.bits != 0 {
+			flows = append(flows, specFlows(s))
+		}
+		st.bits, st.gen = bits, gen
+	}
+	if len(p.steered) > seen {
+		for name, st := range p.steered {
+			if st.gen != gen {
+				delete(p.steered, name)
+			}
+		}
+	}
+	if len(flows) == 0 {
+		return
+	}
+	if err := p.deps.Conntrack.ClearUntranslated(p.runCtx, flows); err != nil {
+		p.log.WithField("count", len(flows)).WithError(err).Warn("Clearing the untranslated UDP conntrack entries of service ports that began to steer traffic")
+	}
+}
+
+// specFlows names a spec's portal destinations for conntrack.
+func specFlows(s *portal.Spec) conntrack.Flows {
+	return conntrack.Flows{Addrs: slices.Concat(s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs), Port: s.Port, NodePort: s.NodePort}
+}
