@@ -548,24 +548,7 @@ func testRestartFromSnapshot(t *testing.T, mode string, flags []string) {
 	if err := framework.WriteRelayedKubeconfig(n.kubeconfig, unreachable, "https://127.0.0.1:1"); err != nil {
 		t.Fatal(err)
 	}
-	first.Kill()
-	killed := time.Now()
-	second := startProxy(t, n.bed.Node, n.dir, proxyArgs(append([]string{"--kubeconfig=" + unreachable, "--hostname-override=" + n.name}, flags...)...)...)
-	var answered time.Duration
-	eventually(t, 2*restoreDeadline, "no answer through the cluster IP while the sources cannot sync", func() error {
-		if err := second.exited(); err != nil {
-			return err
-		}
-		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
-		if err == nil {
-			answered = time.Since(killed)
-		}
-		return err
-	})
-	eventually(t, 2*restoreDeadline, "no UDP answer through the cluster IP while the sources cannot sync", func() error {
-		_, err := whoUDP(n.bed.Client, tg.clusterUDP)
-		return err
-	})
+	second, answered := killAndRestartAgainst(t, n, first, tg, unreachable, flags, "the sources cannot sync")
 	line := lineWith(second.LogTail(2000), "from the restart snapshot")
 	t.Logf("%s mode: SIGKILL -> first answer through the cluster IP, no source synced: %v; new process: %s", mode, answered.Round(time.Millisecond), line)
 	if answered > restoreDeadline {
@@ -630,6 +613,33 @@ func blackHoleAPI(t *testing.T, node *netns.NS) string {
 	return "https://" + ln.Addr().String()
 }
 
+// killAndRestartAgainst SIGKILLs first and starts a proxy with flags against kubeconfig at once,
+// then waits (2*restoreDeadline) until TCP and UDP through tg's cluster IP are answered while
+// (why) the sources cannot sync: it returns the new process and the time from the kill to the
+// first TCP answer.
+func killAndRestartAgainst(t *testing.T, n *clusterNode, first *proxyProcess, tg targets, kubeconfig string, flags []string, why string) (*proxyProcess, time.Duration) {
+	t.Helper()
+	first.Kill()
+	killed := time.Now()
+	second := startProxy(t, n.bed.Node, n.dir, proxyArgs(append([]string{"--kubeconfig=" + kubeconfig, "--hostname-override=" + n.name}, flags...)...)...)
+	var answered time.Duration
+	eventually(t, 2*restoreDeadline, "no answer through the cluster IP while "+why, func() error {
+		if err := second.exited(); err != nil {
+			return err
+		}
+		_, err := whoTCP(n.bed.Client, tg.clusterTCP)
+		if err == nil {
+			answered = time.Since(killed)
+		}
+		return err
+	})
+	eventually(t, 2*restoreDeadline, "no UDP answer through the cluster IP while "+why, func() error {
+		_, err := whoUDP(n.bed.Client, tg.clusterUDP)
+		return err
+	})
+	return second, answered
+}
+
 // TestRestartWithSlowAPIServer SIGKILLs the proxy and starts it again against an API server that
 // accepts connections and never answers (a loaded control plane): the restart must serve the
 // restart snapshot's endpoints on the reopened sockets without waiting for it. The start reads
@@ -660,24 +670,7 @@ func TestRestartWithSlowAPIServer(t *testing.T) {
 			if err := framework.WriteRelayedKubeconfig(n.kubeconfig, slow, blackHoleAPI(t, n.bed.Node)); err != nil {
 				t.Fatal(err)
 			}
-			first.Kill()
-			killed := time.Now()
-			second := startProxy(t, n.bed.Node, n.dir, proxyArgs(append([]string{"--kubeconfig=" + slow, "--hostname-override=" + n.name}, flags...)...)...)
-			var answered time.Duration
-			eventually(t, 2*restoreDeadline, "no answer through the cluster IP while the API server does not answer", func() error {
-				if err := second.exited(); err != nil {
-					return err
-				}
-				_, err := whoTCP(n.bed.Client, tg.clusterTCP)
-				if err == nil {
-					answered = time.Since(killed)
-				}
-				return err
-			})
-			eventually(t, 2*restoreDeadline, "no UDP answer through the cluster IP while the API server does not answer", func() error {
-				_, err := whoUDP(n.bed.Client, tg.clusterUDP)
-				return err
-			})
+			second, answered := killAndRestartAgainst(t, n, first, tg, slow, flags, "the API server does not answer")
 			t.Logf("%s mode: SIGKILL -> first answer through the cluster IP, API server silent: %v", m.name, answered.Round(time.Millisecond))
 			for _, l := range strings.Split(second.LogTail(200), "\n") {
 				if strings.Contains(l, "Start-up") || strings.Contains(l, "Proxy sockets open") {
