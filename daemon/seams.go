@@ -20,6 +20,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/memlimit"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/rlimit"
@@ -104,6 +105,7 @@ func (systemHost) tune(o *Options, log logrus.FieldLogger) (settle func()) {
 		debug.SetGCPercent(startGCPercent)
 		settle = func() { debug.SetGCPercent(steadyGCPercent) }
 	}
+	applyMemoryLimit(log)
 	applyOOMScoreAdj(o, log)
 	applyConntrackSysctls(o, log)
 	if res, err := rlimit.RaiseNoFile(wantNoFile); err != nil {
@@ -112,6 +114,33 @@ func (systemHost) tune(o *Options, log logrus.FieldLogger) (settle func()) {
 		log.WithField("limit", res.After.Cur).Warn("Open-file limit is below what a busy proxy may need; raise the hard limit (LimitNOFILE)")
 	}
 	return settle
+}
+
+// applyMemoryLimit gives the Go runtime a soft memory limit of nine tenths of the process's
+// cgroup memory limit, when it has one and GOMEMLIMIT does not say otherwise: the runtime does not
+// read the cgroup itself, and without it the collector lets the heap grow to twice its live size
+// and the kernel OOM-kills the proxy at a peak a few more collections would have kept below the
+// limit.
+func applyMemoryLimit(log logrus.FieldLogger) {
+	if os.Getenv("GOMEMLIMIT") != "" {
+		return
+	}
+	self, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		log.WithError(err).Debug("No cgroup to read a memory limit from")
+		return
+	}
+	l, err := memlimit.FromCgroup(self, "/sys/fs/cgroup")
+	if err != nil {
+		log.WithError(err).Warn("Cannot read the cgroup's memory limit; the Go runtime has no soft limit (set GOMEMLIMIT)")
+		return
+	}
+	if l.Bytes == 0 {
+		return
+	}
+	soft := memlimit.Soft(l.Bytes)
+	debug.SetMemoryLimit(soft)
+	log.WithFields(logrus.Fields{"cgroupLimit": l.Bytes, "file": l.File, "softLimit": soft}).Info("Go soft memory limit set below the cgroup's memory limit (GOMEMLIMIT overrides)")
 }
 
 func (systemHost) check(o *Options) error { return checkTools(o) }
