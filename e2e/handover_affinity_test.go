@@ -7,7 +7,6 @@ package e2e
 
 import (
 	"bufio"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -93,15 +92,7 @@ func TestHandOverKeepsAffinity(t *testing.T) {
 			}
 
 			second := n.startProxy(t, flags...)
-			eventually(t, 30*time.Second, "the new proxy never took over", func() error {
-				if err := second.exited(); err != nil {
-					return err
-				}
-				if !strings.Contains(second.LogTail(2000), "Took over from the running proxy") {
-					return errors.New("no \"Took over\" line yet")
-				}
-				return nil
-			})
+			second.waitTookOver(t)
 			if err := first.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 				t.Fatal(err)
 			}

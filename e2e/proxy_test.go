@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -111,4 +112,19 @@ func proxyArgs(extra ...string) []string {
 		// nf_conntrack_max is shared with the whole host.
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
 	}, extra...)
+}
+
+// waitTookOver waits (30 s) until p, started beside a running proxy with the same hand-over
+// socket, logs that it took over, and fails the test if p exits first.
+func (p *proxyProcess) waitTookOver(t *testing.T) {
+	t.Helper()
+	eventually(t, 30*time.Second, "the new proxy never took over", func() error {
+		if err := p.exited(); err != nil {
+			return err
+		}
+		if !strings.Contains(p.LogTail(4000), "Took over from the running proxy") {
+			return errors.New("no \"Took over\" line yet")
+		}
+		return nil
+	})
 }

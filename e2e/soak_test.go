@@ -254,15 +254,7 @@ func (s *soak) inject(kind string) {
 	case "handover":
 		old := s.proxy
 		next := s.n.startProxy(t, s.flags...)
-		eventually(t, 30*time.Second, "the new proxy never took over", func() error {
-			if err := next.exited(); err != nil {
-				return err
-			}
-			if !strings.Contains(next.LogTail(4000), "Took over from the running proxy") {
-				return errors.New("no \"Took over\" line yet")
-			}
-			return nil
-		})
+		next.waitTookOver(t)
 		if err := old.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)
 		}
