@@ -165,9 +165,8 @@ func (pm *portalMode) listenState() func([]proxier.Seed) {
 // that a nat flush left untranslated (iptables.Config.AfterNATRepair).
 func untranslatedFlows(specs []portal.Spec) []conntrack.Flows {
 	out := make([]conntrack.Flows, 0, len(specs))
-	for _, s := range specs {
-		addrs := append(append(slices.Clone(s.ClusterIPs), s.ExternalIPs...), s.LoadBalancerIPs...)
-		out = append(out, conntrack.Flows{Addrs: addrs, Port: s.Port, NodePort: s.NodePort})
+	for i := range specs {
+		out = append(out, conntrack.FlowsOfSpec(&specs[i]))
 	}
 	return out
 }

@@ -19,8 +19,6 @@ package proxier
 // the table per family.
 
 import (
-	"slices"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -88,7 +86,7 @@ func (p *Proxier) clearUntranslatedUDP(specs []portal.Spec) {
 			p.steered[s.Name] = st
 		}
 		if bits&^st.bits != 0 {
-			flows = append(flows, specFlows(s))
+			flows = append(flows, conntrack.FlowsOfSpec(s))
 		}
 		st.bits, st.gen = bits, gen
 	}
@@ -105,9 +103,4 @@ func (p *Proxier) clearUntranslatedUDP(specs []portal.Spec) {
 	if err := p.deps.Conntrack.ClearUntranslated(p.runCtx, flows); err != nil {
 		p.log.WithField("count", len(flows)).WithError(err).Warn("Clearing the untranslated UDP conntrack entries of service ports that began to steer traffic")
 	}
-}
-
-// specFlows names a spec's portal destinations for conntrack.
-func specFlows(s *portal.Spec) conntrack.Flows {
-	return conntrack.Flows{Addrs: slices.Concat(s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs), Port: s.Port, NodePort: s.NodePort}
 }

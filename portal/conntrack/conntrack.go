@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -41,6 +42,12 @@ func FlowsOf(p *service.Port) Flows {
 	addrs = append(addrs, p.LoadBalancerIPs...)
 	slices.SortFunc(addrs, netip.Addr.Compare)
 	return Flows{Addrs: slices.Compact(addrs), Port: p.Port, NodePort: p.NodePort}
+}
+
+// FlowsOfSpec returns the destinations of a portal spec (as the rules in force steer them): its
+// cluster, external and load-balancer IPs at its port, and its node port.
+func FlowsOfSpec(s *portal.Spec) Flows {
+	return Flows{Addrs: slices.Concat(s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs), Port: s.Port, NodePort: s.NodePort}
 }
 
 // Interface deletes conntrack entries.
