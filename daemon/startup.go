@@ -11,14 +11,10 @@ package daemon
 // time since the start.
 
 import (
-	"bytes"
-	"fmt"
 	"maps"
 	"net/netip"
 	"os"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -26,6 +22,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 )
@@ -42,7 +39,7 @@ type startupSteps struct {
 
 func newStartupSteps(clk clock.PassiveClock, log logrus.FieldLogger) *startupSteps {
 	now := clk.Now()
-	age, err := processAge()
+	age, err := procstat.Age(os.Getpid())
 	if err != nil {
 		age = -1
 	} else {
@@ -64,36 +61,6 @@ func (s *startupSteps) serving() {
 		f["sinceProcessStart"] = (s.age + since).Round(time.Millisecond).String()
 	}
 	s.log.WithFields(f).Info("Proxy sockets open: serving")
-}
-
-// processAge is how long ago this process started, from /proc (in clock ticks: 10 ms).
-func processAge() (time.Duration, error) {
-	stat, err := os.ReadFile("/proc/self/stat")
-	if err != nil {
-		return 0, err
-	}
-	up, err := os.ReadFile("/proc/uptime")
-	if err != nil {
-		return 0, err
-	}
-	// The fields after the command name, which is in parentheses and may hold spaces; the
-	// start time is field 22 of the whole line, the 20th after the name.
-	rest := string(stat[bytes.LastIndexByte(stat, ')')+1:])
-	f := strings.Fields(rest)
-	upf := strings.Fields(string(up))
-	if len(f) < 20 || len(upf) < 1 {
-		return 0, fmt.Errorf("unexpected /proc/self/stat or /proc/uptime")
-	}
-	ticks, err := strconv.ParseInt(f[19], 10, 64)
-	if err != nil {
-		return 0, err
-	}
-	uptime, err := strconv.ParseFloat(upf[0], 64)
-	if err != nil {
-		return 0, err
-	}
-	const clkTck = 100 // USER_HZ on every Linux architecture Go supports
-	return time.Duration(uptime*float64(time.Second)) - time.Duration(ticks)*time.Second/clkTck, nil
 }
 
 // done ends a step.

@@ -1,7 +1,7 @@
 // Package procstat reads what a process tree costs from /proc: CPU time (utime+stime of
-// /proc/<pid>/stat, every thread included), resident memory and open descriptors. The tree is the
-// process and its descendants, so nginx's master and workers count together. The benchmark tools
-// share it.
+// /proc/<pid>/stat, every thread included), resident memory and open descriptors, and a
+// process's age. The tree is the process and its descendants, so nginx's master and workers count
+// together. The benchmark tools and the daemon's start-up log share it.
 package procstat
 
 import (
@@ -46,6 +46,29 @@ func statFields(pid int) []string {
 	}
 	s := string(b)
 	return strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+}
+
+// Age is how long ago pid started (starttime, field 22 of /proc/<pid>/stat, against
+// /proc/uptime), to the clock tick (10 ms).
+func Age(pid int) (time.Duration, error) {
+	f := statFields(pid)
+	up, err := os.ReadFile("/proc/uptime")
+	if err != nil {
+		return 0, err
+	}
+	upf := strings.Fields(string(up))
+	if len(f) < 20 || len(upf) < 1 {
+		return 0, fmt.Errorf("/proc/%d/stat or /proc/uptime: not the expected fields", pid)
+	}
+	ticks, err := strconv.ParseInt(f[19], 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("/proc/%d/stat starttime: %w", pid, err)
+	}
+	uptime, err := strconv.ParseFloat(upf[0], 64)
+	if err != nil {
+		return 0, fmt.Errorf("/proc/uptime: %w", err)
+	}
+	return time.Duration(uptime*float64(time.Second)) - time.Duration(ticks)*time.Second/userHZ, nil
 }
 
 // CPUTime is utime+stime over the tree of pid.
