@@ -76,12 +76,10 @@ func encodeAffinity(entries []AffinityEntry, limit int) (msgs [][]byte, left int
 	// json.Marshal of the whole would validate and copy each again).
 	const head, tail = `{"affinity":[`, `]}`
 	var cur []byte
-	flush := func() error {
-		if len(cur) == 0 {
-			return nil
+	flush := func() {
+		if len(cur) > 0 {
+			msgs, cur = append(msgs, append(cur, tail...)), nil
 		}
-		msgs, cur = append(msgs, append(cur, tail...)), nil
-		return nil
 	}
 	for _, e := range entries {
 		b, err := json.Marshal(affinityWire{Namespace: e.Service.Namespace, Name: e.Service.Name, Port: e.Service.Port,
@@ -94,9 +92,7 @@ func encodeAffinity(entries []AffinityEntry, limit int) (msgs [][]byte, left int
 			continue
 		}
 		if len(cur)+len(b)+1+len(tail) > affinityChunkBytes {
-			if err := flush(); err != nil {
-				return nil, 0, err
-			}
+			flush()
 		}
 		if len(cur) == 0 {
 			cur = append(make([]byte, 0, affinityChunkBytes), head...)
@@ -105,9 +101,7 @@ func encodeAffinity(entries []AffinityEntry, limit int) (msgs [][]byte, left int
 		}
 		cur = append(cur, b...)
 	}
-	if err := flush(); err != nil {
-		return nil, 0, err
-	}
+	flush()
 	return msgs, left, nil
 }
 
