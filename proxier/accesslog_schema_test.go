@@ -4,13 +4,11 @@ package proxier
 // backend; the proxies listen on 127.0.0.1, kernel-chosen ports.
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"net"
 	"net/netip"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,24 +21,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
 
-// lineBuffer collects the JSON lines a logger writes, safely across the proxies' goroutines.
-type lineBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lineBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lineBuffer) lines() []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Split(strings.TrimSpace(b.buf.String()), "\n")
-}
-
 // TestAccessLogLinesMatchSchema checks accesslog.schema.json, the documented format log
 // pipelines parse, against lines the access log writes with the JSON formatter --log-format=json
 // uses, for real connections through real loopback proxies: a TCP connection to a known pod, a
@@ -50,7 +30,7 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := &lineBuffer{}
+	out := &testenv.SyncBuffer{} // the JSON lines the logger writes, across the proxies' goroutines
 	log := logrus.New()
 	log.SetOutput(out)
 	log.SetFormatter(&logrus.JSONFormatter{})
@@ -126,9 +106,9 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	testenv.WaitFor(t, "UDP expiry timer armed", fc.HasWaiters)
 	fc.Step(2 * idle)
 
-	testenv.WaitFor(t, "three access log lines", func() bool { return len(out.lines()) >= 3 })
+	testenv.WaitFor(t, "three access log lines", func() bool { return len(out.Lines()) >= 3 })
 	seen := map[string]bool{}
-	for _, line := range out.lines() {
+	for _, line := range out.Lines() {
 		if err := schema.Validate([]byte(line)); err != nil {
 			t.Errorf("access log line does not match the schema: %v", err)
 		}
@@ -140,7 +120,7 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	}
 	for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`} {
 		if !seen[want] {
-			t.Errorf("no line has %s: %q", want, out.lines())
+			t.Errorf("no line has %s: %q", want, out.Lines())
 		}
 	}
 

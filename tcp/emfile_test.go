@@ -19,6 +19,8 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 const emfileChildEnv = "KPP_TCP_EMFILE_CHILD_ENDPOINT"
@@ -152,7 +154,7 @@ func TestDialEMFILEKeepsAffinity(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestDialEMFILEKeepsAffinity$")
 	cmd.Env = append(os.Environ(), emfileAffinityChildEnv+"="+a.String()+","+b.String())
-	stderr := &lockedBuffer{}
+	stderr := &testenv.SyncBuffer{}
 	cmd.Stderr = stderr
 	stdin, _ := cmd.StdinPipe()
 	stdout, _ := cmd.StdoutPipe()
@@ -315,22 +317,4 @@ func emfileAffinityChild(eps string) {
 	}
 	picker.mu.Unlock()
 	os.Exit(0)
-}
-
-// lockedBuffer is a bytes.Buffer that a child's output can be written to while the test reads it.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
