@@ -227,6 +227,95 @@ func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
 	for _, a := range accs {
 		<-a.done
 	}
+	e.acceptQueued(p, ln)
+}
+
+// acceptQueued serves, once the loops' accepts on ln are cancelled, the connections left in its
+// queue. The kernel arms an io_uring accept as an exclusive waiter on the listener, and a new
+// connection wakes one exclusive waiter only: when that is an accept being cancelled, the wake-up
+// is spent, and the connection waits in the queue, though another process's ring is armed on the
+// same socket after a hand-over, until the next connection wakes it: for ever, for a client that
+// waits for an answer before it connects again (TestStopAcceptingStrandsNoConnection, 100
+// hand-overs between two rings: each of 3 runs stranded one before, none of 5 after). With the
+// cancels done nothing of this process waits on ln, so what is queued now holds every connection
+// whose wake-up was spent here; later ones wake the other waiters. A connection served here is
+// this proxy's, as one accepted just before the cancel.
+func (e *uringEngine) acceptQueued(p *Proxy, ln *sock) {
+	var fds []int
+	var peers []netip.AddrPort
+	_ = ln.raw.Control(func(lfd uintptr) {
+		fds, peers = acceptWaiting(int(lfd), maxStranded)
+	})
+	if len(fds) == 0 {
+		return
+	}
+	p.logger().WithField("connections", len(fds)).Debug("accepted the connections left in the queue when accepting stopped")
+	done := make(chan struct{})
+	l := e.loops[0]
+	if !l.post(func() {
+		defer close(done)
+		for i, fd := range fds {
+			l.serve(p, fd, peers[i])
+		}
+	}) {
+		for _, fd := range fds {
+			sysClose(fd)
+		}
+		return
+	}
+	<-done // served before Close counts the connections left
+}
+
+// maxStranded bounds acceptQueued: a queue that refills as fast as it is read is being served by
+// the other waiters.
+const maxStranded = 1024
+
+// acceptWaiting accepts, without waiting, up to max connections queued on the listening socket
+// lfd. The listener may be a blocking one (the io_uring engine's, shared with a successor), so
+// each accept comes after poll says one is queued, and a receive timeout (which bounds a blocking
+// accept; no other user of the socket blocks in accept) covers the other process taking it in
+// between. The previous timeout is put back.
+func acceptWaiting(lfd, max int) (fds []int, peers []netip.AddrPort) {
+	pfd := []unix.PollFd{{Fd: int32(lfd), Events: unix.POLLIN}}
+	if n, err := unix.Poll(pfd, 0); err != nil || n == 0 {
+		return nil, nil
+	}
+	if fl, err := unix.FcntlInt(uintptr(lfd), unix.F_GETFL, 0); err == nil && fl&unix.O_NONBLOCK == 0 {
+		if prev, err := unix.GetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO); err == nil {
+			wait := unix.NsecToTimeval(int64(10 * time.Millisecond))
+			if unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &wait) != nil {
+				return nil, nil
+			}
+			defer unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, prev)
+		} else {
+			return nil, nil
+		}
+	}
+	for len(fds) < max {
+		if n, err := unix.Poll(pfd, 0); err != nil || n == 0 {
+			break
+		}
+		fd, sa, err := unix.Accept4(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		if err == unix.EINTR || err == unix.ECONNABORTED {
+			continue
+		}
+		if err != nil {
+			break // EAGAIN: the other process took it; out of descriptors: leave it to it
+		}
+		fds, peers = append(fds, fd), append(peers, sockaddrPeer(sa))
+	}
+	return fds, peers
+}
+
+// sockaddrPeer is a client's address as accept returns it.
+func sockaddrPeer(sa unix.Sockaddr) netip.AddrPort {
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
+	}
+	return netip.AddrPort{}
 }
 
 // uaccept is the accept of one proxy's listening socket on one loop.

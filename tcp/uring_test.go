@@ -6,11 +6,15 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // Address plan: the proxy on 127.0.0.1, echo endpoints on 127.0.0.3 and 127.0.0.4 (kernel-chosen
@@ -154,4 +158,104 @@ func TestAdoptionKeepsTheSharedNonBlockingFlag(t *testing.T) {
 			roundTrip(t, c, "through the adopted socket")
 		})
 	}
+}
+
+// TestStopAcceptingStrandsNoConnection: two io_uring engines (a process and its successor after
+// a hand-over) accept on the same listening socket while a client connects again and again, each
+// time once it had its answer; then the first stops accepting. Every connection must be served:
+// the kernel wakes one exclusive waiter per connection, and an accept being cancelled spends the
+// wake-up without accepting, which before left the connection in the queue until the next one
+// came (each of 3 runs stranded one within its 100 rounds; this client, waiting for it, never
+// sent the next).
+func TestStopAcceptingStrandsNoConnection(t *testing.T) {
+	requireIOURing(t)
+	oldE, newE := NewIOUring(2), NewIOUring(2)
+	t.Cleanup(func() { oldE.Close(); newE.Close() })
+	backend := serve(t, "127.0.0.3", echo)
+	for iter := range 100 {
+		ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Listen(ln, 128); err != nil {
+			t.Fatal(err)
+		}
+		sa, _ := unix.Getsockname(ln)
+		addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
+		start := func(e Engine) *Proxy {
+			fd, err := unix.Dup(ln) // as SCM_RIGHTS delivers it: the same open file
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := New(testName, &fakePicker{eps: []netip.AddrPort{backend}}, Config{Logger: testLogger(t), Engine: e,
+				Adopt: func(netip.AddrPort) (int, bool) { return fd, true }})
+			if err := p.Listen(addr); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Start(); err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		old, successor := start(oldE), start(newE)
+		unix.Close(ln)
+
+		var served atomic.Int64
+		stop := make(chan struct{})
+		failed := make(chan error, 1)
+		go func() {
+			defer close(failed)
+			for n := 0; ; n++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := echoOnce(addr, strconv.Itoa(n)); err != nil {
+					failed <- err
+					return
+				}
+				served.Add(1)
+			}
+		}()
+		// Stop accepting after a number of answers that varies with the round, so the cancel
+		// meets the client's connections at different points.
+		before := int64(1 + iter%7)
+		testenv.WaitFor(t, "the client's first answers", func() bool { return served.Load() >= before })
+		old.Close()
+		after := served.Load() + 20
+		testenv.WaitFor(t, "20 answers after the first process stopped accepting", func() bool {
+			select {
+			case err := <-failed:
+				t.Fatalf("round %d: a connection made while the first process stopped accepting: %v", iter, err)
+			default:
+			}
+			return served.Load() >= after
+		})
+		close(stop)
+		if err := <-failed; err != nil {
+			t.Fatalf("round %d: %v", iter, err)
+		}
+		successor.Shutdown()
+		old.Shutdown()
+	}
+}
+
+// echoOnce connects to addr, sends msg and reads the echo within a second.
+func echoOnce(addr netip.AddrPort, msg string) error {
+	c, err := net.DialTimeout("tcp4", addr.String(), time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(time.Second))
+	if _, err := c.Write([]byte(msg)); err != nil {
+		return err
+	}
+	buf := make([]byte, len(msg))
+	_, err = io.ReadFull(c, buf)
+	return err
 }
