@@ -210,17 +210,37 @@ func (d *Daemon) Run(ctx context.Context) error {
 		defer endDrain()
 		tookOver := make(chan struct{})
 		serves = tookOver
-		tasks = append(tasks, d.handoverTask(inh, w.proxier, affinityTable(w.balancer, d.deps.clock), w.restart, w.gate, tookOver, started, func() {
+		handover := d.handoverTask(inh, w.proxier, affinityTable(w.balancer, d.deps.clock), w.restart, w.gate, tookOver, started, func() {
 			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
 			w.proxier.HandOff(drain)
 			stopServing()
 			log.Info("Handed over to a successor: no longer syncing or accepting; finishing established connections, exiting at SIGTERM")
-		}))
+		})
+		// At a SIGTERM the proxier drains its connections if this process handed over, or ends
+		// them. The hand-over task decides which as it stops (a successor's ready may be read
+		// just then), so the proxier sees the SIGTERM only once that task has returned.
+		decided := make(chan struct{})
+		tasks[0] = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
+		tasks = append(tasks, func(ctx context.Context) {
+			defer close(decided)
+			handover(ctx)
+		})
 	}
 	if o.readyFile != "" {
 		tasks = append(tasks, readyFileTask(o.readyFile, serves, log))
 	}
 	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, tasks...)
+}
+
+// afterClosed is a context that ends once ctx has ended and ch is closed.
+func afterClosed(ctx context.Context, ch <-chan struct{}) context.Context {
+	out, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	go func() { // ends with ctx and ch: the caller's task ends them
+		defer cancel()
+		<-ctx.Done()
+		<-ch
+	}()
+	return out
 }
 
 // drainBudget is how long, after SIGTERM, a process that handed over lets its connections

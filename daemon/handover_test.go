@@ -338,3 +338,76 @@ func TestHandoverFailureIsExported(t *testing.T) {
 		})
 	}
 }
+
+// TestSIGTERMWhileSuccessorGetsReady: the DaemonSet controller (or a person) may SIGTERM the old
+// process as soon as the new one says it took over, while the old one has not yet read the
+// successor's ready, or before the successor is ready at all. The successor holds the sockets
+// then; the old process must let its established connections finish, as after a hand-over,
+// instead of resetting them. Address plan as TestDaemonHandsOver.
+func TestSIGTERMWhileSuccessorGetsReady(t *testing.T) {
+	backend := echoServer(t)
+	dir := t.TempDir()
+	writeService(t, dir, "echo", "10.96.0.10", backend)
+	args := []string{"--services-file=" + dir, "--iptables-min-sync-period=0", "--healthz-bind-address=" + freeAddr(t),
+		"--metrics-bind-address=" + freeAddr(t), "--handover-socket=" + filepath.Join(t.TempDir(), "run", "handover.sock")}
+	echoName := service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"}
+
+	first := newHarness(t, args...)
+	stopFirst := first.start(t)
+	proxyPort := first.portals.waitProxyPort(t, echoName)
+	testenv.WaitFor(t, "the first daemon to listen on the hand-over socket", func() bool {
+		return logged(first.log, "No running proxy to take over from") != nil && socketExists(args[4])
+	})
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", proxyPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := bufio.NewReader(c)
+	exchange := func(msg string) error {
+		_ = c.SetDeadline(time.Now().Add(waitFor))
+		if _, err := fmt.Fprintln(c, msg); err != nil {
+			return err
+		}
+		got, err := r.ReadString('\n')
+		if err != nil || got != msg+"\n" {
+			return fmt.Errorf("echo of %q: %q, %v", msg, got, err)
+		}
+		return nil
+	}
+	if err := exchange("before"); err != nil {
+		t.Fatal(err)
+	}
+
+	second := newHarness(t, args...)
+	second.start(t)
+	testenv.WaitFor(t, "the first daemon to hand its sockets to the second", func() bool {
+		return logged(first.log, "Handed the listening sockets to a successor; serving until it is ready") != nil
+	})
+	stopped := make(chan error, 1)
+	go func() { stopped <- stopFirst() }() // SIGTERM; Run returns once the connection has finished
+	testenv.WaitFor(t, "the first daemon to begin shutting down", func() bool {
+		return logged(first.log, "Shutting down; portal rules stay in place so a restart does not black-hole services") != nil
+	})
+	if err := exchange("after SIGTERM"); err != nil {
+		t.Fatalf("the first daemon's connection after its SIGTERM during the hand-over: %v", err)
+	}
+	c.Close()
+	if err := <-stopped; err != nil {
+		t.Fatalf("the first daemon's Run: %v", err)
+	}
+	// The second one serves, whether its ready reached the first or found it gone.
+	testenv.WaitFor(t, "the second daemon to take over", func() bool {
+		return logged(second.log, "Took over from the running proxy") != nil ||
+			logged(second.log, "Took over the running proxy's sockets, but could not tell it; it stops at its SIGTERM") != nil
+	})
+	c2, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", second.portals.waitProxyPort(t, echoName)))
+	if err != nil {
+		t.Fatalf("the second daemon does not serve the proxy port: %v", err)
+	}
+	defer c2.Close()
+	c, r = c2, bufio.NewReader(c2)
+	if err := exchange("to the second daemon"); err != nil {
+		t.Fatal(err)
+	}
+}

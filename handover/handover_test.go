@@ -355,7 +355,37 @@ func TestHandOverFallback(t *testing.T) {
 		}
 	})
 
-	t.Run("a predecessor told to stop while it waits for ready stops at once", func(t *testing.T) {
+	// A SIGTERM as soon as the successor says it took over races with reading its ready: the
+	// predecessor then reset the connections it had instead of letting them finish (a chaos soak
+	// client saw "connection reset by peer" at connect).
+	t.Run("a predecessor told to stop while a successor holding the sockets gets ready finishes its connections", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		adopted := make(chan struct{})
+		var once sync.Once
+		s := NewServer(ServerConfig{Path: path, Logger: quietLog(), Pending: func(p bool) {
+			if p {
+				once.Do(func() { close(adopted) })
+			}
+		}})
+		if err := s.Listen(); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		stopped, handedOff := make(chan struct{}), false
+		go func() { defer close(stopped); s.Run(ctx, func() { handedOff = true }) }()
+		receiveOK(t, path) // the successor holds the sockets and is starting: no ready yet
+		waitClosed(t, adopted, "the predecessor to read the adoption")
+		cancel() // SIGTERM to the predecessor
+		waitClosed(t, stopped, "the server to stop while it waited for ready")
+		if !handedOff {
+			t.Error("a stop after the successor adopted the sockets was not taken for a hand-over: the predecessor resets its connections")
+		}
+		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the socket file outlived its server: %v", err)
+		}
+	})
+
+	t.Run("a predecessor told to stop before a successor adopted the sockets stops as without one", func(t *testing.T) {
 		path := filepath.Join(t.TempDir(), "handover.sock")
 		s := NewServer(ServerConfig{Path: path, Logger: quietLog()})
 		if err := s.Listen(); err != nil {
@@ -364,14 +394,15 @@ func TestHandOverFallback(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		stopped, handedOff := make(chan struct{}), false
 		go func() { defer close(stopped); s.Run(ctx, func() { handedOff = true }) }()
-		receiveOK(t, path) // the successor is starting: no ready yet
-		cancel()           // SIGTERM to the predecessor
-		waitClosed(t, stopped, "the server to stop while it waited for ready")
-		if handedOff {
-			t.Error("a stop before ready was taken for a hand-over")
+		c, err := net.Dial("unixpacket", path) // a successor that has not even said hello
+		if err != nil {
+			t.Fatal(err)
 		}
-		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("the socket file outlived its server: %v", err)
+		defer c.Close()
+		cancel()
+		waitClosed(t, stopped, "the server to stop while it waited for hello")
+		if handedOff {
+			t.Error("a stop before any adoption was taken for a hand-over")
 		}
 	})
 

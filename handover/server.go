@@ -130,7 +130,7 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 			return
 		}
 		stopConn := context.AfterFunc(ctx, func() { _ = c.Close() }) // a SIGTERM does not wait for ready
-		err = s.serve(c)
+		adopted, err := s.serve(c)
 		stopConn()
 		_ = c.Close()
 		if err == nil {
@@ -138,32 +138,41 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 			return
 		}
 		if ctx.Err() != nil {
-			return // stopping anyway: the successor serves the sockets it took
+			// Stopping anyway: the successor serves the sockets it took. Once it has adopted
+			// them this process goes as after a hand-over, finishing its connections instead of
+			// resetting them: its ready may even be on the way (a SIGTERM sent as soon as the
+			// successor says it took over races with reading it).
+			if adopted {
+				s.cfg.Logger.Info("Stopping while a successor that holds the sockets gets ready: finishing established connections")
+				handedOff()
+			}
+			return
 		}
 		s.cfg.Logger.WithError(err).Warn("Hand-over to a successor failed; still serving")
 	}
 }
 
-// serve runs one hand-over on c; nil means the successor is ready.
-func (s *Server) serve(c *net.UnixConn) error {
+// serve runs one hand-over on c; nil means the successor is ready. adopted reports that the
+// successor confirmed it holds the sockets, whatever came after.
+func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
 	start := s.cfg.Clock.Now()
 	if err := samePeerUser(c); err != nil {
-		return err
+		return false, err
 	}
 	deadline(c, time.Now(), s.cfg.Timeout)
 	var h hello
 	if _, err := receive(c, &h); err != nil {
-		return fmt.Errorf("handover: read hello: %w", err)
+		return false, fmt.Errorf("handover: read hello: %w", err)
 	}
 	if h.Version != Version {
 		err := fmt.Errorf("%w: the successor speaks version %d, this process %d", ErrVersion, h.Version, Version)
 		_ = send(c, header{Version: Version, Error: err.Error()}, nil)
-		return err
+		return false, err
 	}
 	socks, err := s.cfg.Collect()
 	if err != nil {
 		_ = send(c, header{Version: Version, Error: err.Error()}, nil)
-		return err
+		return false, err
 	}
 	defer func() {
 		for _, sk := range socks {
@@ -186,7 +195,7 @@ func (s *Server) serve(c *net.UnixConn) error {
 		}
 	}
 	if err := send(c, header{Version: Version, Sockets: len(socks), Chunks: len(parts), Affinity: len(affinity)}, nil); err != nil {
-		return fmt.Errorf("handover: send header: %w", err)
+		return false, fmt.Errorf("handover: send header: %w", err)
 	}
 	for _, p := range parts {
 		entries := make([]Entry, 0, p[1]-p[0])
@@ -196,17 +205,17 @@ func (s *Server) serve(c *net.UnixConn) error {
 			fds = append(fds, sk.fd)
 		}
 		if err := send(c, entries, fds); err != nil {
-			return fmt.Errorf("handover: send sockets: %w", err)
+			return false, fmt.Errorf("handover: send sockets: %w", err)
 		}
 	}
 	for _, msg := range affinity {
 		if _, _, err := c.WriteMsgUnix(msg, nil, nil); err != nil {
-			return fmt.Errorf("handover: send affinity: %w", err)
+			return false, fmt.Errorf("handover: send affinity: %w", err)
 		}
 	}
 	var r reply
 	if _, err := receive(c, &r); err != nil || r.Adopted == nil {
-		return fmt.Errorf("handover: successor did not confirm adoption: %v", orNot(err, r))
+		return false, fmt.Errorf("handover: successor did not confirm adoption: %v", orNot(err, r))
 	}
 	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted, "affinityEntries": sentAffinity,
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
@@ -215,11 +224,11 @@ func (s *Server) serve(c *net.UnixConn) error {
 	var ready reply // a message of its own: the adoption's fields must not count as ready
 	if _, err := receive(c, &ready); err != nil || !ready.Ready {
 		s.pending(false)
-		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
+		return true, fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
 	}
 	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
 		Info("Successor is ready: no longer accepting; finishing established connections")
-	return nil
+	return true, nil
 }
 
 func (s *Server) pending(p bool) {
