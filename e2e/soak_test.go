@@ -128,7 +128,8 @@ type soak struct {
 	rng   *rand.Rand
 
 	proxy *proxyProcess
-	base  procFigures // the current process's figures after its first settle
+	procs []*proxyProcess // every process started, in order: logAround reads their logs
+	base  procFigures     // the current process's figures after its first settle
 
 	web, sticky *corev1.Service
 	tcp         map[string]netip.AddrPort
@@ -174,7 +175,10 @@ func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, 
 	// As the DaemonSet runs it: the hand-over socket and the restart snapshot beside it.
 	s.flags = append(slices.Clone(flags), "--handover-socket="+filepath.Join(n.dir, "run", "handover.sock"),
 		"--restart-snapshot-file="+filepath.Join(n.dir, "run", "restart-snapshot"),
-		"--shutdown-timeout=10s", "--iptables-sync-period=1s")
+		"--shutdown-timeout=10s", "--iptables-sync-period=1s",
+		// Debug: a connection the proxy resets says why ("no endpoints", "dial failed"), and an
+		// unexplained failure is reported with each process's lines around it (logAround).
+		"--log-level=debug")
 	if mode == "bind" {
 		s.flags = append(s.flags, "--bind-state-file="+filepath.Join(n.dir, "bind-state.json"))
 	}
@@ -189,6 +193,7 @@ func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, 
 	s.udp = web.clusterUDP
 
 	s.proxy = n.startProxy(t, s.flags...)
+	s.procs = append(s.procs, s.proxy)
 	s.settle("the first proxy")
 
 	stop := make(chan struct{})
@@ -241,6 +246,7 @@ func (s *soak) inject(kind string) {
 		s.proxy.Kill()
 		reaped := time.Since(start) // the killed process's exit: its sockets are closed by then
 		s.proxy = s.n.startProxy(t, s.flags...)
+		s.procs = append(s.procs, s.proxy)
 		for name, addr := range s.tcp {
 			s.proxy.waitAnswers(t, s.n.bed.Client, addr, "after SIGKILL ("+name+")")
 		}
@@ -254,6 +260,7 @@ func (s *soak) inject(kind string) {
 	case "handover":
 		old := s.proxy
 		next := s.n.startProxy(t, s.flags...)
+		s.procs = append(s.procs, next)
 		next.waitTookOver(t)
 		if err := old.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)
@@ -832,6 +839,7 @@ func (s *soak) report() {
 			kind = "none"
 		}
 		t.Errorf("unexplained failure at %s (%v, fault in flight: %s): %s: %v", f.start.Format("15:04:05.000"), f.end.Sub(f.start).Round(time.Millisecond), kind, f.target, f.err)
+		s.logAround(f)
 	}
 	if s.switches > 0 {
 		t.Errorf("ClientIP affinity: %d answers came from another pod with no new process and the client's pod still in use", s.switches)
@@ -883,4 +891,38 @@ func mapValues[K comparable, V any](m map[K]V) []V {
 		out = append(out, v)
 	}
 	return out
+}
+
+// logAround logs, for an unexplained failure, what each proxy process logged from a second
+// before the attempt until a second after it (its own reset or dial lines, a sync, a hand-over
+// step), at most 40 lines a process, UDP session lines left out.
+func (s *soak) logAround(f soakFailure) {
+	from, to := f.start.Add(-time.Second).Truncate(time.Second), f.end.Add(time.Second)
+	for _, p := range s.procs {
+		var out []string
+		for line := range strings.SplitSeq(p.LogTail(1<<20), "\n") {
+			at, ok := logTime(line)
+			if !ok || at.Before(from) || at.After(to) || strings.Contains(line, "session opened") || strings.Contains(line, "session ended") {
+				continue
+			}
+			if out = append(out, line); len(out) == 40 {
+				break
+			}
+		}
+		if len(out) > 0 {
+			s.t.Logf("proxy pid %d around %s:\n%s", p.Pid(), f.start.Format("15:04:05.000"), strings.Join(out, "\n"))
+		}
+	}
+}
+
+// logTime is the time of a proxy log line: logrus's time="..." (seconds) or klog's header.
+func logTime(line string) (time.Time, bool) {
+	if i := strings.Index(line, `time="`); i >= 0 {
+		rest := line[i+len(`time="`):]
+		if j := strings.IndexByte(rest, '"'); j > 0 {
+			t, err := time.Parse(time.RFC3339Nano, rest[:j])
+			return t, err == nil
+		}
+	}
+	return time.Time{}, false
 }
