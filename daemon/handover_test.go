@@ -51,40 +51,9 @@ func logged(hook *logtest.Hook, msg string) map[string]any {
 // plan: HTTP on 127.0.0.1 at fixed free ports (both daemons ask for the same), the echo endpoint
 // on 127.0.0.1, proxy sockets on 127.0.0.1 at kernel-chosen ports.
 func TestDaemonHandsOver(t *testing.T) {
-	backend := echoServer(t)
-	dir := t.TempDir()
-	writeService(t, dir, "echo", "10.96.0.10", backend)
-	healthz, metrics := freeAddr(t), freeAddr(t)
-	args := []string{"--services-file=" + dir, "--iptables-min-sync-period=0", "--healthz-bind-address=" + healthz,
-		"--metrics-bind-address=" + metrics, "--handover-socket=" + filepath.Join(t.TempDir(), "run", "handover.sock")}
-	echoName := service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"}
-
-	first := newHarness(t, args...)
-	stopFirst := first.start(t)
-	proxyPort := first.portals.waitProxyPort(t, echoName)
-	testenv.WaitFor(t, "the first daemon to listen on the hand-over socket", func() bool {
-		return logged(first.log, "No running proxy to take over from") != nil && socketExists(args[4])
-	})
-	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", proxyPort))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	r := bufio.NewReader(c)
-	exchange := func(msg string) error {
-		_ = c.SetDeadline(time.Now().Add(waitFor))
-		if _, err := fmt.Fprintln(c, msg); err != nil {
-			return err
-		}
-		got, err := r.ReadString('\n')
-		if err != nil || got != msg+"\n" {
-			return fmt.Errorf("echo of %q: %q, %v", msg, got, err)
-		}
-		return nil
-	}
-	if err := exchange("before"); err != nil {
-		t.Fatal(err)
-	}
+	hs := startHandOverPair(t)
+	first, stopFirst, args, healthz, metrics, exchange := hs.first, hs.stopFirst, hs.args, hs.healthz, hs.metrics, hs.exchange
+	c := hs.c
 
 	second := newHarness(t, args...)
 	second.start(t)
@@ -345,39 +314,8 @@ func TestHandoverFailureIsExported(t *testing.T) {
 // then; the old process must let its established connections finish, as after a hand-over,
 // instead of resetting them. Address plan as TestDaemonHandsOver.
 func TestSIGTERMWhileSuccessorGetsReady(t *testing.T) {
-	backend := echoServer(t)
-	dir := t.TempDir()
-	writeService(t, dir, "echo", "10.96.0.10", backend)
-	args := []string{"--services-file=" + dir, "--iptables-min-sync-period=0", "--healthz-bind-address=" + freeAddr(t),
-		"--metrics-bind-address=" + freeAddr(t), "--handover-socket=" + filepath.Join(t.TempDir(), "run", "handover.sock")}
-	echoName := service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"}
-
-	first := newHarness(t, args...)
-	stopFirst := first.start(t)
-	proxyPort := first.portals.waitProxyPort(t, echoName)
-	testenv.WaitFor(t, "the first daemon to listen on the hand-over socket", func() bool {
-		return logged(first.log, "No running proxy to take over from") != nil && socketExists(args[4])
-	})
-	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", proxyPort))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	r := bufio.NewReader(c)
-	exchange := func(msg string) error {
-		_ = c.SetDeadline(time.Now().Add(waitFor))
-		if _, err := fmt.Fprintln(c, msg); err != nil {
-			return err
-		}
-		got, err := r.ReadString('\n')
-		if err != nil || got != msg+"\n" {
-			return fmt.Errorf("echo of %q: %q, %v", msg, got, err)
-		}
-		return nil
-	}
-	if err := exchange("before"); err != nil {
-		t.Fatal(err)
-	}
+	hs := startHandOverPair(t)
+	first, stopFirst, args, exchange := hs.first, hs.stopFirst, hs.args, hs.exchange
 
 	second := newHarness(t, args...)
 	second.start(t)
@@ -392,7 +330,7 @@ func TestSIGTERMWhileSuccessorGetsReady(t *testing.T) {
 	if err := exchange("after SIGTERM"); err != nil {
 		t.Fatalf("the first daemon's connection after its SIGTERM during the hand-over: %v", err)
 	}
-	c.Close()
+	hs.c.Close()
 	if err := <-stopped; err != nil {
 		t.Fatalf("the first daemon's Run: %v", err)
 	}
@@ -401,13 +339,65 @@ func TestSIGTERMWhileSuccessorGetsReady(t *testing.T) {
 		return logged(second.log, "Took over from the running proxy") != nil ||
 			logged(second.log, "Took over the running proxy's sockets, but could not tell it; it stops at its SIGTERM") != nil
 	})
-	c2, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", second.portals.waitProxyPort(t, echoName)))
-	if err != nil {
-		t.Fatalf("the second daemon does not serve the proxy port: %v", err)
-	}
-	defer c2.Close()
-	c, r = c2, bufio.NewReader(c2)
-	if err := exchange("to the second daemon"); err != nil {
+	hs.connect(t, second.portals.waitProxyPort(t, hs.echoName))
+	if err := hs.exchange("to the second daemon"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// handOverPair is the first daemon of a hand-over test, serving one echo service port from a
+// services file on --handover-socket, with a client connection through it that has exchanged once.
+type handOverPair struct {
+	args             []string
+	healthz, metrics string
+	echoName         service.ServicePortName
+	first            *harness
+	stopFirst        func() error
+	c                net.Conn
+	r                *bufio.Reader
+}
+
+func startHandOverPair(t *testing.T) *handOverPair {
+	t.Helper()
+	backend := echoServer(t)
+	dir := t.TempDir()
+	writeService(t, dir, "echo", "10.96.0.10", backend)
+	hs := &handOverPair{healthz: freeAddr(t), metrics: freeAddr(t), echoName: service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"}}
+	hs.args = []string{"--services-file=" + dir, "--iptables-min-sync-period=0", "--healthz-bind-address=" + hs.healthz,
+		"--metrics-bind-address=" + hs.metrics, "--handover-socket=" + filepath.Join(t.TempDir(), "run", "handover.sock")}
+	hs.first = newHarness(t, hs.args...)
+	hs.stopFirst = hs.first.start(t)
+	proxyPort := hs.first.portals.waitProxyPort(t, hs.echoName)
+	testenv.WaitFor(t, "the first daemon to listen on the hand-over socket", func() bool {
+		return logged(hs.first.log, "No running proxy to take over from") != nil && socketExists(hs.args[4])
+	})
+	hs.connect(t, proxyPort)
+	if err := hs.exchange("before"); err != nil {
+		t.Fatal(err)
+	}
+	return hs
+}
+
+// connect makes the pair's client connection one to 127.0.0.1:port.
+func (hs *handOverPair) connect(t *testing.T, port uint16) {
+	t.Helper()
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatalf("dial the proxy port %d: %v", port, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	hs.c, hs.r = c, bufio.NewReader(c)
+}
+
+// exchange sends msg as a line and checks the echo.
+func (hs *handOverPair) exchange(msg string) error {
+	_ = hs.c.SetDeadline(time.Now().Add(waitFor))
+	if _, err := fmt.Fprintln(hs.c, msg); err != nil {
+		return err
+	}
+	got, err := hs.r.ReadString('\n')
+	if err != nil || got != msg+"\n" {
+		return fmt.Errorf("echo of %q: %q, %v", msg, got, err)
+	}
+	return nil
 }

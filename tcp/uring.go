@@ -302,20 +302,9 @@ func acceptWaiting(lfd, max int) (fds []int, peers []netip.AddrPort) {
 		if err != nil {
 			break // EAGAIN: the other process took it; out of descriptors: leave it to it
 		}
-		fds, peers = append(fds, fd), append(peers, sockaddrPeer(sa))
+		fds, peers = append(fds, fd), append(peers, sockopt.FromSockaddr(sa))
 	}
 	return fds, peers
-}
-
-// sockaddrPeer is a client's address as accept returns it.
-func sockaddrPeer(sa unix.Sockaddr) netip.AddrPort {
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
-	}
-	return netip.AddrPort{}
 }
 
 // uaccept is the accept of one proxy's listening socket on one loop.
