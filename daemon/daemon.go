@@ -200,7 +200,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	servingTasks = append(servingTasks, servers...)
-	tasks := []func(context.Context){w.proxier.Run}
+	proxierTask := w.proxier.Run
+	var tasks []func(context.Context) // the proxier's task goes first, below
 	for _, task := range servingTasks {
 		tasks = append(tasks, func(context.Context) { task(serving) })
 	}
@@ -220,7 +221,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		// them. The hand-over task decides which as it stops (a successor's ready may be read
 		// just then), so the proxier sees the SIGTERM only once that task has returned.
 		decided := make(chan struct{})
-		tasks[0] = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
+		proxierTask = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
 		tasks = append(tasks, func(ctx context.Context) {
 			defer close(decided)
 			handover(ctx)
@@ -229,7 +230,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if o.readyFile != "" {
 		tasks = append(tasks, readyFileTask(o.readyFile, serves, log))
 	}
-	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, tasks...)
+	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, append([]func(context.Context){proxierTask}, tasks...)...)
 }
 
 // afterClosed is a context that ends once ctx has ended and ch is closed.

@@ -915,7 +915,8 @@ func (s *soak) logAround(f soakFailure) {
 	}
 }
 
-// logTime is the time of a proxy log line: logrus's time="..." (seconds) or klog's header.
+// logTime is the time of a proxy log line, logrus's time="..." (to the second); false for other
+// lines (klog's informer lines).
 func logTime(line string) (time.Time, bool) {
 	if i := strings.Index(line, `time="`); i >= 0 {
 		rest := line[i+len(`time="`):]

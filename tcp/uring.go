@@ -271,29 +271,23 @@ func (e *uringEngine) acceptQueued(p *Proxy, ln *sock) {
 const maxStranded = 1024
 
 // acceptWaiting accepts, without waiting, up to max connections queued on the listening socket
-// lfd. The listener may be a blocking one (the io_uring engine's, shared with a successor), so
-// each accept comes after poll says one is queued, and a receive timeout (which bounds a blocking
-// accept; no other user of the socket blocks in accept) covers the other process taking it in
-// between. The previous timeout is put back.
+// lfd: each accept comes after poll says one is queued. The listener may be a blocking one (the
+// io_uring engine's, shared with a successor), so before the first accept boundAccept covers the
+// other process taking a connection between the poll and the accept.
 func acceptWaiting(lfd, max int) (fds []int, peers []netip.AddrPort) {
 	pfd := []unix.PollFd{{Fd: int32(lfd), Events: unix.POLLIN}}
-	if n, err := unix.Poll(pfd, 0); err != nil || n == 0 {
-		return nil, nil
-	}
-	if fl, err := unix.FcntlInt(uintptr(lfd), unix.F_GETFL, 0); err == nil && fl&unix.O_NONBLOCK == 0 {
-		if prev, err := unix.GetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO); err == nil {
-			wait := unix.NsecToTimeval(int64(10 * time.Millisecond))
-			if unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &wait) != nil {
-				return nil, nil
-			}
-			defer unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, prev)
-		} else {
-			return nil, nil
-		}
-	}
+	bounded := false
 	for len(fds) < max {
 		if n, err := unix.Poll(pfd, 0); err != nil || n == 0 {
 			break
+		}
+		if !bounded {
+			restore, ok := boundAccept(lfd)
+			if !ok {
+				break
+			}
+			defer restore()
+			bounded = true
 		}
 		fd, sa, err := unix.Accept4(lfd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
 		if err == unix.EINTR || err == unix.ECONNABORTED {
@@ -305,6 +299,25 @@ func acceptWaiting(lfd, max int) (fds []int, peers []netip.AddrPort) {
 		fds, peers = append(fds, fd), append(peers, sockopt.FromSockaddr(sa))
 	}
 	return fds, peers
+}
+
+// boundAccept makes an accept on lfd return within 10 ms when it is a blocking listener (a
+// receive timeout bounds a blocking accept; no other user of the socket blocks in accept), and
+// returns what puts the previous timeout back. false: the timeout could not be read or set.
+func boundAccept(lfd int) (restore func(), ok bool) {
+	fl, err := unix.FcntlInt(uintptr(lfd), unix.F_GETFL, 0)
+	if err == nil && fl&unix.O_NONBLOCK != 0 {
+		return func() {}, true
+	}
+	prev, err := unix.GetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO)
+	if err != nil {
+		return nil, false
+	}
+	wait := unix.NsecToTimeval(int64(10 * time.Millisecond))
+	if unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &wait) != nil {
+		return nil, false
+	}
+	return func() { _ = unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, prev) }, true
 }
 
 // uaccept is the accept of one proxy's listening socket on one loop.

@@ -116,19 +116,8 @@ func TestAdoptionKeepsTheSharedNonBlockingFlag(t *testing.T) {
 			if tt.nonblocking {
 				typ |= unix.SOCK_NONBLOCK
 			}
-			pred, err := unix.Socket(unix.AF_INET, typ, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
+			pred, addr := rawListener(t, typ, 16)
 			defer unix.Close(pred)
-			if err := unix.Bind(pred, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-				t.Fatal(err)
-			}
-			if err := unix.Listen(pred, 16); err != nil {
-				t.Fatal(err)
-			}
-			sa, _ := unix.Getsockname(pred)
-			addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
 			fd, err := unix.Dup(pred) // as SCM_RIGHTS delivers it: the same open file
 			if err != nil {
 				t.Fatal(err)
@@ -173,18 +162,7 @@ func TestStopAcceptingStrandsNoConnection(t *testing.T) {
 	t.Cleanup(func() { oldE.Close(); newE.Close() })
 	backend := serve(t, "127.0.0.3", echo)
 	for iter := range 100 {
-		ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-			t.Fatal(err)
-		}
-		if err := unix.Listen(ln, 128); err != nil {
-			t.Fatal(err)
-		}
-		sa, _ := unix.Getsockname(ln)
-		addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
+		ln, addr := rawListener(t, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 128) // blocking, as the engine's own
 		start := func(e Engine) *Proxy {
 			fd, err := unix.Dup(ln) // as SCM_RIGHTS delivers it: the same open file
 			if err != nil {
@@ -258,4 +236,24 @@ func echoOnce(addr netip.AddrPort, msg string) error {
 	buf := make([]byte, len(msg))
 	_, err = io.ReadFull(c, buf)
 	return err
+}
+
+// rawListener opens a listening IPv4 socket of type typ on 127.0.0.1 at a kernel-chosen port, as a
+// predecessor's would be, with backlog; the caller closes it.
+func rawListener(t *testing.T, typ, backlog int) (int, netip.AddrPort) {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, typ, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, backlog); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	sa, _ := unix.Getsockname(fd)
+	return fd, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
 }
