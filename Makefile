@@ -10,7 +10,7 @@ VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 endif
 LDFLAGS := -X main.version=$(VERSION)
 
-.PHONY: build test test-deps unit fuzz fuzz-ci e2e e2e-epoll soak controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
+.PHONY: image-preflight cluster-preflight bench-preflight soak-preflight build test test-deps unit fuzz fuzz-ci e2e e2e-epoll soak controlplane demo demo-deps deps lint bench bench-quick bench-micro bench-portal image image-oci image-oci-test cluster cluster-build cluster-smoke cluster-down cluster-test cluster-swap cluster-rollout conformance conformance-ci conformance-build clean
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
@@ -96,17 +96,20 @@ lint:
 # churned, the nat table flushed and its descriptors taken away, with a recorded seed (SOAK_SEED
 # repeats a run). Root; the test suite runs a short version.
 SOAK_DURATION ?= 30m
-soak: build controlplane
+soak: soak-preflight
+	@$(MAKE) --no-print-directory build controlplane VERSION=$(VERSION)
 	KPP_BINARY=$(abspath $(BIN)) KPP_E2E_REQUIRE=1 KPP_SOAK_DURATION=$(SOAK_DURATION) $(if $(SOAK_SEED),KPP_SOAK_SEED=$(SOAK_SEED)) \
 		$(GO) test -count=1 -run TestChaosSoak -v -timeout 3h ./e2e/
 
 # bench runs the side-by-side suite (needs root, haproxy, nginx, libnginx-mod-stream): direct,
 # kube-portal-proxy in iptables and bind mode, HAProxy and nginx stream in one run; see
 # bench/RESULTS.md. Not part of CI.
-bench: build
+bench: bench-preflight
+	@$(MAKE) --no-print-directory build VERSION=$(VERSION)
 	$(GO) run ./bench/suite -proxy $(BIN) -json bench.json
 
-bench-quick: build
+bench-quick: bench-preflight
+	@$(MAKE) --no-print-directory build VERSION=$(VERSION)
 	$(GO) run ./bench/suite -quick -proxy $(BIN) -json bench.json
 
 bench-micro:
@@ -114,6 +117,25 @@ bench-micro:
 
 bench-portal:
 	KPP_BENCH=1 $(GO) test -run TestBenchmarkPortalSync -v -timeout 30m ./portal/iptables/
+
+# Preflight of the targets a user runs by hand that need root and system packages (cluster,
+# conformance, cluster-test, image-oci, bench, soak): before anything is built, the group's
+# missing packages are installed as root with apt-get (hack/install-deps.sh, the groups CI uses)
+# or, without root or apt-get, named with the command to run; then a user who is not root is
+# stopped at once. A first error in seconds, not after a 20-minute build
+# (make_test.go checks it). The targets that need a running cluster (cluster-smoke,
+# cluster-swap, cluster-rollout) say "no cluster (make cluster first)" at once; conformance and
+# conformance-ci start the cluster themselves when it is not up.
+preflight = hack/install-deps.sh $(1) && \
+	if [ "$$(id -u)" != 0 ]; then echo "make $(or $(MAKECMDGOALS),$@) needs root ($(2)): run it as root, or with sudo" >&2; exit 2; fi
+image-preflight:
+	@$(call preflight,image,mmdebstrap builds the image's root filesystem)
+cluster-preflight:
+	@$(call preflight,cluster,network namespaces and containerd and kubelet)
+bench-preflight:
+	@$(call preflight,bench,the benchmark's network namespaces)
+soak-preflight:
+	@$(call preflight,test,the soak's network namespaces and iptables)
 
 DOCKER ?= docker
 IMAGE ?= ghcr.io/kube-portal-proxy/kube-portal-proxy:$(VERSION)
@@ -125,7 +147,8 @@ image:
 # (root; needs mmdebstrap for the Debian layer, cached in ~/.cache/kube-portal-proxy/images):
 #   ctr -n k8s.io images import bin/kube-portal-proxy.oci.tar   (or docker load -i ...)
 IMAGE_OCI := bin/kube-portal-proxy.oci.tar
-image-oci: build
+image-oci: image-preflight
+	@$(MAKE) --no-print-directory build VERSION=$(VERSION)
 	hack/oci/image.sh $(BIN) $(IMAGE) $(IMAGE_OCI)
 
 # image-oci-test checks the tarball against the Dockerfile (packages, alternatives, binary,
@@ -140,10 +163,11 @@ image-oci-test: image-oci
 # node; cluster-down removes everything. Not part of make test. NODES=3: three nodes, each a
 # network namespace with its own kubelet and containerd (README "Real cluster").
 NODES ?= 1
-cluster-build: controlplane
+cluster-build: cluster-preflight
+	hack/controlplane-build.sh >/dev/null
 	hack/cluster/build.sh >/dev/null
 
-cluster: cluster-build image-oci
+cluster: cluster-preflight cluster-build image-oci
 	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) hack/cluster/up.sh
 
 cluster-smoke:
@@ -153,7 +177,7 @@ cluster-down:
 	hack/cluster/down.sh
 
 # cluster-test: make cluster, cluster-smoke, cluster-down, and the host compared before and after.
-cluster-test:
+cluster-test: cluster-preflight
 	NODES=$(NODES) hack/cluster/test.sh
 
 # conformance runs the upstream sig-network e2e specs that can run on one node (Services, the
@@ -167,13 +191,14 @@ cluster-test:
 CONFORMANCE_OUT := bin/conformance
 # Parallel ginkgo processes (the specs mostly wait on the API server and pods).
 CONFORMANCE_PROCS ?= 4
-conformance-build: controlplane
+conformance-build: cluster-preflight
+	hack/controlplane-build.sh >/dev/null
 	hack/conformance/build.sh >/dev/null
 
-conformance: cluster-build conformance-build image-oci
+conformance: cluster-preflight cluster-build conformance-build image-oci
 	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) CONFORMANCE_PROCS=$(CONFORMANCE_PROCS) hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
-conformance-ci: cluster-build conformance-build image-oci
+conformance-ci: cluster-preflight cluster-build conformance-build image-oci
 	IMAGE=$(IMAGE) IMAGE_OCI=$(abspath $(IMAGE_OCI)) NODES=$(NODES) CONFORMANCE_FOCUS=ci CONFORMANCE_PROCS=2 hack/conformance/run.sh $(abspath $(CONFORMANCE_OUT))
 
 # cluster-swap: on a running make cluster, kube-proxy's own DaemonSet and ConfigMap as kubeadm

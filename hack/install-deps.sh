@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # install-deps.sh installs the system tools a group of tasks needs, when they are missing, on
-# Debian/Ubuntu (apt-get). Used by `make demo`, `make deps` and .ci/run.
+# Debian/Ubuntu (apt-get). Used by `make demo`, `make deps`, the preflight of the targets run by
+# hand (cluster, conformance, image-oci, bench, soak: see the Makefile) and .ci/run.
 #
 #   hack/install-deps.sh [--check] GROUP...
 #
@@ -15,8 +16,12 @@
 #         without its recommended node exporter), and helm, which Debian does not package: built
 #         with `go install helm.sh/helm/v3/cmd/helm@HELM_VERSION` into /usr/local/bin (needs go)
 #   cluster  make cluster and make conformance: containerd, runc, the CNI plugins (bridge,
-#         host-local, loopback), mmdebstrap (the images' Debian layers), nsenter/setsid
-#         (util-linux), iproute2, iptables, openssl, curl
+#         host-local, loopback), nsenter/setsid (util-linux), iproute2, iptables, openssl, curl,
+#         and the image group's
+#   image  make image-oci: mmdebstrap (the image's Debian layer)
+#   bench  make bench: the demo's, plus haproxy, nginx with its stream module
+#         (nginx-light, libnginx-mod-stream), redis (redis-server, redis-tools: redis-benchmark),
+#         dnsperf and unbound (the real clients and servers), and a C compiler (the ceiling)
 #
 # Nothing missing: exits 0 silently. Missing, as root with apt-get: installs them. Missing and
 # not root, without apt-get, or with --check: prints the exact command to run and exits 1, at once.
@@ -27,7 +32,7 @@ set -euo pipefail
 HELM_VERSION=v3.22.0
 
 usage() {
-  echo "usage: $0 [--check] demo|test|monitoring|cluster..." >&2
+  echo "usage: $0 [--check] demo|test|monitoring|cluster|image|bench..." >&2
   exit 2
 }
 
@@ -37,7 +42,9 @@ group_tools() {
     demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
     test) echo "$(group_tools demo) $(group_tools monitoring) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light" ;;
     monitoring) echo "prometheus:prometheus promtool:prometheus helm:go:helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ;;
-    cluster) echo "$(group_tools demo) containerd:containerd containerd-shim-runc-v2:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins mmdebstrap:mmdebstrap nsenter:util-linux setsid:util-linux openssl:openssl curl:curl" ;;
+    cluster) echo "$(group_tools demo) $(group_tools image) containerd:containerd containerd-shim-runc-v2:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins nsenter:util-linux setsid:util-linux unshare:util-linux openssl:openssl curl:curl" ;;
+    image) echo "mmdebstrap:mmdebstrap" ;;
+    bench) echo "$(group_tools demo) haproxy:haproxy nginx:nginx-light /usr/lib/nginx/modules/ngx_stream_module.so:libnginx-mod-stream redis-server:redis-server redis-benchmark:redis-tools dnsperf:dnsperf unbound:unbound cc:gcc" ;;
   esac
 }
 
@@ -55,8 +62,8 @@ for a in "$@"; do
     --check) check=1 ;;
     -h|--help) usage ;;
     -*) usage ;;
-    demo|test|monitoring|cluster) groups+=("$a") ;;
-    *) echo "$0: unknown group $a (want demo, test, monitoring or cluster)" >&2; exit 2 ;;
+    demo|test|monitoring|cluster|image|bench) groups+=("$a") ;;
+    *) echo "$0: unknown group $a (want demo, test, monitoring, cluster, image or bench)" >&2; exit 2 ;;
   esac
 done
 [ ${#groups[@]} -gt 0 ] || usage
