@@ -320,7 +320,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	// A successor is not ready before it has taken over (see handoverGate).
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
-	healthz := gate.wrap(health.Healthz())
+	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
 	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
@@ -530,7 +530,7 @@ func (c collectorFunc) Collect(ch chan<- prometheus.Metric) { c.collect(ch) }
 // chooseEngine resolves --io-engine. With auto, a kernel or sandbox without io_uring (seccomp,
 // kernel.io_uring_disabled, an old kernel) gets the epoll engine and one log line saying why.
 func (d *Daemon) chooseEngine() (tcp.Engine, error) {
-	e, fallback, err := tcp.ChooseEngine(d.o.ioEngine, d.deps.probeIOUring)
+	e, fallback, err := tcp.ChooseEngine(d.o.ioEngine, d.deps.probeIOUring, d.log)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", d.o.setting("--io-engine"), err)
 	}
@@ -542,14 +542,47 @@ func (d *Daemon) chooseEngine() (tcp.Engine, error) {
 	return e, nil
 }
 
-// engineCollector is kube_portal_proxy_io_engine{engine}: 1 for the engine in use.
-func engineCollector(e tcp.Engine) prometheus.Collector {
-	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "kube_portal_proxy_io_engine",
-		Help: "The engine that accepts TCP connections and moves their bytes (--io-engine): 1 for the one in use.",
-	}, []string{"engine"})
-	g.WithLabelValues(e.Name()).Set(1)
-	return g
+// engineStatus is what the metrics and /healthz read of the TCP engine (tcp.Engine).
+type engineStatus interface {
+	Name() string
+	Status() tcp.EngineStatus
+}
+
+// engineCollector is kube_portal_proxy_io_engine{engine}, 1 for the engine serving new sockets
+// (epoll once an io_uring engine has fallen back) and 0 for the other, and
+// kube_portal_proxy_io_engine_failures_total{engine,phase}: the io_uring engine's failed starts
+// and loops that died (tcp/fallback.go).
+func engineCollector(e engineStatus) prometheus.Collector {
+	inUse := prometheus.NewDesc("kube_portal_proxy_io_engine",
+		"The engine that accepts TCP connections and moves their bytes (--io-engine): 1 for the one serving new sockets, 0 for an io_uring engine that fell back to epoll.", []string{"engine"}, nil)
+	failures := prometheus.NewDesc("kube_portal_proxy_io_engine_failures_total",
+		"Failures of the io_uring engine after the start-up probe, by phase: start (its rings could not be set up) or run (a loop's ring broke; its connections were reset). Either makes it serve on epoll.", []string{"engine", "phase"}, nil)
+	return collectorFunc{descs: []*prometheus.Desc{inUse, failures}, collect: func(ch chan<- prometheus.Metric) {
+		st := e.Status()
+		ch <- prometheus.MustNewConstMetric(inUse, prometheus.GaugeValue, 1, st.Serving)
+		if e.Name() != tcp.EngineIOUring {
+			return
+		}
+		if st.Serving != e.Name() {
+			ch <- prometheus.MustNewConstMetric(inUse, prometheus.GaugeValue, 0, e.Name())
+		}
+		ch <- prometheus.MustNewConstMetric(failures, prometheus.CounterValue, float64(st.StartFailures), e.Name(), tcp.PhaseStart)
+		ch <- prometheus.MustNewConstMetric(failures, prometheus.CounterValue, float64(st.LoopFailures), e.Name(), tcp.PhaseRun)
+	}}
+}
+
+// engineHealthz fails /healthz once the TCP engine reports an error (an io_uring loop died: its
+// connections were reset, and the engine serves on epoll until the process restarts), and asks h
+// otherwise. /livez stays with the proxier alone: the proxy serves, and a restart by the kubelet
+// would drop every connection it still has.
+func engineHealthz(e engineStatus, h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := e.Status().Err; err != nil {
+			http.Error(w, fmt.Sprintf("TCP engine %s degraded: %v", e.Name(), err), http.StatusServiceUnavailable)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // udpLoops is the loops per UDP service port: --udp-loops when set, else two in bind mode on more

@@ -3,10 +3,16 @@ package daemon
 import (
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/prometheus/common/expfmt"
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -128,6 +134,79 @@ func TestIOEngineFromTheConfigFile(t *testing.T) {
 			written, err := marshalConfig(o)
 			if err != nil || !strings.Contains(string(written), "ioEngine: "+tt.want) {
 				t.Errorf("--write-config-to lacks ioEngine: %s (%v)", written, err)
+			}
+		})
+	}
+}
+
+// fakeEngine is an engine's status as the metrics and /healthz read it.
+type fakeEngine struct {
+	name string
+	st   tcp.EngineStatus
+}
+
+func (f *fakeEngine) Name() string             { return f.name }
+func (f *fakeEngine) Status() tcp.EngineStatus { return f.st }
+
+// TestIOEngineFailuresInMetricsAndHealth: an io_uring engine that fell back to epoll (tcp's
+// TestIOUring*FailureFallsBackToEpoll inject the failures into a real engine) says so in
+// /metrics: the engine serving, and its failures by phase. A failed start is the probe's fallback
+// found late: /healthz stays 200. A loop that died reset its connections: /healthz answers 503
+// with the cause (/livez is the proxier's alone: healthMux).
+func TestIOEngineFailuresInMetricsAndHealth(t *testing.T) {
+	ok := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "proxier healthy") })
+	died := errors.New("an io_uring loop stopped: io_uring_enter: bad file descriptor")
+	for _, tt := range []struct {
+		name        string
+		engine      fakeEngine
+		wantMetrics string
+		wantHealth  int
+	}{
+		{"io_uring_serving", fakeEngine{tcp.EngineIOUring, tcp.EngineStatus{Serving: tcp.EngineIOUring}}, `
+kube_portal_proxy_io_engine{engine="io_uring"} 1
+kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="run"} 0
+kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="start"} 0
+`, http.StatusOK},
+		{"start_failed_fell_back", fakeEngine{tcp.EngineIOUring, tcp.EngineStatus{Serving: tcp.EngineEpoll, StartFailures: 1}}, `
+kube_portal_proxy_io_engine{engine="epoll"} 1
+kube_portal_proxy_io_engine{engine="io_uring"} 0
+kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="run"} 0
+kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="start"} 1
+`, http.StatusOK},
+		{"loop_died_fell_back", fakeEngine{tcp.EngineIOUring, tcp.EngineStatus{Serving: tcp.EngineEpoll, LoopFailures: 1, Err: died}}, `
+kube_portal_proxy_io_engine{engine="epoll"} 1
+kube_portal_proxy_io_engine{engine="io_uring"} 0
+kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="run"} 1
+kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="start"} 0
+`, http.StatusServiceUnavailable},
+		{"epoll_by_name", fakeEngine{tcp.EngineEpoll, tcp.EngineStatus{Serving: tcp.EngineEpoll}}, `
+kube_portal_proxy_io_engine{engine="epoll"} 1
+`, http.StatusOK},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			reg := prometheus.NewPedanticRegistry()
+			reg.MustRegister(engineCollector(&tt.engine))
+			got, err := testutil.CollectAndFormat(reg, expfmt.TypeTextPlain, "kube_portal_proxy_io_engine", "kube_portal_proxy_io_engine_failures_total")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var series []string
+			for _, line := range strings.Split(string(got), "\n") {
+				if line != "" && !strings.HasPrefix(line, "#") {
+					series = append(series, line)
+				}
+			}
+			if diff := cmp.Diff(strings.TrimSpace(tt.wantMetrics), strings.Join(series, "\n")); diff != "" {
+				t.Errorf("/metrics (-want +got):\n%s", diff)
+			}
+
+			rec := httptest.NewRecorder()
+			engineHealthz(&tt.engine, ok).ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
+			if rec.Code != tt.wantHealth {
+				t.Errorf("/healthz = %d %q, want %d", rec.Code, rec.Body, tt.wantHealth)
+			}
+			if tt.engine.st.Err != nil && !strings.Contains(rec.Body.String(), died.Error()) {
+				t.Errorf("/healthz body %q does not give the cause %q", rec.Body, died)
 			}
 		})
 	}

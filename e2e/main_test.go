@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
 // EnvBinary names a prebuilt kube-portal-proxy binary to test instead of building one; a relative
@@ -127,4 +129,60 @@ func findProxyBinary(dir string) (string, error) {
 		return "", fmt.Errorf("build the proxy (or set %s): %w: %s", EnvBinary, err, strings.TrimSpace(string(msg)))
 	}
 	return out, nil
+}
+
+// EnvIOEngine names the --io-engine the suite's proxies run on (make e2e-epoll sets it to epoll);
+// unset means the default, auto (proxyArgs).
+const EnvIOEngine = "KPP_E2E_IO_ENGINE"
+
+// wantIOEngine is the engine the suite's proxies must serve on: the one named by EnvIOEngine,
+// else io_uring where this kernel allows it, and always io_uring with KPP_E2E_REQUIRE=1 (the
+// machines that run the suite have it: a pass on epoll instead would test the wrong engine).
+func wantIOEngine(t *testing.T) string {
+	t.Helper()
+	switch e := os.Getenv(EnvIOEngine); e {
+	case "", tcp.EngineAuto:
+		if err := tcp.ProbeIOUring(); err != nil {
+			if testenv.Required() {
+				t.Fatalf("io_uring unavailable, so the suite would run on epoll: %v, and %s is set", err, testenv.EnvRequire)
+			}
+			t.Logf("io_uring unavailable here, so the default is epoll: %v", err)
+			return tcp.EngineEpoll
+		}
+		return tcp.EngineIOUring
+	default:
+		return e
+	}
+}
+
+// TestIOEngineAsAsked: both passes of the suite (make test on the default engine, make e2e-epoll
+// on epoll) would pass silently on epoll if io_uring failed in the proxy, at the probe or after
+// it (tcp/fallback.go). A proxy with the suite's flags serving one service must name the engine
+// asked for as the one serving, with no engine failure counted.
+func TestIOEngineAsAsked(t *testing.T) {
+	t.Parallel()
+	want := wantIOEngine(t)
+	bed := newBed(t, 1)
+	dir, write := servicesDir(t)
+	write(webManifest(externalIP(), 1))
+	proxy := startProxy(t, bed.Node, t.TempDir(), proxyArgs("--services-file="+dir)...)
+	// The io_uring engine starts with the first proxy socket: a served connection proves it did.
+	proxy.waitAnswers(t, bed.Client, netip.AddrPortFrom(fileWebIP, 80), "the service answers")
+	for _, tt := range []struct {
+		series string
+		want   float64
+	}{
+		{fmt.Sprintf("kube_portal_proxy_io_engine{engine=%q}", want), 1},
+		{`kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="start"}`, 0},
+		{`kube_portal_proxy_io_engine_failures_total{engine="io_uring",phase="run"}`, 0},
+	} {
+		if want != tcp.EngineIOUring && strings.Contains(tt.series, "failures") {
+			continue // only an io_uring engine fails over
+		}
+		got, err := scrape(bed.Node, tt.series)
+		if err != nil || got != tt.want {
+			// The proxy's log follows (startProxy's cleanup): it says why, at start.
+			t.Fatalf("%s = %v (%v), want %v: %s=%q asks for %s", tt.series, got, err, tt.want, EnvIOEngine, os.Getenv(EnvIOEngine), want)
+		}
+	}
 }

@@ -64,11 +64,7 @@ func (p *Proxy) acceptLoop() error {
 		}
 		if aerr == nil {
 			backoff = 0
-			if p.cfg.Allow != nil && !p.cfg.Allow(peer.Addr()) {
-				p.deny(fd, peer)
-				continue
-			}
-			p.handle(fd, peer)
+			p.serveEpoll(fd, peer)
 			continue
 		}
 		err := os.NewSyscallError("accept4", aerr)

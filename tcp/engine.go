@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"runtime"
 
+	"github.com/sirupsen/logrus"
+
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/iouring"
 )
 
@@ -24,6 +26,9 @@ type Engine interface {
 	Name() string
 	// Close stops the engine's threads. Call it once every proxy using it is shut down.
 	Close() error
+	// Status says which engine serves new sockets and counts the failures (an io_uring engine
+	// falls back to epoll: fallback.go).
+	Status() EngineStatus
 
 	// blockingListener says Listen opens the listening socket blocking, out of the Go runtime
 	// poller: an engine that accepts through its own rings must not have the runtime's epoll
@@ -53,6 +58,7 @@ type epollEngine struct{}
 
 func (epollEngine) Name() string                { return EngineEpoll }
 func (epollEngine) Close() error                { return nil }
+func (epollEngine) Status() EngineStatus        { return EngineStatus{Serving: EngineEpoll} }
 func (epollEngine) blockingListener() bool      { return false }
 func (epollEngine) acceptLoop(p *Proxy) error   { return p.acceptLoop() }
 func (epollEngine) stopAccepting(*Proxy, *sock) {}
@@ -64,8 +70,9 @@ func ProbeIOUring() error { return iouring.Probe() }
 // ProbeIOUring) says this kernel and sandbox allow it, else epoll, with the reason io_uring was
 // not taken in fallback (for one log line). "io_uring" fails if the probe does: asked for by name,
 // it is not silently replaced. The engine is not started: its threads start with the first proxy
-// that runs on it.
-func ChooseEngine(name string, probe func() error) (e Engine, fallback error, err error) {
+// that runs on it. log gets the engine's own lines (its fallback to epoll, when its rings fail
+// after the probe passed: fallback.go); nil means logrus's standard logger.
+func ChooseEngine(name string, probe func() error, log logrus.FieldLogger) (e Engine, fallback error, err error) {
 	if probe == nil {
 		probe = ProbeIOUring
 	}
@@ -76,12 +83,12 @@ func ChooseEngine(name string, probe func() error) (e Engine, fallback error, er
 		if err := probe(); err != nil {
 			return nil, nil, fmt.Errorf("--io-engine=%s: io_uring is not available: %w", name, err)
 		}
-		return NewIOUring(0), nil, nil
+		return newIOUring(0, log), nil, nil
 	case EngineAuto, "":
 		if err := probe(); err != nil {
 			return Epoll, err, nil
 		}
-		return NewIOUring(0), nil, nil
+		return newIOUring(0, log), nil, nil
 	}
 	return nil, nil, fmt.Errorf("--io-engine=%q: want one of %v", name, EngineNames)
 }
@@ -89,11 +96,13 @@ func ChooseEngine(name string, probe func() error) (e Engine, fallback error, er
 // NewIOUring returns an io_uring engine with one ring per thread. threads 0 means one per P
 // (GOMAXPROCS), and then the engine adds a P while it runs, so that its loops waiting in the
 // kernel keep theirs (uring.go). It opens nothing until a proxy runs on it.
-func NewIOUring(threads int) Engine {
+func NewIOUring(threads int) Engine { return newIOUring(threads, nil) }
+
+func newIOUring(threads int, log logrus.FieldLogger) *uringEngine {
 	if threads <= 0 {
-		return &uringEngine{threads: runtime.GOMAXPROCS(0), spareP: true}
+		return &uringEngine{threads: runtime.GOMAXPROCS(0), spareP: true, log: log}
 	}
-	return &uringEngine{threads: threads}
+	return &uringEngine{threads: threads, log: log}
 }
 
 // defaultEngine serves proxies whose Config.Engine is nil: Epoll, except in this package's tests

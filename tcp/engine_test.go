@@ -81,7 +81,7 @@ func TestChooseEngine(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			probed := false
-			e, fallback, err := ChooseEngine(tt.flag, func() error { probed = true; return tt.probe })
+			e, fallback, err := ChooseEngine(tt.flag, func() error { probed = true; return tt.probe }, nil)
 			if (err != nil) != tt.wantError {
 				t.Fatalf("ChooseEngine(%q) error %v, want error %v", tt.flag, err, tt.wantError)
 			}

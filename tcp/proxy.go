@@ -132,6 +132,9 @@ type Proxy struct {
 	// armsItself: started by Start, so no acceptLoop waits on lnChanged; whatever changes ln
 	// arms the new one itself (under lnMu).
 	armsItself bool
+	// onEpoll: the io_uring engine fell back, and this proxy accepts on the epoll engine
+	// (fallback.go; under lnMu).
+	onEpoll bool
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
 	pkMu      sync.Mutex
@@ -233,7 +236,8 @@ func (p *Proxy) Run(ctx context.Context) error {
 // Start serves as Run does but returns at once, when the engine accepts on threads of its own
 // (io_uring): then no goroutine waits in Run for each proxy (at 10,000 service ports their stacks
 // were 24 MB of the process's RSS), Close (or Shutdown) stops it, and it reports true. With an
-// engine that accepts on a goroutine per proxy (epoll) it does nothing and reports false: call Run.
+// engine that accepts on a goroutine per proxy (epoll), or an io_uring engine that could not
+// start and fell back to epoll, it does nothing and reports false: call Run.
 func (p *Proxy) Start() (bool, error) {
 	u, ok := p.engine().(*uringEngine)
 	if !ok {
@@ -242,8 +246,9 @@ func (p *Proxy) Start() (bool, error) {
 	if !p.addr.IsValid() {
 		return true, fmt.Errorf("tcp proxy %s: Start before Listen", p.name)
 	}
-	if err := u.start(); err != nil {
-		return true, fmt.Errorf("tcp proxy %s: start the io_uring engine: %w", p.name, err)
+	if u.start() != nil {
+		// The engine fell back to epoll (fallback.go: logged and counted there): Run accepts.
+		return false, nil
 	}
 	p.startBackground()
 	p.lnMu.Lock()

@@ -11,6 +11,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/iouring"
@@ -86,6 +87,11 @@ type uringEngine struct {
 	spareP    bool
 	prevProcs int
 	ringBufs  int // buffers per loop; 0 means uringBufs (tests make it small)
+	// faults injects the failures the kernel gives rarely (a ring that cannot be set up, an
+	// io_uring_enter that fails): this package's tests set it; nil in production.
+	faults ringFaults
+	// log gets the engine's own lines: a failed start, a loop that died (fallback.go).
+	log logrus.FieldLogger
 
 	startOnce sync.Once
 	startErr  error
@@ -93,62 +99,87 @@ type uringEngine struct {
 	closed    bool
 	loops     []*loop
 	wg        sync.WaitGroup
+
+	// The fallback to epoll (fallback.go), guarded by mu.
+	fallen     bool
+	fellBackCh chan struct{}       // closed when fallen; made on first use
+	armed      map[*Proxy]struct{} // the proxies with accepts armed on the loops
+	failures   [numPhases]uint64
+	loopErr    error // the first loop's death
 }
 
-func (e *uringEngine) Name() string           { return EngineIOUring }
-func (e *uringEngine) blockingListener() bool { return true }
+func (e *uringEngine) Name() string { return EngineIOUring }
 
-// start sets up the loops on first use.
+// blockingListener: a listener the rings accept on stays out of the runtime poller, until the
+// engine has fallen back to epoll.
+func (e *uringEngine) blockingListener() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return !e.fallen
+}
+
+// start sets up the loops on first use. If they cannot be set up, the engine falls back to
+// epoll (fallback.go) and start keeps failing: each proxy then accepts on the epoll engine.
 func (e *uringEngine) start() error {
 	e.startOnce.Do(func() {
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		if e.closed {
-			e.startErr = errEngineClosed
-			return
-		}
-		// The loops' back-off timers need the runtime poller (timers wake through it). A process
-		// whose only sockets are the engine's has not set it up yet, and setting it up later
-		// fails fatally when descriptors are short (netpollinit's epoll_create): the moment a
-		// back-off timer is first armed. So set it up now with a timer that never fires.
-		time.AfterFunc(time.Hour, func() {}).Stop()
-		// A loop waits for completions in io_uring_enter, a system call. When every P is held by a
-		// thread in a system call, sysmon takes a P from a waiting loop after 20 µs and hands it
-		// to another thread (a futex wake-up, and the way back when the loop wakes), on every
-		// wait: 8-14% of the CPU in bench/iouring's profiles. With one P more than loops, a P is
-		// idle, and sysmon leaves Ps in system calls alone for 10 ms; the loops' threads mostly
-		// wait in the kernel, so the extra P costs no CPU of its own.
-		if e.spareP {
-			e.prevProcs = runtime.GOMAXPROCS(0)
-			runtime.GOMAXPROCS(e.prevProcs + 1)
-		}
-		ready := make(chan error, e.threads)
-		for range e.threads {
-			l := &loop{nbufs: e.ringBufs}
-			if l.nbufs == 0 {
-				l.nbufs = uringBufs
-			}
-			e.loops = append(e.loops, l)
-			e.wg.Add(1)
-			go func() {
-				defer e.wg.Done()
-				// The thread stays locked: it exits with the goroutine, and the ring with it.
-				runtime.LockOSThread()
-				l.run(ready)
-			}()
-		}
-		for range e.threads {
-			if err := <-ready; err != nil && e.startErr == nil {
-				e.startErr = err
-			}
-		}
-		if e.startErr != nil {
-			for _, l := range e.loops {
-				l.post(func() { l.stopping = true })
-			}
+		e.startErr = e.startLoops()
+		if e.startErr != nil && e.startErr != errEngineClosed {
+			e.fallBack(phaseStart, fmt.Errorf("start the io_uring engine: %w", e.startErr))
 		}
 	})
 	return e.startErr
+}
+
+func (e *uringEngine) startLoops() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return errEngineClosed
+	}
+	// The loops' back-off timers need the runtime poller (timers wake through it). A process
+	// whose only sockets are the engine's has not set it up yet, and setting it up later
+	// fails fatally when descriptors are short (netpollinit's epoll_create): the moment a
+	// back-off timer is first armed. So set it up now with a timer that never fires.
+	time.AfterFunc(time.Hour, func() {}).Stop()
+	// A loop waits for completions in io_uring_enter, a system call. When every P is held by a
+	// thread in a system call, sysmon takes a P from a waiting loop after 20 µs and hands it
+	// to another thread (a futex wake-up, and the way back when the loop wakes), on every
+	// wait: 8-14% of the CPU in bench/iouring's profiles. With one P more than loops, a P is
+	// idle, and sysmon leaves Ps in system calls alone for 10 ms; the loops' threads mostly
+	// wait in the kernel, so the extra P costs no CPU of its own.
+	if e.spareP {
+		e.prevProcs = runtime.GOMAXPROCS(0)
+		runtime.GOMAXPROCS(e.prevProcs + 1)
+	}
+	ready := make(chan error, e.threads)
+	for range e.threads {
+		l := &loop{nbufs: e.ringBufs, faults: e.faults}
+		if l.nbufs == 0 {
+			l.nbufs = uringBufs
+		}
+		e.loops = append(e.loops, l)
+		e.wg.Add(1)
+		go func() {
+			defer e.wg.Done()
+			// The thread stays locked: it exits with the goroutine, and the ring with it.
+			runtime.LockOSThread()
+			if err := l.run(ready); err != nil {
+				e.fallBack(phaseRun, fmt.Errorf("an io_uring loop stopped: %w", err))
+			}
+		}()
+	}
+	var err error
+	for range e.threads {
+		if lerr := <-ready; lerr != nil && err == nil {
+			err = lerr
+		}
+	}
+	if err != nil {
+		for _, l := range e.loops {
+			l.post(func() { l.stopping = true })
+		}
+	}
+	return err
 }
 
 // Close stops the loops; connections still open on them are closed without accounting.
@@ -171,22 +202,31 @@ func (e *uringEngine) Close() error {
 }
 
 // acceptLoop arms an accept on every loop for the proxy's listening socket, and again whenever
-// SetRefusing replaces it, until the proxy is closed. The loops do the accepting.
+// SetRefusing replaces it, until the proxy is closed. The loops do the accepting; once the engine
+// has fallen back to epoll, this goroutine does.
 func (e *uringEngine) acceptLoop(p *Proxy) error {
-	if err := e.start(); err != nil {
-		return fmt.Errorf("tcp proxy %s: start the io_uring engine: %w", p.name, err)
-	}
-	for {
-		p.lnMu.Lock()
-		e.arm(p)
-		changed := p.lnChanged
-		p.lnMu.Unlock()
-		select {
-		case <-changed:
-		case <-p.closed:
-			return nil
+	if e.start() == nil {
+		fellBack := e.fellBack()
+	accepting:
+		for {
+			p.lnMu.Lock()
+			e.arm(p)
+			changed := p.lnChanged
+			p.lnMu.Unlock()
+			select {
+			case <-changed:
+			case <-p.closed:
+				return nil
+			case <-fellBack:
+				break accepting
+			}
 		}
 	}
+	// The engine fell back (fallback.go): this goroutine accepts on the epoll engine now.
+	p.lnMu.Lock()
+	e.toEpoll(p)
+	p.lnMu.Unlock()
+	return p.acceptLoop()
 }
 
 // arm arms an accept on every loop for p's listening socket unless that is done already or p is
@@ -195,6 +235,14 @@ func (e *uringEngine) acceptLoop(p *Proxy) error {
 func (e *uringEngine) arm(p *Proxy) {
 	ln := p.ln
 	if ln == nil || p.uacceptLn == ln {
+		return
+	}
+	if !e.track(p) {
+		// Fallen back: a proxy the engine started accepts on a goroutine now; a proxy that
+		// runs switches its acceptLoop itself.
+		if p.armsItself {
+			e.toEpoll(p)
+		}
 		return
 	}
 	var fd int
@@ -216,6 +264,14 @@ func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
 	if p.uacceptLn != ln {
 		return
 	}
+	e.disarm(p, ln)
+	e.acceptQueued(p, ln)
+}
+
+// disarm cancels the accepts armed on ln and waits for the loops to confirm. The caller holds
+// p.lnMu.
+func (e *uringEngine) disarm(p *Proxy, ln *sock) {
+	e.untrack(p)
 	accs := p.uaccepts
 	p.uaccepts, p.uacceptLn = nil, nil
 	for i, a := range accs {
@@ -227,7 +283,6 @@ func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
 	for _, a := range accs {
 		<-a.done
 	}
-	e.acceptQueued(p, ln)
 }
 
 // acceptQueued serves, once the loops' accepts on ln are cancelled, the connections left in its
@@ -250,20 +305,22 @@ func (e *uringEngine) acceptQueued(p *Proxy, ln *sock) {
 		return
 	}
 	p.logger().WithField("connections", len(fds)).Debug("accepted the connections left in the queue when accepting stopped")
-	done := make(chan struct{})
-	l := e.loops[0]
-	if !l.post(func() {
-		defer close(done)
-		for i, fd := range fds {
-			l.serve(p, fd, peers[i])
+	for _, l := range e.loops {
+		done := make(chan struct{})
+		if l.post(func() {
+			defer close(done)
+			for i, fd := range fds {
+				l.serve(p, fd, peers[i])
+			}
+		}) {
+			<-done // served before Close counts the connections left
+			return
 		}
-	}) {
-		for _, fd := range fds {
-			sysClose(fd)
-		}
-		return
 	}
-	<-done // served before Close counts the connections left
+	// No loop is left (the engine fell back to epoll): the epoll engine serves them.
+	for i, fd := range fds {
+		p.serveEpoll(fd, peers[i])
+	}
 }
 
 // maxStranded bounds acceptQueued: a queue that refills as fast as it is read is being served by
@@ -320,6 +377,15 @@ func boundAccept(lfd int) (restore func(), ok bool) {
 	return func() { _ = unix.SetsockoptTimeval(lfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, prev) }, true
 }
 
+// ringFaults injects a loop's failures (uringEngine.faults).
+type ringFaults interface {
+	// setup, if it fails, fails the loop's set-up, as io_uring_setup or the registration of
+	// its buffer ring would.
+	setup() error
+	// enter, if it fails, fails the loop's next io_uring_enter, as a broken ring would.
+	enter() error
+}
+
 // uaccept is the accept of one proxy's listening socket on one loop.
 type uaccept struct {
 	p         *Proxy
@@ -342,7 +408,9 @@ type loop struct {
 	bufs  *iouring.BufRing
 	nbufs int
 	efd   int
-	efdv  [8]byte
+	// faults: see uringEngine.faults.
+	faults ringFaults
+	efdv   [8]byte
 
 	inMu     sync.Mutex
 	inbox    []inboxItem
@@ -387,20 +455,22 @@ func (l *loop) postItem(it inboxItem) bool {
 	return true
 }
 
-func (l *loop) run(ready chan<- error) {
+// run serves until the engine stops it (nil) or its ring breaks (the error). A loop that could
+// not be set up sends its error on ready and returns nil.
+func (l *loop) run(ready chan<- error) (broken error) {
 	err := l.setup()
 	ready <- err
 	if err != nil {
 		l.inMu.Lock()
 		l.dead = true
 		l.inMu.Unlock()
-		return
+		return nil
 	}
-	defer l.teardown()
+	defer func() { l.teardown(broken != nil) }()
 	for !l.stopping {
 		l.runInbox()
 		if l.stopping {
-			return
+			return nil
 		}
 		l.sleeping.Store(true)
 		l.inMu.Lock()
@@ -411,18 +481,34 @@ func (l *loop) run(ready chan<- error) {
 			l.sleeping.Store(false)
 			wait = 0
 		}
-		if err := l.r.Enter(wait); err != nil {
-			// Only a broken ring fails here (EFAULT, EBADF); nothing on it can progress.
-			fmt.Fprintf(os.Stderr, "tcp: io_uring loop stopped: %v\n", err)
-			return
+		if err := l.enter(wait); err != nil {
+			// Only a broken ring fails here (EFAULT, EBADF); nothing on it can progress. The
+			// engine logs it, counts it and falls back to epoll (fallback.go).
+			return err
 		}
 		l.sleeping.Store(false)
 		l.now = time.Now().UnixNano()
 		l.r.Reap(l.reap)
 	}
+	return nil
+}
+
+// enter is the ring's io_uring_enter, or the failure a test injects.
+func (l *loop) enter(wait uint32) error {
+	if l.faults != nil {
+		if err := l.faults.enter(); err != nil {
+			return err
+		}
+	}
+	return l.r.Enter(wait)
 }
 
 func (l *loop) setup() error {
+	if l.faults != nil {
+		if err := l.faults.setup(); err != nil {
+			return err
+		}
+	}
 	r, err := iouring.New(ringEntries)
 	if err != nil {
 		return err
@@ -446,8 +532,9 @@ func (l *loop) setup() error {
 
 // teardown closes what is left. The engine is closed after the proxies, which end their
 // connections first; a connection still open here is closed and ends as if its peers had gone, so
-// that no Shutdown waits for it.
-func (l *loop) teardown() {
+// that no Shutdown waits for it. After a broken ring (reset) its connections are reset: their
+// bytes in flight are lost, and a peer must not take the end for a clean one.
+func (l *loop) teardown(reset bool) {
 	l.inMu.Lock()
 	l.dead = true
 	l.inMu.Unlock()
@@ -462,6 +549,13 @@ func (l *loop) teardown() {
 	l.r.Close() // cancels every request: descriptors are free to close
 	for _, u := range l.conns {
 		if u != nil && u.inflight >= 0 {
+			if reset {
+				for _, fd := range u.fd {
+					if fd >= 0 {
+						sysLingerZero(int(fd))
+					}
+				}
+			}
 			u.closing = true
 			u.inflight = 0
 			u.closeNow()

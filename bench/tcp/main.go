@@ -127,7 +127,7 @@ func runProxy() error {
 	}
 	log := logrus.New()
 	log.SetLevel(logrus.WarnLevel)
-	eng, fallback, err := tcp.ChooseEngine(*engine, nil)
+	eng, fallback, err := tcp.ChooseEngine(*engine, nil, nil)
 	if err != nil {
 		return err
 	}
