@@ -57,7 +57,7 @@ test-deps:
 # hand-over's messages from either side, the per-Service annotations, the services file and its
 # fast decoder. go test already runs their seeds (f.Add and testdata/fuzz/) as tests; these
 # search beyond them.
-FUZZ_TARGETS := ./proxier/snapshot:FuzzDecode ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
+FUZZ_TARGETS := ./proxier/snapshot:FuzzDecode ./proxier/snapshot:FuzzDecodeBody ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
 	./portal/iptables:FuzzReadSteered ./portal/iptables:FuzzParseRule ./handover:FuzzReceive ./handover:FuzzServe \
 	./proxier:FuzzServiceAnnotations ./proxier/config:FuzzServicesFile ./proxier/config:FuzzDecodeDocument
 FUZZTIME ?= 10m

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/deploy"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
@@ -67,21 +69,43 @@ func TestChartValuesReachTheProxy(t *testing.T) {
 		t.Errorf("the rendered ConfigMap sets ignored fields %q / warns %q", o.configIgnored, o.configWarnings)
 	}
 	type view struct {
-		PortalMode, PortalInterface, ProxyPortRange, ClusterCIDR, Healthz, Metrics, LogLevel, LogFormat, IptablesVariant string
-		NodePorts                                                                                                        []string
-		Sync, MinSync, ConfigSync, UDP, TCPIdle, Shutdown, Established, CloseWait                                        time.Duration
-		UDPMax, Burst                                                                                                    int
-		QPS                                                                                                              float32
-		OOM, MaxPerCore, ConntrackMin                                                                                    int32
-		AccessLog, Protect, Drain                                                                                        bool
+		PortalMode, PortalInterface, ProxyPortRange, ClusterCIDR, Healthz, Metrics, MetricsOnly, LogLevel, LogFormat, IptablesVariant string
+		NodePorts                                                                                                                     []string
+		Sync, MinSync, ConfigSync, UDP, TCPIdle, Shutdown, Established, CloseWait                                                     time.Duration
+		UDPMax, Burst                                                                                                                 int
+		QPS                                                                                                                           float32
+		OOM, MaxPerCore, ConntrackMin                                                                                                 int32
+		AccessLog, Protect, Drain, Profiling                                                                                          bool
 	}
-	got := view{o.portalMode, o.portalInterface, o.proxyPortRange, o.clusterCIDR, o.healthzBindAddress, o.metricsBindAddress, o.logLevel, o.logFormat, o.iptablesVariant,
+	got := view{o.portalMode, o.portalInterface, o.proxyPortRange, o.clusterCIDR, o.healthzBindAddress, o.metricsBindAddress, o.metricsOnlyBindAddress, o.logLevel, o.logFormat, o.iptablesVariant,
 		o.nodePortAddresses, o.syncPeriod, o.minSyncPeriod, o.configSyncPeriod, o.udpTimeout, o.tcpIdleTimeout, o.shutdownTimeout, o.conntrackTCPEstablished, o.conntrackTCPCloseWait,
-		o.udpMaxSessions, o.apiBurst, o.apiQPS, o.oomScoreAdj, o.conntrackMaxPerCore, o.conntrackMin, o.accessLog, o.protectProxyPorts, o.drainEndpoints}
-	want := view{"bind", "kpp0", "40000-40999", "10.244.0.0/16,fd00:10:244::/56", "0.0.0.0:10266", "0.0.0.0:10259", "debug", "json", "nft",
+		o.udpMaxSessions, o.apiBurst, o.apiQPS, o.oomScoreAdj, o.conntrackMaxPerCore, o.conntrackMin, o.accessLog, o.protectProxyPorts, o.drainEndpoints, o.profiling}
+	want := view{"bind", "kpp0", "40000-40999", "10.244.0.0/16,fd00:10:244::/56", "0.0.0.0:10266", "127.0.0.1:10259", "0.0.0.0:10251", "debug", "json", "nft",
 		[]string{"192.0.2.0/24", "2001:db8::/64"}, time.Minute, 2 * time.Second, 30 * time.Minute, 30 * time.Second, time.Hour, 20 * time.Second, 12 * time.Hour, 30 * time.Minute,
-		2048, 40, 25 /* extraArgs override the file's 20 */, -500, 65536, 262144, true, false, true}
+		2048, 40, 25 /* extraArgs override the file's 20 */, -500, 65536, 262144, true, false, true, true}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("options from the chart's full values (-want +got):\n%s", diff)
+	}
+
+	// Prometheus scrapes the address that serves /metrics alone, never the metrics address
+	// with the debug pages: the ServiceMonitor's port is the metrics Service's, whose target is
+	// the port of the proxy's --metrics-only-bind-address.
+	metricsOnly, err := netip.ParseAddrPort(o.metricsOnlyBindAddress)
+	if err != nil {
+		t.Fatalf("metrics-only address %q: %v", o.metricsOnlyBindAddress, err)
+	}
+	svc, sm := m.Find("Service", "kpp-kube-portal-proxy-metrics"), m.Find("ServiceMonitor", "kpp-kube-portal-proxy")
+	if svc == nil || sm == nil {
+		t.Fatalf("the full values render no metrics Service (%v) or ServiceMonitor (%v)", svc != nil, sm != nil)
+	}
+	ports, _, _ := unstructured.NestedSlice(svc.Object, "spec", "ports")
+	endpoints, _, _ := unstructured.NestedSlice(sm.Object, "spec", "endpoints")
+	if len(ports) != 1 || len(endpoints) != 1 {
+		t.Fatalf("metrics Service ports %v, ServiceMonitor endpoints %v: want one each", ports, endpoints)
+	}
+	port, endpoint := ports[0].(map[string]any), endpoints[0].(map[string]any)
+	if port["targetPort"] != float64(metricsOnly.Port()) || endpoint["port"] != port["name"] || endpoint["path"] != "/metrics" {
+		t.Errorf("the ServiceMonitor scrapes %v %v of Service port %v; want /metrics at the metrics-only port %d",
+			endpoint["port"], endpoint["path"], port, metricsOnly.Port())
 	}
 }

@@ -46,6 +46,10 @@ const (
 	// kube-proxy's type (kernel or proxy), read from the raw document like udpIdleTimeout.
 	fieldDefaultDataPath = "defaultDataPath"
 
+	// fieldMetricsOnlyBindAddress is --metrics-only-bind-address: this proxy's own field, read
+	// from the raw document like udpIdleTimeout.
+	fieldMetricsOnlyBindAddress = "metricsOnlyBindAddress"
+
 	// nodePortPrimary is nodePortAddresses' special value for the Node object's primary IPs.
 	nodePortPrimary = "primary"
 
@@ -66,6 +70,8 @@ type proxyConfig struct {
 	ioEngine string
 	// defaultDataPath is the defaultDataPath field; "" when absent.
 	defaultDataPath string
+	// metricsOnlyBindAddress is fieldMetricsOnlyBindAddress; "" when absent.
+	metricsOnlyBindAddress string
 	// ignored lists the fields that are set but mean nothing here, as dotted paths.
 	ignored []string
 }
@@ -98,6 +104,7 @@ func (c *proxyConfig) settings() []fileSetting {
 		{"metricsBindAddress", "metrics-bind-address", k.MetricsBindAddress != "", func(o *Options) {
 			o.metricsBindAddress = withDefaultPort(k.MetricsBindAddress, defaultMetricsPort)
 		}},
+		{"enableProfiling", "profiling", k.EnableProfiling, func(o *Options) { o.profiling = true }},
 		{"iptables.syncPeriod", "iptables-sync-period", k.IPTables.SyncPeriod.Duration != 0, func(o *Options) { o.syncPeriod = k.IPTables.SyncPeriod.Duration }},
 		{"iptables.minSyncPeriod", "iptables-min-sync-period", k.IPTables.MinSyncPeriod.Duration != 0, func(o *Options) { o.minSyncPeriod = k.IPTables.MinSyncPeriod.Duration }},
 		{"clusterCIDR", "cluster-cidr", k.ClusterCIDR != "", func(o *Options) { o.clusterCIDR = k.ClusterCIDR }},
@@ -115,12 +122,13 @@ func (c *proxyConfig) settings() []fileSetting {
 		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *Options) { o.udpTimeout = c.udpIdleTimeout }},
 		{fieldIOEngine, "io-engine", c.ioEngine != "", func(o *Options) { o.ioEngine = c.ioEngine }},
 		{fieldDefaultDataPath, "default-data-path", c.defaultDataPath != "", func(o *Options) { o.defaultDataPath = c.defaultDataPath }},
+		{fieldMetricsOnlyBindAddress, "metrics-only-bind-address", c.metricsOnlyBindAddress != "", func(o *Options) { o.metricsOnlyBindAddress = c.metricsOnlyBindAddress }},
 	}
 }
 
 // honoured are fields without an option that this proxy nevertheless does: listen failures of the
-// healthz and metrics servers are always fatal, and pprof is always on the metrics address.
-var honoured = map[string]bool{"bindAddressHardFail": true, "enableProfiling": true, "mode": true}
+// healthz and metrics servers are always fatal.
+var honoured = map[string]bool{"bindAddressHardFail": true, "mode": true}
 
 // loadConfigFile applies --config to o, except for the flags given explicitly (fs.Changed),
 // which override the file as in kube-proxy.
@@ -198,6 +206,14 @@ func decodeProxyConfig(data []byte) (*proxyConfig, error) {
 		}
 		c.defaultDataPath = s
 		delete(raw, fieldDefaultDataPath)
+	}
+	if v, ok := raw[fieldMetricsOnlyBindAddress]; ok {
+		s, isString := v.(string)
+		if !isString {
+			return nil, fmt.Errorf("%s: want an ip:port string, got %v", fieldMetricsOnlyBindAddress, v)
+		}
+		c.metricsOnlyBindAddress = s
+		delete(raw, fieldMetricsOnlyBindAddress)
 	}
 	configType := reflect.TypeFor[kubeproxyconfig.KubeProxyConfiguration]()
 	if err := visitFields(raw, configType, "", checkDuration); err != nil {
@@ -462,6 +478,9 @@ func marshalConfig(o *Options) ([]byte, error) {
 	if o.defaultDataPath != "" && o.defaultDataPath != "proxy" {
 		doc[fieldDefaultDataPath] = o.defaultDataPath
 	}
+	if o.metricsOnlyBindAddress != "" {
+		doc[fieldMetricsOnlyBindAddress] = o.metricsOnlyBindAddress
+	}
 	return yaml.Marshal(doc)
 }
 
@@ -474,6 +493,7 @@ func (o *Options) kubeProxyConfiguration() *kubeproxyconfig.KubeProxyConfigurati
 		BindAddress:        o.bindAddress,
 		HealthzBindAddress: o.healthzBindAddress,
 		MetricsBindAddress: o.metricsBindAddress,
+		EnableProfiling:    o.profiling,
 		Mode:               modeUserspace,
 		NodePortAddresses:  slices.Clone(o.nodePortAddresses),
 		ClusterCIDR:        o.clusterCIDR,

@@ -195,7 +195,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 		sw := &snapshotWriter{path: o.restartSnapshot, node: node, src: w.proxier, clock: d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: log}
 		servingTasks = append(servingTasks, sw.Run)
 	}
-	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false}}, inh)
+	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false},
+		{o.metricsOnlyBindAddress, w.metricsOnly, true}}, inh)
 	if err != nil {
 		return err
 	}
@@ -261,6 +262,8 @@ type wiring struct {
 	gate      *handoverGate // fails /healthz while a hand-over is under way
 	healthz   http.Handler
 	metrics   http.Handler
+	// metricsOnly serves --metrics-only-bind-address.
+	metricsOnly http.Handler
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
@@ -321,7 +324,8 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
 	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
-	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe)}
+	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling),
+		metricsOnly: metricsOnlyMux(reg)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
 		w.source, w.reload = fsrc, fsrc.Reload
@@ -341,22 +345,35 @@ func healthMux(healthz, livez http.Handler) http.Handler {
 	return mux
 }
 
-// metricsMux serves --metrics-bind-address: metrics, the debug pages and pprof.
-func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxier, rules func() string) http.Handler {
+// metricsMux serves --metrics-bind-address: metrics, the debug pages and, with --profiling,
+// pprof (off by default as in kube-proxy: a profile costs CPU, and /debug/pprof/cmdline and the
+// heap show the command line and memory to whoever reaches the address).
+func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxier, rules func() string, profiling bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "userspace") })
 	mux.Handle("/healthz", health)
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	if profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	}
 	debugview.Register(mux, px)
 	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprint(w, rules())
 	}))
+	return mux
+}
+
+// metricsOnlyMux serves --metrics-only-bind-address: /metrics and nothing else, so the address
+// can face Prometheus across the network without the debug pages (client addresses, live
+// connections, the rules) or pprof.
+func metricsOnlyMux(reg *prometheus.Registry) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	return mux
 }
 

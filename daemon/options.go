@@ -59,6 +59,11 @@ type Options struct {
 	bindStateFile      string
 	restartSnapshot    string
 
+	// What the metrics side shows beyond loopback: metricsOnlyBindAddress serves /metrics
+	// alone, for a scraper off the node; profiling adds pprof to metricsBindAddress.
+	metricsOnlyBindAddress string
+	profiling              bool
+
 	// kube-proxy settings for the node, applied at start (config.go, sysctl.go).
 	configFile                string
 	writeConfigTo             string
@@ -139,7 +144,9 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.DurationVar(&o.minSyncPeriod, "iptables-min-sync-period", time.Second, "Minimum interval between syncs; changes within it are batched.")
 	fs.DurationVar(&o.configSyncPeriod, "config-sync-period", 15*time.Minute, "Resync period of the Service and EndpointSlice informers.")
 	fs.StringVar(&o.healthzBindAddress, "healthz-bind-address", "0.0.0.0:10256", "ip:port of /healthz and /livez; empty disables.")
-	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "ip:port of /metrics and the debug pages; empty disables.")
+	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "ip:port of /metrics and the debug pages (client addresses, live connections, the rules; pprof with --profiling); empty disables. Keep it on loopback: for a scraper off the node, use --metrics-only-bind-address.")
+	fs.StringVar(&o.metricsOnlyBindAddress, "metrics-only-bind-address", "", "ip:port that serves /metrics and nothing else, within the health address's limits: the address to open to Prometheus (e.g. 0.0.0.0:10251) while --metrics-bind-address stays on loopback. Empty disables.")
+	fs.BoolVar(&o.profiling, "profiling", false, "Serve Go's profiler (pprof) under /debug/pprof/ on --metrics-bind-address (kube-proxy's --profiling, the file's enableProfiling).")
 	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic; empty means all.")
 	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pods' CIDR range(s), comma-separated (one per family): traffic from them to a node port, external or load-balancer IP of an externalTrafficPolicy: Local service is cluster traffic, as in kube-proxy. Empty: such pod traffic is external traffic.")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every rule and chain this proxy installs (IPv4 and IPv6), then exit.")
@@ -263,7 +270,8 @@ func (o *Options) validate() error {
 			return fmt.Errorf("%s: %s", o.setting(c.flag), c.msg)
 		}
 	}
-	for _, hp := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress}} {
+	for _, hp := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress},
+		{"--metrics-only-bind-address", o.metricsOnlyBindAddress}} {
 		if hp.v == "" {
 			continue
 		}

@@ -29,11 +29,12 @@ var snapWeb = service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"
 // fakeSnapshots is a proxier whose state the test changes.
 type fakeSnapshots struct {
 	first chan struct{}
+	asked atomic.Bool // FirstSync was called: the writer is waiting on it
 	gen   atomic.Uint64
 	taken atomic.Int64
 }
 
-func (f *fakeSnapshots) FirstSync() <-chan struct{} { return f.first }
+func (f *fakeSnapshots) FirstSync() <-chan struct{} { f.asked.Store(true); return f.first }
 func (f *fakeSnapshots) SnapshotGeneration() uint64 { return f.gen.Load() }
 func (f *fakeSnapshots) SnapshotPorts() iter.Seq[*snapshot.Port] {
 	f.taken.Add(1)
@@ -53,6 +54,16 @@ func TestSnapshotWriter(t *testing.T) {
 	defer func() { cancel(); wg.Wait() }()
 
 	t.Run("nothing_before_the_first_sync", func(t *testing.T) {
+		// Wait until the writer has done its first thing: asked for the first sync (and so
+		// waits on it), or, a writer that does not wait, taken a snapshot. Periods passing
+		// before the first sync change nothing either.
+		testenv.WaitFor(t, "the writer to start", func() bool { return src.asked.Load() || src.taken.Load() > 0 })
+		for range 3 {
+			clk.Step(time.Second)
+		}
+		if n := src.taken.Load(); n != 0 {
+			t.Errorf("%d snapshots taken before the first sync; want none", n)
+		}
 		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
 			t.Fatalf("snapshot written before the first sync: %v", err)
 		}

@@ -7,14 +7,21 @@ package healthcheck
 // closed), the size of a request's headers, how long a request or an idle connection may take,
 // and it never reads a body (a probe has none; one that comes closes the connection instead of
 // being drained).
+//
+// One client must not spend the port's share for everyone: a load balancer whose probes get 429
+// or wait behind another client's connections marks the node down. So each client address also
+// has its own token bucket and its own few connection slots (clients.go), checked before the
+// port's; the port's bucket and slots stay as the cap on a flood from many addresses.
 
 import (
 	"net"
 	"net/http"
+	"net/netip"
 	"sync"
 	"time"
 
 	"golang.org/x/time/rate"
+	"k8s.io/utils/clock"
 )
 
 // Limits bound one health check port (all its addresses together). Zero fields take the defaults.
@@ -24,11 +31,21 @@ type Limits struct {
 	// RequestsPerSecond and Burst size the port's token bucket.
 	RequestsPerSecond float64
 	Burst             int
+	// ClientRequestsPerSecond and ClientBurst size each client address's token bucket, and
+	// ClientConnections bounds the connections one address holds at once (a connection beyond
+	// it is closed at once). MaxClients bounds how many addresses the port remembers: beyond it
+	// the least recently seen address without an open connection is forgotten.
+	ClientRequestsPerSecond float64
+	ClientBurst             int
+	ClientConnections       int
+	MaxClients              int
 	// MaxHeaderBytes bounds a request's header block (net/http allows 4 KiB over it).
 	MaxHeaderBytes int
 	// ReadTimeout bounds reading a request, headers included; IdleTimeout a kept-alive connection
 	// waiting for its next request; WriteTimeout writing the answer.
 	ReadTimeout, IdleTimeout, WriteTimeout time.Duration
+	// Clock refills the token buckets; nil is the real clock.
+	Clock clock.PassiveClock
 }
 
 // Defaults of Limits. A load balancer probes a node's port every few seconds from a handful of
@@ -41,6 +58,13 @@ const (
 	DefaultReadTimeout       = 5 * time.Second
 	DefaultIdleTimeout       = 30 * time.Second
 	DefaultWriteTimeout      = 5 * time.Second
+
+	// Per client: a probe every second is already ten times a load balancer's usual rate.
+	DefaultClientRequestsPerSecond = 10
+	DefaultClientBurst             = 20
+	DefaultClientConnections       = 8
+	// 256 addresses, about 50 KiB at most per port; an address comes back with a full bucket.
+	DefaultMaxClients = 256
 )
 
 func (l Limits) withDefaults() Limits {
@@ -60,6 +84,18 @@ func (l Limits) withDefaults() Limits {
 	if l.RequestsPerSecond <= 0 {
 		l.RequestsPerSecond = DefaultRequestsPerSecond
 	}
+	if l.ClientRequestsPerSecond <= 0 {
+		l.ClientRequestsPerSecond = DefaultClientRequestsPerSecond
+	}
+	def(&l.ClientBurst, DefaultClientBurst)
+	def(&l.ClientConnections, DefaultClientConnections)
+	def(&l.MaxClients, DefaultMaxClients)
+	// Entries with an open connection are never forgotten, and there are at most MaxConnections
+	// of them: room for one more keeps every client accounted for.
+	l.MaxClients = max(l.MaxClients, l.MaxConnections+1)
+	if l.Clock == nil {
+		l.Clock = clock.RealClock{}
+	}
 	defDur(&l.ReadTimeout, DefaultReadTimeout)
 	defDur(&l.IdleTimeout, DefaultIdleTimeout)
 	defDur(&l.WriteTimeout, DefaultWriteTimeout)
@@ -72,14 +108,35 @@ func (l Limits) server(h http.Handler) *http.Server {
 		ReadTimeout: l.ReadTimeout, IdleTimeout: l.IdleTimeout, WriteTimeout: l.WriteTimeout}
 }
 
-// handler answers at most the bucket's rate and closes the connection of a request with a body.
-func (l Limits) handler(h http.Handler) http.Handler {
-	bucket := rate.NewLimiter(rate.Limit(l.RequestsPerSecond), l.Burst)
+// portLimit is what one port's listeners and servers share: the connection slots, the port's
+// token bucket and the per-client table.
+type portLimit struct {
+	slots   chan struct{}
+	bucket  *rate.Limiter
+	clients *clients
+	clock   clock.PassiveClock
+}
+
+// port is the shared state of one port within l (l has its defaults).
+func (l Limits) port() *portLimit {
+	return &portLimit{
+		slots:   make(chan struct{}, l.MaxConnections),
+		bucket:  rate.NewLimiter(rate.Limit(l.RequestsPerSecond), l.Burst),
+		clients: newClients(l.MaxClients, rate.Limit(l.ClientRequestsPerSecond), l.ClientBurst, l.ClientConnections),
+		clock:   l.Clock,
+	}
+}
+
+// handler answers at most the client's and the port's bucket rate and closes the connection of
+// a request with a body. The client's bucket comes first, so a client over its rate spends
+// nothing of the port's.
+func (p *portLimit) handler(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.ContentLength != 0 || len(r.TransferEncoding) > 0 {
 			w.Header().Set("Connection", "close") // not drained: the body is never read
 		}
-		if !bucket.Allow() {
+		now := p.clock.Now()
+		if !p.clients.allow(remoteAddr(r.RemoteAddr), now) || !p.bucket.AllowN(now, 1) {
 			w.Header().Set("Connection", "close")
 			http.Error(w, "too many requests", http.StatusTooManyRequests)
 			return
@@ -88,39 +145,49 @@ func (l Limits) handler(h http.Handler) http.Handler {
 	})
 }
 
-// connLimit is the connection slots one port's listeners share.
-type connLimit struct {
-	slots chan struct{}
+// remoteAddr is the client address of a request's or a connection's remote address; the zero
+// Addr (one shared entry) for one that does not parse, which net/http's never is.
+func remoteAddr(s string) netip.Addr {
+	ap, _ := netip.ParseAddrPort(s)
+	return ap.Addr().Unmap()
 }
-
-func newConnLimit(n int) *connLimit { return &connLimit{slots: make(chan struct{}, n)} }
 
 // listener wraps ln so that it accepts only while a slot is free; a connection frees its slot
 // when closed.
-func (c *connLimit) listener(ln net.Listener) net.Listener {
-	return &limitedListener{Listener: ln, limit: c, done: make(chan struct{})}
+func (p *portLimit) listener(ln net.Listener) net.Listener {
+	return &limitedListener{Listener: ln, limit: p, done: make(chan struct{})}
 }
 
 type limitedListener struct {
 	net.Listener
-	limit     *connLimit
+	limit     *portLimit
 	done      chan struct{}
 	closeOnce sync.Once
 }
 
-// Accept waits for a free slot, then for a connection. The wait ends when the listener closes.
+// Accept waits for a free slot, then for a connection. A connection from a client that holds
+// its share of connections already is closed at once and the next one awaited, so one client
+// cannot take every slot and leave a load balancer's probes in the accept queue. The wait ends
+// when the listener closes.
 func (l *limitedListener) Accept() (net.Conn, error) {
 	select {
 	case l.limit.slots <- struct{}{}:
 	case <-l.done:
 		return nil, net.ErrClosed
 	}
-	c, err := l.Listener.Accept()
-	if err != nil {
-		<-l.limit.slots
-		return nil, err
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			<-l.limit.slots
+			return nil, err
+		}
+		client := remoteAddr(c.RemoteAddr().String())
+		if !l.limit.clients.open(client) {
+			_ = c.Close()
+			continue
+		}
+		return &limitedConn{Conn: c, release: func() { l.limit.clients.closed(client); <-l.limit.slots }}, nil
 	}
-	return &limitedConn{Conn: c, release: func() { <-l.limit.slots }}, nil
 }
 
 func (l *limitedListener) Close() error {
@@ -141,9 +208,11 @@ func (c *limitedConn) Close() error {
 }
 
 // Serve returns ln and a server for h within l (zero fields: the defaults), for an address that
-// faces outside on its own (the proxy's /healthz and /livez): l.MaxConnections at once, one token
-// bucket, the header size and the timeouts.
+// faces outside on its own (the proxy's /healthz and /livez, the metrics-only address):
+// l.MaxConnections at once, the port's and each client's token bucket and connection share, the
+// header size and the timeouts.
 func (l Limits) Serve(ln net.Listener, h http.Handler) (net.Listener, *http.Server) {
 	l = l.withDefaults()
-	return newConnLimit(l.MaxConnections).listener(ln), l.server(l.handler(h))
+	p := l.port()
+	return p.listener(ln), l.server(p.handler(h))
 }

@@ -223,10 +223,10 @@ func (s *ServiceHealthServer) openPort(name service.NamespacedName, port uint16,
 		}
 		p.lns = append(p.lns, ln)
 	}
-	h := s.cfg.Limits.handler(s.handler(name))         // one token bucket for the port
-	conns := newConnLimit(s.cfg.Limits.MaxConnections) // shared by the port's addresses
+	limit := s.cfg.Limits.port() // shared by the port's addresses: slots, buckets, clients
+	h := limit.handler(s.handler(name))
 	for i, ln := range p.lns {
-		p.lns[i] = conns.listener(ln)
+		p.lns[i] = limit.listener(ln)
 		ln = p.lns[i]
 		srv := s.cfg.Limits.server(h)
 		p.servers = append(p.servers, srv)

@@ -18,7 +18,7 @@ import (
 var fuzzAnnotations = []string{
 	AnnotationAlgorithm, AnnotationOutlierConsecutiveFailures, AnnotationOutlierEjectionTime,
 	AnnotationOutlierMaxEjectionPercent, AnnotationSlowStart, AnnotationDrainTimeout,
-	AnnotationProxyProtocol, AnnotationHoldTimeout, AnnotationAccessLog,
+	AnnotationProxyProtocol, AnnotationHoldTimeout, AnnotationAccessLog, AnnotationDataPath,
 }
 
 // maxAnnotationError bounds the message of one annotation error: it becomes a Warning event on
@@ -31,14 +31,15 @@ const maxAnnotationError = 1024
 // error wrapping ErrInvalidAnnotation names the key; a good value applies with no error. What is
 // good is the README's documented contract, written out here independently of the parsers.
 func FuzzServiceAnnotations(f *testing.F) {
-	f.Add(uint16(0x1ff), "least-connections", "5", "30s", "50%", "10s", "60s", "v2", "1m", "true")
-	f.Add(uint16(0x1ff), " random-two-choices ", "1000", "1h", "100", "1h", "24h", " v1", "1s", "false")
-	f.Add(uint16(0x1ff), "LeastConnections", "0", "0.5s", "0", "999ms", "25h", "V1", "59m60s", "yes")
-	f.Add(uint16(0x0ff), "", "-1", "1e3s", "101", "-1s", "1", "v3", "forever", "")
-	f.Add(uint16(0x106), "x", "1001", "3600s", "50 %", "1h0m1s", "86400s", "true", "1h", "TRUE")
-	f.Add(uint16(0x040), "", "", "", "", "", "", strings.Repeat("v", 10000), "", "")
-	f.Fuzz(func(t *testing.T, set uint16, algorithm, consecutive, ejection, maxPercent, slowStart, drain, proxyProto, hold, accessLog string) {
-		values := []string{algorithm, consecutive, ejection, maxPercent, slowStart, drain, proxyProto, hold, accessLog}
+	f.Add(uint16(0x3ff), "least-connections", "5", "30s", "50%", "10s", "60s", "v2", "1m", "true", "kernel")
+	f.Add(uint16(0x3ff), " random-two-choices ", "1000", "1h", "100", "1h", "24h", " v1", "1s", "false", " proxy ")
+	f.Add(uint16(0x3ff), "LeastConnections", "0", "0.5s", "0", "999ms", "25h", "V1", "59m60s", "yes", "Kernel")
+	f.Add(uint16(0x0ff), "", "-1", "1e3s", "101", "-1s", "1", "v3", "forever", "", "")
+	f.Add(uint16(0x306), "x", "1001", "3600s", "50 %", "1h0m1s", "86400s", "true", "1h", "TRUE", "")
+	f.Add(uint16(0x040), "", "", "", "", "", "", strings.Repeat("v", 10000), "", "", "")
+	f.Add(uint16(0x200), "", "", "", "", "", "", "", "", "", strings.Repeat("k", 10000))
+	f.Fuzz(func(t *testing.T, set uint16, algorithm, consecutive, ejection, maxPercent, slowStart, drain, proxyProto, hold, accessLog, dataPath string) {
+		values := []string{algorithm, consecutive, ejection, maxPercent, slowStart, drain, proxyProto, hold, accessLog, dataPath}
 		ann := map[string]string{}
 		for i, key := range fuzzAnnotations {
 			if set&(1<<i) != 0 {
@@ -90,6 +91,9 @@ func FuzzServiceAnnotations(f *testing.F) {
 		if tcp.AccessLog != want.accessLog || udp.AccessLog != want.accessLog {
 			t.Fatalf("annotations %q: access log %v, want %v", ann, tcp.AccessLog, want.accessLog)
 		}
+		if tcp.DataPath != want.dataPath || udp.DataPath != want.dataPath {
+			t.Fatalf("annotations %q: data path %q / %q, want %q", ann, tcp.DataPath, udp.DataPath, want.dataPath)
+		}
 	})
 }
 
@@ -100,7 +104,8 @@ type expected struct {
 	proxyProto service.ProxyProtocol
 	hold       time.Duration
 	accessLog  bool
-	bad        []string // the keys whose value is rejected, in fuzzAnnotations order; a PROXY
+	dataPath   service.DataPath // "": the node's default
+	bad        []string         // the keys whose value is rejected, in fuzzAnnotations order; a PROXY
 	// protocol asked of a Service with a UDP port is reported for that port too.
 }
 
@@ -129,6 +134,14 @@ func expectAnnotations(ann map[string]string) expected {
 			return 0, false
 		}
 		return n, true
+	}
+	if v, ok := value(AnnotationDataPath); ok {
+		switch d := service.DataPath(v); d {
+		case service.DataPathProxy, service.DataPathKernel:
+			e.dataPath = d
+		default:
+			e.bad = append(e.bad, AnnotationDataPath)
+		}
 	}
 	if v, ok := value(AnnotationAlgorithm); ok {
 		switch a := service.Algorithm(v); a {

@@ -32,8 +32,8 @@ func dataPath(svc *v1.Service) (service.DataPath, error) {
 	case service.DataPathProxy, service.DataPathKernel:
 		return d, nil
 	}
-	return "", fmt.Errorf("service %s/%s: annotation %s=%q: want kernel or proxy; the node's --default-data-path applies: %w",
-		svc.Namespace, svc.Name, AnnotationDataPath, v, ErrInvalidAnnotation)
+	return "", fmt.Errorf("service %s/%s: annotation %s=%s: want kernel or proxy; the node's --default-data-path applies: %w",
+		svc.Namespace, svc.Name, AnnotationDataPath, quoteValue(v), ErrInvalidAnnotation)
 }
 
 // kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:

@@ -232,7 +232,11 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 // startProxy starts the proxy binary in the node namespace on the services directory, with env
 // (KEY=VALUE) added to the environment.
 func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exec.Cmd, error) {
-	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir,
+	profiling, err := profilingConfig()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir, "--config", profiling,
 		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
 		"--iptables-min-sync-period", "100ms", "--services-file-check-period", "200ms",
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
@@ -434,4 +438,17 @@ func profileStart(ctx context.Context, bed *testbed.Bed) <-chan error {
 		done <- err
 	}()
 	return done
+}
+
+// profilingConfig writes a --config file that only turns pprof on (enableProfiling), which the
+// profiles (-cpuprofile, -trace, -heapprofile) fetch from the proxy. A file rather than
+// --profiling: builds from before that flag accept the field too, so a -baseline binary of
+// either age starts. The path is fixed and the content constant: runs share it.
+func profilingConfig() (string, error) {
+	path := filepath.Join(os.TempDir(), "kpp-scale-profiling.conf")
+	conf := "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nenableProfiling: true\n"
+	if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+		return "", fmt.Errorf("profiling config: %w", err)
+	}
+	return path, nil
 }

@@ -35,7 +35,11 @@ func (t target) kubeProxy() bool { return t.mode != "" }
 // command is the target's command line in the node namespace, with its files in dir.
 func (t target) command(bed *testbed.Bed, kubeconfig, dir string) (*exec.Cmd, error) {
 	if !t.kubeProxy() {
-		return exec.Command("ip", "netns", "exec", bed.Node.Name, t.bin, "--kubeconfig", kubeconfig, "--hostname-override", nodeName,
+		profiling, err := profilingConfig()
+		if err != nil {
+			return nil, err
+		}
+		return exec.Command("ip", "netns", "exec", bed.Node.Name, t.bin, "--config", profiling, "--kubeconfig", kubeconfig, "--hostname-override", nodeName,
 			"--healthz-bind-address", "", "--metrics-bind-address", metricsAddr, "--log-level", "info",
 			"--iptables-min-sync-period", "100ms",
 			"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0"), nil

@@ -165,7 +165,7 @@ func TestChartFullValues(t *testing.T) {
 	for _, want := range []string{"--portal-mode=bind", "--portal-interface=kpp0", "--default-data-path=proxy", "--io-engine=epoll",
 		"--udp-max-sessions=2048", "--tcp-idle-timeout=1h", "--log-level=debug", "--access-log", "--protect-proxy-ports=false",
 		"--drain-removed-endpoints", "--iptables-variant=nft", "--shutdown-timeout=20s", "--kube-api-qps=25",
-		"--handover-socket=/var/run/kube-portal-proxy/handover.sock"} {
+		"--handover-socket=/var/run/kube-portal-proxy/handover.sock", "--metrics-only-bind-address=0.0.0.0:10251"} {
 		if !slices.Contains(c.Args, want) {
 			t.Errorf("args %q lack %s", c.Args, want)
 		}
@@ -183,7 +183,8 @@ func TestChartFullValues(t *testing.T) {
 		{"portRange", "40000-40999"},
 		{"nodePortAddresses", []any{"192.0.2.0/24", "2001:db8::/64"}},
 		{"logging.format", "json"},
-		{"metricsBindAddress", "0.0.0.0:10259"},
+		{"metricsBindAddress", "127.0.0.1:10259"},
+		{"enableProfiling", true},
 		{"iptables.syncPeriod", "1m"},
 		{"conntrack.min", float64(262144)},
 		{"clientConnection.qps", float64(20)},
@@ -210,8 +211,8 @@ func TestChartFullValues(t *testing.T) {
 	if svc == nil || sm == nil || rule == nil || dash == nil {
 		t.Fatalf("monitoring objects missing: service %v, servicemonitor %v, rule %v, dashboard %v", svc != nil, sm != nil, rule != nil, dash != nil)
 	}
-	if port, _, _ := unstructured.NestedSlice(svc.Object, "spec", "ports"); len(port) != 1 || port[0].(map[string]any)["targetPort"] != float64(10259) {
-		t.Errorf("metrics Service ports %v, want targetPort 10259 (metricsBindAddress)", port)
+	if port, _, _ := unstructured.NestedSlice(svc.Object, "spec", "ports"); len(port) != 1 || port[0].(map[string]any)["targetPort"] != float64(10251) {
+		t.Errorf("metrics Service ports %v, want targetPort 10251 (metricsOnlyBindAddress)", port)
 	}
 	if dash.GetNamespace() != "monitoring" || dash.GetLabels()["grafana_dashboard"] != "1" {
 		t.Errorf("dashboard ConfigMap in %q with labels %v", dash.GetNamespace(), dash.GetLabels())
@@ -259,11 +260,14 @@ func TestChartSchemaRejectsBadValues(t *testing.T) {
 		{"node_port_address_not_a_cidr", []string{"proxy.nodePortAddresses={primary}"}, "at '/proxy/nodePortAddresses/0'"},
 		{"cluster_cidr", []string{"proxy.clusterCIDR=pods"}, "at '/proxy/clusterCIDR'"},
 		{"metrics_address_without_port", []string{"proxy.metricsBindAddress=0.0.0.0"}, "at '/proxy/metricsBindAddress'"},
+		{"metrics_only_address_without_port", []string{"proxy.metricsOnlyBindAddress=0.0.0.0"}, "at '/proxy/metricsOnlyBindAddress'"},
 		{"relative_handover_path", []string{"handover.hostPath=run/kpp"}, "at '/handover/hostPath'"},
 		{"oom_score_out_of_range", []string{"proxy.oomScoreAdj=-2000"}, "at '/proxy/oomScoreAdj'"},
 		{"extra_arg_not_a_flag", []string{"proxy.extraArgs={bind}"}, "at '/proxy/extraArgs/0'"},
-		{"service_monitor_on_loopback_metrics", []string{"monitoring.serviceMonitor.enabled=true"},
-			`monitoring.serviceMonitor.enabled needs proxy.metricsBindAddress reachable by Prometheus (e.g. 0.0.0.0:10249); it is "127.0.0.1:10249"`},
+		{"service_monitor_without_metrics_only_address", []string{"monitoring.serviceMonitor.enabled=true", "proxy.metricsBindAddress=0.0.0.0:10249"},
+			`monitoring.serviceMonitor.enabled needs proxy.metricsOnlyBindAddress reachable by Prometheus (e.g. 0.0.0.0:10251), which serves /metrics alone; it is ""`},
+		{"service_monitor_on_loopback_metrics_only", []string{"monitoring.serviceMonitor.enabled=true", "proxy.metricsOnlyBindAddress=127.0.0.1:10251"},
+			`it is "127.0.0.1:10251" (loopback or disabled)`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -321,11 +321,9 @@ func (d *decoder) uvarint() uint64 {
 		return 0
 	}
 	v, n := binary.Uvarint(d.b)
-	if n <= 0 {
-		d.fail("truncated number")
+	if !d.number(n) {
 		return 0
 	}
-	d.b = d.b[n:]
 	return v
 }
 
@@ -334,12 +332,27 @@ func (d *decoder) varint() int64 {
 		return 0
 	}
 	v, n := binary.Varint(d.b)
-	if n <= 0 {
-		d.fail("truncated number")
+	if !d.number(n) {
 		return 0
 	}
-	d.b = d.b[n:]
 	return v
+}
+
+// number consumes the n bytes of a varint that binary.Uvarint or binary.Varint read. A number
+// written longer than it needs (a last byte of 0 after continuation bytes) is rejected, as the
+// writer never writes one: the file is then the one encoding of its state, which is what
+// "anything else is rejected whole" means (FuzzDecodeBody found 60 written as 0xbc 0x00).
+func (d *decoder) number(n int) bool {
+	if n <= 0 {
+		d.fail("truncated number")
+		return false
+	}
+	if n > 1 && d.b[n-1] == 0 {
+		d.fail("number not in its shortest form")
+		return false
+	}
+	d.b = d.b[n:]
+	return true
 }
 
 func (d *decoder) bytes(n uint64) []byte {

@@ -38,11 +38,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- regexReplaceAll "^.*:([0-9]+)$" . "${1}" -}}
 {{- end -}}
 
-{{/* Fails the render when a Prometheus scrape object is asked for while the metrics listen on
-     loopback only: Prometheus would see the target down. */}}
+{{/* Fails the render when a Prometheus scrape object is asked for while the metrics-only
+     address is unset or on loopback: Prometheus would see the target down. (The scrape never
+     goes to metricsBindAddress, which serves the debug pages and pprof too.) */}}
 {{- define "kpp.checkMetricsAddress" -}}
-{{- $addr := .Values.proxy.metricsBindAddress -}}
+{{- $addr := .Values.proxy.metricsOnlyBindAddress -}}
 {{- if or (eq $addr "") (hasPrefix "127." $addr) (hasPrefix "[::1]" $addr) -}}
-{{- fail (printf "monitoring.serviceMonitor.enabled needs proxy.metricsBindAddress reachable by Prometheus (e.g. 0.0.0.0:10249); it is %q (loopback or disabled)" $addr) -}}
+{{- fail (printf "monitoring.serviceMonitor.enabled needs proxy.metricsOnlyBindAddress reachable by Prometheus (e.g. 0.0.0.0:10251), which serves /metrics alone; it is %q (loopback or disabled)" $addr) -}}
 {{- end -}}
 {{- end -}}
