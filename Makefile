@@ -167,10 +167,10 @@ image-oci-test: image-oci
 
 # cluster starts a real single-node cluster (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, containerd, kubelet) in a network namespace of its own, with kube-portal-proxy
-# installed from deploy/ as its DaemonSet (root; see README "Real cluster"). cluster-build builds
+# installed from deploy/ as its DaemonSet (root; see docs/cluster.md). cluster-build builds
 # the node components once (~8 min cold); cluster-smoke checks a Service from a pod and from the
 # node; cluster-down removes everything. Not part of make test. NODES=3: three nodes, each a
-# network namespace with its own kubelet and containerd (README "Real cluster").
+# network namespace with its own kubelet and containerd (docs/cluster.md).
 NODES ?= 1
 cluster-build: cluster-preflight
 	hack/controlplane-build.sh >/dev/null
@@ -191,8 +191,8 @@ cluster-test: cluster-preflight
 
 # conformance runs the upstream sig-network e2e specs that can run on one node (Services, the
 # Services granular checks, EndpointSlice, KubeProxy, Conntrack; kube-proxy's kind-job skips) with
-# e2e.test v1.36 against make cluster's cluster, starting it when it is not up (root; README
-# "Conformance"). NODES=3 starts a three-node cluster and also runs the [Disruptive] specs. JUnit,
+# e2e.test v1.36 against make cluster's cluster, starting it when it is not up (root;
+# docs/cluster.md, "Conformance"). NODES=3 starts a three-node cluster and also runs the [Disruptive] specs. JUnit,
 # log and summary.md in bin/conformance. conformance-ci runs the subset CI
 # runs (hack/conformance/ci-focus.txt; on a cluster of several nodes, conformance-ci NODES=3,
 # ci-focus-nodes.txt: one spec of each multi-node kind). conformance-build builds e2e.test,
@@ -212,13 +212,13 @@ conformance-ci: cluster-preflight cluster-build conformance-build image-oci
 
 # cluster-swap: on a running make cluster, kube-proxy's own DaemonSet and ConfigMap as kubeadm
 # writes them, with this image swapped in, take over from the kube-portal-proxy DaemonSet; a
-# Service is checked before, during and after (README "Install on a cluster").
+# Service is checked before, during and after (docs/install.md).
 cluster-swap:
 	hack/cluster/swap.sh
 
 # cluster-rollout: on a running make cluster, kubectl rollout restart of the kube-portal-proxy
 # DaemonSet while a client pod connects every 20 ms through a cluster IP and a node port: the new
-# pod takes the old one's sockets over (README "Restarts and upgrades"), zero failures allowed
+# pod takes the old one's sockets over (docs/restarts.md), zero failures allowed
 # (~20 s).
 cluster-rollout:
 	hack/cluster/rollout.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # rollout.sh proves on a running make cluster (make cluster-rollout) that a rolling update of the
-# kube-portal-proxy DaemonSet refuses no connection (README "Restarts and upgrades"): a client
+# kube-portal-proxy DaemonSet refuses no connection (docs/restarts.md): a client
 # pod opens a new connection every 20 ms to a Service's cluster IP and, in parallel, to its node
 # port (two serve pods behind it) for the whole update; then
 #   kubectl -n kube-system rollout restart daemonset/kube-portal-proxy

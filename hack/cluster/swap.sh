@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# swap.sh exercises README "Install on a cluster" -> "Replace kube-proxy in place (kubeadm)" on a
+# swap.sh exercises docs/install.md, "Replace kube-proxy in place (kubeadm)", on a
 # running make cluster (make cluster-swap): kube-proxy's own objects as kubeadm v1.36 writes them
 # (ServiceAccount kube-proxy, ClusterRoleBinding kubeadm:node-proxier, ConfigMap kube-proxy with
 # kubeconfig.conf and the full defaulted config.conf, DaemonSet kube-proxy: privileged, command

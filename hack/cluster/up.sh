@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # up.sh starts a single-node Kubernetes cluster entirely inside a network namespace of its own
-# (make cluster; see README "Real cluster"): etcd, kube-apiserver, kube-controller-manager,
+# (make cluster; see docs/cluster.md): etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, containerd (Debian's) and kubelet, then installs kube-portal-proxy the way a
 # user does: its OCI image imported into containerd and `kubectl apply -k` of deploy/ through an
 # overlay that changes the image and points the proxy at the API server directly (or, with

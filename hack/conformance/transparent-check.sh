@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # transparent-check.sh (root) measures, in network namespaces of its own that it deletes, whether
 # a transparent source mode could pass the three upstream source-IP specs a userspace proxy fails
-# (README "Conformance"): the proxy's socket to the endpoint gets IP_TRANSPARENT and is bound to
+# (docs/cluster.md, "Conformance"): the proxy's socket to the endpoint gets IP_TRANSPARENT and is bound to
 # the client's address, and policy routing on the node delivers the endpoint's replies to it.
 # Not a feature of kube-portal-proxy: an experiment with python3 sockets standing in for the proxy.
 #
