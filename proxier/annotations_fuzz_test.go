@@ -29,7 +29,7 @@ const maxAnnotationError = 1024
 // annotations (each present or not, per bit of set). A bad value must never take the Service
 // down or half apply: both ports are still served, the field takes its default, and exactly one
 // error wrapping ErrInvalidAnnotation names the key; a good value applies with no error. What is
-// good is the README's documented contract, written out here independently of the parsers.
+// good is the documented contract (docs/annotations.md), written out here independently of the parsers.
 func FuzzServiceAnnotations(f *testing.F) {
 	f.Add(uint16(0x3ff), "least-connections", "5", "30s", "50%", "10s", "60s", "v2", "1m", "true", "kernel")
 	f.Add(uint16(0x3ff), " random-two-choices ", "1000", "1h", "100", "1h", "24h", " v1", "1s", "false", " proxy ")

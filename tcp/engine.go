@@ -18,7 +18,7 @@ import (
 //
 //   - Epoll (splice.go, park.go): the Go runtime poller. A goroutine per dial and per active
 //     direction, splice through pooled pipes, idle directions parked in an epoll set of their own.
-//   - io_uring (uring.go): one ring per thread, multishot accept, connect with a linked timeout,
+//   - io_uring (uring.go): one ring per thread, single-shot accepts, connect with a linked timeout,
 //     recv into a provided-buffer ring and send, splice for bulk bursts; no goroutine per
 //     connection at all, and no readiness round trip.
 type Engine interface {

@@ -20,7 +20,7 @@ import (
 	sigsyaml "sigs.k8s.io/yaml"
 )
 
-// servicesFileSeeds are documents to start from: the decoder tests' and the README's shapes.
+// servicesFileSeeds are documents to start from: the decoder tests' and the documented shapes (docs/running.md).
 var servicesFileSeeds = []string{
 	webYAML,
 	"apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, targetPort: 8080}]}\n",
