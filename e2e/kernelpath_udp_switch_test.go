@@ -211,6 +211,10 @@ func TestDataPathUDPSwitchesLive(t *testing.T) {
 	proxyPort := inForce("proxy", "")
 	onProxy := enter()
 	settle(onProxy)
+	// The new flows of the proxy phase were steered to the proxy socket, not DNATed.
+	if got := rules(t, n.bed.Node).in("KUBE-PORTALS-CONTAINER").filter(comment).packets(); got == 0 {
+		t.Errorf("on the proxy path the portal rule of %s matched no packet", name)
+	}
 	toKernel := enter()
 	annotate("kernel")
 	inForce("kernel", proxyPort)
