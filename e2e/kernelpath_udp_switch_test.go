@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"net"
@@ -9,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -34,11 +36,12 @@ type udpPhase struct {
 
 type longCount struct {
 	ok, failed int
+	refused    int // of failed: ECONNREFUSED, an ICMP port unreachable came back
 	pods       map[string]int
 }
 
 func (c *longCount) String() string {
-	return fmt.Sprintf("%d answered, %d failed, pods %v", c.ok, c.failed, c.pods)
+	return fmt.Sprintf("%d answered, %d failed (%d refused), pods %v", c.ok, c.failed, c.refused, c.pods)
 }
 
 func newUDPPhase() *udpPhase { return &udpPhase{long: map[string]*longCount{}} }
@@ -63,7 +66,11 @@ func (ph *udpPhase) longAnswered(flow, pod string) {
 
 func (ph *udpPhase) longFailed(flow string, err error) {
 	ph.mu.Lock()
-	ph.longOf(flow).failed++
+	c := ph.longOf(flow)
+	c.failed++
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		c.refused++
+	}
 	ph.mu.Unlock()
 	ph.fail("long flow %s: %v", flow, err)
 }
@@ -96,8 +103,8 @@ var redirectTo = regexp.MustCompile(`-j REDIRECT --to-ports (\d+)`)
 // REDIRECT to a listening proxy socket on the proxy path), and every client is answered on both
 // sides of each switch: from-kernel keeps its pod while the port leaves the kernel path (its
 // conntrack entry still DNATs it there, as an established TCP connection stays); from-proxy is
-// answered throughout the move back to the kernel path (the proxier clears its conntrack entry,
-// then closes the proxy socket it was steered to). The /metrics series of the KUBE-SEP counters (service_port label)
+// never refused on the move back to the kernel path (the proxier clears its conntrack entry, then
+// closes the proxy socket it was steered to) and loses at most the one reply in flight then. The /metrics series of the KUBE-SEP counters (service_port label)
 // count the new flows of the kernel path.
 func TestDataPathUDPSwitchesLive(t *testing.T) {
 	t.Parallel()
@@ -283,11 +290,18 @@ func TestDataPathUDPSwitchesLive(t *testing.T) {
 		if ph.freshFailed.Load() > 0 {
 			t.Errorf("%s: %d new flows failed:\n%s", names[i], ph.freshFailed.Load(), strings.Join(ph.errs, "\n"))
 		}
-		// Nor is a long flow ever refused or left unanswered: moving to the kernel path clears
-		// the conntrack entries that steer to the proxy socket before closing it.
+		// Nor is a long flow ever refused. Moving to the kernel path clears the conntrack
+		// entries that steer to the proxy socket before closing it (closing first refused the
+		// datagrams sent until the clear was done, in every run): from-proxy's next datagram
+		// is DNATed to a pod. A reply the proxy sends after the clear has no entry to give it
+		// the cluster IP back, so from-proxy may lose that one datagram, as UDP may.
 		for flow, c := range ph.long {
-			if c.failed > 0 {
-				t.Errorf("%s: long flow %s failed %d times:\n%s", names[i], flow, c.failed, strings.Join(ph.errs, "\n"))
+			allowed := 0
+			if ph == toKernel && flow == "from-proxy" {
+				allowed = 1
+			}
+			if c.refused > 0 || c.failed > allowed {
+				t.Errorf("%s: long flow %s: %v; want no refusal and at most %d lost:\n%s", names[i], flow, c, allowed, strings.Join(ph.errs, "\n"))
 			}
 		}
 	}
