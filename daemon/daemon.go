@@ -508,7 +508,7 @@ func portalCollector(rules *iptables.Portals) prometheus.Collector {
 	restores := prometheus.NewDesc("kube_portal_proxy_iptables_restores_total", "iptables-restore runs.", nil, nil)
 	repairs := prometheus.NewDesc("kube_portal_proxy_iptables_repairs_total", "Syncs that found the live chains changed by someone else and rewrote them.", nil, nil)
 	count := prometheus.NewDesc("kube_portal_proxy_portal_rules", "Portal rules programmed (all families and tables).", nil, nil)
-	epLabels := []string{"service", "protocol", "endpoint"}
+	epLabels := []string{"service_port", "protocol", "endpoint"} // service_port as in every other series
 	kpackets := prometheus.NewDesc("kube_portal_proxy_kernel_endpoint_packets_total",
 		"Packets through the DNAT rule of a kernel-path endpoint's KUBE-SEP chain: the nat table sees the first packet of each connection (UDP flow) only, so this counts new connections.", epLabels, nil)
 	kbytes := prometheus.NewDesc("kube_portal_proxy_kernel_endpoint_bytes_total",

@@ -104,18 +104,21 @@ func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
 }
 
 // closeRetired closes the sockets of ports that moved to the kernel path, after the sync that
-// applied their chains.
+// applied their chains. A UDP client's conntrack entry would keep steering it to the proxy port,
+// so a UDP port's entries are cleared first, while its socket is still open: a datagram that
+// comes meanwhile starts a new entry, which the kernel chains (already in) DNAT to an endpoint.
+// Closing first refused every datagram sent until the clear was done (the dump of the conntrack
+// table takes milliseconds): TestDataPathUDPSwitchesLive saw one refusal per switch.
 func (p *Proxier) closeRetired() {
 	for _, a := range p.retiring {
-		p.closeSocket(a)
-		if a.ext != nil {
-			p.closeSocket(a.ext)
-		}
 		if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
-			// A UDP client's conntrack entry would keep steering it to the closed proxy port.
 			if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(a.port)); err != nil {
 				p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
+		}
+		p.closeSocket(a)
+		if a.ext != nil {
+			p.closeSocket(a.ext)
 		}
 	}
 	p.retiring = nil

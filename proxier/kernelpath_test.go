@@ -206,31 +206,109 @@ func TestDataPathInTheDebugView(t *testing.T) {
 	}
 }
 
-// TestKernelUDPConntrack: a kernel-path UDP port that loses an endpoint, or goes away, has its
-// conntrack entries cleared after the sync that applied it (a chatty client would otherwise stay
-// DNATed to the old endpoint); one that only gains an endpoint keeps them.
+// TestKernelUDPConntrack: a kernel-path UDP port that loses an endpoint, or goes away, has the
+// conntrack entries of its destinations cleared (every UDP flow to its cluster, external and
+// load-balancer IPs at its port, and to its node port: the next datagram of each is balanced
+// again over the endpoints left), only after the sync that applied the change, and only its own:
+// not another UDP port's, not a TCP port's that loses an endpoint, not when an endpoint is only
+// added, not when nothing changed, and not when the port moves to the proxy path (its flows
+// finish on their endpoint, like TCP connections). Address plan: as the file's, plus UDP
+// kube-system/dns 10.96.0.53:53 (external IP 203.0.113.53, node port 30053) and kube-system/ntp
+// 10.96.0.123:123, endpoints 10.244.1.1-2 on 5353 and 10.244.1.3 on 123.
 func TestKernelUDPConntrack(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
 	e.synced()
-	dns := makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53))
-	slice := func(addrs ...string) *discovery.EndpointSlice {
+	udpSlice := func(name string, port int32, addrs ...string) *discovery.EndpointSlice {
 		var eps []sliceEP
 		for _, a := range addrs {
 			eps = append(eps, sliceEP{addr: a})
 		}
-		return makeSlice("kube-system", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+		return makeSlice("kube-system", name, "a", discovery.AddressTypeIPv4,
+			[]discovery.EndpointPort{slicePortOf(name, v1.ProtocolUDP, port)}, eps...)
+	}
+	dns := makeService("kube-system", "dns", "10.96.0.53", func(s *v1.Service) {
+		withDataPath("kernel")(s)
+		s.Spec.Type = v1.ServiceTypeNodePort
+		s.Spec.Ports[0].NodePort = 30053
+		s.Spec.ExternalIPs = []string{"203.0.113.53"}
+	}, udpPort("dns", 53))
+	ntp := func(path string) *v1.Service {
+		return makeService("kube-system", "ntp", "10.96.0.123", withDataPath(path), udpPort("ntp", 123))
 	}
 	e.p.OnServiceAdd(dns)
-	e.p.OnEndpointSliceAdd(slice("10.244.1.1"))
+	e.p.OnEndpointSliceAdd(udpSlice("dns", 5353, "10.244.1.1"))
+	e.p.OnServiceAdd(ntp("kernel"))
+	e.p.OnEndpointSliceAdd(udpSlice("ntp", 123, "10.244.1.3"))
+	e.p.OnServiceAdd(webService(withDataPath("kernel")))
+	e.p.OnEndpointSliceAdd(webSlice("a", 8080, "10.244.1.1", "10.244.1.2"))
 	e.sync()
-	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.1", "10.244.1.2"))
-	e.sync()
-	if got := e.conntrack.Dump(); got != "" {
-		t.Errorf("an endpoint added: conntrack cleared %q, want nothing", got)
+	dnsFlows := "udp 10.96.0.53:53\nudp 203.0.113.53:53\nudp nodeport 30053"
+
+	var seen []string // the lines of e.conntrack.Dump() already accounted for
+	cleared := func() string {
+		t.Helper()
+		lines := strings.Split(e.conntrack.Dump(), "\n")
+		if lines[0] == "" {
+			lines = nil
+		}
+		got := newLines(seen, lines)
+		seen = lines
+		return got
 	}
-	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.2"))
-	e.sync()
-	if got := e.conntrack.Dump(); !strings.Contains(got, "10.96.0.53") {
-		t.Errorf("an endpoint removed: conntrack cleared %q, want the flows of 10.96.0.53:53", got)
+	if got := cleared(); got != "" {
+		t.Fatalf("the first sync cleared %q, want nothing", got)
 	}
+	steps := []struct {
+		name       string
+		change     func()
+		failPortal bool // the portal sync fails: the change is not in force yet
+		want       string
+	}{
+		{name: "dns_gains_an_endpoint", change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("dns", 5353, "10.244.1.1", "10.244.1.2")) }},
+		{name: "tcp_port_loses_an_endpoint", change: func() { e.p.OnEndpointSliceUpdate(nil, webSlice("a", 8080, "10.244.1.2")) }},
+		{name: "dns_loses_an_endpoint_portal_sync_fails", failPortal: true,
+			change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("dns", 5353, "10.244.1.2")) }},
+		{name: "the_sync_that_applies_it", change: func() {}, want: dnsFlows},
+		{name: "nothing_changed", change: func() {}},
+		{name: "ntp_moves_to_the_proxy_path", change: func() { e.p.OnServiceUpdate(ntp("kernel"), ntp("proxy")) }},
+		{name: "dns_endpoint_replaced", change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("dns", 5353, "10.244.1.4")) }, want: dnsFlows},
+		{name: "dns_deleted", change: func() { e.p.OnServiceDelete(dns) }, want: dnsFlows},
+	}
+	for _, st := range steps {
+		st.change()
+		if st.failPortal {
+			e.portals.mu.Lock()
+			e.portals.err = errors.New("restore failed")
+			e.portals.mu.Unlock()
+			if err := e.p.sync(t.Context()); err == nil {
+				t.Fatalf("%s: sync with failing portals: want the error", st.name)
+			}
+			e.portals.mu.Lock()
+			e.portals.err = nil
+			e.portals.mu.Unlock()
+		} else {
+			e.sync()
+		}
+		if got := cleared(); got != st.want {
+			t.Errorf("%s: conntrack entries cleared:\n%s\nwant:\n%s", st.name, got, st.want)
+		}
+	}
+}
+
+// newLines returns the lines of now that before does not account for (as multisets: the fake
+// sorts its dump, so new lines land anywhere), in order, one per line.
+func newLines(before, now []string) string {
+	count := map[string]int{}
+	for _, l := range before {
+		count[l]++
+	}
+	var out []string
+	for _, l := range now {
+		if count[l] > 0 {
+			count[l]--
+			continue
+		}
+		out = append(out, l)
+	}
+	return strings.Join(out, "\n")
 }

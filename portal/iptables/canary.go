@@ -7,7 +7,9 @@ package iptables
 // seconds. The canary costs one `iptables -n -L KUBE-PORTALS-CANARY` per table: that lists one
 // small chain, and its header carries the number of rules that jump to it, which the kernel
 // keeps (iptables-nft reads it from the chain's use count). Every other chain of ours ends with a
-// jump to the canary, so a flush of any of them, of the whole table, or the table's deletion
+// jump to the canary, the kernel path's included (KUBE-SERVICES, KUBE-MARK-MASQ, KUBE-SVC-*,
+// KUBE-SEP-*...: their number changes with the Services, and the count wanted is read off the
+// state Sync believes live), so a flush of any of them, of the whole table, or the table's deletion
 // (a firewall reload) lowers the count or removes the chain, and the next periodic Sync reads
 // everything back and repairs it. What the canary cannot see (a rule of ours edited in place, or
 // a jump from a built-in chain deleted) is still found by the full read-back.
@@ -102,7 +104,7 @@ func (p *Portals) canaryIntact(ctx context.Context) bool {
 				continue
 			}
 			_, has := st.chains[ChainCanary]
-			want := canaryRefs(table, st)
+			want := canaryRefs(st)
 			if !has {
 				continue // programmed by a version without the canary: the next change adds it
 			}

@@ -1,8 +1,10 @@
 package iptables
 
 import (
+	"net/netip"
 	"os"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -20,18 +22,35 @@ import (
 // process and the iptables children) per check. Slow, so only with KPP_BENCH=1:
 //
 //	KPP_BENCH=1 go test -run TestBenchmarkPeriodicCheck -v -timeout 20m ./portal/iptables/
+//
+// KPP_BENCH_KERNEL=k puts the first k of them on the kernel path (two endpoints each, so a
+// KUBE-SVC and two KUBE-SEP chains per port, all of which the canary now covers).
 func TestBenchmarkPeriodicCheck(t *testing.T) {
 	if os.Getenv("KPP_BENCH") == "" {
 		t.Skip("set KPP_BENCH=1 to run the iptables benchmark")
 	}
 	const n, rounds = 10000, 5
+	kernelPorts := 0
+	if v := os.Getenv("KPP_BENCH_KERNEL"); v != "" {
+		var err error
+		if kernelPorts, err = strconv.Atoi(v); err != nil || kernelPorts > n {
+			t.Fatalf("KPP_BENCH_KERNEL=%q: want a number up to %d", v, n)
+		}
+	}
 	lab := netns.NewTestLab(t)
 	node := lab.MustAdd(t, "bench")
 	clk := clocktesting.NewFakePassiveClock(time.Unix(1000, 0))
 	cfg := v4Config()
 	cfg.Clock, cfg.VerifyPeriod = clk, time.Minute
+	cfg.KernelPath, cfg.PodCIDRs = kernelPorts > 0, []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}
 	p := New(cfg, &ExecRunner{Prefix: node.CommandPrefix(), Variant: os.Getenv("KPP_BENCH_VARIANT")})
 	specs := manySpecs(n, 20000)
+	for i := range specs[:kernelPorts] {
+		specs[i].ProxyPort = 0
+		specs[i].Kernel = &portal.KernelPath{AnyEndpoints: true, Cluster: []netip.AddrPort{
+			netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, byte(i / 250), byte(i%250 + 1)}), 8080),
+			netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 245, byte(i / 250), byte(i%250 + 1)}), 8080)}}
+	}
 	slices.SortFunc(specs, portal.CompareSpecs)
 	mustSync(t, p, specs)
 
@@ -68,7 +87,7 @@ func TestBenchmarkPeriodicCheck(t *testing.T) {
 	var load unix.Sysinfo_t
 	_ = unix.Sysinfo(&load)
 	mc, mf := median(canary), median(full)
-	t.Logf("%d service ports (%d rules), median of %d alternating rounds, 1-min load %.2f:", n, p.Stats().Rules, rounds, float64(load.Loads[0])/65536)
+	t.Logf("%d service ports (%d on the kernel path, %d rules), median of %d alternating rounds, 1-min load %.2f:", n, kernelPorts, p.Stats().Rules, rounds, float64(load.Loads[0])/65536)
 	t.Logf("  canary check (every sync period now): wall %v, CPU %v", mc.wall.Round(time.Millisecond), mc.cpu.Round(time.Millisecond))
 	t.Logf("  full read-back (every VerifyPeriod):  wall %v, CPU %v", mf.wall.Round(time.Millisecond), mf.cpu.Round(time.Millisecond))
 }

@@ -148,9 +148,10 @@ func (t *tableState) rules() int {
 		if c == ChainCanary {
 			continue
 		}
-		n += len(r)
-		if len(r) > 0 && r[len(r)-1] == canaryJump {
-			n--
+		for _, rule := range r {
+			if rule != canaryJump {
+				n++
+			}
 		}
 	}
 	return n
@@ -252,9 +253,13 @@ const (
 	canaryJump = "-j " + ChainCanary
 )
 
-// addCanary adds the canary chain to each table and a jump to it at the end of each of our
-// fixed chains (ownedChains; not the per-service chains of the kernel path, whose number changes
-// with the Services).
+// addCanary adds the canary chain to each table and a jump to it at the end of every other chain
+// of ours: the portals' fixed chains and, with the kernel path on, its top-level and per-port
+// chains too (KUBE-SERVICES, KUBE-MARK-MASQ, KUBE-SVC-*, KUBE-SEP-*...), so the periodic check
+// sees a flush of any of them. The jump changes nothing a packet does: the canary returns at
+// once, and in a chain that ends in a DNAT or an unconditional jump (KUBE-SEP, KUBE-SVC) it is
+// never reached. It is appended after kernel.Build's rules, so KUBE-SERVICES' node-port jump still
+// comes after every capture, and head inserts (restorePlan) keep it last.
 func addCanary(out familyRules) {
 	for _, table := range tables {
 		st := out[table]
@@ -265,11 +270,11 @@ func addCanary(out familyRules) {
 	}
 }
 
-// canaried lists the chains of st that end with the canary jump: the fixed chains of ours it has.
+// canaried lists the chains of st that end with the canary jump: every chain of ours but the canary.
 func canaried(table string, st *tableState) []string {
-	var out []string
-	for _, c := range ownedChains[table] {
-		if _, ok := st.chains[c]; ok && c != ChainCanary {
+	out := make([]string, 0, len(st.chains))
+	for c := range st.chains {
+		if c != ChainCanary && isOwned(table, c) {
 			out = append(out, c)
 		}
 	}
@@ -277,8 +282,23 @@ func canaried(table string, st *tableState) []string {
 }
 
 // canaryRefs is how many references the canary chain of a table has when the table is as st says:
-// one per fixed chain of ours that exists.
-func canaryRefs(table string, st *tableState) int { return len(canaried(table, st)) }
+// one per canary jump in our chains. It counts the jumps rather than the chains, so a table
+// programmed by a version that put no jump in some chains (the kernel path's, before) is judged
+// by what it holds.
+func canaryRefs(st *tableState) int {
+	n := 0
+	for c, rules := range st.chains {
+		if c == ChainCanary {
+			continue
+		}
+		for _, r := range rules {
+			if r == canaryJump {
+				n++
+			}
+		}
+	}
+	return n
+}
 
 func validate(s *portal.Spec) error {
 	switch {
