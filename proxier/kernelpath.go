@@ -113,7 +113,14 @@ func (p *Proxier) closeRetired() {
 		}
 		if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
 			// A UDP client's conntrack entry would keep steering it to the closed proxy port.
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(a.port)); err != nil {
+			// Only those entries: the kernel chains are in force by now, and an entry their DNAT
+			// made for a datagram in flight must stay, or the endpoint's answer is lost.
+			flows := conntrack.FlowsOf(a.port)
+			flows.ProxyPorts = []uint16{a.proxyPort}
+			if a.ext != nil {
+				flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
+			}
+			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
 				p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
 		}

@@ -32,6 +32,12 @@ type Flows struct {
 	// NodePort, unless 0: entries whose original destination port is NodePort, on any address of
 	// the families in Addrs (IPv4 when Addrs is empty).
 	NodePort uint16
+	// ProxyPorts, unless empty, narrows the deletion to the entries the portal rules redirected
+	// to one of these proxy ports (the reply comes from it). A port that moved to the kernel path
+	// must lose those, and only those: its DNAT rules are in force by then, and deleting an entry
+	// they made for a datagram in flight loses the endpoint's answer (nothing is left to undo the
+	// DNAT). An endpoint port equal to a proxy port makes such an entry go too, as before.
+	ProxyPorts []uint16
 }
 
 // FlowsOf returns the flows of a service port.
@@ -124,7 +130,7 @@ func filters(f Flows) (map[netlink.InetFamily][]netlink.CustomConntrackFilter, e
 		if err != nil {
 			return nil, fmt.Errorf("conntrack: filter for %s: %w", netip.AddrPortFrom(a, f.Port), err)
 		}
-		out[fam] = append(out[fam], cf)
+		out[fam] = append(out[fam], via(cf, f.ProxyPorts))
 	}
 	if f.NodePort != 0 {
 		fams := []netlink.InetFamily{unix.AF_INET, unix.AF_INET6}
@@ -136,10 +142,28 @@ func filters(f Flows) (map[netlink.InetFamily][]netlink.CustomConntrackFilter, e
 			if err != nil {
 				return nil, fmt.Errorf("conntrack: filter for node port %d: %w", f.NodePort, err)
 			}
-			out[fam] = append(out[fam], cf)
+			out[fam] = append(out[fam], via(cf, f.ProxyPorts))
 		}
 	}
 	return out, nil
+}
+
+// viaProxy narrows a filter to the entries whose reply comes from one of ports (Flows.ProxyPorts).
+type viaProxy struct {
+	netlink.CustomConntrackFilter
+	ports []uint16
+}
+
+func (v viaProxy) MatchConntrackFlow(flow *netlink.ConntrackFlow) bool {
+	return slices.Contains(v.ports, flow.Reverse.SrcPort) && v.CustomConntrackFilter.MatchConntrackFlow(flow)
+}
+
+// via returns cf, narrowed to ports unless there are none.
+func via(cf netlink.CustomConntrackFilter, ports []uint16) netlink.CustomConntrackFilter {
+	if len(ports) == 0 {
+		return cf
+	}
+	return viaProxy{cf, slices.Clone(ports)}
 }
 
 // udpFilter matches UDP entries with original destination port port.
@@ -176,6 +200,9 @@ func describe(f Flows) string {
 	}
 	if f.NodePort != 0 {
 		parts = append(parts, fmt.Sprintf("nodeport %d", f.NodePort))
+	}
+	if len(f.ProxyPorts) > 0 {
+		parts = append(parts, fmt.Sprintf("via proxy ports %v", f.ProxyPorts))
 	}
 	return strings.Join(parts, " ")
 }
