@@ -929,8 +929,8 @@ func (s *soak) report() {
 				s.mode, f.kind+":", len(cs), ls[len(ls)/2], ls[len(ls)-1], r.excusedFor, excused, sumValues(charged), charged)
 			continue
 		}
-		t.Logf("%s soak: %-11s %3d windows, median %v, max %v (bound %v); charged %d, at most %d in one window (bound %d) %v",
-			s.mode, f.kind+":", len(cs), ls[len(ls)/2], ls[len(ls)-1], r.maxWindow, sumValues(charged), most, r.maxFailures, charged)
+		t.Logf("%s soak: %-11s %3d windows, median %v, max %v (bound %v); charged %d, at most %d in one window (bound %d + %d lost answers) %v",
+			s.mode, f.kind+":", len(cs), ls[len(ls)/2], ls[len(ls)-1], r.maxWindow, sumValues(charged), most, r.maxFailures, r.maxLost, charged)
 	}
 	if kills := byKind["sigkill"]; len(kills) > 0 {
 		var starts, ends []time.Duration
@@ -976,7 +976,7 @@ func (s *soak) report() {
 	for _, c := range v.charges {
 		r := soakRuleOf(c.window.kind)
 		shown = append(shown, c.late...)
-		if r.excusedFor == 0 && len(c.charged) > r.maxFailures {
+		if r.overBound(c.charged) {
 			shown = append(shown, c.charged...)
 		}
 	}
