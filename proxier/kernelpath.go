@@ -104,15 +104,14 @@ func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
 }
 
 // closeRetired closes the sockets of ports that moved to the kernel path, after the sync that
-// applied their chains.
+// applied their chains. A UDP port's conntrack entries redirected to its proxy socket go first,
+// the socket after: a client whose new datagram reuses the source port of an entry not yet
+// deleted (UDP entries live 30 s; a resolver opens a new port per query, so some do) is still
+// answered by the socket, where a closed one would answer port unreachable (the chaos soak saw
+// it while the delete walked the table, 80 ms).
 func (p *Proxier) closeRetired() {
 	for _, a := range p.retiring {
-		p.closeSocket(a)
-		if a.ext != nil {
-			p.closeSocket(a.ext)
-		}
 		if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
-			// A UDP client's conntrack entry would keep steering it to the closed proxy port.
 			// Only those entries: the kernel chains are in force by now, and an entry their DNAT
 			// made for a datagram in flight must stay, or the endpoint's answer is lost.
 			flows := conntrack.FlowsOf(a.port)
@@ -120,9 +119,16 @@ func (p *Proxier) closeRetired() {
 			if a.ext != nil {
 				flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
 			}
+			start := p.cfg.Clock.Now()
 			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
 				p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
+			p.log.WithField("service", a.port.Name.String()).WithField("duration", p.cfg.Clock.Since(start)).
+				Debug("Cleared the UDP conntrack entries redirected to the proxy socket the kernel path replaced")
+		}
+		p.closeSocket(a)
+		if a.ext != nil {
+			p.closeSocket(a.ext)
 		}
 	}
 	p.retiring = nil

@@ -1,20 +1,24 @@
 package proxier
 
 import (
+	"context"
 	"fmt"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // TestUDPToKernelClearsOnlyRedirectedEntries: a UDP port that moves from the proxy socket to the
-// kernel path has its conntrack entries cleared after the sync that put the kernel chains in, and
-// only those the portal rules redirected to its old proxy port. Clearing all of them also
-// deleted the entries the new DNAT rules had made for datagrams in flight, and the endpoint's
-// answers were lost (a lost DNS answer right after the switch in the chaos soak, issue 34).
+// kernel path has its conntrack entries cleared after the sync that put the kernel chains in,
+// only those the portal rules redirected to its old proxy port, and before its socket closes.
+// Clearing all of them also deleted the entries the new DNAT rules had made for datagrams in
+// flight (their answers were lost); closing first refused a client whose new datagram matched an
+// entry not yet deleted (a source port reused within the entries' 30 s): both seen in the chaos
+// soak right after the switch (issue 34).
 // Address plan: service 10.96.0.53:53/UDP, endpoint 10.244.1.1:5353.
 func TestUDPToKernelClearsOnlyRedirectedEntries(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
@@ -30,10 +34,27 @@ func TestUDPToKernelClearsOnlyRedirectedEntries(t *testing.T) {
 		t.Fatalf("on the proxy path: spec %+v, want a proxy port", spec)
 	}
 	e.conntrack.Reset()
+	sock := e.open[dnsName]
+	openAtClear := false
+	e.p.deps.Conntrack = clearWatch{e.conntrack, func() { openAtClear = !isClosed(sock) }}
 
 	e.p.OnServiceUpdate(nil, makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53)))
 	e.sync()
 	if got, want := e.conntrack.Dump(), fmt.Sprintf("udp 10.96.0.53:53 via [%d]", spec.ProxyPort); got != want {
 		t.Errorf("after the move to the kernel path conntrack cleared %q, want %q", got, want)
 	}
+	if !openAtClear || !isClosed(sock) {
+		t.Errorf("the proxy socket was open when its entries were cleared: %v, closed after the sync: %v; want both", openAtClear, isClosed(sock))
+	}
+}
+
+// clearWatch is the fake conntrack, calling onClear at each ClearUDP.
+type clearWatch struct {
+	*conntrack.Fake
+	onClear func()
+}
+
+func (c clearWatch) ClearUDP(ctx context.Context, f conntrack.Flows) error {
+	c.onClear()
+	return c.Fake.ClearUDP(ctx, f)
 }
