@@ -19,6 +19,8 @@ package e2e
 //
 //	KPP_SOAK_DURATION=30m KPP_SOAK_SEED=42 go test ./e2e -run TestChaosSoak -v -timeout 80m
 //
+// KPP_SOAK_FAULTS=datapath,natflush limits the faults to those kinds.
+//
 // Address plan: the testbed's (client 10.244.x namespace, node IP testbed.NodeExtIP, cluster IPs
 // in 10.96.0.0/16, three backend pods 10.244.1-3.10).
 
@@ -238,12 +240,21 @@ func runSoak(t *testing.T, mode string, flags []string, duration time.Duration, 
 	s.report()
 }
 
+// kinds lists the fault kinds of the mode, only those KPP_SOAK_FAULTS names (comma-separated)
+// when it is set: a focused run, such as 100 s of datapath switches alone.
 func (s *soak) kinds() []string {
+	var only []string
+	if v := os.Getenv("KPP_SOAK_FAULTS"); v != "" {
+		only = strings.Split(v, ",")
+	}
 	var out []string
 	for _, f := range soakFaults {
-		if slices.Contains(f.modes, s.mode) {
+		if slices.Contains(f.modes, s.mode) && (only == nil || slices.Contains(only, f.kind)) {
 			out = append(out, f.kind)
 		}
+	}
+	if len(out) == 0 {
+		s.t.Fatalf("KPP_SOAK_FAULTS=%q names no fault kind of %s mode", os.Getenv("KPP_SOAK_FAULTS"), s.mode)
 	}
 	return out
 }
@@ -361,12 +372,27 @@ func (s *soak) inject(kind string) {
 		if s.webPath == "kernel" {
 			to = "proxy"
 		}
+		// The proxy ports the web Service leaves: closed once the kernel chains are in (and, for
+		// UDP, its redirected conntrack entries cleared first, which takes a moment).
+		var leaving []uint16
+		if to == "kernel" {
+			leaving = rules(t, s.n.bed.Node).ofService(s.web.Namespace, s.web.Name).proxyPorts()
+		}
 		t.Logf("%s: web to the %s path at %s", s.mode, to, time.Now().Format("15:04:05.000"))
 		s.annotateWeb(to)
-		// The fault lasts until the proxy has moved both ports (the API server may be backing
-		// its informers off after a restart, as for churn).
+		// The fault lasts until the proxy has moved both ports and closed the sockets they
+		// leave (the API server may be backing its informers off after a restart, as for churn).
 		eventually(t, 90*time.Second, "the web Service never reached the "+to+" path", func() error {
-			return s.webPathInForce(to)
+			if err := s.webPathInForce(to); err != nil {
+				return err
+			}
+			open := listening(t, s.n.bed.Node)
+			for _, p := range leaving {
+				if open[p] {
+					return fmt.Errorf("the proxy port %d the web Service left still listens", p)
+				}
+			}
+			return nil
 		})
 		s.webPath = to
 	case "apiserver":
@@ -542,6 +568,7 @@ func (s *soak) settle(what string) {
 	if now.fds > fdBound || now.goroutines > grBound || now.rss > soakMaxRSS {
 		t.Errorf("%s: descriptors %d (bound %d), goroutines %d (bound %d), RSS %d MiB (bound %d) with %d connections and %d UDP sessions live; the process had %d and %d",
 			what, now.fds, fdBound, now.goroutines, grBound, now.rss>>20, soakMaxRSS>>20, now.conns, now.sessions, s.base.fds, s.base.goroutines)
+		t.Logf("%s: the proxy's descriptors by kind now: %v", what, s.fdKinds())
 	}
 	s.mu.Lock()
 	s.peak.fds, s.peak.goroutines, s.peak.rss = max(s.peak.fds, now.fds), max(s.peak.goroutines, now.goroutines), max(s.peak.rss, now.rss)
@@ -600,6 +627,31 @@ func (s *soak) fds() int {
 		s.t.Fatalf("descriptors of the proxy: %v", err)
 	}
 	return len(ents)
+}
+
+// fdKinds counts the proxy's open descriptors by what they are ("socket", "anon_inode:[io_uring]",
+// a file's directory), for a descriptor bound that breaks.
+func (s *soak) fdKinds() map[string]int {
+	dir := fmt.Sprintf("/proc/%d/fd", s.proxy.Pid())
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return map[string]int{err.Error(): 1}
+	}
+	out := map[string]int{}
+	for _, e := range ents {
+		target, err := os.Readlink(filepath.Join(dir, e.Name()))
+		switch {
+		case err != nil:
+			out["gone"]++
+		case strings.HasPrefix(target, "socket:"):
+			out["socket"]++
+		case strings.HasPrefix(target, "anon_inode:"):
+			out[target]++
+		default:
+			out[filepath.Dir(target)]++
+		}
+	}
+	return out
 }
 
 func (s *soak) fail(target string, start time.Time, err error) {
