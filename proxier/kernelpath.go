@@ -225,7 +225,8 @@ type kernelUDPPort struct {
 // endpoint or left the kernel path, after the sync that applied it. A UDP flow keeps its DNAT for
 // as long as packets come (a resolver asking every second never lets the entry expire), so
 // without this it would go on to an endpoint that is gone; with it, the next datagram is
-// balanced again over the current endpoints, as kube-proxy does. A port that moved to the proxy
+// balanced again over the current endpoints, as kube-proxy does. Only the entries DNATed to an
+// endpoint that is gone (every entry, when the port is gone). A port that moved to the proxy
 // path keeps its established flows on their endpoint until they end, like TCP connections.
 func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 	p.activeMu.RLock()
@@ -245,9 +246,20 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 	for name, old := range p.kernelUDP {
 		cur, still := now[name]
 		gone := !still && p.DataPathOf(name) == "" // removed, not moved to the proxy path
-		lost := still && slices.ContainsFunc(old.endpoints, func(e netip.AddrPort) bool { return !slices.Contains(cur.endpoints, e) })
-		if (gone || lost) && p.deps.Conntrack != nil {
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(old.port)); err != nil {
+		var lost []netip.AddrPort
+		if still {
+			for _, e := range old.endpoints {
+				if !slices.Contains(cur.endpoints, e) {
+					lost = append(lost, e)
+				}
+			}
+		}
+		if (gone || len(lost) > 0) && p.deps.Conntrack != nil {
+			flows := conntrack.FlowsOf(old.port)
+			// Lost endpoints: their flows alone (kube-proxy's delete by --dst-nat); deleting
+			// the others would lose the answers they have in flight.
+			flows.Endpoints = lost
+			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
 				p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
 		}

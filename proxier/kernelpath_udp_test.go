@@ -48,6 +48,31 @@ func TestUDPToKernelClearsOnlyRedirectedEntries(t *testing.T) {
 	}
 }
 
+// TestKernelUDPLostEndpointClearsOnlyItsEntries: a kernel-path UDP port that loses an endpoint
+// has the entries DNATed to that endpoint cleared, and only those (kube-proxy's delete by
+// --dst-nat): clearing every entry of the service also lost the answers the endpoints that stay
+// had in flight. Address plan: service 10.96.0.53:53/UDP, endpoints 10.244.1.1-2:5353.
+func TestKernelUDPLostEndpointClearsOnlyItsEntries(t *testing.T) {
+	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
+	e.synced()
+	slice := func(addrs ...string) *discovery.EndpointSlice {
+		var eps []sliceEP
+		for _, a := range addrs {
+			eps = append(eps, sliceEP{addr: a})
+		}
+		return makeSlice("kube-system", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+	}
+	e.p.OnServiceAdd(makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53)))
+	e.p.OnEndpointSliceAdd(slice("10.244.1.1", "10.244.1.2"))
+	e.sync()
+	e.conntrack.Reset()
+	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.2"))
+	e.sync()
+	if got, want := e.conntrack.Dump(), "udp 10.96.0.53:53 to [10.244.1.1:5353]"; got != want {
+		t.Errorf("an endpoint removed: conntrack cleared %q, want %q", got, want)
+	}
+}
+
 // clearWatch is the fake conntrack, calling onClear at each ClearUDP.
 type clearWatch struct {
 	*conntrack.Fake

@@ -55,7 +55,7 @@ func flow(proto uint8, dst string) *netlink.ConntrackFlow {
 }
 
 // replyFrom sets where f's replies come from: the address its destination was translated to.
-func replyFrom(f *netlink.ConntrackFlow, src string) *netlink.ConntrackFlow {
+func replyVia(f *netlink.ConntrackFlow, src string) *netlink.ConntrackFlow {
 	ap := netip.MustParseAddrPort(src)
 	f.Reverse.Protocol = f.Forward.Protocol
 	f.Reverse.SrcIP, f.Reverse.SrcPort = net.IP(ap.Addr().AsSlice()), ap.Port()
@@ -98,10 +98,19 @@ func TestFilters_deleteExactlyTheFlowsOfThePort(t *testing.T) {
 		// KUBE-SEP DNAT made meanwhile stay, or the endpoint's answer finds no entry to undo it.
 		name:  "narrowed to the proxy ports",
 		flows: Flows{Addrs: []netip.Addr{v4}, Port: 53, NodePort: 30053, ProxyPorts: []uint16{41234, 41235}},
-		deleted: []*netlink.ConntrackFlow{replyFrom(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "192.168.1.10:41234"),
-			replyFrom(flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), "192.168.1.10:41235")},
-		kept: []*netlink.ConntrackFlow{replyFrom(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5353"),
-			replyFrom(flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), "10.244.2.10:5353")},
+		deleted: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "192.168.1.10:41234"),
+			replyVia(flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), "192.168.1.10:41235")},
+		kept: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5353"),
+			replyVia(flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), "10.244.2.10:5353")},
+	}, {
+		// A kernel-path port that lost an endpoint: only the flows DNATed to it go (as
+		// kube-proxy's conntrack delete by --dst-nat); those of the endpoints that stay keep
+		// their answers in flight.
+		name:    "narrowed to the endpoints removed",
+		flows:   Flows{Addrs: []netip.Addr{v4}, Port: 53, Endpoints: []netip.AddrPort{netip.MustParseAddrPort("10.244.1.10:5353")}},
+		deleted: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5353")},
+		kept: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.2.10:5353"),
+			replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5354")},
 	}, {
 		name:    "an IPv4-mapped address counts as IPv4",
 		flows:   Flows{Addrs: []netip.Addr{netip.MustParseAddr("::ffff:10.96.0.10")}, Port: 53},
