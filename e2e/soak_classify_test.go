@@ -1,6 +1,9 @@
 package e2e
 
 import (
+	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -56,34 +59,123 @@ func TestSoakMoveCause(t *testing.T) {
 	}
 }
 
-// TestSoakWindowOf checks which fault window a failure is charged to: an allowed one (SIGKILL,
-// nat flush, descriptor exhaustion) wins over another it also overlaps, then the latest.
-func TestSoakWindowOf(t *testing.T) {
+// TestSoakRule checks the soak's rule (classifySoak) on failures placed against fault windows.
+// The cases marked "lax" passed under the rule before issue 34, which excused every failure in
+// flight during a SIGKILL, nat-flush or descriptor-exhaustion window without a count, let that
+// window win over any other the failure overlapped, and only logged lost UDP answers.
+func TestSoakRule(t *testing.T) {
 	at := time.Date(2026, 11, 26, 15, 0, 0, 0, time.UTC)
 	sec := func(n float64) time.Time { return at.Add(time.Duration(n * float64(time.Second))) }
-	s := &soak{windows: []soakWindow{
-		{"sigkill", sec(0), sec(0.2)},
-		{"churn", sec(2), sec(2.1)},
-		{"sigkill", sec(3), sec(3.3)},
-		{"handover", sec(5), sec(6)},
-		{"natflush", sec(8), sec(8.5)},
-		{"fdexhaust", sec(10), sec(11.5)},
-	}}
-	for _, c := range []struct {
-		start, end float64
-		kind       string
-		idx        int
-	}{
-		{0.1, 0.15, "sigkill", 0},
-		{1.9, 3.1, "sigkill", 1}, // overlaps the churn and the second kill
-		{2.05, 2.06, "churn", 0},
-		{5.5, 8.2, "natflush", 0}, // a 5 s timeout from inside the hand-over into the flush
-		{6.5, 7, "", -1},
-		{9, 12, "fdexhaust", 0},
-	} {
-		kind, idx := s.windowOf(soakFailure{start: sec(c.start), end: sec(c.end)})
-		if kind != c.kind || idx != c.idx {
-			t.Errorf("failure %.2f-%.2fs: window %q %d, want %q %d", c.start, c.end, kind, idx, c.kind, c.idx)
+	windows := []soakWindow{
+		{"sigkill", sec(0), sec(2)},      // a slow restart: the window outlasts soakKillWindow
+		{"natflush", sec(4), sec(5)},     // 15:00:04
+		{"handover", sec(10), sec(10.5)}, // 15:00:10
+		{"fdexhaust", sec(20), sec(21.6)},
+		{"datapath", sec(30), sec(30.4)},
+		{"sigkill", sec(40), sec(40.3)},
+		{"churn", sec(43), sec(43.1)},
+		{"natflush", sec(50), sec(50.5)},
+	}
+	fail := func(target string, start, end float64) soakFailure {
+		return soakFailure{target: target, start: sec(start), end: sec(end)}
+	}
+	lost := func(start float64) soakFailure {
+		return soakFailure{target: "web cluster IP udp", start: sec(start), end: sec(start + 1), lost: true}
+	}
+	many := func(n int, start float64) []soakFailure {
+		var out []soakFailure
+		for i := range n {
+			out = append(out, fail("web node port", start+float64(i)*0.01, start+float64(i)*0.01+0.005))
 		}
+		return out
+	}
+	for _, c := range []struct {
+		name     string
+		windows  []soakWindow // nil: windows
+		failures []soakFailure
+		want     []string // a substring of each breach, in order
+	}{
+		{name: "nothing failed"},
+		{name: "refused right after a kill", failures: []soakFailure{fail("web cluster IP", 0.1, 0.1), fail("keep-alive stream", 0.9, 1.2), lost(0.5)}},
+		{name: "a nat flush within its bound", failures: append(many(soakNatFlushMaxFailures, 4.2), lost(4.1), lost(4.4), lost(4.9))},
+		{name: "a descriptor exhaustion within its bound", failures: append(many(soakFDExhaustMaxFailures, 20.2), lost(21), lost(21.5))},
+		{name: "an endpoint change closing a UDP session in flight", failures: []soakFailure{lost(43)}},
+		{name: "an endpoint change losing two answers", failures: []soakFailure{lost(42.5), lost(43)},
+			want: []string{"churn 1 at 15:00:43.000: 0 failures and 2 lost answers in flight during it, bound 0 and 1 more lost answers"}},
+		{name: "a timeout begun in the flush, ending after it", failures: []soakFailure{fail("web node port", 4.5, 9.5)}},
+		{name: "a kill's window outlasting soakKillWindow", failures: []soakFailure{fail("web cluster IP", 1.5, 1.5)},
+			want: []string{"sigkill 1 at 15:00:00.000: 1 attempts begun 1s or more after it failed (the last +1.5s)"}},
+		{name: "lax: begun after the kill's excuse, ending in a flush", failures: []soakFailure{fail("web node port", 1.5, 6.5)},
+			want: []string{"sigkill 1 at 15:00:00.000: 1 attempts begun 1s or more"}},
+		{name: "lax: excused by the kill, yet in flight during a churn", failures: []soakFailure{fail("sticky cluster IP", 40.1, 45.1)},
+			want: []string{"churn 1 at 15:00:43.000: 1 failures and 0 lost answers in flight during it, bound 0 and 1 more"}},
+		{name: "lax: excused by the flush, yet in flight during a hand-over", failures: []soakFailure{fail("web node port", 4.8, 10.2)},
+			want: []string{"handover 1 at 15:00:10.000: 1 failures and 0 lost answers in flight during it, bound 0 and 0 more"}},
+		{name: "lax: more nat-flush failures than its bound", failures: many(soakNatFlushMaxFailures+1, 4.1),
+			want: []string{fmt.Sprintf("natflush 1 at 15:00:04.000: %d failures and 0 lost answers in flight during it, bound %d and %d more lost answers",
+				soakNatFlushMaxFailures+1, soakNatFlushMaxFailures, soakNatFlushMaxLost)}},
+		{name: "lax: lost answers count against the flush's bound", failures: append(many(soakNatFlushMaxFailures, 50.1), lost(49.8), lost(50.2), lost(50.3), lost(50.4)),
+			want: []string{"natflush 2 at 15:00:50.000: 4 failures and 4 lost answers"}},
+		{name: "lax: more descriptor-exhaustion failures than its bound", failures: many(soakFDExhaustMaxFailures+1, 20.1),
+			want: []string{"fdexhaust 1 at 15:00:20.000: 5 failures"}},
+		{name: "lax: a UDP answer lost with no fault near", failures: []soakFailure{lost(60)},
+			want: []string{"1 failures and lost answers in flight during no fault, bound 0"}},
+		{name: "lax: a UDP answer lost a second after a flush", failures: []soakFailure{lost(6)},
+			want: []string{"1 failures and lost answers in flight during no fault"}},
+		{name: "a failure across a data path switch", failures: []soakFailure{fail("keep-alive stream", 30.2, 30.2)},
+			want: []string{"datapath 1 at 15:00:30.000: 1 failures and 0 lost answers in flight during it, bound 0 and 0 more"}},
+		{name: "a UDP answer lost across a data path switch", failures: []soakFailure{lost(30.3)},
+			want: []string{"datapath 1 at 15:00:30.000: 0 failures and 1 lost answers"}},
+		{name: "a failure between faults", failures: []soakFailure{fail("web cluster IP", 25, 25)},
+			want: []string{"1 failures and lost answers in flight during no fault"}},
+		{name: "lax: a nat flush's window past its bound", windows: []soakWindow{{"natflush", sec(0), sec(6.6)}},
+			want: []string{"natflush 1 at 15:00:00.000 lasted 6.6s, bound 3s"}},
+		{name: "lax: a descriptor exhaustion's window past its bound", windows: []soakWindow{{"fdexhaust", sec(0), sec(3.1)}},
+			want: []string{"fdexhaust 1 at 15:00:00.000 lasted 3.1s, bound 3s"}},
+		{name: "a hand-over within its bound", windows: []soakWindow{{"handover", sec(0), sec(3)}}},
+		{name: "one failure counts against both flushes it overlaps",
+			windows:  []soakWindow{{"natflush", sec(0), sec(1)}, {"natflush", sec(2), sec(3)}},
+			failures: append(append(many(soakNatFlushMaxFailures-1, 0.1), fail("web cluster IP", 0.9, 2.1)), many(soakNatFlushMaxFailures-1, 2.2)...),
+			want:     nil}, // each at its bound: the shared one counted in both
+		{name: "one failure over the bound of both flushes it overlaps",
+			windows:  []soakWindow{{"natflush", sec(0), sec(1)}, {"natflush", sec(2), sec(3)}},
+			failures: append(append(many(soakNatFlushMaxFailures, 0.1), fail("web cluster IP", 0.9, 2.1)), many(soakNatFlushMaxFailures, 2.2)...),
+			want:     []string{"natflush 1 at 15:00:00.000: 5 failures", "natflush 2 at 15:00:02.000: 5 failures"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ws := c.windows
+			if ws == nil {
+				ws = windows
+			}
+			got := classifySoak(ws, c.failures).breaches
+			ok := len(got) == len(c.want)
+			for i := 0; ok && i < len(got); i++ {
+				ok = strings.Contains(got[i], c.want[i])
+			}
+			if !ok {
+				t.Errorf("breaches:\n%s\nwant (substrings):\n%s", strings.Join(got, "\n"), strings.Join(c.want, "\n"))
+			}
+		})
+	}
+}
+
+// TestSoakRuleCharges checks where classifySoak puts each failure: a kill's excused and late
+// ones apart, a failure overlapping two windows in both, one overlapping none outside.
+func TestSoakRuleCharges(t *testing.T) {
+	at := time.Date(2026, 11, 26, 15, 0, 0, 0, time.UTC)
+	sec := func(n float64) time.Time { return at.Add(time.Duration(n * float64(time.Second))) }
+	f := func(start, end float64) soakFailure {
+		return soakFailure{target: "x", start: sec(start), end: sec(end)}
+	}
+	v := classifySoak([]soakWindow{{"sigkill", sec(0), sec(2)}, {"natflush", sec(3), sec(4)}},
+		[]soakFailure{f(0.5, 0.5), f(1.5, 3.5), f(0.9, 3.2), f(5, 5)})
+	type counts struct{ charged, excused, late int }
+	var got []counts
+	for _, c := range v.charges {
+		got = append(got, counts{len(c.charged), len(c.excused), len(c.late)})
+	}
+	want := []counts{{0, 2, 1}, {2, 0, 0}}
+	if !slices.Equal(got, want) || len(v.outside) != 1 {
+		t.Errorf("charges %+v, %d outside; want %+v, 1 outside", got, len(v.outside), want)
 	}
 }

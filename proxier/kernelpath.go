@@ -104,17 +104,28 @@ func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
 }
 
 // closeRetired closes the sockets of ports that moved to the kernel path, after the sync that
-// applied their chains. A UDP client's conntrack entry would keep steering it to the proxy port,
-// so a UDP port's entries are cleared first, while its socket is still open: a datagram that
-// comes meanwhile starts a new entry, which the kernel chains (already in) DNAT to an endpoint.
-// Closing first refused every datagram sent until the clear was done (the dump of the conntrack
-// table takes milliseconds): TestDataPathUDPSwitchesLive saw one refusal per switch.
+// applied their chains. A UDP port's conntrack entries redirected to its proxy socket go first,
+// the socket after: a client whose new datagram reuses the source port of an entry not yet
+// deleted (UDP entries live 30 s; a resolver opens a new port per query, so some do) is still
+// answered by the socket, where a closed one would answer port unreachable (the chaos soak saw
+// it while the delete walked the table, 80 ms; TestDataPathUDPSwitchesLive saw one refusal per
+// switch).
 func (p *Proxier) closeRetired() {
 	for _, a := range p.retiring {
 		if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(a.port)); err != nil {
+			// Only those entries: the kernel chains are in force by now, and an entry their DNAT
+			// made for a datagram in flight must stay, or the endpoint's answer is lost.
+			flows := conntrack.FlowsOf(a.port)
+			flows.ProxyPorts = []uint16{a.proxyPort}
+			if a.ext != nil {
+				flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
+			}
+			start := p.cfg.Clock.Now()
+			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
 				p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
+			p.log.WithField("service", a.port.Name.String()).WithField("duration", p.cfg.Clock.Since(start)).
+				Debug("Cleared the UDP conntrack entries redirected to the proxy socket the kernel path replaced")
 		}
 		p.closeSocket(a)
 		if a.ext != nil {
@@ -215,7 +226,8 @@ type kernelUDPPort struct {
 // endpoint or left the kernel path, after the sync that applied it. A UDP flow keeps its DNAT for
 // as long as packets come (a resolver asking every second never lets the entry expire), so
 // without this it would go on to an endpoint that is gone; with it, the next datagram is
-// balanced again over the current endpoints, as kube-proxy does. A port that moved to the proxy
+// balanced again over the current endpoints, as kube-proxy does. Only the entries DNATed to an
+// endpoint that is gone (every entry, when the port is gone). A port that moved to the proxy
 // path keeps its established flows on their endpoint until they end, like TCP connections.
 func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 	p.activeMu.RLock()
@@ -235,9 +247,20 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 	for name, old := range p.kernelUDP {
 		cur, still := now[name]
 		gone := !still && p.DataPathOf(name) == "" // removed, not moved to the proxy path
-		lost := still && slices.ContainsFunc(old.endpoints, func(e netip.AddrPort) bool { return !slices.Contains(cur.endpoints, e) })
-		if (gone || lost) && p.deps.Conntrack != nil {
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(old.port)); err != nil {
+		var lost []netip.AddrPort
+		if still {
+			for _, e := range old.endpoints {
+				if !slices.Contains(cur.endpoints, e) {
+					lost = append(lost, e)
+				}
+			}
+		}
+		if (gone || len(lost) > 0) && p.deps.Conntrack != nil {
+			flows := conntrack.FlowsOf(old.port)
+			// Lost endpoints: their flows alone (kube-proxy's delete by --dst-nat); deleting
+			// the others would lose the answers they have in flight.
+			flows.Endpoints = lost
+			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
 				p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
 		}

@@ -32,6 +32,16 @@ type Flows struct {
 	// NodePort, unless 0: entries whose original destination port is NodePort, on any address of
 	// the families in Addrs (IPv4 when Addrs is empty).
 	NodePort uint16
+	// ProxyPorts, unless empty, narrows the deletion to the entries the portal rules redirected
+	// to one of these proxy ports (the reply comes from it). A port that moved to the kernel path
+	// must lose those, and only those: its DNAT rules are in force by then, and deleting an entry
+	// they made for a datagram in flight loses the endpoint's answer (nothing is left to undo the
+	// DNAT). An endpoint port equal to a proxy port makes such an entry go too, as before.
+	ProxyPorts []uint16
+	// Endpoints, unless empty, narrows the deletion to the entries DNATed to one of these
+	// endpoints (the reply comes from it), as kube-proxy deletes a removed UDP endpoint's
+	// entries: the flows of the endpoints that stay keep their answers in flight.
+	Endpoints []netip.AddrPort
 }
 
 // FlowsOf returns the flows of a service port.
@@ -124,7 +134,7 @@ func filters(f Flows) (map[netlink.InetFamily][]netlink.CustomConntrackFilter, e
 		if err != nil {
 			return nil, fmt.Errorf("conntrack: filter for %s: %w", netip.AddrPortFrom(a, f.Port), err)
 		}
-		out[fam] = append(out[fam], cf)
+		out[fam] = append(out[fam], narrow(cf, f))
 	}
 	if f.NodePort != 0 {
 		fams := []netlink.InetFamily{unix.AF_INET, unix.AF_INET6}
@@ -136,10 +146,38 @@ func filters(f Flows) (map[netlink.InetFamily][]netlink.CustomConntrackFilter, e
 			if err != nil {
 				return nil, fmt.Errorf("conntrack: filter for node port %d: %w", f.NodePort, err)
 			}
-			out[fam] = append(out[fam], cf)
+			out[fam] = append(out[fam], narrow(cf, f))
 		}
 	}
 	return out, nil
+}
+
+// replyFrom narrows a filter to the entries whose reply comes from one of ports (any address:
+// a REDIRECT answers from the address the packet came in on; Flows.ProxyPorts) or endpoints
+// (Flows.Endpoints).
+type replyFrom struct {
+	netlink.CustomConntrackFilter
+	ports     []uint16
+	endpoints []netip.AddrPort
+}
+
+func (r replyFrom) MatchConntrackFlow(flow *netlink.ConntrackFlow) bool {
+	rv := flow.Reverse
+	src, _ := netip.AddrFromSlice(rv.SrcIP)
+	from := slices.Contains(r.ports, rv.SrcPort) || slices.Contains(r.endpoints, netip.AddrPortFrom(src.Unmap(), rv.SrcPort))
+	return from && r.CustomConntrackFilter.MatchConntrackFlow(flow)
+}
+
+// narrow returns cf, narrowed to f's proxy ports and endpoints unless it has none.
+func narrow(cf netlink.CustomConntrackFilter, f Flows) netlink.CustomConntrackFilter {
+	if len(f.ProxyPorts) == 0 && len(f.Endpoints) == 0 {
+		return cf
+	}
+	eps := make([]netip.AddrPort, len(f.Endpoints))
+	for i, e := range f.Endpoints {
+		eps[i] = netip.AddrPortFrom(e.Addr().Unmap(), e.Port())
+	}
+	return replyFrom{cf, slices.Clone(f.ProxyPorts), eps}
 }
 
 // udpFilter matches UDP entries with original destination port port.
@@ -176,6 +214,12 @@ func describe(f Flows) string {
 	}
 	if f.NodePort != 0 {
 		parts = append(parts, fmt.Sprintf("nodeport %d", f.NodePort))
+	}
+	if len(f.ProxyPorts) > 0 {
+		parts = append(parts, fmt.Sprintf("via proxy ports %v", f.ProxyPorts))
+	}
+	if len(f.Endpoints) > 0 {
+		parts = append(parts, fmt.Sprintf("to endpoints %v", f.Endpoints))
 	}
 	return strings.Join(parts, " ")
 }

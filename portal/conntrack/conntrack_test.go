@@ -54,6 +54,15 @@ func flow(proto uint8, dst string) *netlink.ConntrackFlow {
 	return f
 }
 
+// replyFrom sets where f's replies come from: the address its destination was translated to.
+func replyVia(f *netlink.ConntrackFlow, src string) *netlink.ConntrackFlow {
+	ap := netip.MustParseAddrPort(src)
+	f.Reverse.Protocol = f.Forward.Protocol
+	f.Reverse.SrcIP, f.Reverse.SrcPort = net.IP(ap.Addr().AsSlice()), ap.Port()
+	f.Reverse.DstIP, f.Reverse.DstPort = f.Forward.SrcIP, f.Forward.SrcPort
+	return f
+}
+
 // TestFilters_deleteExactlyTheFlowsOfThePort checks which entries the filters of a Flows match,
 // per family, as ClearUDP hands them to the kernel dump.
 func TestFilters_deleteExactlyTheFlowsOfThePort(t *testing.T) {
@@ -83,6 +92,25 @@ func TestFilters_deleteExactlyTheFlowsOfThePort(t *testing.T) {
 		flows:   Flows{NodePort: 30053},
 		deleted: []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "192.168.1.10:30053")},
 		kept:    []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, "[fd00::1]:30053")},
+	}, {
+		// A port that moved to the kernel path (issue 34: the chaos soak lost a DNS answer right
+		// after the switch): the entries redirected to its old proxy socket go, the ones its
+		// KUBE-SEP DNAT made meanwhile stay, or the endpoint's answer finds no entry to undo it.
+		name:  "narrowed to the proxy ports",
+		flows: Flows{Addrs: []netip.Addr{v4}, Port: 53, NodePort: 30053, ProxyPorts: []uint16{41234, 41235}},
+		deleted: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "192.168.1.10:41234"),
+			replyVia(flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), "192.168.1.10:41235")},
+		kept: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5353"),
+			replyVia(flow(unix.IPPROTO_UDP, "192.168.1.10:30053"), "10.244.2.10:5353")},
+	}, {
+		// A kernel-path port that lost an endpoint: only the flows DNATed to it go (as
+		// kube-proxy's conntrack delete by --dst-nat); those of the endpoints that stay keep
+		// their answers in flight.
+		name:    "narrowed to the endpoints removed",
+		flows:   Flows{Addrs: []netip.Addr{v4}, Port: 53, Endpoints: []netip.AddrPort{netip.MustParseAddrPort("10.244.1.10:5353")}},
+		deleted: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5353")},
+		kept: []*netlink.ConntrackFlow{replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.2.10:5353"),
+			replyVia(flow(unix.IPPROTO_UDP, "10.96.0.10:53"), "10.244.1.10:5354")},
 	}, {
 		name:    "an IPv4-mapped address counts as IPv4",
 		flows:   Flows{Addrs: []netip.Addr{netip.MustParseAddr("::ffff:10.96.0.10")}, Port: 53},

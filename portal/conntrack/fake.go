@@ -24,7 +24,7 @@ type Fake struct {
 func (f *Fake) ClearUDP(_ context.Context, flows Flows) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	flows.Addrs = slices.Clone(flows.Addrs)
+	flows.Addrs, flows.ProxyPorts, flows.Endpoints = slices.Clone(flows.Addrs), slices.Clone(flows.ProxyPorts), slices.Clone(flows.Endpoints)
 	f.cleared = append(f.cleared, flows)
 	return f.Err
 }
@@ -60,17 +60,26 @@ func (f *Fake) DumpUntranslated() string {
 }
 
 // Dump lists the cleared entries one per line, sorted: "udp <ip>:<port>" for an address and
-// "udp nodeport <port>" for a node port.
+// "udp nodeport <port>" for a node port, each followed by " via <ports>" when narrowed to the
+// entries redirected to those proxy ports and " to <endpoints>" when narrowed to those DNATed to
+// those endpoints.
 func (f *Fake) Dump() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var lines []string
 	for _, fl := range f.cleared {
+		via := ""
+		if len(fl.ProxyPorts) > 0 {
+			via = fmt.Sprintf(" via %v", fl.ProxyPorts)
+		}
+		if len(fl.Endpoints) > 0 {
+			via += fmt.Sprintf(" to %v", fl.Endpoints)
+		}
 		for _, a := range fl.Addrs {
-			lines = append(lines, "udp "+netip.AddrPortFrom(a, fl.Port).String())
+			lines = append(lines, "udp "+netip.AddrPortFrom(a, fl.Port).String()+via)
 		}
 		if fl.NodePort != 0 {
-			lines = append(lines, fmt.Sprintf("udp nodeport %d", fl.NodePort))
+			lines = append(lines, fmt.Sprintf("udp nodeport %d%s", fl.NodePort, via))
 		}
 	}
 	slices.Sort(lines)
