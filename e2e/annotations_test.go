@@ -25,6 +25,22 @@ import (
 // with "pod<i>"; the client pod's namespace dials the cluster IP).
 
 // annotatedService creates the web service (TCP http, UDP dns) with the given annotations.
+// setDataPath moves a Service between the data paths with its data-path annotation.
+func (n *clusterNode) setDataPath(t *testing.T, svc *corev1.Service, path string) {
+	t.Helper()
+	cur, err := n.admin.CoreV1().Services(svc.Namespace).Get(t.Context(), svc.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur.Annotations == nil {
+		cur.Annotations = map[string]string{}
+	}
+	cur.Annotations[annotationDataPath] = path
+	if _, err := n.admin.CoreV1().Services(svc.Namespace).Update(t.Context(), cur, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func (n *clusterNode) annotatedService(t *testing.T, name string, annotations map[string]string) *corev1.Service {
 	t.Helper()
 	return createService(t, n.admin, &corev1.Service{

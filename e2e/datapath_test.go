@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/kernel"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -182,17 +180,7 @@ func TestDataPathSwitchesLive(t *testing.T) {
 			return nil
 		})
 	}
-	annotate := func(path string) {
-		t.Helper()
-		cur, err := n.admin.CoreV1().Services(svc.Namespace).Get(t.Context(), svc.Name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		cur.Annotations[annotationDataPath] = path
-		if _, err := n.admin.CoreV1().Services(svc.Namespace).Update(t.Context(), cur, metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	annotate := func(path string) { t.Helper(); n.setDataPath(t, svc, path) }
 
 	long("kernel")
 	long("kernel")

@@ -15,6 +15,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
@@ -77,7 +78,7 @@ func TestKernelPathPeriodicSyncRepairsFlushes(t *testing.T) {
 		t.Helper()
 		return ourLines(node.MustExec(t, "iptables-save"))
 	}
-	waitUntil(t, 10*time.Second, "the kernel chains of "+webHTTP.String(), func() bool {
+	testenv.WaitForWithin(t, 10*time.Second, "the kernel chains of "+webHTTP.String(), func() bool {
 		return strings.Contains(save(), "-A "+sep+" ")
 	})
 	want := save()
@@ -90,23 +91,11 @@ func TestKernelPathPeriodicSyncRepairsFlushes(t *testing.T) {
 			start := time.Now()
 			// Repaired by a periodic sync: within one sync period of the flush, plus a sync's
 			// own time (a read-back and a restore on a loaded machine) and a period of slack.
-			waitUntil(t, 3*syncPeriod+2*time.Second, chain+" repaired by the periodic sync", func() bool { return save() == want })
+			testenv.WaitForWithin(t, 3*syncPeriod+2*time.Second, chain+" repaired by the periodic sync", func() bool { return save() == want })
 			t.Logf("%s repaired %v after the flush", chain, time.Since(start).Round(time.Millisecond))
 		})
 	}
 	if st := rules.Stats(); st.Repairs < 6 {
 		t.Errorf("Stats().Repairs = %d, want one per flush (6)", st.Repairs)
-	}
-}
-
-// waitUntil polls cond every 20 ms until it holds, failing t after timeout.
-func waitUntil(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond) // polling a condition with a deadline
 	}
 }

@@ -19,10 +19,17 @@ const WaitTimeout = 10 * time.Second
 // hold within WaitTimeout.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(WaitTimeout)
+	WaitForWithin(t, WaitTimeout, what, cond)
+}
+
+// WaitForWithin is WaitFor with a deadline of the caller's: a promise with a bound of its own
+// (a repair within one sync period) waits no longer than that bound.
+func WaitForWithin(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", WaitTimeout, what)
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
 		}
 		time.Sleep(2 * time.Millisecond) // polling a condition with a deadline
 	}
