@@ -36,12 +36,15 @@ func ourLines(save string) string {
 }
 
 // TestKernelPathPeriodicSyncRepairsFlushes runs the proxier's own sync loop (the bounded runner,
-// --iptables-sync-period 1 s) over real iptables in a throwaway namespace, with a Service on the
+// --iptables-sync-period 2 s) over real iptables in a throwaway namespace, with a Service on the
 // kernel path and the full read-back an hour away, and flushes one kernel-path chain at a time:
-// each is back within a few sync periods, without any Service change to trigger a sync. Before
+// each is back within one sync period (plus the repair's own time), without any Service change
+// to trigger a sync. Before
 // the canary covered the kernel path, only the read-back (a minute, here an hour) repaired them.
 func TestKernelPathPeriodicSyncRepairsFlushes(t *testing.T) {
-	const syncPeriod = time.Second
+	const syncPeriod = 2 * time.Second
+	// repairTime bounds one repair's own work (the read-back and a restore) on a loaded machine.
+	const repairTime = 1500 * time.Millisecond
 	lab := netns.NewTestLab(t)
 	node := lab.MustAdd(t, "node")
 	rules := iptables.New(iptables.Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")},
@@ -78,7 +81,7 @@ func TestKernelPathPeriodicSyncRepairsFlushes(t *testing.T) {
 		t.Helper()
 		return ourLines(node.MustExec(t, "iptables-save"))
 	}
-	testenv.WaitForWithin(t, 10*time.Second, "the kernel chains of "+webHTTP.String(), func() bool {
+	testenv.WaitForEvery(t, 10*time.Second, 20*time.Millisecond, "the kernel chains of "+webHTTP.String(), func() bool {
 		return strings.Contains(save(), "-A "+sep+" ")
 	})
 	want := save()
@@ -89,9 +92,9 @@ func TestKernelPathPeriodicSyncRepairsFlushes(t *testing.T) {
 				t.Fatalf("flushing %s changed nothing", chain)
 			}
 			start := time.Now()
-			// Repaired by a periodic sync: within one sync period of the flush, plus a sync's
-			// own time (a read-back and a restore on a loaded machine) and a period of slack.
-			testenv.WaitForWithin(t, 3*syncPeriod+2*time.Second, chain+" repaired by the periodic sync", func() bool { return save() == want })
+			// Repaired by the next periodic sync: within one sync period of the flush, plus the
+			// repair's own time.
+			testenv.WaitForEvery(t, syncPeriod+repairTime, 20*time.Millisecond, chain+" repaired by the periodic sync", func() bool { return save() == want })
 			t.Logf("%s repaired %v after the flush", chain, time.Since(start).Round(time.Millisecond))
 		})
 	}

@@ -19,19 +19,20 @@ const WaitTimeout = 10 * time.Second
 // hold within WaitTimeout.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	WaitForWithin(t, WaitTimeout, what, cond)
+	WaitForEvery(t, WaitTimeout, 2*time.Millisecond, what, cond)
 }
 
-// WaitForWithin is WaitFor with a deadline of the caller's: a promise with a bound of its own
-// (a repair within one sync period) waits no longer than that bound.
-func WaitForWithin(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+// WaitForEvery is WaitFor with the caller's deadline and polling interval: a promise with a
+// bound of its own (a repair within one sync period) waits no longer than that bound, and a
+// condition that costs a process (iptables-save) is not asked every 2 ms.
+func WaitForEvery(t testing.TB, timeout, every time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out after %v waiting for %s", timeout, what)
 		}
-		time.Sleep(2 * time.Millisecond) // polling a condition with a deadline
+		time.Sleep(every) // polling a condition with a deadline
 	}
 }
 
