@@ -147,6 +147,16 @@ func makeSlice(ns, svc, name string, family discovery.AddressType, ports []disco
 	return s
 }
 
+// udpSlice is an IPv4 EndpointSlice of ns/svc with one UDP port, named as the service's, ready
+// endpoints at addrs.
+func udpSlice(ns, svc, slice string, port int32, addrs ...string) *discovery.EndpointSlice {
+	var eps []sliceEP
+	for _, a := range addrs {
+		eps = append(eps, sliceEP{addr: a})
+	}
+	return makeSlice(ns, svc, slice, discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf(svc, v1.ProtocolUDP, port)}, eps...)
+}
+
 func slicePortOf(name string, proto v1.Protocol, port int32) discovery.EndpointPort {
 	return discovery.EndpointPort{Name: ptr(name), Protocol: ptr(proto), Port: ptr(port)}
 }

@@ -14,7 +14,6 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
-	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -220,14 +219,6 @@ func TestDataPathInTheDebugView(t *testing.T) {
 func TestKernelUDPConntrack(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
 	e.synced()
-	udpSlice := func(name string, port int32, addrs ...string) *discovery.EndpointSlice {
-		var eps []sliceEP
-		for _, a := range addrs {
-			eps = append(eps, sliceEP{addr: a})
-		}
-		return makeSlice("kube-system", name, "a", discovery.AddressTypeIPv4,
-			[]discovery.EndpointPort{slicePortOf(name, v1.ProtocolUDP, port)}, eps...)
-	}
 	dns := makeService("kube-system", "dns", "10.96.0.53", func(s *v1.Service) {
 		withDataPath("kernel")(s)
 		s.Spec.Type = v1.ServiceTypeNodePort
@@ -238,9 +229,9 @@ func TestKernelUDPConntrack(t *testing.T) {
 		return makeService("kube-system", "ntp", "10.96.0.123", withDataPath(path), udpPort("ntp", 123))
 	}
 	e.p.OnServiceAdd(dns)
-	e.p.OnEndpointSliceAdd(udpSlice("dns", 5353, "10.244.1.1"))
+	e.p.OnEndpointSliceAdd(udpSlice("kube-system", "dns", "a", 5353, "10.244.1.1"))
 	e.p.OnServiceAdd(ntp("kernel"))
-	e.p.OnEndpointSliceAdd(udpSlice("ntp", 123, "10.244.1.3"))
+	e.p.OnEndpointSliceAdd(udpSlice("kube-system", "ntp", "a", 123, "10.244.1.3"))
 	e.p.OnServiceAdd(webService(withDataPath("kernel")))
 	e.p.OnEndpointSliceAdd(webSlice("a", 8080, "10.244.1.1", "10.244.1.2"))
 	e.sync()
@@ -270,14 +261,16 @@ func TestKernelUDPConntrack(t *testing.T) {
 		failPortal bool // the portal sync fails: the change is not in force yet
 		want       string
 	}{
-		{name: "dns_gains_an_endpoint", change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("dns", 5353, "10.244.1.1", "10.244.1.2")) }},
+		{name: "dns_gains_an_endpoint", change: func() {
+			e.p.OnEndpointSliceUpdate(nil, udpSlice("kube-system", "dns", "a", 5353, "10.244.1.1", "10.244.1.2"))
+		}},
 		{name: "tcp_port_loses_an_endpoint", change: func() { e.p.OnEndpointSliceUpdate(nil, webSlice("a", 8080, "10.244.1.2")) }},
 		{name: "dns_loses_an_endpoint_portal_sync_fails", failPortal: true,
-			change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("dns", 5353, "10.244.1.2")) }},
+			change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("kube-system", "dns", "a", 5353, "10.244.1.2")) }},
 		{name: "the_sync_that_applies_it", change: func() {}, want: to(dnsFlows, "10.244.1.1:5353")},
 		{name: "nothing_changed", change: func() {}},
 		{name: "ntp_moves_to_the_proxy_path", change: func() { e.p.OnServiceUpdate(ntp("kernel"), ntp("proxy")) }},
-		{name: "dns_endpoint_replaced", change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("dns", 5353, "10.244.1.4")) }, want: to(dnsFlows, "10.244.1.2:5353")},
+		{name: "dns_endpoint_replaced", change: func() { e.p.OnEndpointSliceUpdate(nil, udpSlice("kube-system", "dns", "a", 5353, "10.244.1.4")) }, want: to(dnsFlows, "10.244.1.2:5353")},
 		{name: "dns_deleted", change: func() { e.p.OnServiceDelete(dns) }, want: dnsFlows},
 	}
 	for _, st := range steps {

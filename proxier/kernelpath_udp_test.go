@@ -56,11 +56,7 @@ func TestKernelUDPLostEndpointClearsOnlyItsEntries(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
 	e.synced()
 	slice := func(addrs ...string) *discovery.EndpointSlice {
-		var eps []sliceEP
-		for _, a := range addrs {
-			eps = append(eps, sliceEP{addr: a})
-		}
-		return makeSlice("kube-system", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+		return udpSlice("kube-system", "dns", "a", 5353, addrs...)
 	}
 	e.p.OnServiceAdd(makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53)))
 	e.p.OnEndpointSliceAdd(slice("10.244.1.1", "10.244.1.2"))

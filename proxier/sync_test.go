@@ -295,13 +295,7 @@ func TestSyncUDPEndpointRemovalDropsSessions(t *testing.T) {
 	e := newFakeEnv(t, nil)
 	e.synced()
 	e.p.OnServiceAdd(makeService("ns", "dns", "10.96.0.53", nil, udpPort("dns", 53)))
-	slice := func(addrs ...string) *discovery.EndpointSlice {
-		var eps []sliceEP
-		for _, a := range addrs {
-			eps = append(eps, sliceEP{addr: a})
-		}
-		return makeSlice("ns", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
-	}
+	slice := func(addrs ...string) *discovery.EndpointSlice { return udpSlice("ns", "dns", "a", 5353, addrs...) }
 	e.p.OnEndpointSliceAdd(slice("10.244.1.1", "10.244.1.2"))
 	e.sync()
 	e.p.OnEndpointSliceUpdate(nil, slice("10.244.1.2"))

@@ -21,12 +21,7 @@ func TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer(t *testing.T) {
 		s.Spec.Ports[0].NodePort = 30053
 	}, udpPort("dns", 53))
 	slice := func(addrs ...string) *discovery.EndpointSlice {
-		var eps []sliceEP
-		for _, a := range addrs {
-			eps = append(eps, sliceEP{addr: a})
-		}
-		return makeSlice("kube-system", "dns", "dns-a", discovery.AddressTypeIPv4,
-			[]discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+		return udpSlice("kube-system", "dns", "dns-a", 5353, addrs...)
 	}
 	const cleared = "10.96.0.53:53 nodeport 30053"
 	steps := []struct {
@@ -81,11 +76,7 @@ func TestSyncClearsUntranslatedUDPOnTheKernelPath(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath = true })
 	e.synced()
 	slice := func(addrs ...string) *discovery.EndpointSlice {
-		var eps []sliceEP
-		for _, a := range addrs {
-			eps = append(eps, sliceEP{addr: a})
-		}
-		return makeSlice("kube-system", "dns", "a", discovery.AddressTypeIPv4, []discovery.EndpointPort{slicePortOf("dns", v1.ProtocolUDP, 5353)}, eps...)
+		return udpSlice("kube-system", "dns", "a", 5353, addrs...)
 	}
 	const cleared = "10.96.0.53:53"
 	e.p.OnServiceAdd(makeService("kube-system", "dns", "10.96.0.53", withDataPath("kernel"), udpPort("dns", 53)))
