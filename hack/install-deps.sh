@@ -48,11 +48,17 @@ group_tools() {
   esac
 }
 
-# have reports whether a command exists. Debian leaves /usr/sbin and /sbin out of a normal
-# user's PATH, where iptables, ip and conntrack live, so look there too.
+# have reports whether a command exists: an executable regular file on PATH. Debian leaves
+# /usr/sbin and /sbin out of a normal user's PATH, where iptables, ip and conntrack live, so look
+# there too. Not bash's `command -v`, which names a file it cannot execute when nothing on PATH
+# is executable.
 have() {
-  case $1 in /*) [ -x "$1" ]; return ;; esac
-  command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]
+  case $1 in /*) [ -f "$1" ] && [ -x "$1" ]; return ;; esac
+  local d IFS=:
+  for d in $PATH /usr/sbin /sbin; do
+    [ -n "$d" ] && [ -f "$d/$1" ] && [ -x "$d/$1" ] && return 0
+  done
+  return 1
 }
 
 check=0
