@@ -134,6 +134,16 @@ func (s *Service) pickWith(set *endpointSet, v *view) *endpoint {
 		}
 		return e
 	}
+	if declined == nil {
+		// Other picks advance the counter meanwhile, so the n values drawn above need not
+		// cover n different endpoints: they may all have named the one skipped or ejected. A
+		// usable endpoint is never missed for that.
+		for _, e := range set.eps {
+			if v.usable(e) {
+				return e
+			}
+		}
+	}
 	return declined
 }
 

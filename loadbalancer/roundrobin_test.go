@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -510,5 +511,40 @@ func TestEndpointSetEntries(t *testing.T) {
 				t.Error("sameMembers is wrong")
 			}
 		})
+	}
+}
+
+// TestConcurrentRetriesAlwaysPick: a retry (reset) skips the client's sticky endpoint; while
+// other pickers advance the shared round-robin counter at the same time, the n counter values one
+// pick draws need not cover n different endpoints, and a pick that drew only the skipped one
+// returned no endpoint (a nil dereference: TestConcurrentPicksAndUpdates panicked so in one of a
+// few make test runs). Every pick of a service with endpoints must return one.
+func TestConcurrentRetriesAlwaysPick(t *testing.T) {
+	lb, _ := newTestLB()
+	lb.SetAffinity(foo, service.Affinity{ClientIP: true, Timeout: time.Minute})
+	lb.SetEndpoints(foo, []netip.AddrPort{ep(1, 1), ep(2, 2)})
+	var wg sync.WaitGroup
+	var nopick atomic.Int64
+	var first atomic.Value
+	for w := range 8 {
+		wg.Go(func() {
+			defer func() {
+				if r := recover(); r != nil {
+					nopick.Add(1)
+					first.CompareAndSwap(nil, fmt.Sprint(r))
+				}
+			}()
+			for i := range 20000 {
+				if _, err := lb.NextEndpoint(foo, client(w*20+i%20), true); err != nil {
+					nopick.Add(1)
+					first.CompareAndSwap(nil, err.Error())
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if n := nopick.Load(); n != 0 {
+		t.Fatalf("%d pickers got no endpoint from a service with two; the first: %v", n, first.Load())
 	}
 }
