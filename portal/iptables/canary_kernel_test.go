@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -53,17 +54,7 @@ func TestKernelCanaryRepairsFlushes(t *testing.T) {
 			for _, c := range tc.cmds {
 				node.MustExec(t, append([]string{"iptables", "-w", "5"}, c...)...)
 			}
-			if got := strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n"); got == want {
-				t.Fatalf("the damage %v changed nothing", tc.cmds)
-			}
-			before := p.Stats()
-			mustSync(t, p, specs) // the periodic sync: same specs, verify period not due
-			if d := lineDiff(want, strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n")); d != "" {
-				t.Errorf("rules after the next periodic sync (-want +got):\n%s", d)
-			}
-			if got := p.Stats(); got.Repairs <= before.Repairs {
-				t.Errorf("Stats().Repairs = %d, was %d: want the sync to have repaired", got.Repairs, before.Repairs)
-			}
+			repairedByNextSync(t, p, node, specs, want, fmt.Sprintf("the damage %v", tc.cmds))
 		})
 	}
 }
@@ -138,17 +129,25 @@ func TestKernelCanaryRepairsKernelPathFlushes(t *testing.T) {
 			if tc.wipe {
 				node.MustExec(t, "iptables", "-w", "5", "-t", tc.table, "-X")
 			}
-			if got := strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n"); got == want {
-				t.Fatalf("%s changed nothing", name)
-			}
-			before := p.Stats()
-			mustSync(t, p, specs) // the periodic sync: same specs, verify period not due
-			if d := lineDiff(want, strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n")); d != "" {
-				t.Errorf("rules after the next periodic sync (-want +got):\n%s", d)
-			}
-			if got := p.Stats(); got.Repairs <= before.Repairs {
-				t.Errorf("Stats().Repairs = %d, was %d: want the sync to have repaired", got.Repairs, before.Repairs)
-			}
+			repairedByNextSync(t, p, node, specs, want, name)
 		})
+	}
+}
+
+// repairedByNextSync checks that damage to the node's rules (what names it) changed them, and
+// that the next periodic sync (the same specs, the full read-back not due) puts back want and
+// counts a repair: the canary check saw it.
+func repairedByNextSync(t *testing.T, p *Portals, node *netns.NS, specs []portal.Spec, want, what string) {
+	t.Helper()
+	if got := strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n"); got == want {
+		t.Fatalf("%s changed nothing", what)
+	}
+	before := p.Stats()
+	mustSync(t, p, specs)
+	if d := lineDiff(want, strings.Join(kubeLines(kernelSave(t, node, portal.IPv4)), "\n")); d != "" {
+		t.Errorf("rules after the next periodic sync (-want +got):\n%s", d)
+	}
+	if got := p.Stats(); got.Repairs <= before.Repairs {
+		t.Errorf("Stats().Repairs = %d, was %d: want the sync to have repaired", got.Repairs, before.Repairs)
 	}
 }
