@@ -50,20 +50,20 @@ type Verdict uint8
 
 // The verdicts.
 const (
-	Forwarded    Verdict = iota // bytes moved both ways as asked; ended by either side's FIN, or live
-	Refused                     // no endpoint: the client was reset (TCP) or the datagram dropped (UDP)
-	Held                        // waiting for an endpoint (live), or given up at the hold timeout (End)
-	DialFailedV                 // TCP: every dial attempt failed
-	Reset                       // a side reset (or vanished); the other leg was reset too
-	Ejected                     // the endpoint left the Service (or was ejected) while the flow was live
-	Drained                     // the endpoint's drain deadline passed
-	Denied                      // the client is outside the Service's loadBalancerSourceRanges
-	Timeout                     // idle for the idle timeout
-	EvictedV                    // UDP: least recently used when the session table was full
-	Unreachable                 // UDP: the endpoint answered ICMP port unreachable
-	Failed                      // UDP: another error on the endpoint's socket
-	Closed                      // the proxy socket shut down (a Service removed, a port switched, the proxy stopping)
-	Kernel                      // a flow of a kernel-path port, seen in conntrack
+	Forwarded   Verdict = iota // bytes moved both ways as asked; ended by either side's FIN, or live
+	Refused                    // no endpoint: the client was reset (TCP) or the datagram dropped (UDP)
+	Held                       // waiting for an endpoint (live), or given up at the hold timeout (End)
+	DialFailedV                // TCP: every dial attempt failed
+	Reset                      // a side reset (or vanished); the other leg was reset too
+	Ejected                    // the endpoint left the Service (or was ejected) while the flow was live
+	Drained                    // the endpoint's drain deadline passed
+	Denied                     // the client is outside the Service's loadBalancerSourceRanges
+	Timeout                    // idle for the idle timeout
+	EvictedV                   // UDP: least recently used when the session table was full
+	Unreachable                // UDP: the endpoint answered ICMP port unreachable
+	Failed                     // UDP: another error on the endpoint's socket
+	Closed                     // the proxy socket shut down (a Service removed, a port switched, the proxy stopping)
+	Kernel                     // a flow of a kernel-path port, seen in conntrack
 	NumVerdicts
 )
 
@@ -155,9 +155,9 @@ func (p Path) String() string {
 // path never builds one.
 type Port struct {
 	Namespace, Service, Port string // the Service's namespace and name, and the port's name ("" if unnamed)
-	Protocol                     Protocol
-	Path                         Path
-	Node                         string // the node this proxy runs on
+	Protocol                 Protocol
+	Path                     Path
+	Node                     string // the node this proxy runs on
 }
 
 func (p *Port) String() string {
