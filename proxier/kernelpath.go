@@ -81,6 +81,9 @@ func (p *Proxier) toKernel(port *service.Port) {
 	_, was := p.kernel[port.Name]
 	p.kernel[port.Name] = port
 	p.activeMu.Unlock()
+	if p.kflows != nil {
+		p.kflows.dirty = true
+	}
 	if a != nil {
 		p.retiring = append(p.retiring, a)
 	}
@@ -97,6 +100,9 @@ func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
 	_, was := p.kernel[name]
 	delete(p.kernel, name)
 	p.activeMu.Unlock()
+	if was && p.kflows != nil {
+		p.kflows.dirty = true
+	}
 	if was {
 		p.markUnsynced(name)
 	}
@@ -138,6 +144,7 @@ func (p *Proxier) closeRetired() {
 // kernelSpecs lists the specs of the ports on the kernel path, with the endpoints their
 // selections give each traffic policy. The caller holds activeMu and selMu (read).
 func (p *Proxier) kernelSpecs(out []portal.Spec) []portal.Spec {
+	p.kflows.rebuild(p.kernel)
 	for _, port := range p.kernel {
 		out = append(out, kernelSpec(port, p.sels[port.Name]))
 	}

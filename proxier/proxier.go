@@ -20,6 +20,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	flowstream "github.com/kube-portal-proxy/kube-portal-proxy/observe"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
@@ -117,6 +118,9 @@ type Deps struct {
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
+	// Flows, if set, takes the flow events of the kernel-path ports (from conntrack, through
+	// KernelFlows); the proxy sockets get theirs through SocketConfig.Flows.
+	Flows FlowSink
 }
 
 // HealthTracker is the proxier's side of the proxy health (a *healthcheck.ProxyHealth).
@@ -172,6 +176,9 @@ type Proxier struct {
 	// only the sync goroutine writes it.
 	activeMu sync.RWMutex
 	active   map[service.ServicePortName]*activePort
+
+	// kflows indexes the kernel-path ports by address for their conntrack flow events.
+	kflows *kernelFlows
 
 	// kernel holds the ports on the kernel data path (no socket; see kernelpath.go). Written by
 	// the sync goroutine under activeMu.
@@ -299,7 +306,40 @@ func New(cfg Config, deps Deps) *Proxier {
 	if deps.Pods != nil {
 		deps.Pods.source = p.endpointsOf
 	}
+	if deps.Flows != nil {
+		p.kflows = &kernelFlows{sink: deps.Flows, node: cfg.Node.Name}
+	}
 	return p
+}
+
+// KernelFlows finds the kernel-path port of a conntrack entry by its original destination
+// (observe/conntrack.PortLookup); nil without Deps.Flows.
+func (p *Proxier) KernelFlows() KernelFlowLookup {
+	if p.kflows == nil {
+		return nil
+	}
+	return p.kflows
+}
+
+// FlowResolver names the pods behind flows' addresses for the live flow stream
+// (observe.Resolver), from this proxier's EndpointSlices.
+func (p *Proxier) FlowResolver() flowstream.Resolver {
+	return &flowResolver{pods: p.deps.Pods, all: p.allEndpoints, clock: p.cfg.Clock.Now}
+}
+
+// allEndpoints lists every service port's endpoints as the handlers last saw them.
+func (p *Proxier) allEndpoints() map[service.ServicePortName][]service.Endpoint {
+	p.mu.Lock()
+	ports := make([]*service.Port, 0, len(p.latest))
+	for _, sps := range p.latest {
+		ports = append(ports, sps...)
+	}
+	p.mu.Unlock()
+	out := make(map[service.ServicePortName][]service.Endpoint, len(ports))
+	for _, port := range ports {
+		out[port.Name] = endpointsFor(port, p.slices.get(port.Name.ServiceName()))
+	}
+	return out
 }
 
 // Run runs the sync loop until ctx is done, then closes every proxy socket and waits for their

@@ -21,6 +21,10 @@ type SocketConfig struct {
 	// attach an access log only where a Service asks for it).
 	TCPConfigFor func(*service.Port, tcp.Config) tcp.Config
 	UDPConfigFor func(*service.Port, udp.Config) udp.Config
+	// Flows, if set, takes every socket's flow events (the live flow stream); Node names this
+	// node in them.
+	Flows FlowSink
+	Node  string
 }
 
 // RealSockets returns the SocketFactory that opens real TCP and UDP proxy sockets.
@@ -32,6 +36,9 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 				c = cfg.UDPConfigFor(p, c)
 			}
 			c.Allow = allow
+			if cfg.Flows != nil {
+				c.Flows = cfg.Flows.ForPort(flowPort(p, cfg.Node, flow.PathSocket))
+			}
 			return udp.New(p.Name, picker, c)
 		}
 		c := cfg.TCP
@@ -39,6 +46,9 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 			c = cfg.TCPConfigFor(p, c)
 		}
 		c.Allow = allow
+		if cfg.Flows != nil {
+			c.Flows = cfg.Flows.ForPort(flowPort(p, cfg.Node, flow.PathSocket))
+		}
 		c.ProxyProtocol, c.HoldTimeout = proxyProtocolVersion(p.ProxyProtocol), p.HoldTimeout
 		return tcp.New(p.Name, picker, c)
 	}
