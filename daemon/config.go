@@ -24,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	kubeproxyconfig "k8s.io/kube-proxy/config/v1alpha1"
 	"k8s.io/utils/ptr"
+	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
@@ -50,6 +51,10 @@ const (
 	// from the raw document like udpIdleTimeout.
 	fieldMetricsOnlyBindAddress = "metricsOnlyBindAddress"
 
+	// fieldFlows configures the live flow stream (the --flow-* flags and --flows-bind-address):
+	// this proxy's own object, read from the raw document like udpIdleTimeout.
+	fieldFlows = "flows"
+
 	// nodePortPrimary is nodePortAddresses' special value for the Node object's primary IPs.
 	nodePortPrimary = "primary"
 
@@ -72,6 +77,8 @@ type proxyConfig struct {
 	defaultDataPath string
 	// metricsOnlyBindAddress is fieldMetricsOnlyBindAddress; "" when absent.
 	metricsOnlyBindAddress string
+	// flows is fieldFlows; its nil fields are absent.
+	flows flowsConfig
 	// ignored lists the fields that are set but mean nothing here, as dotted paths.
 	ignored []string
 }
@@ -89,6 +96,7 @@ type fileSetting struct {
 // settings lists every field that means something here, in the order of kube-proxy's type.
 func (c *proxyConfig) settings() []fileSetting {
 	k := &c.kube
+	f := &c.flows
 	cc := &k.ClientConnection
 	ct := &k.Conntrack
 	return []fileSetting{
@@ -123,7 +131,41 @@ func (c *proxyConfig) settings() []fileSetting {
 		{fieldIOEngine, "io-engine", c.ioEngine != "", func(o *Options) { o.ioEngine = c.ioEngine }},
 		{fieldDefaultDataPath, "default-data-path", c.defaultDataPath != "", func(o *Options) { o.defaultDataPath = c.defaultDataPath }},
 		{fieldMetricsOnlyBindAddress, "metrics-only-bind-address", c.metricsOnlyBindAddress != "", func(o *Options) { o.metricsOnlyBindAddress = c.metricsOnlyBindAddress }},
+		{fieldFlows + ".ringSize", "flow-ring-size", f.RingSize != nil, func(o *Options) { o.flows.ringSize = *f.RingSize }},
+		{fieldFlows + ".maxObservers", "flow-max-observers", f.MaxObservers != nil, func(o *Options) { o.flows.maxObservers = *f.MaxObservers }},
+		{fieldFlows + ".maxRate", "flow-max-rate", f.MaxRate != nil, func(o *Options) { o.flows.maxRate = *f.MaxRate }},
+		{fieldFlows + ".capture", "flow-capture", f.Capture != nil, func(o *Options) { o.flows.capture = *f.Capture }},
+		{fieldFlows + ".captureBytes", "flow-capture-bytes", f.CaptureBytes != nil, func(o *Options) { o.flows.captureBytes = *f.CaptureBytes }},
+		{fieldFlows + ".bindAddress", "flows-bind-address", f.BindAddress != nil, func(o *Options) { o.flows.bindAddress = *f.BindAddress }},
 	}
+}
+
+// flowsConfig is the file's flows object.
+type flowsConfig struct {
+	RingSize     *int    `json:"ringSize"`
+	MaxObservers *int    `json:"maxObservers"`
+	MaxRate      *int    `json:"maxRate"`
+	Capture      *bool   `json:"capture"`
+	CaptureBytes *int    `json:"captureBytes"`
+	BindAddress  *string `json:"bindAddress"`
+}
+
+// decodeFlows decodes the flows object strictly: an unknown field or a value of the wrong type
+// is an error naming it.
+func decodeFlows(v any) (flowsConfig, error) {
+	var f flowsConfig
+	js, err := json.Marshal(v)
+	if err != nil {
+		return f, fmt.Errorf("%s: %w", fieldFlows, err)
+	}
+	strict, err := kjson.UnmarshalStrict(js, &f, kjson.DisallowUnknownFields)
+	if err == nil && len(strict) > 0 {
+		err = strict[0]
+	}
+	if err != nil {
+		return f, fmt.Errorf("%s: want an object with ringSize, maxObservers, maxRate, captureBytes (integers), capture (a boolean), bindAddress (ip:port): %w", fieldFlows, err)
+	}
+	return f, nil
 }
 
 // honoured are fields without an option that this proxy nevertheless does: listen failures of the
@@ -214,6 +256,12 @@ func decodeProxyConfig(data []byte) (*proxyConfig, error) {
 		}
 		c.metricsOnlyBindAddress = s
 		delete(raw, fieldMetricsOnlyBindAddress)
+	}
+	if v, ok := raw[fieldFlows]; ok {
+		if c.flows, err = decodeFlows(v); err != nil {
+			return nil, err
+		}
+		delete(raw, fieldFlows)
 	}
 	configType := reflect.TypeFor[kubeproxyconfig.KubeProxyConfiguration]()
 	if err := visitFields(raw, configType, "", checkDuration); err != nil {
@@ -480,6 +528,11 @@ func marshalConfig(o *Options) ([]byte, error) {
 	}
 	if o.metricsOnlyBindAddress != "" {
 		doc[fieldMetricsOnlyBindAddress] = o.metricsOnlyBindAddress
+	}
+	if o.flows != defaultFlowOptions() {
+		f := o.flows
+		doc[fieldFlows] = flowsConfig{RingSize: &f.ringSize, MaxObservers: &f.maxObservers, MaxRate: &f.maxRate,
+			Capture: &f.capture, CaptureBytes: &f.captureBytes, BindAddress: &f.bindAddress}
 	}
 	return yaml.Marshal(doc)
 }

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -23,6 +24,7 @@ type effective struct {
 	CTMaxPerCore, CTMin                                                int32
 	CTEstablished, CTCloseWait, CTUDP, CTUDPStream                     time.Duration
 	CTBeLiberal                                                        bool
+	Flows                                                              string // flowOptions, %+v
 	Ignored, Warnings                                                  []string
 }
 
@@ -36,6 +38,7 @@ func effectiveOf(o *Options) effective {
 		CTMaxPerCore: o.conntrackMaxPerCore, CTMin: o.conntrackMin,
 		CTEstablished: o.conntrackTCPEstablished, CTCloseWait: o.conntrackTCPCloseWait,
 		CTUDP: o.conntrackUDPTimeout, CTUDPStream: o.conntrackUDPStreamTimeout, CTBeLiberal: o.conntrackTCPBeLiberal,
+		Flows:   fmt.Sprintf("%+v", o.flows),
 		Ignored: o.configIgnored, Warnings: o.configWarnings,
 	}
 }
@@ -190,6 +193,11 @@ func TestConfigFileErrors(t *testing.T) {
 		{"oomScoreAdj_out_of_range", head + "oomScoreAdj: 2000\n", []string{"field oomScoreAdj", "[-1000, 1000]"}},
 		{"bad_port_range", head + "portRange: 10-x\n", []string{"field portRange"}},
 		{"bad_cidr", head + "nodePortAddresses: [10.0.0.0/33]\n", []string{"field nodePortAddresses", "10.0.0.0/33"}},
+		{"flows_unknown_field", head + "flows:\n  ringsize: 10\n", []string{"flows:", `unknown field "ringsize"`}},
+		{"flows_wrong_type", head + "flows:\n  capture: yes please\n", []string{"flows:", "capture"}},
+		{"flows_not_an_object", head + "flows: 100\n", []string{"flows:", "want an object"}},
+		{"flows_ring_too_big", head + "flows:\n  ringSize: 100000000\n", []string{"--flow-ring-size (field flows.ringSize of --config", "must be 0-"}},
+		{"flows_bind_address", head + "flows:\n  bindAddress: nowhere\n", []string{"--flows-bind-address (field flows.bindAddress", "want ip:port"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -273,6 +281,8 @@ func TestWriteConfigReadsBack(t *testing.T) {
 			wantFlags: []string{"--udp-max-sessions=500", "--iptables-min-sync-period=0s", "--healthz-bind-address=",
 				"--protect-proxy-ports=false", "--access-log=true"},
 		},
+		{"flow_stream", []string{"--flow-ring-size=100", "--flow-max-observers=2", "--flow-max-rate=0", "--flow-capture",
+			"--flow-capture-bytes=1024", "--flows-bind-address=0.0.0.0:10259"}, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

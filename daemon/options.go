@@ -64,6 +64,10 @@ type Options struct {
 	metricsOnlyBindAddress string
 	profiling              bool
 
+	// The live flow stream (observe): the ring, observers, capture, and the address that serves
+	// it beyond loopback with token authentication.
+	flows flowOptions
+
 	// kube-proxy settings for the node, applied at start (config.go, sysctl.go).
 	configFile                string
 	writeConfigTo             string
@@ -93,6 +97,29 @@ type Options struct {
 	// flags is the command line they came from: --write-config-to and the startup line need
 	// to know which flags were given.
 	flags *pflag.FlagSet
+}
+
+// flowOptions configure the live flow stream (package observe).
+type flowOptions struct {
+	ringSize, maxObservers, maxRate, captureBytes int
+	capture                                       bool
+	bindAddress                                   string
+}
+
+// Defaults and bounds of the flow stream's options.
+const (
+	defaultFlowRingSize     = 8192
+	maxFlowRingSize         = 1 << 22 // ~800 MB of events: beyond any use
+	defaultFlowMaxObservers = 16
+	defaultFlowMaxRate      = 10000
+	defaultFlowCaptureBytes = 64 << 10
+	maxFlowCaptureBytes     = 16 << 20
+)
+
+// defaultFlowOptions are the flow options of an empty command line.
+func defaultFlowOptions() flowOptions {
+	return flowOptions{ringSize: defaultFlowRingSize, maxObservers: defaultFlowMaxObservers, maxRate: defaultFlowMaxRate,
+		captureBytes: defaultFlowCaptureBytes}
 }
 
 // Action is what a command line asks for.
@@ -147,6 +174,12 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "ip:port of /metrics and the debug pages (client addresses, live connections, the rules; pprof with --profiling); empty disables. Keep it on loopback: for a scraper off the node, use --metrics-only-bind-address.")
 	fs.StringVar(&o.metricsOnlyBindAddress, "metrics-only-bind-address", "", "ip:port that serves /metrics and nothing else, within the health address's limits: the address to open to Prometheus (e.g. 0.0.0.0:10251) while --metrics-bind-address stays on loopback. Empty disables.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve Go's profiler (pprof) under /debug/pprof/ on --metrics-bind-address (kube-proxy's --profiling, the file's enableProfiling).")
+	fs.IntVar(&o.flows.ringSize, "flow-ring-size", defaultFlowRingSize, "Flow events kept for `observe --last` and /debug/flows, in fixed memory (~200 bytes each); 0 turns the flow stream off.")
+	fs.IntVar(&o.flows.maxObservers, "flow-max-observers", defaultFlowMaxObservers, "Most observers of /debug/flows at once; more are answered 429.")
+	fs.IntVar(&o.flows.maxRate, "flow-max-rate", defaultFlowMaxRate, "Most flow events per second one observer is sent (its rate= asks for less); the rest are dropped and counted in its stream. 0 means no cap.")
+	fs.BoolVar(&o.flows.capture, "flow-capture", false, "Let observers capture payload (observe --pcap): the first --flow-capture-bytes of each matching flow, both ways. Off by default: a capture carries the traffic's bytes.")
+	fs.IntVar(&o.flows.captureBytes, "flow-capture-bytes", defaultFlowCaptureBytes, "Most payload bytes captured per flow (each observer may ask for less).")
+	fs.StringVar(&o.flows.bindAddress, "flows-bind-address", "", "ip:port that serves /debug/flows beyond loopback, for `observe --node`: every request needs a bearer token that the API server authenticates (TokenReview) and authorizes (SubjectAccessReview: get nodes/flows, nodes/capture for a capture). Needs an API server. Empty disables.")
 	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic; empty means all.")
 	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pods' CIDR range(s), comma-separated (one per family): traffic from them to a node port, external or load-balancer IP of an externalTrafficPolicy: Local service is cluster traffic, as in kube-proxy. Empty: such pod traffic is external traffic.")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every rule and chain this proxy installs (IPv4 and IPv6), then exit.")
@@ -263,6 +296,12 @@ func (o *Options) validate() error {
 		{o.conntrackTCPCloseWait >= 0, "--conntrack-tcp-timeout-close-wait", "must be >= 0"},
 		{o.conntrackUDPTimeout >= 0, "--conntrack-udp-timeout", "must be >= 0"},
 		{o.conntrackUDPStreamTimeout >= 0, "--conntrack-udp-timeout-stream", "must be >= 0"},
+		{o.flows.ringSize >= 0 && o.flows.ringSize <= maxFlowRingSize, "--flow-ring-size", fmt.Sprintf("must be 0-%d", maxFlowRingSize)},
+		{o.flows.maxObservers > 0, "--flow-max-observers", "must be > 0"},
+		{o.flows.maxRate >= 0, "--flow-max-rate", "must be >= 0"},
+		{o.flows.captureBytes > 0 && o.flows.captureBytes <= maxFlowCaptureBytes, "--flow-capture-bytes", fmt.Sprintf("must be 1-%d", maxFlowCaptureBytes)},
+		{o.flows.bindAddress == "" || o.servicesFile == "", "--flows-bind-address", "needs an API server to check tokens (not --services-file)"},
+		{o.flows.bindAddress == "" || o.flows.ringSize > 0, "--flows-bind-address", "needs the flow stream (--flow-ring-size > 0)"},
 		{o.iptablesVariant == "" || o.iptablesVariant == "nft" || o.iptablesVariant == "legacy", "--iptables-variant", "must be empty, nft or legacy"},
 	}
 	for _, c := range checks {
@@ -271,7 +310,7 @@ func (o *Options) validate() error {
 		}
 	}
 	for _, hp := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress},
-		{"--metrics-only-bind-address", o.metricsOnlyBindAddress}} {
+		{"--metrics-only-bind-address", o.metricsOnlyBindAddress}, {"--flows-bind-address", o.flows.bindAddress}} {
 		if hp.v == "" {
 			continue
 		}
