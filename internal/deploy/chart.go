@@ -90,7 +90,17 @@ func decodeRendered(out []byte) (*Rendered, error) {
 		u := &unstructured.Unstructured{Object: obj}
 		name := fmt.Sprintf("rendered %s %s", u.GetKind(), u.GetName())
 		switch u.GetKind() {
-		case "ServiceAccount", "ClusterRoleBinding", "DaemonSet":
+		case "ClusterRoleBinding":
+			// The proxy's own binding is to kube-proxy's role; others (the flow stream's
+			// auth-delegator) are extra.
+			if role, _, _ := unstructured.NestedString(obj, "roleRef", "name"); role != "system:node-proxier" {
+				r.Extra = append(r.Extra, u)
+				continue
+			}
+			if err := r.add(name, doc); err != nil {
+				return nil, err
+			}
+		case "ServiceAccount", "DaemonSet":
 			if err := r.add(name, doc); err != nil {
 				return nil, err
 			}
