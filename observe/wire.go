@@ -69,13 +69,16 @@ type Lost struct {
 	Time   time.Time `json:"time"`
 	Node   string    `json:"node,omitempty"`
 	Count  uint64    `json:"count"`
-	Reason string    `json:"reason"` // LostSlow or LostRate
+	Reason string    `json:"reason"` // LostSlow, LostRate or LostCapture
 }
 
 // The reasons of Lost.
 const (
 	LostSlow = "slow-observer"
 	LostRate = "rate-cap"
+	// LostCapture counts payload pieces (not events) dropped because the observer's payload
+	// queue was full.
+	LostCapture = "capture-overflow"
 )
 
 // Payload is a piece of a captured flow's bytes, in the order they moved.

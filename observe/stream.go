@@ -1,0 +1,342 @@
+package observe
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/time/rate"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+)
+
+// The content types of the stream.
+const (
+	ContentTypeNDJSON = "application/x-ndjson"
+	ContentTypeSSE    = "text/event-stream"
+)
+
+// batchMax bounds the events read between two flushes, so a busy ring does not starve the
+// client of output nor the observer of its context's end.
+const batchMax = 256
+
+// request is a parsed /debug/flows query.
+type request struct {
+	filter      *Filter
+	follow      bool
+	last        int // -1: not given
+	since       time.Time
+	rate        int // 0: no cap
+	capture     bool
+	captureFlow int
+	sse         bool
+}
+
+// The query parameters that are not filters.
+const (
+	paramFollow       = "follow"
+	paramLast         = "last"
+	paramSince        = "since"
+	paramRate         = "rate"
+	paramCapture      = "capture"
+	paramCaptureBytes = "capture_bytes"
+	paramFormat       = "format"
+)
+
+// parseRequest reads the query of a /debug/flows request; an error names the bad parameter.
+func (h *Hub) parseRequest(r *http.Request) (*request, error) {
+	q := r.URL.Query()
+	req := &request{last: -1, captureFlow: h.cfg.CaptureFlowBytes}
+	filters := url.Values{}
+	for k, vs := range q {
+		switch k {
+		case paramFollow, paramLast, paramSince, paramRate, paramCapture, paramCaptureBytes, paramFormat:
+			if len(vs) != 1 {
+				return nil, fmt.Errorf("parameter %s: given %d times, want once", k, len(vs))
+			}
+		default:
+			filters[k] = vs
+		}
+	}
+	var err error
+	if req.filter, err = ParseFilter(filters); err != nil {
+		return nil, err
+	}
+	if s := q.Get(paramFollow); s != "" {
+		if req.follow, err = strconv.ParseBool(s); err != nil {
+			return nil, fmt.Errorf("parameter %s=%q: want 1 or 0", paramFollow, s)
+		}
+	}
+	if s := q.Get(paramLast); s != "" {
+		if req.last, err = strconv.Atoi(s); err != nil || req.last < 0 {
+			return nil, fmt.Errorf("parameter %s=%q: want a count of events (0 or more)", paramLast, s)
+		}
+	}
+	if s := q.Get(paramSince); s != "" {
+		if req.since, err = time.Parse(time.RFC3339Nano, s); err != nil {
+			d, derr := time.ParseDuration(s)
+			if derr != nil || d < 0 {
+				return nil, fmt.Errorf("parameter %s=%q: want an RFC 3339 time (2006-01-02T15:04:05Z) or a duration (5m)", paramSince, s)
+			}
+			req.since = h.cfg.Clock().Add(-d)
+		}
+	}
+	if s := q.Get(paramRate); s != "" {
+		if req.rate, err = strconv.Atoi(s); err != nil || req.rate <= 0 {
+			return nil, fmt.Errorf("parameter %s=%q: want events per second (1 or more)", paramRate, s)
+		}
+	}
+	if max := h.cfg.MaxRate; max > 0 && (req.rate == 0 || req.rate > max) {
+		req.rate = max
+	}
+	if s := q.Get(paramCapture); s != "" {
+		if req.capture, err = strconv.ParseBool(s); err != nil {
+			return nil, fmt.Errorf("parameter %s=%q: want 1 or 0", paramCapture, s)
+		}
+	}
+	if s := q.Get(paramCaptureBytes); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("parameter %s=%q: want bytes per flow (1 or more)", paramCaptureBytes, s)
+		}
+		req.captureFlow = min(n, h.cfg.CaptureFlowBytes)
+	}
+	switch f := q.Get(paramFormat); f {
+	case "":
+		req.sse = acceptsSSE(r.Header.Values("Accept"))
+	case "sse":
+		req.sse = true
+	case "ndjson", "json":
+	default:
+		return nil, fmt.Errorf("parameter %s=%q: want ndjson or sse", paramFormat, f)
+	}
+	return req, nil
+}
+
+// acceptsSSE reports whether an Accept header asks for server-sent events.
+func acceptsSSE(accept []string) bool {
+	for _, a := range accept {
+		for part := range strings.SplitSeq(a, ",") {
+			mt, _, _ := strings.Cut(part, ";")
+			if strings.EqualFold(strings.TrimSpace(mt), ContentTypeSSE) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Handler serves GET /debug/flows: the ring's events that pass the request's filters (all, the
+// last=N or those since=), then with follow=1 each new one as it is recorded, as NDJSON or
+// server-sent events. r (nil: none) names pods. The request's goroutine is the observer: it
+// ends when the request's context does (or, without follow, when the ring's events are sent).
+func (h *Hub) Handler(r Resolver) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.Method != http.MethodGet && req.Method != http.MethodHead {
+			w.Header().Set("Allow", "GET, HEAD")
+			http.Error(w, "flows: method "+req.Method+" not allowed: use GET", http.StatusMethodNotAllowed)
+			return
+		}
+		q, err := h.parseRequest(req)
+		if err != nil {
+			http.Error(w, "flows: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		if q.capture && !h.cfg.Capture {
+			http.Error(w, "flows: capture=1 refused: payload capture is disabled on this proxy (the operator enables it with the flow capture setting)", http.StatusForbidden)
+			return
+		}
+		if !h.admit() {
+			http.Error(w, fmt.Sprintf("flows: too many observers (the limit is %d); try again later", h.cfg.MaxObservers), http.StatusTooManyRequests)
+			return
+		}
+		defer h.release()
+		if q.sse {
+			w.Header().Set("Content-Type", ContentTypeSSE)
+		} else {
+			w.Header().Set("Content-Type", ContentTypeNDJSON)
+		}
+		w.Header().Set("Cache-Control", "no-store")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		if req.Method == http.MethodHead {
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+		h.serve(req.Context(), w, r, q)
+	})
+}
+
+// serve runs one observer until its context ends or, without follow, it has sent the ring.
+func (h *Hub) serve(ctx context.Context, w http.ResponseWriter, r Resolver, q *request) {
+	o := newObserver(h, q.filter, r, q.since)
+	if q.capture {
+		o.capture = true
+		o.captureFlow = q.captureFlow
+		o.captureLeft.Store(h.cfg.CaptureTotalBytes)
+		o.payloads = make(chan *Payload, payloadQueue)
+	}
+	// Subscribe before the start is chosen: an event recorded after that pokes the observer.
+	h.subscribe(o)
+	defer h.unsubscribe(o)
+
+	head := h.head.Load()
+	var start uint64
+	switch {
+	case q.last >= 0:
+		start = o.startLast(head, q.last)
+	case !q.follow || !q.since.IsZero():
+		start = h.oldest(head)
+	default:
+		start = head
+	}
+	st := &stream{w: w, rc: http.NewResponseController(w), sse: q.sse, hub: h}
+	if q.rate > 0 {
+		st.limiter = rate.NewLimiter(rate.Limit(q.rate), q.rate)
+	}
+	end := head
+	if q.follow {
+		end = ^uint64(0)
+	}
+	o.run(ctx, st, start, end)
+}
+
+// run sends the events from cursor on, up to end, in batches.
+func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
+	h := o.hub
+	var e flow.Event
+	for {
+		n := 0
+		for ; n < batchMax && cursor < end; n++ {
+			ok, lost := h.next(&cursor, &e)
+			st.lose(lostSlow, lost)
+			if !ok {
+				break
+			}
+			v := view{e: &e, r: o.res}
+			if !o.pass(&v) {
+				continue
+			}
+			if st.limiter != nil && !st.limiter.AllowN(h.cfg.Clock(), 1) {
+				st.lose(lostRate, 1)
+				continue
+			}
+			st.item(Item{Flow: v.flow()})
+		}
+		o.drainPayloads(st)
+		st.flushLost()
+		if err := st.flush(); err != nil || ctx.Err() != nil {
+			return
+		}
+		if cursor >= end {
+			return
+		}
+		if n == batchMax {
+			continue
+		}
+		// Sleep until a writer pokes. Saying so before looking again means a writer that
+		// finishes after the look sees sleeping and pokes: no wake-up is missed.
+		o.sleeping.Store(true)
+		if h.ready(cursor) {
+			o.sleeping.Store(false)
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-o.wake:
+		case p := <-o.payloads: // nil channel without capture: never ready
+			o.sleeping.Store(false)
+			st.item(Item{Payload: p})
+		}
+	}
+}
+
+// drainPayloads sends the queued payload pieces and says how many the queue dropped.
+func (o *observer) drainPayloads(st *stream) {
+	if !o.capture {
+		return
+	}
+	for range payloadQueue {
+		select {
+		case p := <-o.payloads:
+			st.item(Item{Payload: p})
+		default:
+			st.lose(lostCapture, o.payloadsLost.Swap(0))
+			return
+		}
+	}
+}
+
+// stream writes one observer's items.
+type stream struct {
+	w       io.Writer
+	rc      *http.ResponseController
+	sse     bool
+	hub     *Hub
+	limiter *rate.Limiter
+	// pending counts, by reason, the events lost since the last Lost item.
+	pending [numLostReasons]uint64
+	err     error
+}
+
+// lose counts n events lost: they are said (one Lost item per reason) before the next item and
+// at the end of the batch.
+func (s *stream) lose(r lostReason, n uint64) {
+	if n == 0 {
+		return
+	}
+	s.pending[r] += n
+	s.hub.lost[r].Add(n)
+}
+
+func (s *stream) flushLost() {
+	for r, n := range s.pending {
+		if n == 0 {
+			continue
+		}
+		s.pending[r] = 0
+		s.write(Item{Lost: &Lost{Time: s.hub.cfg.Clock(), Node: s.hub.cfg.Node, Count: n, Reason: lostReasonNames[r]}})
+	}
+}
+
+// item writes it after any pending Lost items.
+func (s *stream) item(it Item) {
+	s.flushLost()
+	s.write(it)
+}
+
+func (s *stream) write(it Item) {
+	if s.err != nil {
+		return
+	}
+	b, err := json.Marshal(it)
+	if err != nil {
+		s.err = fmt.Errorf("flows: encode item: %w", err)
+		return
+	}
+	if s.sse {
+		b = append(append([]byte("data: "), b...), '\n', '\n')
+	} else {
+		b = append(b, '\n')
+	}
+	if _, err := s.w.Write(b); err != nil {
+		s.err = fmt.Errorf("flows: write: %w", err)
+	}
+}
+
+func (s *stream) flush() error {
+	if s.err != nil {
+		return s.err
+	}
+	if err := s.rc.Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		s.err = fmt.Errorf("flows: flush: %w", err)
+	}
+	return s.err
+}
