@@ -31,6 +31,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
+	"github.com/kube-portal-proxy/kube-portal-proxy/observe"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
@@ -264,6 +265,9 @@ type wiring struct {
 	metrics   http.Handler
 	// metricsOnly serves --metrics-only-bind-address.
 	metricsOnly http.Handler
+	// hub is the live flow stream's ring and flows its handler; nil with --flow-ring-size=0.
+	hub   *observe.Hub
+	flows http.Handler
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
@@ -290,7 +294,12 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		}
 		kernelPorts = kp
 	}
-	pods := proxier.NewPodIndex() // the access log names the pod behind each endpoint
+	pods := proxier.NewPodIndex() // the access log and the flow stream name the pod behind each endpoint
+	hub := newFlowHub(o, nodeName(o))
+	var kernelFlows proxier.FlowSink // kernel-path flows come from conntrack (iptables mode only)
+	if o.portalMode == "iptables" {
+		kernelFlows = flowSink(hub)
+	}
 	lb := loadbalancer.New(clk)
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
@@ -300,8 +309,9 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	}, proxier.Deps{
 		Balancer: lb, Portals: pm.portals, Conntrack: pm.conntrack,
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
-		KernelCounters: pm.kernelCounters,
+		KernelCounters: pm.kernelCounters, Flows: kernelFlows,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
+			Flows: flowSink(hub), Node: nodeName(o),
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
@@ -312,6 +322,11 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		metrics.NewTrafficCollector(px), restart.collector(), snap.collector(), engineCollector(d.engine)}
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
+	}
+	var flows http.Handler // the flow stream; nil without a hub
+	if hub != nil {
+		collectors = append(collectors, flowCollector(hub))
+		flows = hub.Handler(px.FlowResolver())
 	}
 	for _, c := range collectors {
 		if err := reg.Register(c); err != nil {
@@ -324,7 +339,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
 	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
-	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling),
+	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling, flows), hub: hub, flows: flows,
 		metricsOnly: metricsOnlyMux(reg)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
@@ -348,7 +363,7 @@ func healthMux(healthz, livez http.Handler) http.Handler {
 // metricsMux serves --metrics-bind-address: metrics, the debug pages and, with --profiling,
 // pprof (off by default as in kube-proxy: a profile costs CPU, and /debug/pprof/cmdline and the
 // heap show the command line and memory to whoever reaches the address).
-func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxier, rules func() string, profiling bool) http.Handler {
+func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxier, rules func() string, profiling bool, flows http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "userspace") })
@@ -361,6 +376,9 @@ func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxi
 		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	}
 	debugview.Register(mux, px)
+	if flows != nil {
+		mux.Handle(flowsPath, flows)
+	}
 	mux.Handle("/debug/rules", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprint(w, rules())

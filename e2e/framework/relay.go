@@ -21,8 +21,9 @@ import (
 
 // Relay is one running relay; Close stops it and every connection it carries.
 type Relay struct {
-	ln     net.Listener
-	target string
+	ln net.Listener
+	// dial opens the relayed connection's other end.
+	dial func() (net.Conn, error)
 
 	wg    sync.WaitGroup
 	mu    sync.Mutex
@@ -33,12 +34,34 @@ type Relay struct {
 // StartRelay listens on 127.0.0.1:0 inside ns and relays every connection to target (host:port
 // on the root namespace's loopback) until Close.
 func StartRelay(ns *netns.NS, target string) (*Relay, error) {
-	r := &Relay{target: target, conns: map[net.Conn]struct{}{}}
+	r := &Relay{conns: map[net.Conn]struct{}{}}
+	r.dial = func() (net.Conn, error) { return net.DialTimeout("tcp", target, 5*time.Second) }
 	if err := ns.Do(func() (err error) {
 		r.ln, err = net.Listen("tcp4", "127.0.0.1:0")
 		return err
 	}); err != nil {
 		return nil, fmt.Errorf("API relay in %s: %w", ns.Name, err)
+	}
+	r.wg.Go(r.accept)
+	return r, nil
+}
+
+// StartForward is the other way round: it listens on listen (host:port on the root
+// namespace's loopback; port 0 picks one) and relays every connection to target inside ns (a
+// loopback address there), until Close. The demo uses it so that `kube-portal-proxy observe` on
+// the host reaches the proxy's metrics address in the node namespace.
+func StartForward(ns *netns.NS, listen, target string) (*Relay, error) {
+	r := &Relay{conns: map[net.Conn]struct{}{}}
+	r.dial = func() (c net.Conn, err error) {
+		err = ns.Do(func() (err error) {
+			c, err = net.DialTimeout("tcp", target, 5*time.Second)
+			return err
+		})
+		return c, err
+	}
+	var err error
+	if r.ln, err = net.Listen("tcp", listen); err != nil {
+		return nil, fmt.Errorf("forward %s to %s in %s: %w", listen, target, ns.Name, err)
 	}
 	r.wg.Go(r.accept)
 	return r, nil
@@ -60,11 +83,11 @@ func (r *Relay) accept() {
 	}
 }
 
-// splice dials the API server (this goroutine runs in the root namespace: only ns.Do switches)
+// splice dials the other end (this goroutine runs in the root namespace: only ns.Do switches)
 // and copies both ways.
 func (r *Relay) splice(client net.Conn) {
 	defer r.untrack(client)
-	server, err := net.DialTimeout("tcp", r.target, 5*time.Second)
+	server, err := r.dial()
 	if err != nil {
 		return
 	}
