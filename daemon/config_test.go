@@ -69,6 +69,7 @@ func TestDefaultsAreKubeProxys(t *testing.T) {
 		QPS: 5, Burst: 10, Sync: 30 * time.Second, MinSync: time.Second, ConfigSync: 15 * time.Minute,
 		UDPTimeout: 10 * time.Second, OOMScoreAdj: -999, CTMaxPerCore: 32768, CTMin: 131072,
 		CTEstablished: 24 * time.Hour, CTCloseWait: time.Hour,
+		Flows: fmt.Sprintf("%+v", flowOptions{ringSize: 8192, maxObservers: 16, maxRate: 10000, captureBytes: 65536}),
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("defaults (-want +got):\n%s", diff)
