@@ -21,6 +21,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/e2e/framework"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/child"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
@@ -119,10 +120,32 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 	}); err != nil {
 		return fmt.Errorf("the portal never answered: %w", err)
 	}
+	// The proxy's metrics address is the node namespace's loopback: forward the host's to it, so
+	// `kube-portal-proxy observe` on the host watches the demo's traffic.
+	fwd, err := framework.StartForward(bed.Node, observeAddr, "127.0.0.1:10249")
+	if err != nil {
+		if fwd, err = framework.StartForward(bed.Node, "127.0.0.1:0", "127.0.0.1:10249"); err != nil {
+			return err
+		}
+	}
+	defer fwd.Close()
 	if err := showTraffic(ctx, out, bed, cfg.mode); err != nil {
 		return p.Annotate(err)
 	}
-	return waitKeep(ctx, out, cfg.keep, bed)
+	return waitKeep(ctx, out, cfg.keep, bed, observeCommand(proxy, fwd.Addr()))
+}
+
+// observeAddr is where the demo forwards the proxy's metrics address on the host: the address
+// `kube-portal-proxy observe` reaches by default (another port if it is taken).
+const observeAddr = "127.0.0.1:10249"
+
+// observeCommand is the command that watches the demo's web Service live.
+func observeCommand(proxy, addr string) string {
+	cmd := proxy + " observe --service demo/web --follow"
+	if addr != observeAddr {
+		cmd += " --address " + addr
+	}
+	return cmd
 }
 
 // showTraffic sends requests through every kind of portal and shows which pod answered.
@@ -205,15 +228,33 @@ func showRefusal(out io.Writer, bed *testbed.Bed) error {
 	return nil
 }
 
-// waitKeep, with -keep, leaves everything running until Ctrl-C.
-func waitKeep(ctx context.Context, out io.Writer, keep bool, bed *testbed.Bed) error {
-	if keep {
-		fmt.Fprintf(out, "\nExplore, e.g.: ip netns exec %s iptables-save; ip netns exec %s bash -c 'exec 3<>/dev/tcp/10.96.0.10/80; head -1 <&3'\nCtrl-C to clean up.\n",
-			bed.Node.Name, bed.Client.Name)
-		<-ctx.Done()
+// waitKeep, with -keep, leaves everything running until Ctrl-C, with the client pod sending a
+// request to the web Service every second (at most keepTraffic long), to watch live.
+func waitKeep(ctx context.Context, out io.Writer, keep bool, bed *testbed.Bed, observe string) error {
+	if !keep {
+		return nil
 	}
-	return nil
+	fmt.Fprintf(out, "\nWatch the client pod's requests (one a second) live, in another terminal:\n  %s\n", observe)
+	fmt.Fprintf(out, "Explore, e.g.: ip netns exec %s iptables-save; ip netns exec %s bash -c 'exec 3<>/dev/tcp/10.96.0.10/80; head -1 <&3'\nCtrl-C to clean up.\n",
+		bed.Node.Name, bed.Client.Name)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	stop := time.After(keepTraffic)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-stop:
+			<-ctx.Done()
+			return nil
+		case <-tick.C:
+			_, _ = testbed.Who(bed.Client, netip.MustParseAddrPort("10.96.0.10:80"), 2*time.Second)
+		}
+	}
 }
+
+// keepTraffic bounds the requests -keep sends.
+const keepTraffic = time.Hour
 
 func both(seen map[string]int) error {
 	if seen["pod1"] == 0 || seen["pod2"] == 0 {
