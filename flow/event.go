@@ -259,10 +259,16 @@ type Event struct {
 	Info
 }
 
-// Verdict is the event's verdict.
+// Verdict is the event's verdict. A UDP session has no close: its idle timeout is its normal
+// end, so it is Forwarded (a TCP connection idle for its timeout is cut: Timeout).
 func (e *Event) Verdict() Verdict {
-	if e.Port != nil && e.Port.Path == PathKernel {
-		return Kernel
+	if e.Port != nil {
+		switch {
+		case e.Port.Path == PathKernel:
+			return Kernel
+		case e.Port.Protocol == UDP && e.Phase == PhaseEnd && e.End == IdleTimeout:
+			return Forwarded
+		}
 	}
 	return VerdictOf(e.Phase, e.End)
 }
