@@ -409,3 +409,37 @@ func TestNewCallsNothing(t *testing.T) {
 		t.Errorf("New made %d API calls", n)
 	}
 }
+
+// TestConcurrentRequests: the caches and the failure state are shared by every request; under
+// -race, parallel requests with several tokens each get their own answer.
+func TestConcurrentRequests(t *testing.T) {
+	api := newFakeAPI()
+	h := auth.New(auth.Config{Client: api.client, Node: node, CacheSize: 2}).Wrap(echo)
+	cases := []struct {
+		authorization, query string
+		want                 int
+	}{
+		{"Bearer watcher-token", "", 200},
+		{"Bearer watcher-token", "?capture=1", 403},
+		{"Bearer capturer-token", "?capture=1", 200},
+		{"Bearer nobody-token", "", 403},
+		{"Bearer stolen", "", 401},
+	}
+	var wg sync.WaitGroup
+	errs := make(chan string, 8*50)
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 50 {
+				c := cases[(g+i)%len(cases)]
+				if got := get(h, c.authorization, c.query); got.code != c.want {
+					errs <- fmt.Sprintf("%s %s: got %d %q, want %d", c.authorization, c.query, got.code, got.body, c.want)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+}
