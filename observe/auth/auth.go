@@ -27,8 +27,9 @@ import (
 )
 
 // The attributes a request is authorized for: get on the node's flows subresource, or on its
-// capture subresource when the request asks for payload. Nodes have no such subresources in the
-// API server; RBAC matches rules on them all the same, as it does for nodes/metrics.
+// capture subresource when the request asks for payload. The API server serves no such
+// subresources; RBAC matches rules on them all the same, as it does for the kubelet's own
+// nodes/metrics and nodes/log checks.
 const (
 	Verb               = "get"
 	Resource           = "nodes"
