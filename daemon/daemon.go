@@ -32,6 +32,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe"
+	"github.com/kube-portal-proxy/kube-portal-proxy/observe/auth"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
@@ -197,7 +198,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		servingTasks = append(servingTasks, sw.Run)
 	}
 	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false},
-		{o.metricsOnlyBindAddress, w.metricsOnly, true}}, inh)
+		{o.metricsOnlyBindAddress, w.metricsOnly, true}, {o.flows.bindAddress, w.flows, false}}, inh)
 	if err != nil {
 		return err
 	}
@@ -265,7 +266,8 @@ type wiring struct {
 	metrics   http.Handler
 	// metricsOnly serves --metrics-only-bind-address.
 	metricsOnly http.Handler
-	// hub is the live flow stream's ring and flows its handler; nil with --flow-ring-size=0.
+	// hub is the live flow stream's ring, nil with --flow-ring-size=0; flows serves it on
+	// --flows-bind-address, behind token authentication.
 	hub   *observe.Hub
 	flows http.Handler
 }
@@ -323,10 +325,13 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	if pm.collector != nil {
 		collectors = append(collectors, pm.collector)
 	}
-	var flows http.Handler // the flow stream; nil without a hub
+	var flows, flowsExposed http.Handler // the flow stream; nil without a hub
 	if hub != nil {
 		collectors = append(collectors, flowCollector(hub))
 		flows = hub.Handler(px.FlowResolver())
+		if o.flows.bindAddress != "" {
+			flowsExposed = flowsMux(flows, auth.New(auth.Config{Client: client, Node: nodeName(o), Log: log}).Wrap)
+		}
 	}
 	for _, c := range collectors {
 		if err := reg.Register(c); err != nil {
@@ -339,7 +344,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
 	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
-	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling, flows), hub: hub, flows: flows,
+	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling, flows), hub: hub, flows: flowsExposed,
 		metricsOnly: metricsOnlyMux(reg)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
