@@ -3,6 +3,7 @@ package flow
 import (
 	"fmt"
 	"net/netip"
+	"sync/atomic"
 	"time"
 )
 
@@ -303,3 +304,10 @@ type Tap interface {
 	Payload(dir Direction, t time.Time, b []byte)
 	Close()
 }
+
+// lastID is the last flow ID handed out: IDs are unique in the process across every proxy socket
+// and protocol, so a stream merging ports never sees two flows under one ID.
+var lastID atomic.Uint64
+
+// NextID returns a new flow ID (never 0), for Event.ID: one atomic add.
+func NextID() uint64 { return lastID.Add(1) }

@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -72,17 +73,34 @@ func (v *view) load(e *endpoint) float64 {
 // when there is another, weighting endpoints that warm up (slow start), and leaving out
 // endpoints ejected by outlier detection unless every one is (then they all serve, as in Envoy's
 // panic mode: better a suspect endpoint than none).
-func (s *Service) pick(set *endpointSet, skip *endpoint) *endpoint {
+//
+// why is SlowStart when the endpoint chosen was warming up.
+func (s *Service) pick(set *endpointSet, skip *endpoint) (*endpoint, flow.PickWhy) {
 	v := view{skip: skip}
 	if len(set.eps) == 1 {
 		v.skip = nil // the only endpoint is the one to retry
 	}
 	s.look(&v)
-	if e := s.pickWith(set, &v); e != nil {
-		return e
+	e := s.pickWith(set, &v)
+	if e == nil {
+		v.eject = false
+		e = s.pickWith(set, &v)
 	}
-	v.eject = false
-	return s.pickWith(set, &v)
+	if v.window != 0 && v.weight(e) < 1 {
+		return e, flow.SlowStart
+	}
+	return e, 0
+}
+
+// flowAlgorithm names an algorithm code in the flow stream's terms.
+func flowAlgorithm(code uint32) flow.Algorithm {
+	switch code {
+	case algoLeastConnections:
+		return flow.LeastConnections
+	case algoRandomTwoChoices:
+		return flow.Random
+	}
+	return flow.RoundRobin
 }
 
 // look fills in the time-dependent part of a view. While no ejection and no warm-up is in force

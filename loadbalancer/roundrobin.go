@@ -16,6 +16,7 @@ import (
 
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -82,6 +83,13 @@ func (lb *LoadBalancer) SetAffinity(name service.ServicePortName, a service.Affi
 // them; clients of removed endpoints are re-homed on their next pick.
 func (lb *LoadBalancer) SetEndpoints(name service.ServicePortName, eps []netip.AddrPort) {
 	lb.Service(name).setEndpoints(eps)
+}
+
+// SetPickWhy sets why a service port's endpoint set is what it is (Service.SetPickWhy): the
+// proxier calls it with each SetEndpoints whose endpoints it narrowed (topology) or widened
+// (a Local policy's fallback, only terminating endpoints left).
+func (lb *LoadBalancer) SetPickWhy(name service.ServicePortName, why flow.PickWhy) {
+	lb.Service(name).SetPickWhy(why)
 }
 
 // DeleteService forgets a service port and its affinity entries.
@@ -266,6 +274,9 @@ type Service struct {
 	// warm-up in force (0: none, so picks skip the clock).
 	slowStart atomic.Int64
 	warmHint  atomic.Int64
+
+	// setWhy is the endpoint set's flow.PickWhy (SetPickWhy).
+	setWhy atomic.Uint32
 }
 
 func newService(name service.ServicePortName, c clock.PassiveClock, shuffle func([]netip.AddrPort)) *Service {
@@ -295,16 +306,47 @@ func (s *Service) Affinity() service.Affinity {
 // slides); the algorithm places new clients. reset=true is for a retry after a failed dial: the
 // sticky endpoint is skipped and the entry rewritten.
 func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
+	e, _, err := s.next(client, reset)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	return s.take(e), nil
+}
+
+// NextWhy is Next that also says how it chose (the proxies' Explainer, for the live flow stream):
+// the algorithm in force, and why beyond it: Affinity when the client's sticky endpoint was
+// reused, Retry for reset=true, SlowStart when the endpoint was warming up, and the endpoint
+// set's own reasons (SetPickWhy).
+func (s *Service) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
+	e, why, err := s.next(client, reset)
+	if err != nil {
+		return netip.AddrPort{}, flow.Pick{}, err
+	}
+	if reset {
+		why |= flow.Retry
+	}
+	why |= flow.PickWhy(s.setWhy.Load())
+	return s.take(e), flow.Pick{Algorithm: flowAlgorithm(s.algo.Load()), Why: why}, nil
+}
+
+// SetPickWhy records why the endpoint set is what it is (Topology, LocalFallback, Terminating:
+// the proxier narrows the endpoints before SetEndpoints), OR'ed into every NextWhy's reasons.
+func (s *Service) SetPickWhy(why flow.PickWhy) { s.setWhy.Store(uint32(why)) }
+
+// next is Next's choice, before the flow is counted on it; why says Affinity or SlowStart.
+func (s *Service) next(client netip.Addr, reset bool) (*endpoint, flow.PickWhy, error) {
 	set := s.eps.Load()
 	if len(set.list) == 0 {
-		return netip.AddrPort{}, fmt.Errorf("service %s: %w", s.name, ErrNoEndpoints)
+		return nil, 0, fmt.Errorf("service %s: %w", s.name, ErrNoEndpoints)
 	}
 	if !s.clientIP.Load() {
-		return s.take(s.pick(set, nil)), nil
+		e, why := s.pick(set, nil)
+		return e, why, nil
 	}
 	table := s.affinity.Load()
 	if table == nil { // affinity is being turned on or off right now
-		return s.take(s.pick(set, nil)), nil
+		e, why := s.pick(set, nil)
+		return e, why, nil
 	}
 	now := s.clock.Now().UnixNano()
 	sh := table.shard(client)
@@ -317,15 +359,15 @@ func (s *Service) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
 		}
 		if !reset && e != nil && now-sticky.lastUsed.Load() < s.ttl.Load() {
 			sticky.lastUsed.Store(now)
-			return s.take(e), nil
+			return e, flow.Affinity, nil
 		}
 		if reset {
 			skip = e
 		}
 	}
-	e := s.pick(set, skip)
+	e, why := s.pick(set, skip)
 	sh.put(client, e.addr, now)
-	return s.take(e), nil
+	return e, why, nil
 }
 
 func (s *Service) take(e *endpoint) netip.AddrPort {

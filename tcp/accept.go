@@ -89,9 +89,15 @@ func (p *Proxy) deny(fd int, peer netip.AddrPort) {
 	// find it in the metrics and the access log already.
 	p.stats.sourceDenied.Add(1)
 	p.logger().WithField("client", peer.String()).Debug("client outside the allowed source ranges, reset")
-	if p.cfg.OnEnd != nil {
+	if p.cfg.OnEnd != nil || p.cfg.Flows != nil {
 		now := p.cfg.Clock.Now()
-		p.cfg.OnEnd(flow.Info{Client: peer, Start: now, LastActive: now, End: flow.SourceDenied})
+		info := flow.Info{Client: peer, Start: now, LastActive: now, End: flow.SourceDenied}
+		if p.cfg.OnEnd != nil {
+			p.cfg.OnEnd(info)
+		}
+		if p.cfg.Flows != nil {
+			p.recordDenied(fd, info)
+		}
 	}
 	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
 	_ = unix.Close(fd)

@@ -21,10 +21,16 @@ import (
 var benchNames = []string{"direct", EngineEpoll, EngineIOUring}
 
 func benchTargets(b *testing.B, handler func(*net.TCPConn)) map[string]string {
+	return benchTargetsWith(b, handler, Config{})
+}
+
+// benchTargetsWith is benchTargets with proxies configured as cfg (its Engine set for each).
+func benchTargetsWith(b *testing.B, handler func(*net.TCPConn), cfg Config) map[string]string {
 	ep := serve(b, "127.0.0.3", handler)
 	t := map[string]string{"direct": ep.String()}
 	for _, e := range benchEngines(b) {
-		t[e.Name()] = benchProxy(b, ep, Config{Engine: e}).Addr().String()
+		cfg.Engine = e
+		t[e.Name()] = benchProxy(b, ep, cfg).Addr().String()
 	}
 	return t
 }
@@ -82,8 +88,18 @@ func BenchmarkBulkThroughput(b *testing.B) {
 }
 
 func BenchmarkConnRate(b *testing.B) {
-	targets := benchTargets(b, echo)
+	benchConnRate(b, benchTargets(b, echo))
+}
+
+// BenchmarkConnRateRecording is BenchmarkConnRate with Config.Flows set to a recorder that
+// copies each event: the cost of the live flow stream per new connection.
+func BenchmarkConnRateRecording(b *testing.B) {
+	benchConnRate(b, benchTargetsWith(b, echo, Config{Flows: &copyRecorder{}}))
+}
+
+func benchConnRate(b *testing.B, targets map[string]string) {
 	benchRun(b, targets, func(b *testing.B, addr string) {
+		defer reportCPU(b)()
 		b.RunParallel(func(pb *testing.PB) {
 			buf := make([]byte, 4)
 			for pb.Next() {
@@ -103,8 +119,17 @@ func BenchmarkConnRate(b *testing.B) {
 }
 
 func BenchmarkKeepAliveRequests(b *testing.B) {
-	targets := benchTargets(b, echo)
+	benchKeepAlive(b, benchTargets(b, echo))
+}
+
+// BenchmarkKeepAliveRequestsRecording is BenchmarkKeepAliveRequests with Config.Flows set.
+func BenchmarkKeepAliveRequestsRecording(b *testing.B) {
+	benchKeepAlive(b, benchTargetsWith(b, echo, Config{Flows: &copyRecorder{}}))
+}
+
+func benchKeepAlive(b *testing.B, targets map[string]string) {
 	benchRun(b, targets, func(b *testing.B, addr string) {
+		defer reportCPU(b)()
 		b.SetParallelism(8)
 		b.RunParallel(func(pb *testing.PB) {
 			c, err := net.Dial("tcp4", addr)

@@ -52,6 +52,8 @@ type conn struct {
 	eofs     int  // directions that saw FIN
 	counted  bool // endpoint connected and reported to the Observer: finish reports the end
 	drained  bool // drain deadline passed: both legs were sent FIN (see drain)
+
+	fl *flowState // the flow's events, while Config.Flows is set (flows.go); nil otherwise
 }
 
 // newConn counts and tracks a new connection from peer, with one owner; u is its io_uring part
@@ -77,6 +79,7 @@ func (p *Proxy) initConn(c *conn, peer netip.AddrPort, u *uconn) *conn {
 // handle starts serving an accepted connection (fd, from peer) on its own goroutine (epoll).
 func (p *Proxy) handle(fd int, peer netip.AddrPort) {
 	c := p.newConn(peer, nil)
+	c.startFlow(fd)
 	c.client = newSock(fd)
 	p.wg.Add(1)
 	go func() {
@@ -111,6 +114,10 @@ func (c *conn) serve() {
 			return
 		}
 	}
+	if c.fl != nil {
+		_ = be.raw.Control(c.fl.source)
+		c.dialRecorded()
+	}
 	c.mu.Lock()
 	if c.closed { // terminated (Shutdown, idle timeout) while dialing
 		c.mu.Unlock()
@@ -135,7 +142,7 @@ func (c *conn) dial() (*sock, flow.EndReason, error) {
 	reset := false
 	var lastErr error
 	for i, timeout := range p.cfg.DialTimeouts {
-		ep, err := p.picker.Next(c.clientAddr.Addr(), reset)
+		ep, err := c.next(reset)
 		if err != nil {
 			if i > 0 {
 				break
@@ -155,6 +162,9 @@ func (c *conn) dial() (*sock, flow.EndReason, error) {
 			s, err = c.dialBackingOff(ep, deadline, err)
 		}
 		if err == nil {
+			if c.fl != nil {
+				c.connectedNow()
+			}
 			c.observed(ep, nil)
 			return s, flow.Unknown, nil
 		}
@@ -218,6 +228,9 @@ func (c *conn) attempt(ep netip.AddrPort, i int) {
 	c.p.stats.dialAttempts.Add(1)
 	if i > 0 {
 		c.p.stats.dialRetries.Add(1)
+	}
+	if c.fl != nil {
+		c.attempted(i)
 	}
 }
 
@@ -420,8 +433,15 @@ func (c *conn) finish() {
 	if o, ok := c.p.picker.(Observer); ok && counted {
 		o.FlowDone(ep, end == flow.EndpointReset && c.down.bytes.Load() == 0)
 	}
+	if c.p.cfg.OnEnd == nil && c.fl == nil {
+		return
+	}
+	info := c.info()
 	if c.p.cfg.OnEnd != nil {
-		c.p.cfg.OnEnd(c.info())
+		c.p.cfg.OnEnd(info)
+	}
+	if c.fl != nil {
+		c.endFlow(info)
 	}
 }
 

@@ -42,6 +42,10 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 		return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(fmt.Errorf("%d connections held already: %w", p.cfg.HoldLimit, pickErr))
 	}
 	c.holding.Store(true)
+	if c.fl != nil {
+		c.fl.held = true
+		c.record(flow.PhaseHeld)
+	}
 	defer func() {
 		c.holding.Store(false)
 		c.last.Store(p.cfg.Clock.Now().UnixNano()) // the idle timeout counts from the end of the hold
@@ -53,7 +57,7 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 	defer stopWatch()
 	for {
 		wake := p.holdWake()
-		ep, err := p.picker.Next(c.clientAddr.Addr(), false)
+		ep, err := c.next(false)
 		if err == nil {
 			p.stats.holds[flow.HoldServed].Add(1)
 			return ep, flow.Unknown, nil
@@ -73,7 +77,7 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 		case <-p.closed:
 			// The socket closed (its service port is gone or changed): one last pick, then the
 			// client is reset and reconnects to whatever serves the port now.
-			if ep, err = p.picker.Next(c.clientAddr.Addr(), false); err == nil {
+			if ep, err = c.next(false); err == nil {
 				p.stats.holds[flow.HoldServed].Add(1)
 				return ep, flow.Unknown, nil
 			}

@@ -86,6 +86,14 @@ type Config struct {
 	// Engine accepts the connections and moves their bytes (engine.go); nil means Epoll. Proxies
 	// share one engine (ChooseEngine, at start).
 	Engine Engine
+
+	// Flows, if set, gets an event at each phase of every connection (flows.go): Start (accepted,
+	// endpoint picked), Held, Dial (connected), FirstByte (the endpoint's first byte), End (also
+	// for a client refused before it began: no endpoints, source denied, hold timeout). It is
+	// called on the connection's goroutine or ring thread and must not block. If it implements
+	// flow.Capturer, a connection it captures moves its bytes through user space to the Tap
+	// (no splice). Nil costs nothing: not even a clock read.
+	Flows flow.Recorder
 }
 
 func (c Config) withDefaults() Config {
@@ -117,6 +125,9 @@ type Proxy struct {
 	name   service.ServicePortName
 	picker Picker
 	cfg    Config
+	// explain is picker's Explainer and capturer cfg.Flows' Capturer, if they are (flows.go).
+	explain  Explainer
+	capturer flow.Capturer
 	// realClock: cfg.Clock is the real clock, so the io_uring engine may stamp activity with the
 	// time its loop read once per round (loop.now) instead of reading the clock per send.
 	realClock bool
@@ -169,7 +180,11 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	cfg = cfg.withDefaults()
 	_, realClock := cfg.Clock.(clock.RealClock)
 	ctx, cancel := context.WithCancel(context.Background())
+	explain, _ := picker.(Explainer)
+	capturer, _ := cfg.Flows.(flow.Capturer)
 	return &Proxy{
+		explain:   explain,
+		capturer:  capturer,
 		realClock: realClock,
 		name:      name,
 		picker:    picker,

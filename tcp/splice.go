@@ -96,6 +96,9 @@ func (d *direction) run() {
 			return
 		}
 		moved := d.n
+		if d.c.fl != nil {
+			d.observed()
+		}
 		for d.n > 0 && err == nil {
 			d.werr = nil
 			err = d.dst.raw.Write(d.flush)
@@ -169,9 +172,20 @@ func (d *direction) readBuf(fd uintptr) bool {
 			return true
 		}
 		d.buf, d.off, d.n = buf, 0, int64(n)
-		d.bulk = n == bufSize
+		// A captured connection stays on the copy path: spliced bytes never reach its tap.
+		d.bulk = n == bufSize && !d.c.tapped()
 		return true
 	}
+}
+
+// observed tells the flow what the direction just read (conn.moved): the buffer's bytes, or
+// none when they went into a pipe.
+func (d *direction) observed() {
+	var b []byte
+	if d.buf != nil {
+		b = d.buf[d.off : d.off+int(d.n)]
+	}
+	d.c.moved(d.up, b)
 }
 
 // flushFn writes the buffer or splices the pipe into the destination; false means wait for

@@ -746,6 +746,7 @@ func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
 		l.conns = append(l.conns, u)
 	}
 	c := p.initConn(&both.c, peer, u)
+	c.startFlow(fd)
 	c.up.c, c.up.up, c.down.c = c, true, c // the directions count bytes (direction.count)
 	p.wg.Add(1)
 	u.pick()

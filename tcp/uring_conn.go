@@ -139,7 +139,7 @@ func (u *uconn) pick() {
 		c.fail(flow.DialFailed, dialsFailed(nil))
 		return
 	}
-	ep, err := p.picker.Next(c.clientAddr.Addr(), u.reset)
+	ep, err := c.next(u.reset)
 	if err == nil {
 		u.dial(ep)
 		return
@@ -380,6 +380,9 @@ func (u *uconn) connected(res int32) {
 		u.failed(c.p.cfg.DialTimeouts[u.attempt], err)
 		return
 	}
+	if c.fl != nil {
+		c.connectedNow()
+	}
 	c.observed(u.ep, nil)
 	if v := c.p.cfg.ProxyProtocol; v != proxyprotocol.Off {
 		u.hdr = c.proxyHeader(make([]byte, 0, proxyprotocol.MaxLen), int(u.fd[0]), v)
@@ -413,6 +416,10 @@ func (u *uconn) headerSent(res int32) {
 // established starts both directions.
 func (u *uconn) established() {
 	c := u.c
+	if c.fl != nil {
+		c.fl.ev.Source = sockName(int(u.fd[1]))
+		c.dialRecorded()
+	}
 	c.mu.Lock()
 	c.est = true
 	c.mu.Unlock()
@@ -466,7 +473,11 @@ func (d *udir) received(res int32, flags uint32) {
 		d.eof()
 	default:
 		d.buf, d.n, d.off = int32(flags>>16), int(res), 0
-		d.bulk = int(res) == bufSize
+		if u.c.fl != nil {
+			u.c.moved(d.i == 0, u.l.bufs.Buf(uint16(d.buf))[:d.n])
+		}
+		// A captured connection stays on the copy path: spliced bytes never reach its tap.
+		d.bulk = int(res) == bufSize && !u.c.tapped()
 		if d.bulk {
 			d.send()
 			return
@@ -668,7 +679,10 @@ func (d *udir) readOwn() {
 		}
 		d.nobuf = false
 		d.own, d.n, d.off = buf, n, 0
-		d.bulk = n == bufSize
+		if c := d.u.c; c.fl != nil {
+			c.moved(d.i == 0, buf[:n])
+		}
+		d.bulk = n == bufSize && !d.u.c.tapped()
 		d.send()
 		return
 	}

@@ -100,7 +100,7 @@ func (p *shard) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 		return
 	}
 	if s == nil || s.refused {
-		if s = p.open(client, name, namelen, s != nil, now); s == nil {
+		if s = p.open(client, local, name, namelen, s != nil, now); s == nil {
 			return
 		}
 	}
@@ -109,10 +109,13 @@ func (p *shard) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 		// A pending ICMP port unreachable for an earlier datagram; this one was not sent. Re-pick
 		// with affinity reset and try once more, so the client loses one datagram, not two.
 		p.end(s, flow.EndpointRefused)
-		if s = p.open(client, name, namelen, true, now); s == nil {
+		if s = p.open(client, local, name, namelen, true, now); s == nil {
 			return
 		}
 		err = send(s.fd, data)
+	}
+	if s.tap != nil && err == nil {
+		s.tap.Payload(flow.ToEndpoint, now, data)
 	}
 	if err != nil {
 		p.stats.toEndpoint.Add(1)
@@ -136,17 +139,32 @@ func (p *shard) deny(client netip.AddrPort, now time.Time) {
 	if p.debug() {
 		p.log.WithField("client", client).Debug("client outside the allowed source ranges, datagram dropped")
 	}
+	p.refused(client, flow.SourceDenied, now)
+}
+
+// refused reports a datagram dropped before any session: to OnEnd and Flows, as an ended flow.
+func (p *shard) refused(client netip.AddrPort, reason flow.EndReason, now time.Time) {
+	if p.cfg.OnEnd == nil && p.cfg.Flows == nil {
+		return
+	}
+	info := flow.Info{Client: client, Start: now, LastActive: now, End: reason}
 	if p.cfg.OnEnd != nil {
-		p.ended = append(p.ended, flow.Info{Client: client, Start: now, LastActive: now, End: flow.SourceDenied})
+		p.ended = append(p.ended, info)
+	}
+	if p.cfg.Flows != nil {
+		p.record(flow.PhaseEnd, nil, info, now)
 	}
 }
 
 // open picks an endpoint for client and opens a session to it, evicting the least recently used
 // session when the table is full. It returns nil, having counted the drop, on failure.
-func (p *shard) open(client netip.AddrPort, name *sockaddr, namelen uint32, reset bool, now time.Time) *session {
-	ep, err := p.picker.Next(client.Addr(), reset)
+func (p *shard) open(client netip.AddrPort, local netip.Addr, name *sockaddr, namelen uint32, reset bool, now time.Time) *session {
+	ep, pick, err := p.next(client.Addr(), reset)
 	if err != nil {
 		p.stats.noEndpoint.Add(1)
+		if p.cfg.Flows != nil {
+			p.record(flow.PhaseEnd, nil, flow.Info{Client: client, Start: now, LastActive: now, End: flow.NoEndpoints}, now)
+		}
 		if p.debug() {
 			p.log.WithFields(logrus.Fields{"client": client}).WithError(err).Debug("no endpoint, datagram dropped")
 		}
@@ -179,13 +197,16 @@ func (p *shard) open(client netip.AddrPort, name *sockaddr, namelen uint32, rese
 	s := &session{
 		client: client, endpoint: ep, fd: fd,
 		clientAddr: *name, clientAddrLen: namelen,
-		started: now, lastActive: now,
+		started: now, lastActive: now, pick: pick,
 	}
 	p.sessions[client] = s
 	p.byFD[int32(fd)] = s
 	p.lru.pushFront(s)
 	p.stats.created.Add(1)
 	p.stats.active.Add(1)
+	if p.cfg.Flows != nil {
+		p.started(s, local, now)
+	}
 	if p.debug() {
 		p.log.WithFields(logrus.Fields{"client": client, "endpoint": ep, "reset": reset}).Debug("session opened")
 	}
@@ -227,6 +248,9 @@ func (p *shard) readBackend(b *batch, s *session, now time.Time) {
 		}
 		b.out.move(i, w)
 		b.out.addressReply(w, s)
+		if s.tap != nil {
+			s.tap.Payload(flow.ToClient, now, b.out.data(w))
+		}
 		s.pktsFrom++
 		s.bytesFrom += uint64(b.out.hdrs[w].Len)
 		w++
@@ -315,8 +339,14 @@ func (p *shard) end(s *session, reason flow.EndReason) {
 			o.FlowDone(s.endpoint, reason == flow.EndpointRefused)
 		}
 		now := p.cfg.Clock.Now()
-		if p.cfg.OnEnd != nil {
-			p.ended = append(p.ended, s.info(now, reason))
+		if p.cfg.OnEnd != nil || p.cfg.Flows != nil {
+			info := s.info(now, reason)
+			if p.cfg.OnEnd != nil {
+				p.ended = append(p.ended, info)
+			}
+			if p.cfg.Flows != nil {
+				p.endedFlow(s, info, now)
+			}
 		}
 		if p.debug() {
 			p.log.WithFields(logrus.Fields{"client": s.client, "endpoint": s.endpoint, "reason": reason}).

@@ -92,6 +92,12 @@ type Config struct {
 	// descriptor and binds nothing, so datagrams queued meanwhile are not lost. Nil, or no
 	// socket for the address, means Listen binds as usual.
 	Adopt func(addr netip.AddrPort) (fd int, ok bool)
+	// Flows, if set, gets an event when a session starts (its endpoint picked and its socket
+	// open) and when it ends; a datagram dropped before any session (no endpoint, a denied
+	// source) reports an End of its own. It is called on the proxy loop with the loop's lock
+	// held and must not block. If it implements flow.Capturer, a session it captures hands
+	// every datagram to the Tap. Nil costs nothing.
+	Flows flow.Recorder
 }
 
 func (c Config) withDefaults() Config {

@@ -33,6 +33,12 @@ type session struct {
 	pktsTo, bytesTo     uint64
 	pktsFrom, bytesFrom uint64
 	lruPrev, lruNext    *session
+
+	// The live flow stream (flows.go), while Config.Flows is set.
+	id     uint64
+	pick   flow.Pick
+	source netip.AddrPort // the session socket's own address
+	tap    flow.Tap
 }
 
 // setLocal records the address the client's latest datagram was delivered to. A client that sends

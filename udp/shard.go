@@ -39,6 +39,7 @@ type shard struct {
 	byFD     map[int32]*session
 	lru      lru
 	ended    []flow.Info // waiting for OnEnd, reported outside mu
+	ev       flow.Event  // filled for each Config.Flows event (flows.go)
 	lastWarn time.Time
 }
 

@@ -1,0 +1,97 @@
+package udp
+
+// The live flow stream (Config.Flows): a session's Start and End as flow.Events, and the
+// datagrams of a captured one. With Flows nil a session pays one nil check per phase and per
+// datagram.
+
+import (
+	"net/netip"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
+)
+
+// Explainer is implemented by a Picker that says how it chose (the balancer): the live flow
+// stream shows it. A Picker without it is reported as round robin with no reason.
+type Explainer interface {
+	NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error)
+}
+
+// next asks the picker for an endpoint, with its reasons when flows are recorded.
+func (p *shard) next(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
+	if p.cfg.Flows != nil {
+		if e, ok := p.picker.(Explainer); ok {
+			return e.NextWhy(client, reset)
+		}
+	}
+	ep, err := p.picker.Next(client, reset)
+	return ep, flow.Pick{}, err
+}
+
+// record hands the Recorder the event of phase ph of session s (nil: a datagram refused before
+// any session) with info. It fills the shard's one Event, under p.mu: an Event on the stack
+// would escape through the interface call, an allocation per event.
+func (p *shard) record(ph flow.Phase, s *session, info flow.Info, now time.Time) {
+	e := &p.ev
+	*e = flow.Event{Phase: ph, Time: now, Info: info}
+	if s != nil {
+		e.ID, e.Local, e.Source, e.Pick = s.id, s.serviceAddr(p), s.source, s.pick
+	} else {
+		e.ID, e.Local = flow.NextID(), p.listenAddr()
+	}
+	p.cfg.Flows.Record(e)
+}
+
+// started records a new session's Start and asks a capturing Recorder whether to capture it.
+func (p *shard) started(s *session, local netip.Addr, now time.Time) {
+	s.id = flow.NextID()
+	s.source = sockName(s.fd)
+	s.setLocal(local)
+	p.record(flow.PhaseStart, s, s.info(now, flow.Unknown), now)
+	if c, ok := p.cfg.Flows.(flow.Capturer); ok {
+		s.tap = c.Capture(&p.ev)
+	}
+}
+
+// ended records a session's End and closes its tap.
+func (p *shard) endedFlow(s *session, info flow.Info, now time.Time) {
+	p.record(flow.PhaseEnd, s, info, now)
+	if s.tap != nil {
+		s.tap.Close()
+		s.tap = nil
+	}
+}
+
+// serviceAddr is where the session's client sent its datagrams: the address they were
+// delivered to, on the proxy socket's port.
+func (s *session) serviceAddr(p *shard) netip.AddrPort {
+	l := p.listenAddr()
+	if s.local.IsValid() && !s.local.IsUnspecified() {
+		return netip.AddrPortFrom(s.local, l.Port())
+	}
+	return l
+}
+
+// listenAddr is the proxy socket's bound address.
+func (p *shard) listenAddr() netip.AddrPort {
+	if p.lfd < 0 {
+		return netip.AddrPort{}
+	}
+	return sockName(p.lfd)
+}
+
+// sockName is getsockname(2) without package unix's allocation of a Sockaddr.
+func sockName(fd int) netip.AddrPort {
+	var rsa unix.RawSockaddrInet6 // the larger of the two families
+	n := uint32(unsafe.Sizeof(rsa))
+	_, _, e := unix.RawSyscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
+	if e != 0 {
+		return netip.AddrPort{}
+	}
+	a, _ := sockopt.ParseRaw(&rsa)
+	return a
+}
