@@ -53,8 +53,6 @@ type Config struct {
 	// OnEnd, if set, is called once per accepted connection after both sockets are closed (access
 	// log). It runs on the connection's goroutine and must not block.
 	OnEnd func(flow.Info)
-	// Flows, if set, gets an event at each phase of every flow (the live flow stream).
-	Flows flow.Recorder
 	// FreeBind lets Listen bind an address that is not local yet (bind portal mode).
 	FreeBind bool
 	// Allow, if set, is asked about every accepted client's address before anything else is done

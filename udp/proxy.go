@@ -85,8 +85,6 @@ type Config struct {
 	// OnEnd, if set, is called once per ended session (the access log), from the goroutine that
 	// ended it and without proxy locks held. It must not block for long.
 	OnEnd func(flow.Info)
-	// Flows, if set, gets an event at each phase of every flow (the live flow stream).
-	Flows flow.Recorder
 	// Adopt, if set, is asked by Listen for a socket already bound to the address, handed over
 	// by the process this one replaces (package handover); the proxy takes ownership of the
 	// descriptor and binds nothing, so datagrams queued meanwhile are not lost. Nil, or no
