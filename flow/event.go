@@ -199,11 +199,12 @@ type PickWhy uint8
 const (
 	// Affinity: the client's sticky endpoint (sessionAffinity: ClientIP) was reused.
 	Affinity PickWhy = 1 << iota
-	// Topology: the candidates were narrowed by topology (hints, trafficDistribution, Local).
+	// Topology: topology hints (trafficDistribution) narrowed the candidates to this node's or
+	// zone's endpoints.
 	Topology
-	// LocalFallback: externalTrafficPolicy/internalTrafficPolicy Local had no local endpoint and
-	// the port fell back to the others (the proxy-terminating or fallback rule).
-	LocalFallback
+	// Local: a Local traffic policy (internalTrafficPolicy, or externalTrafficPolicy for
+	// traffic from other hosts) limited the candidates to this node's endpoints.
+	Local
 	// SlowStart: the endpoint was in its slow-start window, its weight reduced.
 	SlowStart
 	// Retry: a pick after a failed dial or a refused datagram, skipping the failed endpoint.
@@ -212,7 +213,7 @@ const (
 	Terminating
 )
 
-var pickWhyNames = [...]string{"affinity", "topology", "local-fallback", "slow-start", "retry", "terminating"}
+var pickWhyNames = [...]string{"affinity", "topology", "local", "slow-start", "retry", "terminating"}
 
 // Names lists the set reasons, for the stream.
 func (w PickWhy) Names() []string {

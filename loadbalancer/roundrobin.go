@@ -329,7 +329,7 @@ func (s *Service) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.P
 	return s.take(e), flow.Pick{Algorithm: flowAlgorithm(s.algo.Load()), Why: why}, nil
 }
 
-// SetPickWhy records why the endpoint set is what it is (Topology, LocalFallback, Terminating:
+// SetPickWhy records why the endpoint set is what it is (Topology, Local, Terminating:
 // the proxier narrows the endpoints before SetEndpoints), OR'ed into every NextWhy's reasons.
 func (s *Service) SetPickWhy(why flow.PickWhy) { s.setWhy.Store(uint32(why)) }
 

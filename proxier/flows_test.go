@@ -6,9 +6,11 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
+	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
 // portSink hands out one recorder per ForPort call and remembers the ports.
@@ -124,3 +126,59 @@ func TestFlowResolver(t *testing.T) {
 }
 
 func ptrTo[T any](v T) *T { return &v }
+
+// TestPickWhyFromSelection: the selection's reasons reach every pick as flow.PickWhy bits.
+func TestPickWhyFromSelection(t *testing.T) {
+	for _, tc := range []struct {
+		reason string
+		want   flow.PickWhy
+	}{
+		{"policy=Cluster", 0},
+		{"policy=Cluster topology=zone:zone-a", flow.Topology},
+		{"policy=Cluster hints-ignored=no-zone-hint-for:zone-c", 0},
+		{"policy=Cluster fallback=terminating", flow.Terminating},
+		{"policy=Local", flow.Local},
+		{"policy=Local fallback=terminating", flow.Local | flow.Terminating},
+		{"policy=Local endpoints=none-on-node", flow.Local},
+	} {
+		if got := (Selection{Reason: tc.reason}).pickWhy(); got != tc.want {
+			t.Errorf("%q: %v, want %v", tc.reason, got.Names(), tc.want.Names())
+		}
+	}
+}
+
+// TestPicksExplainThemselves: through the proxier, a port's picks carry the balancer's reasons
+// and the selection's (here topology hints for this node's zone), and the pickers that wrap the
+// balancer after a restart pass them on.
+func TestPicksExplainThemselves(t *testing.T) {
+	e := newFakeEnv(t, func(c *Config) { c.Node = NodeTopology{Name: "node-a", Zone: "zone-a"} })
+	e.synced()
+	slice := webSlice("a", 8080, "10.244.1.1", "10.244.1.2")
+	for i := range slice.Endpoints {
+		zone := []string{"zone-a", "zone-b"}[i]
+		slice.Endpoints[i].Zone = ptrTo(zone)
+		slice.Endpoints[i].Hints = &discovery.EndpointHints{ForZones: []discovery.ForZone{{Name: zone}}}
+	}
+	e.p.OnEndpointSliceAdd(slice)
+	e.p.OnServiceAdd(webService(nil))
+	e.sync()
+	svc := e.lb.Service(webHTTP)
+	for name, picker := range map[string]Picker{
+		"balancer": svc,
+		"gated":    &gatedPicker{next: svc},
+		"hold":     &holdPicker{next: svc, clock: e.clk},
+	} {
+		x, ok := picker.(tcp.Explainer)
+		if !ok {
+			t.Errorf("%s picker does not explain its picks", name)
+			continue
+		}
+		ep, why, err := x.NextWhy(netip.MustParseAddr("10.100.0.2"), false)
+		if err != nil || ep != netip.MustParseAddrPort("10.244.1.1:8080") {
+			t.Errorf("%s: picked %v, %v; want the zone-a endpoint", name, ep, err)
+		}
+		if why.Algorithm != flow.RoundRobin || why.Why != flow.Topology {
+			t.Errorf("%s: pick %s %v, want round-robin [topology]", name, why.Algorithm, why.Why.Names())
+		}
+	}
+}

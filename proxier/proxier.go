@@ -549,9 +549,9 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) bool {
 			return ok && eps[i].Serving
 		}
 		sel := newPortSelection(port, selectEndpoints(port, eps, node))
-		p.setBalancer(port, port.Name, sel.Internal.Endpoints, false, serving)
+		p.setBalancer(port, port.Name, sel.Internal, false, serving)
 		if sel.split {
-			p.setBalancer(port, externalName(port.Name), sel.External.Endpoints, true, serving)
+			p.setBalancer(port, externalName(port.Name), sel.External, true, serving)
 		}
 		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) || (p.onKernel(port) && !sel.endpointsEqual(old)) {
 			rulesChanged = true
@@ -607,12 +607,14 @@ func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service
 
 // setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
 // traffic) its endpoints, and ends or drains the flows of those that left it (endRemoved).
-func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, usable []netip.AddrPort, external bool, serving func(netip.AddrPort) bool) {
+func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, sel Selection, external bool, serving func(netip.AddrPort) bool) {
+	usable := sel.Endpoints
 	if p.keepRestored(key, usable) {
 		return // the restart snapshot's endpoints serve until the sources know this port's
 	}
 	p.deps.Balancer.SetAffinity(key, port.Affinity)
 	p.deps.Balancer.SetBalancing(key, port.Balancing)
+	p.deps.Balancer.SetPickWhy(key, sel.pickWhy())
 	sock := p.drainable(port, external)
 	var before []netip.AddrPort
 	if sock != nil { // only then is the old list needed

@@ -19,6 +19,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -259,12 +260,29 @@ var (
 	_ udp.Gate     = (*gatedPicker)(nil)
 	_ udp.Observer = (*gatedPicker)(nil)
 	_ tcp.Observer = (*holdPicker)(nil)
+
+	_ tcp.Explainer = (*holdPicker)(nil)
+	_ udp.Explainer = (*gatedPicker)(nil)
 )
 
 func (g *gatedPicker) Ready() <-chan struct{} { return g.ready }
 
 func (g *gatedPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
 	return g.next.Next(client, reset)
+}
+
+// NextWhy passes the balancer's explanation of its pick on to the flow stream.
+func (g *gatedPicker) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
+	return nextWhy(g.next, client, reset)
+}
+
+// nextWhy asks p for a pick and why, when it explains itself (the balancer does).
+func nextWhy(p Picker, client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
+	if x, ok := p.(tcp.Explainer); ok {
+		return x.NextWhy(client, reset)
+	}
+	ep, err := p.Next(client, reset)
+	return ep, flow.Pick{}, err
 }
 
 // DialDone and FlowDone pass the outcomes on to the balancer (least connections, outliers).
@@ -300,9 +318,15 @@ type holdPicker struct {
 }
 
 func (h *holdPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error) {
-	ep, err := h.next.Next(client, reset)
+	ep, _, err := h.NextWhy(client, reset)
+	return ep, err
+}
+
+// NextWhy is Next with the balancer's explanation of the pick, for the flow stream.
+func (h *holdPicker) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
+	ep, why, err := nextWhy(h.next, client, reset)
 	if err == nil || !errors.Is(err, loadbalancer.ErrNoEndpoints) {
-		return ep, err
+		return ep, why, err
 	}
 	select {
 	case <-h.ready:
@@ -310,18 +334,18 @@ func (h *holdPicker) Next(client netip.Addr, reset bool) (netip.AddrPort, error)
 		// after every initial endpoint is in the balancer, so only a pick made after seeing it
 		// closed tells (returning the first pick's error reset a connection held since before
 		// the first sync: the 1-in-100 TestBindModeReopenWithRealSockets failure).
-		return h.next.Next(client, reset)
+		return nextWhy(h.next, client, reset)
 	default:
 	}
 	t := h.clock.NewTimer(h.hold)
 	defer t.Stop()
 	select {
 	case <-h.ready:
-		return h.next.Next(client, reset)
+		return nextWhy(h.next, client, reset)
 	case <-t.C():
 	case <-h.done:
 	}
-	return ep, err
+	return ep, why, err
 }
 
 // markEndpointsReady releases held connections: the initial Services and EndpointSlices are in.

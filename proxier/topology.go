@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"strings"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -25,6 +26,24 @@ type Selection struct {
 	// tokens, e.g. "policy=Cluster topology=zone:zone-a" or "policy=Local fallback=terminating"
 	// (see selectEndpoints).
 	Reason string
+}
+
+// pickWhy is what the selection tells the flow stream about every pick from it (flow.PickWhy):
+// topology hints narrowed it, a Local policy limited it to this node, or only terminating
+// endpoints were left.
+func (s Selection) pickWhy() flow.PickWhy {
+	var why flow.PickWhy
+	for _, tok := range strings.Fields(s.Reason) {
+		switch {
+		case strings.HasPrefix(tok, "topology="):
+			why |= flow.Topology
+		case tok == "policy=Local":
+			why |= flow.Local
+		case tok == "fallback=terminating":
+			why |= flow.Terminating
+		}
+	}
+	return why
 }
 
 // EndpointSelection is how one service port's traffic is spread on this node.
