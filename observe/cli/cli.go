@@ -77,6 +77,7 @@ type output struct {
 	stdout, stderr io.Writer
 	json           bool
 	table          *printer
+	follow         bool // print rows as they come, else measure the whole table first
 	capture        CaptureWriter
 	flows          int
 }
@@ -100,7 +101,15 @@ func (w *output) item(it *item) error {
 		return nil
 	}
 	w.flows++
-	if err := w.table.flow(it.Flow); err != nil {
+	w.table.add(it.Flow)
+	if w.follow {
+		return w.flush()
+	}
+	return nil
+}
+
+func (w *output) flush() error {
+	if err := w.table.flush(); err != nil {
 		return fmt.Errorf("stdout: %w", err)
 	}
 	return nil
@@ -115,7 +124,7 @@ func run(ctx context.Context, o *Options, env *Env) (err error) {
 	if loc == nil {
 		loc = time.Local
 	}
-	w := &output{stdout: env.Stdout, stderr: env.Stderr, json: o.Output == "json",
+	w := &output{stdout: env.Stdout, stderr: env.Stderr, json: o.Output == "json", follow: o.Follow,
 		table: newPrinter(env.Stdout, o.Output == "wide", useColor(o.Color, env.Stdout), loc)}
 	if o.PCAP != "" {
 		f, err := os.Create(o.PCAP)
@@ -138,6 +147,9 @@ func run(ctx context.Context, o *Options, env *Env) (err error) {
 	}
 	failed, err := pump(ctx, o, env, ts, w)
 	if err != nil {
+		return err
+	}
+	if err := w.flush(); err != nil {
 		return err
 	}
 	if failed == len(ts) {

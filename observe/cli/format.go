@@ -11,9 +11,9 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe"
 )
 
-// column of the table. Rows are printed as they arrive, so the table cannot be measured first:
-// each column starts at a width that fits typical values and widens (for the rows after) when a
-// value is longer.
+// column of the table. A finite stream is measured whole before it prints; a followed one
+// prints as rows arrive, so each column is as wide as the widest value seen so far (the header
+// waits for the first rows, so it matches them).
 type column struct {
 	title string
 	width int
@@ -26,15 +26,16 @@ func tableColumns(wide bool) []column {
 		flowTitle = "CLIENT (POD) -> ENDPOINT (POD)"
 	}
 	cols := []column{
-		{title: "TIME", width: 12}, {title: "NODE", width: 6}, {title: "SERVICE", width: 11},
-		{title: flowTitle, width: 52}, {title: "VERDICT", width: 9}, {title: "PHASE", width: 5},
-		{title: "DURATION", width: 8, right: true}, {title: "BYTES", width: 9},
+		{title: "TIME"}, {title: "NODE"}, {title: "SERVICE"}, {title: flowTitle}, {title: "VERDICT"},
+		{title: "PHASE"}, {title: "DURATION", right: true}, {title: "BYTES"},
 	}
 	if wide {
-		cols = append(cols, column{title: "EP-NODE", width: 7}, column{title: "PICK", width: 11},
-			column{title: "DIALS", width: 5, right: true}, column{title: "CONNECT", width: 7, right: true},
-			column{title: "1ST-BYTE", width: 8, right: true}, column{title: "REASON", width: 14},
+		cols = append(cols, column{title: "EP-NODE"}, column{title: "PICK"}, column{title: "DIALS", right: true},
+			column{title: "CONNECT", right: true}, column{title: "1ST-BYTE", right: true}, column{title: "REASON"},
 			column{title: "ERROR"})
+	}
+	for i := range cols {
+		cols[i].width = utf8.RuneCountInString(cols[i].title)
 	}
 	return cols
 }
@@ -66,12 +67,13 @@ func verdictColor(v string) string {
 
 // printer writes flows as table rows.
 type printer struct {
-	out    io.Writer
-	wide   bool
-	color  bool
-	loc    *time.Location
-	cols   []column
-	header bool // printed
+	out     io.Writer
+	wide    bool
+	color   bool
+	loc     *time.Location
+	cols    []column
+	header  bool     // printed
+	pending [][]cell // rows added since the last flush
 }
 
 func newPrinter(out io.Writer, wide, color bool, loc *time.Location) *printer {
@@ -82,18 +84,36 @@ type cell struct {
 	text, color string
 }
 
-func (p *printer) flow(f *observe.Flow) error {
+// add queues f's row for the next flush.
+func (p *printer) add(f *observe.Flow) { p.pending = append(p.pending, p.cells(f)) }
+
+// flush widens the columns for the queued rows, then prints them (after the header, the first time).
+func (p *printer) flush() error {
+	if len(p.pending) == 0 {
+		return nil
+	}
+	for _, r := range p.pending {
+		for i, c := range r {
+			if n := utf8.RuneCountInString(c.text); n > p.cols[i].width {
+				p.cols[i].width = n
+			}
+		}
+	}
+	var b strings.Builder
 	if !p.header {
 		p.header = true
 		titles := make([]cell, len(p.cols))
 		for i, c := range p.cols {
 			titles[i] = cell{text: c.title}
 		}
-		if err := p.row(titles); err != nil {
-			return err
-		}
+		p.row(&b, titles)
 	}
-	return p.row(p.cells(f))
+	for _, r := range p.pending {
+		p.row(&b, r)
+	}
+	p.pending = p.pending[:0]
+	_, err := io.WriteString(p.out, b.String())
+	return err
 }
 
 func (p *printer) cells(f *observe.Flow) []cell {
@@ -119,16 +139,12 @@ func (p *printer) cells(f *observe.Flow) []cell {
 		cell{text: orDash(f.EndReason)}, cell{text: orDash(f.Error)})
 }
 
-// row pads every cell but the last to its column's width, widening the column if needed.
-func (p *printer) row(cells []cell) error {
-	var b strings.Builder
+// row pads every cell but the last to its column's width. Colour codes go around the text, not
+// the padding, so they do not count as width.
+func (p *printer) row(b *strings.Builder, cells []cell) {
 	for i, c := range cells {
-		col := &p.cols[i]
-		n := utf8.RuneCountInString(c.text)
-		if n > col.width {
-			col.width = n
-		}
-		pad := strings.Repeat(" ", col.width-n)
+		col := p.cols[i]
+		pad := strings.Repeat(" ", col.width-utf8.RuneCountInString(c.text))
 		text := c.text
 		if p.color && c.color != "" {
 			text = c.color + text + reset
@@ -147,8 +163,6 @@ func (p *printer) row(cells []cell) error {
 		}
 	}
 	b.WriteString("\n")
-	_, err := io.WriteString(p.out, b.String())
-	return err
 }
 
 func serviceName(f *observe.Flow) string {
