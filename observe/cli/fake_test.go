@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -93,6 +94,12 @@ func serveLocal(t *testing.T, p *fakeProxy) string {
 // (127.0.0.2, 127.0.0.3, ...), as nodes run theirs on one --port. It returns the port.
 func serveNodes(t *testing.T, ps ...*fakeProxy) int {
 	t.Helper()
+	return serveNodesTLS(t, nil, ps...)
+}
+
+// serveNodesTLS is serveNodes on https with cfg, when cfg is not nil.
+func serveNodesTLS(t *testing.T, cfg *tls.Config, ps ...*fakeProxy) int {
+	t.Helper()
 	for try := 0; try < 20; try++ {
 		var ls []net.Listener
 		port := 0
@@ -111,8 +118,12 @@ func serveNodes(t *testing.T, ps ...*fakeProxy) int {
 			continue
 		}
 		for i, p := range ps {
-			srv := &httptest.Server{Listener: ls[i], Config: &http.Server{Handler: p}}
-			srv.Start()
+			srv := &httptest.Server{Listener: ls[i], Config: &http.Server{Handler: p}, TLS: cfg}
+			if cfg != nil {
+				srv.StartTLS()
+			} else {
+				srv.Start()
+			}
 			t.Cleanup(srv.Close)
 		}
 		return port
