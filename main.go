@@ -1,7 +1,8 @@
 // Command kube-portal-proxy is a node-level Kubernetes service proxy that revives kube-proxy's
 // userspace ("portal") mode: a visible proxy socket per service port, fed by portal rules.
 //
-// main parses the command line, builds the daemon (package daemon) and runs it; it is the only
+// main parses the command line, builds the daemon (package daemon) and runs it, or runs the
+// `observe` subcommand (package observe/cli) that watches a running proxy's flows; it is the only
 // place that exits.
 package main
 
@@ -17,6 +18,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/daemon"
+	"github.com/kube-portal-proxy/kube-portal-proxy/observe/cli"
 )
 
 // version is set at build time (-ldflags "-X main.version=...").
@@ -28,6 +30,11 @@ func main() {
 
 // run is main without the exit, for tests. Exit codes: 0 done, 1 failed, 2 bad command line.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "observe" {
+		ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
+		defer stop()
+		return cli.Main(ctx, args[1:], cli.Env{Stdout: stdout, Stderr: stderr})
+	}
 	o, err := daemon.ParseOptions(args)
 	if errors.Is(err, pflag.ErrHelp) {
 		return 0

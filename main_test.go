@@ -25,6 +25,8 @@ func TestRunExitCodes(t *testing.T) {
 		{"invalid_value_names_the_flag", []string{"--udp-timeout=0s"}, 2, "", "kube-portal-proxy: --udp-timeout: must be > 0\n"},
 		{"stray_argument", []string{"extra"}, 2, "", `unexpected arguments: ["extra"]`},
 		{"write_config", []string{"--write-config-to=" + out}, 0, "", ""},
+		{"observe_unknown_flag", []string{"observe", "--no-such-flag"}, 2, "", "kube-portal-proxy observe: unknown flag: --no-such-flag"},
+		{"observe_bad_value_names_the_flag", []string{"observe", "--verdict=fine"}, 2, "", `kube-portal-proxy observe: --verdict: unknown verdict "fine"`},
 		{"write_config_to_a_missing_directory", []string{"--write-config-to=" + filepath.Join(out, "x", "y.yaml")}, 1, "", "kube-portal-proxy: --write-config-to: "},
 	}
 	for _, tt := range tests {
@@ -45,5 +47,18 @@ func TestRunExitCodes(t *testing.T) {
 	b, err := os.ReadFile(out)
 	if err != nil || !strings.HasPrefix(string(b), "# Effective configuration of kube-portal-proxy dev (--write-config-to).\n") {
 		t.Errorf("written config = %q, %v; want the header with the version", b, err)
+	}
+}
+
+// TestObserveHelp: `observe --help` prints the subcommand's flags on stdout and exits 0.
+func TestObserveHelp(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), []string{"observe", "--help"}, &stdout, &stderr); code != 0 {
+		t.Errorf("exit code %d, want 0 (stderr %q)", code, stderr.String())
+	}
+	for _, want := range []string{"Usage of kube-portal-proxy observe:", "--follow", "--all-nodes", "--not-service"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout.String())
+		}
 	}
 }
