@@ -51,7 +51,9 @@ const (
 )
 
 // tcpCloseInit is IP_CT_TCP_FLAG_CLOSE_INIT: the kernel sets it on the direction whose FIN moved
-// the entry to FIN_WAIT, that is on the side that closed first.
+// the entry to FIN_WAIT, that is on the side that closed first. Kernels up to 6.18 at least send
+// the flags in dumps and UPDATE events but not in DESTROY (tcp_to_nlattr skips them there), so
+// this names the side only if a kernel ever does.
 const tcpCloseInit = 0x04
 
 // ErrReset is the End error of a kernel-path TCP flow that a reset ended: conntrack records the
@@ -61,10 +63,11 @@ var ErrReset = errors.New("reset by the client or the endpoint (conntrack does n
 // endReason maps a DESTROY to why the flow ended, as far as conntrack knows. The kernel (5.19 and
 // later) sends the TCP state and, for an entry deleted before it expired (conntrack -D, a
 // flush, the proxy clearing an endpoint's entries), the seconds it had left; an entry that
-// expired has none. A normally closed TCP connection expires in TIME_WAIT, naming the side that
-// closed first; one that never completed its handshake ends in a SYN state or, refused, in
-// CLOSE unassured; CLOSE otherwise is a reset; any other state expired idle. UDP entries end
-// only by expiring or being deleted.
+// expired has none. A TCP connection that never completed its handshake ends in a SYN state or,
+// refused, in CLOSE unassured: DialFailed. One assured in CLOSE was reset (ErrReset). One in
+// TIME_WAIT closed normally, FIN both ways, but DESTROY does not say who closed first
+// (tcpCloseInit): Unknown, with no error. Any other state, expired: IdleTimeout. UDP entries
+// end only by expiring (IdleTimeout) or being deleted (Unknown).
 func endReason(proto flow.Protocol, f *ct.Flow) (flow.EndReason, error) {
 	expired := f.Timeout == 0
 	if proto == flow.UDP {

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -72,6 +73,8 @@ type Stats struct {
 type Watcher struct {
 	ports PortLookup
 	opts  Options
+	ready chan struct{}
+	once  sync.Once
 
 	events, started, ended, overruns, evicted, undecodable atomic.Uint64
 }
@@ -93,8 +96,11 @@ func NewWatcher(ports PortLookup, opts Options) *Watcher {
 	if opts.Logger == nil {
 		opts.Logger = logrus.StandardLogger()
 	}
-	return &Watcher{ports: ports, opts: opts}
+	return &Watcher{ports: ports, opts: opts, ready: make(chan struct{})}
 }
+
+// Ready is closed once Run has subscribed: flows that start after it are seen.
+func (w *Watcher) Ready() <-chan struct{} { return w.ready }
 
 // Stats returns the counters.
 func (w *Watcher) Stats() Stats {
@@ -102,7 +108,7 @@ func (w *Watcher) Stats() Stats {
 		Overruns: w.overruns.Load(), Evicted: w.evicted.Load(), Undecodable: w.undecodable.Load()}
 }
 
-// Run subscribes to the conntrack NEW and DESTROY events and reports those of matching ports
+// Run subscribes to the conntrack NEW and DESTROY events (call it once) and reports those of matching ports
 // until ctx ends; then it closes the socket and returns nil. It reads on the calling goroutine
 // and starts none that outlives it. An overrun is counted and logged, and reading goes on; any
 // other read error ends Run with it.
@@ -122,6 +128,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 		}
 	}()
 	r := reader{w: w, pending: newPending(w.opts.MaxPending)}
+	w.once.Do(func() { close(w.ready) })
 	for {
 		msgs, err := c.Receive()
 		if ctx.Err() != nil {
@@ -267,15 +274,25 @@ func (r *reader) end(f *ct.Flow) {
 		}
 		s.id = r.id(f.ID)
 	}
+	// The kernel stamps the start and stop in DESTROY only (nf_conntrack_timestamp), so the
+	// Start said at NEW, from our clock, stays the flow's start; the Duration is the kernel's.
 	e := flow.Event{Phase: flow.PhaseEnd, ID: s.id, Time: f.Timestamp.Stop, Local: local,
-		Info: flow.Info{Client: client, Endpoint: endpoint, Start: f.Timestamp.Start}}
+		Info: flow.Info{Client: client, Endpoint: endpoint, Start: s.start}}
 	if e.Time.IsZero() {
 		e.Time = r.w.opts.Now()
 	}
 	if e.Start.IsZero() {
-		e.Start = s.start // zero when the NEW was not seen: Duration stays 0
+		e.Start = f.Timestamp.Start
 	}
-	if !e.Start.IsZero() {
+	// A flow shorter than the time the NEW took to reach us (a refused SYN) stops, by the
+	// kernel's stamp, before the Start we said: its End is not put before its Start.
+	if e.Time.Before(e.Start) {
+		e.Time = e.Start
+	}
+	switch {
+	case !f.Timestamp.Start.IsZero() && !f.Timestamp.Stop.IsZero():
+		e.Duration = f.Timestamp.Stop.Sub(f.Timestamp.Start)
+	case !e.Start.IsZero(): // else the NEW was not seen either: no Duration
 		e.Duration = e.Time.Sub(e.Start)
 	}
 	e.BytesToEndpoint, e.BytesToClient = f.CountersOrig.Bytes, f.CountersReply.Bytes
