@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -209,8 +210,13 @@ func startWatcher(t *testing.T, w *Watcher) {
 	go func() { done <- w.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(testenv.WaitTimeout):
+			t.Error("Run did not return after its context ended")
 		}
 	})
 	select {
@@ -348,5 +354,45 @@ func TestWatcherStopsWithItsContext(t *testing.T) {
 	lines := slices.DeleteFunc(log.Lines(), func(s string) bool { return !strings.Contains(s, "nf_conntrack") })
 	if len(lines) != 1 || !strings.Contains(lines[0], "net.netfilter.nf_conntrack_acct,net.netfilter.nf_conntrack_timestamp") {
 		t.Errorf("log lines about the sysctls: %q; want one naming both", lines)
+	}
+}
+
+// blocking is a Recorder whose first Record waits until release is closed, as a reader that
+// falls behind would.
+type blocking struct {
+	events
+	once    sync.Once
+	release chan struct{}
+}
+
+func (b *blocking) Record(e *flow.Event) {
+	b.once.Do(func() { <-b.release })
+	b.events.Record(e)
+}
+
+// TestWatcherKeepsGoingAfterAnOverrun: while the watcher is stuck, a burst of flows overflows
+// its (smallest) socket buffer; the overrun is counted and logged once, and flows after it are
+// still reported.
+func TestWatcherKeepsGoingAfterAnOverrun(t *testing.T) {
+	l := newDNATLab(t)
+	rec := &blocking{release: make(chan struct{})}
+	var log testenv.SyncBuffer
+	logger := logrus.New()
+	logger.SetOutput(&log)
+	w := NewWatcher(ports{{flow.UDP, kSvcUDP}: rec}, Options{Do: l.node.Do, Logger: logger, ReadBuffer: 1})
+	startWatcher(t, w)
+
+	for range 100 { // each from a new client port: a NEW each, far more than the buffer holds
+		l.udpExchange(t, kSvcUDP, "burst")
+	}
+	close(rec.release)
+	testenv.WaitFor(t, "an overrun to be counted", func() bool { return w.Stats().Overruns > 0 })
+	after := l.udpExchange(t, kSvcUDP, "after")
+	testenv.WaitFor(t, "the flow after the burst to be reported", func() bool {
+		return slices.ContainsFunc(rec.get(), func(e flow.Event) bool { return e.Client == after })
+	})
+	lines := slices.DeleteFunc(log.Lines(), func(s string) bool { return !strings.Contains(s, "overflowed") })
+	if len(lines) != 1 {
+		t.Errorf("overrun log lines: %q; want one for the burst", lines)
 	}
 }
