@@ -121,10 +121,18 @@ func (w *Watcher) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	stop := context.AfterFunc(ctx, func() { c.Close() })
+	// Closing the socket is what wakes a Receive blocked on a quiet table. Run waits for the
+	// close it started at ctx's end, so no goroutine of its outlives it.
+	closed := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		c.Close()
+		close(closed)
+	})
 	defer func() {
 		if stop() {
 			c.Close()
+		} else {
+			<-closed
 		}
 	}()
 	r := reader{w: w, pending: newPending(w.opts.MaxPending)}
