@@ -372,3 +372,137 @@ func TestTsharkSeesResets(t *testing.T) {
 		t.Errorf("reset flows have FINs: frames %q", fins)
 	}
 }
+
+// TestTsharkTruncatedFlow: a flow cut at its capture cap (the server's, said by Truncated, or
+// the Writer's MaxFlowBytes) keeps exactly its first bytes, says so in a comment on the last
+// segment of each leg, writes nothing it receives later, and still closes cleanly.
+func TestTsharkTruncatedFlow(t *testing.T) {
+	up := bytes.Repeat([]byte("u"), 3000)
+	down := bytes.Repeat([]byte("d"), 5000)
+	for _, tc := range []struct {
+		name      string
+		opts      Options
+		truncated bool // the server marks the second piece as the last it kept
+		want      conversation
+		comment   string
+	}{
+		{"server cap", Options{}, true, conversation{up, down},
+			"capture truncated: flow 1 reached its capture cap at 8000 bytes; later bytes were not captured"},
+		{"writer cap", Options{MaxFlowBytes: 4000}, false, conversation{up, down[:1000]},
+			"capture truncated: flow 1 reached its capture cap at 4000 bytes; later bytes were not captured"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			last := payloadItem(1, observe.DirToClient, down, 3*time.Millisecond)
+			last.Payload.Truncated = tc.truncated
+			items := []*observe.Item{
+				flowItem(1, "TCP", "start", v4, 0),
+				flowItem(1, "TCP", "dial", v4, time.Millisecond),
+				payloadItem(1, observe.DirToEndpoint, up, 2*time.Millisecond),
+				last,
+				payloadItem(1, observe.DirToEndpoint, []byte("after the cap"), 4*time.Millisecond),
+				endItem(1, "TCP", "client-closed", "forwarded", v4, 5*time.Millisecond),
+			}
+			file, st := writeCapture(t, tc.opts, items...)
+			if st.TruncatedFlows != 1 {
+				t.Errorf("TruncatedFlows = %d, want 1", st.TruncatedFlows)
+			}
+			checkClean(t, file, "")
+			checkFollow(t, file, 0, tc.want)
+			checkFollow(t, file, 1, tc.want)
+			got := fields(t, file, `frame.comment contains "truncated"`, "tcp.stream", "tcp.srcport", "tcp.flags.push", "frame.comment")
+			want := [][]string{{"0", "80", "1", tc.comment}, {"1", "8080", "1", tc.comment}}
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("truncation comments (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestTsharkFileCap: with MaxBytes the file stops growing before the cap, packets after it are
+// left out and counted, and tshark reads what was written as a whole, valid file.
+func TestTsharkFileCap(t *testing.T) {
+	items, _ := httpFlow(1, v4)
+	const limit = 20000
+	file, st := writeCapture(t, Options{MaxBytes: limit}, items...)
+	fi, err := os.Stat(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Size() > limit || fi.Size() != st.Bytes {
+		t.Errorf("file is %d bytes, stats say %d; want them equal and at most %d", fi.Size(), st.Bytes, limit)
+	}
+	if !st.CapReached || st.PacketsOverCap == 0 {
+		t.Errorf("stats %+v: want the cap reached and packets left out", st)
+	}
+	checkClean(t, file, "")
+	if n := len(fields(t, file, "", "frame.number")); int64(n) != st.Packets || n == 0 {
+		t.Errorf("tshark reads %d packets, the writer wrote %d", n, st.Packets)
+	}
+}
+
+// TestTsharkPayloadBeforeItsFlow: payload that arrives before any event of its flow (its Start
+// and Dial were lost) waits for the flow's End, which opens the client's leg at the flow's start
+// (End's time less its duration) and the pod's at the first payload; the bytes come out exact. Payload whose flow never shows up is dropped and counted, and so is
+// payload beyond the waiting bound.
+func TestTsharkPayloadBeforeItsFlow(t *testing.T) {
+	req, resp := []byte("GET /late HTTP/1.1\r\nHost: web\r\n\r\n"), []byte("HTTP/1.1 204 No Content\r\n\r\n")
+	orphan := bytes.Repeat([]byte("o"), 100)
+	items := []*observe.Item{
+		payloadItem(1, observe.DirToEndpoint, req, 2*time.Millisecond),
+		payloadItem(9, observe.DirToEndpoint, orphan, 2*time.Millisecond),         // its flow never comes
+		payloadItem(9, observe.DirToEndpoint, orphan, 2*time.Millisecond),         // past the bound
+		payloadItem(1, observe.DirToClient, resp, 3*time.Millisecond),             // within it: the bound leaves room for it
+		endItem(1, "TCP", "endpoint-closed", "forwarded", v4, 4*time.Millisecond), // Duration 4ms: started at 0
+	}
+	bound := len(req) + len(orphan) + len(resp) + 3*pendingItemCost
+	file, st := writeCapture(t, Options{PendingBytes: bound}, items...)
+	if st.UnmatchedPayloadBytes != 200 {
+		t.Errorf("UnmatchedPayloadBytes = %d, want 200 (flow 9's two pieces)", st.UnmatchedPayloadBytes)
+	}
+	checkClean(t, file, "")
+	checkFollow(t, file, 0, conversation{req, resp})
+	checkFollow(t, file, 1, conversation{req, resp})
+	got := fields(t, file, "tcp.flags.syn == 1 && tcp.flags.ack == 0", "tcp.stream", "frame.time_epoch")
+	start, dial := fmt.Sprintf("%d.000000000", t0.Unix()), fmt.Sprintf("%d.002000000", t0.Unix())
+	if diff := cmp.Diff([][]string{{"0", start}, {"1", dial}}, got); diff != "" {
+		t.Errorf("SYNs (-want +got):\n%s", diff)
+	}
+	// The endpoint closed first: its FIN on the pod's leg comes first, then the proxy's to the client.
+	got = fields(t, file, "tcp.flags.fin == 1", "tcp.stream", "tcp.srcport")
+	if diff := cmp.Diff([][]string{{"1", "8080"}, {"1", "51000"}, {"0", "80"}, {"0", "40000"}}, got); diff != "" {
+		t.Errorf("FINs (-want +got):\n%s", diff)
+	}
+}
+
+// TestFlowsOfTwoNodesWithOneID: flow IDs are unique per proxy only, so a stream merged from two
+// nodes may carry one ID twice: the flows stay apart.
+func TestFlowsOfTwoNodesWithOneID(t *testing.T) {
+	b := legs{"10.0.0.3:40003", "10.96.0.10:80", "10.0.0.7:51003", "10.1.0.6:8080"}
+	req := []byte("GET / HTTP/1.1\r\n\r\n")
+	var items []*observe.Item
+	for _, n := range []struct {
+		node string
+		a    legs
+	}{{"node-a", v4}, {"node-b", b}} {
+		for _, it := range []*observe.Item{
+			flowItem(1, "TCP", "start", n.a, 0),
+			flowItem(1, "TCP", "dial", n.a, time.Millisecond),
+			payloadItem(1, observe.DirToEndpoint, req, 2*time.Millisecond),
+		} {
+			if it.Flow != nil {
+				it.Flow.Node = n.node
+			} else {
+				it.Payload.Node = n.node
+			}
+			items = append(items, it)
+		}
+	}
+	file, st := writeCapture(t, Options{}, items...)
+	if st.Flows != 2 {
+		t.Errorf("Flows = %d, want 2", st.Flows)
+	}
+	checkClean(t, file, "")
+	for stream := range 4 {
+		checkFollow(t, file, stream, conversation{toEndpoint: req})
+	}
+}
