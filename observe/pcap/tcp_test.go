@@ -206,3 +206,21 @@ func TestEndOf(t *testing.T) {
 		}
 	}
 }
+
+// TestUDPChecksumZeroIsSentAsOnes: a datagram whose checksum computes to 0 carries 0xffff
+// instead (RFC 768: 0 would say "no checksum"), which still verifies.
+func TestUDPChecksumZeroIsSentAsOnes(t *testing.T) {
+	e, _ := legAddrs(netip.MustParseAddrPort("10.0.0.1:53"), netip.MustParseAddrPort("10.96.0.10:53"))
+	// With two payload bytes equal to the checksum of the datagram with two zero bytes, the sum
+	// becomes all ones: the computed checksum is 0.
+	zero := buildUDP(e, 1, []byte{0, 0})
+	c := binary.BigEndian.Uint16(zero[ipv4HeaderLen+6:])
+	pkt := buildUDP(e, 1, []byte{byte(c >> 8), byte(c)})
+	u := pkt[ipv4HeaderLen:]
+	if got := binary.BigEndian.Uint16(u[6:]); got != 0xffff {
+		t.Errorf("checksum field %#04x, want 0xffff", got)
+	}
+	if r := transportChecksum(e, protoUDP, u); r != 0 {
+		t.Errorf("checksum residue %#x, want 0", r)
+	}
+}

@@ -506,3 +506,16 @@ func TestFlowsOfTwoNodesWithOneID(t *testing.T) {
 		checkFollow(t, file, stream, conversation{toEndpoint: req})
 	}
 }
+
+// TestTsharkReadsAnEmptyCapture: a capture closed before any flow (or with a cap below its
+// header) is a valid file with no packet.
+func TestTsharkReadsAnEmptyCapture(t *testing.T) {
+	items, _ := httpFlow(1, v4)
+	file, st := writeCapture(t, Options{MaxBytes: 1}, items...)
+	if st.Packets != 0 || !st.CapReached {
+		t.Errorf("stats %+v: want no packet and the cap reached", st)
+	}
+	if out := tshark(t, file); out != "" {
+		t.Errorf("tshark lists packets:\n%s", out)
+	}
+}

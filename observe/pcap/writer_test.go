@@ -143,3 +143,28 @@ func TestMaxFlowsForgetsTheLeastRecentlyActive(t *testing.T) {
 		t.Errorf("stats %+v: want 1 evicted flow and its 4 later bytes unmatched", st)
 	}
 }
+
+// TestPendingBound: payload waiting for its flow is kept up to PendingBytes (each piece also
+// counting pendingItemCost); a piece beyond is dropped and counted at once, the rest at Close.
+func TestPendingBound(t *testing.T) {
+	var buf bytes.Buffer
+	w := NewWriter(&buf, Options{PendingBytes: 2*pendingItemCost + 150})
+	for _, it := range []*observe.Item{
+		payloadItem(9, observe.DirToEndpoint, make([]byte, 100), 0),
+		payloadItem(9, observe.DirToEndpoint, make([]byte, 60), 0), // 100+60 > 150: dropped
+		payloadItem(8, observe.DirToEndpoint, make([]byte, 50), 0), // fits
+	} {
+		if err := w.WriteItem(it); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := w.Stats().UnmatchedPayloadBytes; got != 60 {
+		t.Errorf("before Close, UnmatchedPayloadBytes = %d, want 60", got)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.Stats().UnmatchedPayloadBytes; got != 210 {
+		t.Errorf("after Close, UnmatchedPayloadBytes = %d, want 210", got)
+	}
+}
