@@ -57,8 +57,9 @@ type Stats struct {
 	PacketsOverCap int64
 	// TruncatedFlows counts flows whose capture was cut (the server's cap or MaxFlowBytes).
 	TruncatedFlows int64
-	// UnmatchedPayloadBytes counts payload dropped because its flow's event never came: the
-	// PendingBytes bound was reached, or the Writer was closed first.
+	// UnmatchedPayloadBytes counts payload dropped because it could not be placed in its flow:
+	// the flow's event never came (the PendingBytes bound was reached, or the Writer was closed
+	// first), or the payload came after the flow's End.
 	UnmatchedPayloadBytes int64
 	// EvictedFlows counts live flows forgotten at the MaxFlows bound (their End was lost).
 	EvictedFlows int64
@@ -81,7 +82,17 @@ type Writer struct {
 
 	pending      map[flowKey][]*observe.Payload
 	pendingBytes int
+
+	// ended remembers the last flows that ended (a ring of endedFlows keys), so payload that
+	// comes after its flow's End is dropped at once instead of waiting for a flow that will not
+	// come again.
+	ended     map[flowKey]bool
+	endedRing []flowKey
+	endedNext int
 }
+
+// endedFlows is how many ended flows a Writer remembers.
+const endedFlows = 4096
 
 // flowKey names a flow in a stream merged from several nodes: IDs are unique per process only.
 type flowKey struct {
@@ -101,6 +112,7 @@ func NewWriter(w io.Writer, opts Options) *Writer {
 	return &Writer{
 		w: bufio.NewWriter(w), opts: opts,
 		flows: map[flowKey]*flowState{}, lru: list.New(), pending: map[flowKey][]*observe.Payload{},
+		ended: map[flowKey]bool{},
 	}
 }
 
@@ -255,7 +267,20 @@ func (w *Writer) flow(f *observe.Flow) {
 		w.end(st, f)
 		w.lru.Remove(st.elem)
 		delete(w.flows, k)
+		w.remember(k)
 	}
+}
+
+// remember notes that flow k ended, forgetting the oldest flow remembered.
+func (w *Writer) remember(k flowKey) {
+	if len(w.endedRing) < endedFlows {
+		w.endedRing = append(w.endedRing, k)
+	} else {
+		delete(w.ended, w.endedRing[w.endedNext])
+		w.endedRing[w.endedNext] = k
+		w.endedNext = (w.endedNext + 1) % endedFlows
+	}
+	w.ended[k] = true
 }
 
 // update takes the names and addresses an event knows; later events keep what earlier ones said.
@@ -360,7 +385,7 @@ func (w *Writer) payload(p *observe.Payload) {
 		return
 	}
 	cost := len(p.Data) + pendingItemCost
-	if w.pendingBytes+cost > w.opts.PendingBytes {
+	if w.ended[k] || w.pendingBytes+cost > w.opts.PendingBytes {
 		w.stats.UnmatchedPayloadBytes += int64(len(p.Data))
 		return
 	}
@@ -397,6 +422,9 @@ func (w *Writer) write(st *flowState, p *observe.Payload) {
 		st.truncated = true
 		w.stats.TruncatedFlows++
 		comment = fmt.Sprintf("capture truncated: flow %d reached its capture cap at %d bytes; later bytes were not captured", st.key.id, st.captured)
+	}
+	if len(data) == 0 && len(p.Data) > 0 {
+		return // all of it past the cap (an empty datagram, though, is written)
 	}
 	emit := w.emitter(p.Time)
 	if st.udp {

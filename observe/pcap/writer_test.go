@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -166,5 +167,57 @@ func TestPendingBound(t *testing.T) {
 	}
 	if got := w.Stats().UnmatchedPayloadBytes; got != 210 {
 		t.Errorf("after Close, UnmatchedPayloadBytes = %d, want 210", got)
+	}
+}
+
+// TestPayloadAfterItsFlowsEnd: payload that comes after its flow's End is dropped and counted
+// at once (it cannot follow the FIN), not kept waiting for a flow that will not come again.
+func TestPayloadAfterItsFlowsEnd(t *testing.T) {
+	var buf bytes.Buffer
+	w := NewWriter(&buf, Options{})
+	for _, it := range []*observe.Item{
+		flowItem(1, "TCP", "start", v4, 0),
+		endItem(1, "TCP", "client-closed", "forwarded", v4, time.Millisecond),
+		payloadItem(1, observe.DirToClient, []byte("late"), 2*time.Millisecond),
+	} {
+		if err := w.WriteItem(it); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := w.Stats().UnmatchedPayloadBytes; got != 4 {
+		t.Errorf("UnmatchedPayloadBytes = %d, want 4", got)
+	}
+	if w.pendingBytes != 0 {
+		t.Errorf("%d bytes waiting", w.pendingBytes)
+	}
+}
+
+// TestUDPPastTheFlowCap: a datagram over MaxFlowBytes is cut to what is left, and one wholly
+// past it is not written (no empty datagram stands in for it).
+func TestUDPPastTheFlowCap(t *testing.T) {
+	var buf bytes.Buffer
+	w := NewWriter(&buf, Options{MaxFlowBytes: 150})
+	for _, it := range []*observe.Item{
+		flowItem(1, "UDP", "start", v4, 0),
+		payloadItem(1, observe.DirToEndpoint, make([]byte, 100), time.Millisecond),
+		payloadItem(1, observe.DirToClient, make([]byte, 100), 2*time.Millisecond),
+		payloadItem(1, observe.DirToEndpoint, make([]byte, 100), 3*time.Millisecond),
+	} {
+		if err := w.WriteItem(it); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	var sizes []int
+	for _, b := range readBlocks(t, buf.Bytes())[2:] {
+		sizes = append(sizes, int(binary.LittleEndian.Uint32(b.body[12:]))-ipv4HeaderLen-udpHeaderLen)
+	}
+	if want := []int{100, 100, 50, 50}; !slices.Equal(sizes, want) {
+		t.Errorf("datagram sizes %v, want %v (two legs each)", sizes, want)
+	}
+	if st := w.Stats(); st.TruncatedFlows != 1 {
+		t.Errorf("TruncatedFlows = %d, want 1", st.TruncatedFlows)
 	}
 }
