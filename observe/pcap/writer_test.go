@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -193,31 +194,42 @@ func TestPayloadAfterItsFlowsEnd(t *testing.T) {
 }
 
 // TestUDPPastTheFlowCap: a datagram over MaxFlowBytes is cut to what is left, and one wholly
-// past it is not written (no empty datagram stands in for it).
+// past it (the cap reached exactly by the ones before) is not written: no empty datagram stands
+// in for it.
 func TestUDPPastTheFlowCap(t *testing.T) {
-	var buf bytes.Buffer
-	w := NewWriter(&buf, Options{MaxFlowBytes: 150})
-	for _, it := range []*observe.Item{
-		flowItem(1, "UDP", "start", v4, 0),
-		payloadItem(1, observe.DirToEndpoint, make([]byte, 100), time.Millisecond),
-		payloadItem(1, observe.DirToClient, make([]byte, 100), 2*time.Millisecond),
-		payloadItem(1, observe.DirToEndpoint, make([]byte, 100), 3*time.Millisecond),
+	for _, tc := range []struct {
+		limit int64
+		want  []int // the datagrams' sizes, on the client's leg then the pod's
+	}{
+		{150, []int{100, 100, 50, 50}},
+		{200, []int{100, 100, 100, 100}},
 	} {
-		if err := w.WriteItem(it); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := w.Close(); err != nil {
-		t.Fatal(err)
-	}
-	var sizes []int
-	for _, b := range readBlocks(t, buf.Bytes())[2:] {
-		sizes = append(sizes, int(binary.LittleEndian.Uint32(b.body[12:]))-ipv4HeaderLen-udpHeaderLen)
-	}
-	if want := []int{100, 100, 50, 50}; !slices.Equal(sizes, want) {
-		t.Errorf("datagram sizes %v, want %v (two legs each)", sizes, want)
-	}
-	if st := w.Stats(); st.TruncatedFlows != 1 {
-		t.Errorf("TruncatedFlows = %d, want 1", st.TruncatedFlows)
+		t.Run(fmt.Sprint(tc.limit), func(t *testing.T) {
+			var buf bytes.Buffer
+			w := NewWriter(&buf, Options{MaxFlowBytes: tc.limit})
+			for _, it := range []*observe.Item{
+				flowItem(1, "UDP", "start", v4, 0),
+				payloadItem(1, observe.DirToEndpoint, make([]byte, 100), time.Millisecond),
+				payloadItem(1, observe.DirToClient, make([]byte, 100), 2*time.Millisecond),
+				payloadItem(1, observe.DirToEndpoint, make([]byte, 100), 3*time.Millisecond),
+			} {
+				if err := w.WriteItem(it); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := w.Close(); err != nil {
+				t.Fatal(err)
+			}
+			var sizes []int
+			for _, b := range readBlocks(t, buf.Bytes())[2:] {
+				sizes = append(sizes, int(binary.LittleEndian.Uint32(b.body[12:]))-ipv4HeaderLen-udpHeaderLen)
+			}
+			if !slices.Equal(sizes, tc.want) {
+				t.Errorf("datagram sizes %v, want %v", sizes, tc.want)
+			}
+			if st := w.Stats(); st.TruncatedFlows != 1 {
+				t.Errorf("TruncatedFlows = %d, want 1", st.TruncatedFlows)
+			}
+		})
 	}
 }
