@@ -116,15 +116,15 @@ func NewWriter(w io.Writer, opts Options) *Writer {
 	}
 }
 
-// errClosed is WriteItem's error after Close.
-var errClosed = errors.New("pcap: writer closed")
+// ErrClosed is WriteItem's error after Close.
+var ErrClosed = errors.New("pcap: writer closed")
 
 // WriteItem writes the packets an item stands for. A Payload item whose flow has not been seen
 // waits (bounded by Options.PendingBytes) for its flow's event. It returns the first error
 // writing to the file, from then on.
 func (w *Writer) WriteItem(it *observe.Item) error {
 	if w.closed {
-		return errClosed
+		return ErrClosed
 	}
 	if w.err != nil {
 		return w.err

@@ -57,8 +57,8 @@ func TestEmptyCapture(t *testing.T) {
 	if lt := binary.LittleEndian.Uint16(blocks[1].body); lt != linkTypeRaw {
 		t.Errorf("link type %d, want %d", lt, linkTypeRaw)
 	}
-	if err := w.WriteItem(flowItem(1, "TCP", "start", v4, 0)); !errors.Is(err, errClosed) {
-		t.Errorf("WriteItem after Close: %v, want %v", err, errClosed)
+	if err := w.WriteItem(flowItem(1, "TCP", "start", v4, 0)); !errors.Is(err, ErrClosed) {
+		t.Errorf("WriteItem after Close: %v, want %v", err, ErrClosed)
 	}
 }
 
