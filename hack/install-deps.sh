@@ -10,8 +10,9 @@
 #         iptables-restore: the proxy's portal rules)
 #   test  the demo's, plus conntrack (the conntrack cleanup benchmark fills and lists the table
 #         with it; the proxy itself clears entries over netlink), openssl, make, chromium and
-#         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol), and
-#         the monitoring group's
+#         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol),
+#         tshark (the capture tests read the pcapng files `observe --pcap` writes), and the
+#         monitoring group's
 #   monitoring  the chart and monitoring tests: prometheus and promtool (Debian's prometheus,
 #         without its recommended node exporter), and helm, which Debian does not package: built
 #         with `go install helm.sh/helm/v3/cmd/helm@HELM_VERSION` into /usr/local/bin (needs go)
@@ -40,7 +41,7 @@ usage() {
 group_tools() {
   case "$1" in
     demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
-    test) echo "$(group_tools demo) $(group_tools monitoring) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light" ;;
+    test) echo "$(group_tools demo) $(group_tools monitoring) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light tshark:tshark" ;;
     monitoring) echo "prometheus:prometheus promtool:prometheus helm:go:helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ;;
     cluster) echo "$(group_tools demo) $(group_tools image) containerd:containerd containerd-shim-runc-v2:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins nsenter:util-linux setsid:util-linux unshare:util-linux openssl:openssl curl:curl" ;;
     image) echo "mmdebstrap:mmdebstrap" ;;
@@ -109,7 +110,9 @@ go_install() {
 what="missing: ${missing_cmds[*]} (for ${groups[*]})"
 install=""
 if [ ${#missing_pkgs[@]} -gt 0 ]; then
-  install="apt-get update && apt-get install -y ${missing_pkgs[*]}"
+  # Non-interactive: wireshark-common (tshark's) asks a debconf question; its default (only root
+  # captures) is what we want.
+  install="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y ${missing_pkgs[*]}"
 fi
 for m in "${missing_go[@]}"; do
   install="${install:+$install && }GOBIN=/usr/local/bin go install $m"
