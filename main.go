@@ -19,6 +19,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/daemon"
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe/cli"
+	"github.com/kube-portal-proxy/kube-portal-proxy/observe/pcap"
 )
 
 // version is set at build time (-ldflags "-X main.version=...").
@@ -28,12 +29,38 @@ func main() {
 	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
 }
 
+// capture writes observe --pcap's file and says, when it is closed, what went in and what was
+// left out.
+type capture struct {
+	*pcap.Writer
+	stderr io.Writer
+}
+
+func (c *capture) Close() error {
+	err := c.Writer.Close()
+	st := c.Stats()
+	fmt.Fprintf(c.stderr, "capture: %d packets of %d flows, %d bytes", st.Packets, st.Flows, st.Bytes)
+	if st.TruncatedFlows > 0 {
+		fmt.Fprintf(c.stderr, "; %d flows cut at their capture cap", st.TruncatedFlows)
+	}
+	if st.CapReached {
+		fmt.Fprintf(c.stderr, "; the file cap left out %d packets", st.PacketsOverCap)
+	}
+	if st.UnmatchedPayloadBytes > 0 {
+		fmt.Fprintf(c.stderr, "; %d payload bytes without their flow's event were dropped", st.UnmatchedPayloadBytes)
+	}
+	fmt.Fprintln(c.stderr)
+	return err
+}
+
 // run is main without the exit, for tests. Exit codes: 0 done, 1 failed, 2 bad command line.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "observe" {
 		ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 		defer stop()
-		return cli.Main(ctx, args[1:], cli.Env{Stdout: stdout, Stderr: stderr})
+		return cli.Main(ctx, args[1:], cli.Env{Stdout: stdout, Stderr: stderr, NewCapture: func(w io.Writer) (cli.CaptureWriter, error) {
+			return &capture{Writer: pcap.NewWriter(w, pcap.Options{}), stderr: stderr}, nil
+		}})
 	}
 	o, err := daemon.ParseOptions(args)
 	if errors.Is(err, pflag.ErrHelp) {
