@@ -193,6 +193,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if pm.state != nil {
 		servingTasks = append(servingTasks, pm.state.Run)
 	}
+	if look := w.proxier.KernelFlows(); look != nil {
+		servingTasks = append(servingTasks, kernelFlowsTask(look, log))
+	}
 	if o.restartSnapshot != "" {
 		sw := &snapshotWriter{path: o.restartSnapshot, node: node, src: w.proxier, clock: d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: log}
 		servingTasks = append(servingTasks, sw.Run)

@@ -1,11 +1,14 @@
 package daemon
 
 import (
+	"context"
 	"net/http"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe"
+	"github.com/kube-portal-proxy/kube-portal-proxy/observe/conntrack"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 )
 
@@ -57,4 +60,82 @@ func flowsMux(stream http.Handler, authz func(http.Handler) http.Handler) http.H
 	mux := http.NewServeMux()
 	mux.Handle(flowsPath, authz(stream))
 	return mux
+}
+
+// kernelFlowsTask reads conntrack events for the kernel-path ports' flows, only while some port
+// is on the kernel path: every NAT'ed flow of the node is an event, a cost worth paying only for
+// flows the stream shows. A watcher that fails (no ctnetlink in this kernel or sandbox) is said
+// once and started again at the next change of the kernel-path ports.
+func kernelFlowsTask(look proxier.KernelFlowLookup, log logrus.FieldLogger) func(context.Context) {
+	return func(ctx context.Context) {
+		var cur *watcherRun
+		defer func() { cur.halt() }()
+		for {
+			if cur.failed() {
+				cur = nil // started again at the next change
+			}
+			switch n := look.Ports(); {
+			case n > 0 && cur == nil:
+				cur = startWatcher(ctx, look, log)
+			case n == 0:
+				cur.halt()
+				cur = nil
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-look.Changed():
+			case <-cur.ended():
+			}
+		}
+	}
+}
+
+// watcherRun is one conntrack watcher running in its own goroutine.
+type watcherRun struct {
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+func startWatcher(ctx context.Context, look proxier.KernelFlowLookup, log logrus.FieldLogger) *watcherRun {
+	wctx, stop := context.WithCancel(ctx)
+	r := &watcherRun{stop: stop, done: make(chan struct{})}
+	w := conntrack.NewWatcher(look, conntrack.Options{Logger: log})
+	go func() {
+		defer close(r.done)
+		if err := w.Run(wctx); err != nil {
+			log.WithError(err).Warn("Cannot read conntrack events: kernel-path flows are not in the flow stream")
+		}
+	}()
+	return r
+}
+
+// halt stops the watcher and waits for its goroutine; nil does nothing.
+func (r *watcherRun) halt() {
+	if r != nil {
+		r.stop()
+		<-r.done
+	}
+}
+
+// failed reports whether the watcher returned by itself.
+func (r *watcherRun) failed() bool {
+	if r == nil {
+		return false
+	}
+	select {
+	case <-r.done:
+		r.stop()
+		return true
+	default:
+		return false
+	}
+}
+
+// ended is closed once the watcher returned; nil (never) without one.
+func (r *watcherRun) ended() <-chan struct{} {
+	if r == nil {
+		return nil
+	}
+	return r.done
 }

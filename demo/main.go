@@ -102,7 +102,9 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 	argv := append(bed.Node.CommandPrefix(), proxy, "--services-file", manifests, "--portal-mode", cfg.mode,
 		// Leave conntrack sysctls alone (on older kernels nf_conntrack_max is host-wide).
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
-		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249")
+		"--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249",
+		// The node the manifests' endpoints name: the flow stream shows it.
+		"--hostname-override", "demo-node")
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = cfg.proxyEnv
 	p, err := child.Start("proxy", cmd, logPath)
@@ -132,7 +134,33 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 	if err := showTraffic(ctx, out, bed, cfg.mode); err != nil {
 		return p.Annotate(err)
 	}
+	if err := showFlows(ctx, out, proxy, fwd.Addr()); err != nil {
+		return p.Annotate(err)
+	}
 	return waitKeep(ctx, out, cfg.keep, bed, observeCommand(proxy, fwd.Addr()))
+}
+
+// showFlows prints what `kube-portal-proxy observe` shows of the round-robin requests: the last
+// ones the proxy keeps in its flow ring, one line each, with the pod that answered.
+func showFlows(ctx context.Context, out io.Writer, proxy, addr string) error {
+	const title = "The same requests as the proxy saw them: kube-portal-proxy observe --service demo/web --last 6"
+	fmt.Fprintf(out, "\n%s\n", title)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, proxy, "observe", "--address", addr, "--service", "demo/web", "--last", "6", "--color", "never", "-o", "wide")
+	got, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s: %w\n%s", title, err, got)
+	}
+	for _, want := range []string{"(pod1)", "(pod2)", "forwarded"} {
+		if !strings.Contains(string(got), want) {
+			return fmt.Errorf("%s: no %q in:\n%s", title, want, got)
+		}
+	}
+	for _, line := range strings.Split(strings.TrimRight(string(got), "\n"), "\n") {
+		fmt.Fprintln(out, "  "+line)
+	}
+	return nil
 }
 
 // observeAddr is where the demo forwards the proxy's metrics address on the host: the address

@@ -75,7 +75,8 @@ func TestRunShowsTrafficAndCleansUp(t *testing.T) {
 			if err != nil {
 				t.Fatalf("run: %v\noutput:\n%s", err, out.String())
 			}
-			for _, want := range []string{"answered by pod1", "answered by pod2", "connection refused after"} {
+			for _, want := range []string{"answered by pod1", "answered by pod2", "connection refused after",
+				"kube-portal-proxy observe --service demo/web", " forwarded ", "(pod1)", "(pod2)"} {
 				if !strings.Contains(out.String(), want) {
 					t.Errorf("output has no %q:\n%s", want, out.String())
 				}

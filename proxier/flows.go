@@ -21,6 +21,11 @@ type FlowSink interface {
 // original destination of a conntrack entry); nil if none.
 type KernelFlowLookup interface {
 	Lookup(proto flow.Protocol, dst netip.AddrPort) flow.Recorder
+	// Ports is how many ports are on the kernel path: conntrack events are worth reading only
+	// while there is one.
+	Ports() int
+	// Changed receives after a sync that changed the kernel-path ports.
+	Changed() <-chan struct{}
 }
 
 // flowPort describes a service port for its flow events.
@@ -45,7 +50,20 @@ type kernelFlows struct {
 	// recorders keeps each port's recorder across rebuilds, so a port's flow events keep their
 	// Port. Owned by the sync goroutine.
 	recorders map[kernelRecorderKey]flow.Recorder
+	// ports counts the kernel-path ports as last indexed; changed is poked after each rebuild.
+	ports   atomic.Int64
+	changed chan struct{}
 }
+
+func newKernelFlows(sink FlowSink, node string) *kernelFlows {
+	return &kernelFlows{sink: sink, node: node, changed: make(chan struct{}, 1)}
+}
+
+// Ports is how many ports are on the kernel path.
+func (k *kernelFlows) Ports() int { return int(k.ports.Load()) }
+
+// Changed receives after a sync that changed the kernel-path ports.
+func (k *kernelFlows) Changed() <-chan struct{} { return k.changed }
 
 type kernelRecorderKey struct {
 	name  service.ServicePortName
@@ -108,6 +126,11 @@ func (k *kernelFlows) rebuild(ports map[service.ServicePortName]*service.Port) {
 	}
 	k.recorders = recs
 	k.index.Store(x)
+	k.ports.Store(int64(len(ports)))
+	select {
+	case k.changed <- struct{}{}:
+	default:
+	}
 }
 
 // flowResolver names the pods behind a flow's addresses for the stream (observe.Resolver), from

@@ -37,7 +37,7 @@ func TestKernelFlowsLookup(t *testing.T) {
 	sink := &portSink{}
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath, c.Node.Name = true, "node-a" })
 	e.p.deps.Flows = sink
-	e.p.kflows = &kernelFlows{sink: sink, node: "node-a"}
+	e.p.kflows = newKernelFlows(sink, "node-a")
 	e.synced()
 	e.p.OnEndpointSliceAdd(webSlice("a", 8080, "10.244.1.1"))
 	svc := webService(func(s *v1.Service) {
@@ -50,6 +50,14 @@ func TestKernelFlowsLookup(t *testing.T) {
 	e.sync()
 
 	look := e.p.KernelFlows()
+	if look.Ports() != 1 {
+		t.Errorf("Ports() = %d, want 1", look.Ports())
+	}
+	select {
+	case <-look.Changed():
+	default:
+		t.Error("no Changed after the sync that put the port on the kernel path")
+	}
 	for _, tc := range []struct {
 		proto flow.Protocol
 		dst   string
@@ -89,6 +97,9 @@ func TestKernelFlowsLookup(t *testing.T) {
 	e.sync()
 	if r := look.Lookup(flow.TCP, netip.MustParseAddrPort("10.96.0.10:80")); r != nil {
 		t.Errorf("after the switch back to the proxy path Lookup found %v, want nil", r)
+	}
+	if look.Ports() != 0 {
+		t.Errorf("Ports() = %d after the switch back, want 0", look.Ports())
 	}
 }
 

@@ -307,7 +307,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		deps.Pods.source = p.endpointsOf
 	}
 	if deps.Flows != nil {
-		p.kflows = &kernelFlows{sink: deps.Flows, node: cfg.Node.Name}
+		p.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
 	}
 	return p
 }
