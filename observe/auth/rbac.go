@@ -34,7 +34,11 @@ func RBAC() []*rbacv1.ClusterRole {
 				Name:   name,
 				Labels: map[string]string{"app.kubernetes.io/name": "kube-portal-proxy"},
 			},
-			Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: resources, Verbs: []string{Verb}}},
+			Rules: []rbacv1.PolicyRule{
+				{APIGroups: []string{""}, Resources: resources, Verbs: []string{Verb}},
+				// observe --node reads the Node, --all-nodes lists them, for their addresses.
+				{APIGroups: []string{""}, Resources: []string{Resource}, Verbs: []string{"get", "list"}},
+			},
 		}
 	}
 	return []*rbacv1.ClusterRole{
