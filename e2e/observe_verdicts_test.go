@@ -761,7 +761,6 @@ func TestFlowStreamFilters(t *testing.T) {
 	proxy.waitAnswers(t, n.bed.Client, a.clusterTCP, "alpha never answered")
 	proxy.waitAnswers(t, n.bed.Client, b.clusterTCP, "beta never answered")
 	// The waits' own connections are flows too: the checks start after them.
-	since := time.Now()
 	eventually(t, ovWait, "the waits' flows ended", func() error {
 		fs, err := ovGet(n, ovQuery("namespace", ns, "phase", "end"))
 		if err != nil || len(fs) < 2 {
@@ -769,7 +768,7 @@ func TestFlowStreamFilters(t *testing.T) {
 		}
 		return nil
 	})
-	since = time.Now()
+	since := time.Now()
 
 	ovRequest(t, n.bed.Client, a.clusterTCP)
 	ovRequest(t, n.bed.Client, a.clusterTCP)
