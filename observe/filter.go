@@ -31,6 +31,8 @@ type Filter struct {
 type term struct {
 	key   string
 	match func(v *view) bool
+	// phase: the term picks which of a flow's events to send, not which flows (matchFlow).
+	phase bool
 }
 
 // ParseFilter reads the filter parameters of q (FilterKeys and their DenyPrefix forms). Values of
@@ -58,10 +60,11 @@ func ParseFilter(q url.Values) (*Filter, error) {
 		if err != nil {
 			return nil, fmt.Errorf("parameter %s: %w", k, err)
 		}
+		t := term{key: k, match: m, phase: base == "phase"}
 		if deny {
-			f.deny = append(f.deny, term{key: k, match: m})
+			f.deny = append(f.deny, t)
 		} else {
-			f.allow = append(f.allow, term{key: k, match: m})
+			f.allow = append(f.allow, t)
 		}
 	}
 	return f, nil
@@ -73,17 +76,24 @@ func (f *Filter) Match(e *flow.Event, r Resolver) bool {
 	return f.match(&v)
 }
 
-func (f *Filter) match(v *view) bool {
+func (f *Filter) match(v *view) bool { return f.matchTerms(v, true) }
+
+// matchFlow is match without the phase terms: whether the flow of v's event is one the filter
+// selects. A capture is decided on one early event (TCP Dial, UDP Start) for the whole flow, and
+// an observer that prints only End events (observe's default) still wants its flows' payload.
+func (f *Filter) matchFlow(v *view) bool { return f.matchTerms(v, false) }
+
+func (f *Filter) matchTerms(v *view, phases bool) bool {
 	if f == nil {
 		return true
 	}
 	for _, t := range f.allow {
-		if !t.match(v) {
+		if (phases || !t.phase) && !t.match(v) {
 			return false
 		}
 	}
 	for _, t := range f.deny {
-		if t.match(v) {
+		if (phases || !t.phase) && t.match(v) {
 			return false
 		}
 	}

@@ -10,8 +10,9 @@ import (
 
 // Capture returns a Tap for a flow a capturing observer's filter passes, nil otherwise. With no
 // capturing observer (capture off, the common case) it is one atomic load. The decision is made
-// on the event the data path asks with (TCP Dial, UDP Start): a filter on a later phase or an
-// end verdict does not select a capture.
+// on the event the data path asks with (TCP Dial, UDP Start), with the observer's filter less
+// its phase terms (they choose the events it is sent, not its flows: observe --pcap asks for End
+// events only); a filter on an end verdict does not select a capture.
 func (r *portRecorder) Capture(e *flow.Event) flow.Tap {
 	h := r.hub
 	if h.capturing.Load() == 0 {
@@ -32,7 +33,7 @@ func (r *portRecorder) Capture(e *flow.Event) flow.Tap {
 		if v.r != o.res { // observers of different resolvers: resolve again
 			v = view{e: &ev, r: o.res}
 		}
-		if o.pass(&v) {
+		if o.passFlow(&v) {
 			targets = append(targets, tapTarget{o: o, left: o.captureFlow})
 		}
 	}

@@ -119,3 +119,11 @@ func (o *observer) pass(v *view) bool {
 	}
 	return o.filter.match(v)
 }
+
+// passFlow reports whether v's flow is one o's filter selects, whatever the event's phase.
+func (o *observer) passFlow(v *view) bool {
+	if !o.since.IsZero() && v.e.Time.Before(o.since) {
+		return false
+	}
+	return o.filter.matchFlow(v)
+}

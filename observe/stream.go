@@ -227,6 +227,11 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 				st.lose(lostRate, 1)
 				continue
 			}
+			if e.Phase == flow.PhaseEnd {
+				// The flow's payload was queued before its End was recorded: send it first, as
+				// it happened (a capture reader closes the flow at End and drops what follows).
+				o.drainPayloads(st)
+			}
 			st.item(Item{Flow: v.flow()})
 		}
 		o.drainPayloads(st)
