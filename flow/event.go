@@ -282,6 +282,13 @@ type Recorder interface {
 	Record(e *Event)
 }
 
+// Observed is implemented by a Recorder that knows whether anyone watches now. The data path
+// reads what costs a system call per flow (the original destination, its own address on the
+// endpoint leg) only while Observed says true: events recorded unwatched, for later, go without.
+type Observed interface {
+	Observed() bool
+}
+
 // Direction of bytes in a flow.
 type Direction uint8
 

@@ -128,7 +128,12 @@ type portRecorder struct {
 var (
 	_ flow.Recorder = (*portRecorder)(nil)
 	_ flow.Capturer = (*portRecorder)(nil)
+	_ flow.Observed = (*portRecorder)(nil)
 )
+
+// Observed reports whether an observer follows the stream now (one atomic load): the data path
+// then adds the addresses that cost it a system call per flow.
+func (r *portRecorder) Observed() bool { return r.hub.admitted.Load() > 0 }
 
 // Record copies e into the ring. It takes no lock but the slot's and allocates nothing.
 func (r *portRecorder) Record(e *flow.Event) {

@@ -115,7 +115,9 @@ func (c *conn) serve() {
 		}
 	}
 	if c.fl != nil {
-		_ = be.raw.Control(c.fl.source)
+		if c.p.watched() {
+			_ = be.raw.Control(c.fl.source)
+		}
 		c.dialRecorded()
 	}
 	c.mu.Lock()

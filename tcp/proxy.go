@@ -126,6 +126,7 @@ type Proxy struct {
 	// explain is picker's Explainer and capturer cfg.Flows' Capturer, if they are (flows.go).
 	explain  Explainer
 	capturer flow.Capturer
+	observed flow.Observed // cfg.Flows', if it says whether anyone watches (flows.go)
 	// realClock: cfg.Clock is the real clock, so the io_uring engine may stamp activity with the
 	// time its loop read once per round (loop.now) instead of reading the clock per send.
 	realClock bool
@@ -180,9 +181,11 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	ctx, cancel := context.WithCancel(context.Background())
 	explain, _ := picker.(Explainer)
 	capturer, _ := cfg.Flows.(flow.Capturer)
+	observed, _ := cfg.Flows.(flow.Observed)
 	return &Proxy{
 		explain:   explain,
 		capturer:  capturer,
+		observed:  observed,
 		realClock: realClock,
 		name:      name,
 		picker:    picker,

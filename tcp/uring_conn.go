@@ -417,7 +417,9 @@ func (u *uconn) headerSent(res int32) {
 func (u *uconn) established() {
 	c := u.c
 	if c.fl != nil {
-		c.fl.ev.Source = sockName(int(u.fd[1]))
+		if c.p.watched() {
+			c.fl.ev.Source = sockName(int(u.fd[1]))
+		}
 		c.dialRecorded()
 	}
 	c.mu.Lock()

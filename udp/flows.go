@@ -49,7 +49,9 @@ func (p *shard) record(ph flow.Phase, s *session, info flow.Info, now time.Time)
 // started records a new session's Start and asks a capturing Recorder whether to capture it.
 func (p *shard) started(s *session, local netip.Addr, now time.Time) {
 	s.id = flow.NextID()
-	s.source = sockName(s.fd)
+	if o, ok := p.cfg.Flows.(flow.Observed); !ok || o.Observed() {
+		s.source = sockName(s.fd) // a system call per session: only while someone watches
+	}
 	s.setLocal(local)
 	p.record(flow.PhaseStart, s, s.info(now, flow.Unknown), now)
 	if c, ok := p.cfg.Flows.(flow.Capturer); ok {
@@ -76,12 +78,15 @@ func (s *session) serviceAddr(p *shard) netip.AddrPort {
 	return l
 }
 
-// listenAddr is the proxy socket's bound address.
+// listenAddr is the proxy socket's bound address, read once. The caller holds p.mu.
 func (p *shard) listenAddr() netip.AddrPort {
 	if p.lfd < 0 {
 		return netip.AddrPort{}
 	}
-	return sockName(p.lfd)
+	if !p.laddr.IsValid() {
+		p.laddr = sockName(p.lfd)
+	}
+	return p.laddr
 }
 
 // sockName is getsockname(2) without package unix's allocation of a Sockaddr.

@@ -38,8 +38,9 @@ type shard struct {
 	sessions map[netip.AddrPort]*session
 	byFD     map[int32]*session
 	lru      lru
-	ended    []flow.Info // waiting for OnEnd, reported outside mu
-	ev       flow.Event  // filled for each Config.Flows event (flows.go)
+	ended    []flow.Info    // waiting for OnEnd, reported outside mu
+	ev       flow.Event     // filled for each Config.Flows event (flows.go)
+	laddr    netip.AddrPort // lfd's address, read once for the flow events (flows.go)
 	lastWarn time.Time
 }
 
@@ -81,7 +82,7 @@ func (s *shard) close() ([]flow.Info, error) {
 	var err error
 	if s.lfd >= 0 {
 		err = closeFD(s.lfd)
-		s.lfd = -1
+		s.lfd, s.laddr = -1, netip.AddrPort{}
 	}
 	s.poll.wake() // serve sees closed; the poller is closed by release after serve returned
 	return s.takeEnded(), err
@@ -111,7 +112,7 @@ func (s *shard) refuse() ([]flow.Info, error) {
 		s.end(ss, flow.Shutdown)
 	}
 	err := closeFD(s.lfd) // closing also takes it out of the epoll set
-	s.lfd = -1
+	s.lfd, s.laddr = -1, netip.AddrPort{}
 	return s.takeEnded(), err
 }
 
