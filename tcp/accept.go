@@ -139,9 +139,7 @@ func (p *Proxy) SetRefusing(on bool) error {
 	}
 	close(p.lnChanged)
 	p.lnChanged = make(chan struct{})
-	if u, ok := p.engine().(*uringEngine); ok && p.armsItself {
-		u.arm(p)
-	}
+	p.engine().listenerChanged(p)
 	if old != nil {
 		p.engine().stopAccepting(p, old)
 		if err := old.close(); err != nil {

@@ -11,7 +11,6 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 )
 
 // Observer is implemented by a Picker that wants to hear how its picks turned out (the
@@ -26,29 +25,27 @@ type Observer interface {
 }
 
 // conn is one accepted client connection and, once dialed, its endpoint connection. Its control
-// (the dial ladder, accounting, termination) is shared by the engines; client, backend, dialing
-// and the directions are the epoll engine's, u the io_uring engine's (nil on epoll).
+// (the dial ladder's rules, accounting, termination) is the same on both engines; its sockets
+// and the waiting on them are its transport's, the engine's side of the connection.
 type conn struct {
 	p          *Proxy
 	id         uint64
-	u          *uconn
-	client     *sock
+	t          transport // epollConn (epoll_conn.go) or uconn (uring_conn.go)
 	clientAddr netip.AddrPort
 	start      int64        // unix nanoseconds on the proxy clock
 	last       atomic.Int64 // last byte moved, unix nanoseconds on the proxy clock
 	holding    atomic.Bool  // waiting for an endpoint (hold.go); the idle sweep skips it
-	up, down   direction    // client->endpoint, endpoint->client
+	// bytes moved client->endpoint (up) and endpoint->client (down): count
+	bytesUp, bytesDown atomic.Int64
 
 	mu       sync.Mutex
-	backend  *sock
-	dialing  *sock // the socket being connected, closed by terminate to abort the dial
 	endpoint netip.AddrPort
 	attempts int
 	end      flow.EndReason
 	err      error
 	closed   bool // sockets closed (or closing); no direction may park or restart
 	est      bool // the endpoint connection is established and the connection proxies
-	live     int  // owners not yet released: the dialing goroutine, then one per direction
+	live     int  // owners not yet released: the engine's (epoll: the dialer, then one per direction)
 	eofs     int  // directions that saw FIN
 	counted  bool // endpoint connected and reported to the Observer: finish reports the end
 	drained  bool // drain deadline passed: both legs were sent FIN (see drain)
@@ -56,127 +53,46 @@ type conn struct {
 	fl *flowState // the flow's events, while Config.Flows is set (flows.go); nil otherwise
 }
 
-// newConn counts and tracks a new connection from peer, with one owner; u is its io_uring part
-// (nil on epoll), set before the connection is visible to Shutdown and the others.
-func (p *Proxy) newConn(peer netip.AddrPort, u *uconn) *conn {
-	return p.initConn(new(conn), peer, u)
+// transport is the engine's side of one connection: its two sockets and the waiting on them
+// (for the dial, for bytes, for a held client). The control in conn.go and hold.go asks these of
+// it, from any goroutine unless it says otherwise; the engine drives the rest (the dial ladder,
+// the directions) and calls back into the control. Implemented by epollConn (epoll_conn.go: the
+// Go runtime poller, a goroutine per dial and per active direction) and uconn (uring_conn.go:
+// a connection on an io_uring loop).
+type transport interface {
+	// closingLocked runs as terminate marks the connection closed, with c.mu held: it returns how
+	// many of the connection's owners have no goroutine to see the sockets close and are
+	// released now (epoll: its parked directions).
+	closingLocked() (released int)
+	// terminate closes both sockets, with a reset when rst (SO_LINGER 0: the kernel sends RST
+	// and drops unsent data), and aborts a dial in flight. It does not wait: the owners still
+	// running see their sockets closed and release their shares (conn.release).
+	terminate(rst bool)
+	// drain sends FIN to both peers (shutdown for writing) of an established connection;
+	// errors (a peer already gone) are left to the directions, which see them on their sockets.
+	drain()
+	// finished frees what the engine keeps for the connection beyond its sockets (pipes, an
+	// idle watch); once, after the last owner is gone (conn.finish).
+	finished()
+	// watchHeld watches the client socket of a connection held for an endpoint (hold.go), and
+	// sends on gone why the client is gone, once it reset the connection or closed it without
+	// having sent a byte (clientGone). stop ends the watch; the socket is the dialer's again
+	// once it returns or, on a loop, before the loop handles the hold's result.
+	watchHeld() (gone <-chan flow.EndReason, stop func())
+	// legs returns the descriptors of the client and endpoint sockets, -1 for none (tests).
+	legs() (client, endpoint int)
 }
 
-// initConn is newConn on a zero conn the caller allocated (with its uconn, in one allocation).
-func (p *Proxy) initConn(c *conn, peer netip.AddrPort, u *uconn) *conn {
+// initConn counts and tracks a new connection from peer on transport t, with one owner. The
+// engine allocates c with its transport (one allocation for both) and links t to c before the
+// connection is visible to Shutdown and the others.
+func (p *Proxy) initConn(c *conn, peer netip.AddrPort, t transport) {
 	now := p.cfg.Clock.Now().UnixNano()
-	c.p, c.clientAddr, c.start, c.live, c.u = p, peer, now, 1, u
-	if u != nil {
-		u.c = c
-	}
+	c.p, c.clientAddr, c.start, c.live, c.t = p, peer, now, 1, t
 	c.last.Store(now)
 	p.stats.total.Add(1)
 	p.stats.active.Add(1)
 	p.track(c)
-	return c
-}
-
-// handle starts serving an accepted connection (fd, from peer) on its own goroutine (epoll).
-func (p *Proxy) handle(fd int, peer netip.AddrPort) {
-	c := p.newConn(peer, nil)
-	c.startFlow(fd)
-	c.client = newSock(fd)
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		c.serve()
-	}()
-}
-
-// serve dials an endpoint, then starts a goroutine for each direction and returns.
-//
-// Why not run client->endpoint on this goroutine: a dial that has to wait for its handshake (an
-// endpoint on another node; see awaitConnect) goes down to the runtime poller's deadline timers, whose
-// call chain outgrows a new goroutine's 2 KiB stack, so this goroutine ends with 4 KiB, while the
-// directions' loops fit in 2 KiB (checked with debug.SetMaxStack). Until they
-// park, the connections of a burst would each hold that 4 KiB stack, and the runtime returns freed
-// stack memory to the OS only slowly. Exiting here frees it for the next dial at the cost of one
-// goroutine start (bench/suite, 9,000 idle connections opened in a burst: 4.7-5.3 KiB RSS per
-// connection before, 4.2-4.6 KiB after; no change in CPU per connection).
-func (c *conn) serve() {
-	be, reason, err := c.dial()
-	if err != nil {
-		c.fail(reason, err)
-		c.release()
-		return
-	}
-	if v := c.p.cfg.ProxyProtocol; v != proxyprotocol.Off {
-		if err := c.sendProxyHeader(be, v); err != nil {
-			be.resetOnClose()
-			be.close()
-			c.fail(flow.EndpointReset, fmt.Errorf("send the PROXY protocol header: %w", err))
-			c.release()
-			return
-		}
-	}
-	if c.fl != nil {
-		if c.p.watched() {
-			_ = be.raw.Control(c.fl.source)
-		}
-		c.dialRecorded()
-	}
-	c.mu.Lock()
-	if c.closed { // terminated (Shutdown, idle timeout) while dialing
-		c.mu.Unlock()
-		be.resetOnClose()
-		be.close()
-		c.release()
-		return
-	}
-	c.backend, c.est = be, true
-	c.up.init(c, true, c.client, be)
-	c.down.init(c, false, be, c.client)
-	c.live++ // endpoint->client; client->endpoint inherits the dialer's share
-	c.mu.Unlock()
-	c.p.goRun(&c.down)
-	c.p.goRun(&c.up)
-}
-
-// dial walks the timeout ladder, asking the picker for a fresh endpoint (reset=true) after a failure
-// of the endpoint (retryElsewhere).
-func (c *conn) dial() (*sock, flow.EndReason, error) {
-	p := c.p
-	reset := false
-	var lastErr error
-	for i, timeout := range p.cfg.DialTimeouts {
-		ep, err := c.next(reset)
-		if err != nil {
-			if i > 0 {
-				break
-			}
-			var reason flow.EndReason
-			if ep, reason, err = c.hold(err); err != nil {
-				return nil, reason, err
-			}
-		}
-		c.attempt(ep, i)
-		// No bind before connect: bind(0.0.0.0:0)'s ephemeral port search dominated the profile
-		// (86% of CPU at 3000 connections/s with many sockets in TIME_WAIT); connect() picks a
-		// port far more cheaply.
-		deadline := time.Now().Add(timeout) // the runtime poller's deadlines are on the real clock
-		s, err := dialSock(ep, deadline, p.cfg.KeepAlive, c)
-		if err != nil && outOfResources(err) {
-			s, err = c.dialBackingOff(ep, deadline, err)
-		}
-		if err == nil {
-			if c.fl != nil {
-				c.connectedNow()
-			}
-			c.observed(ep, nil)
-			return s, flow.Unknown, nil
-		}
-		var stop bool
-		if lastErr, stop = c.attemptFailed(ep, i, timeout, err); stop {
-			return nil, flow.Shutdown, err
-		}
-		reset = retryElsewhere(err)
-	}
-	return nil, flow.DialFailed, dialsFailed(lastErr)
 }
 
 // attemptFailed counts, logs and reports to the Observer a failed dial attempt (i) to ep. It
@@ -260,51 +176,6 @@ func dialsFailed(lastErr error) error {
 	return fmt.Errorf("connect to an endpoint: %w", lastErr)
 }
 
-// dialBackingOff retries a dial that failed for want of descriptors (or kernel memory). That says
-// nothing about ep, so instead of failing over it backs off and tries ep again while the attempt's
-// time lasts; closing connections free what it needs. (The accept loop backs off the same way,
-// but it can only see the limit when accept itself fails; a connection accepted with the last
-// free descriptor meets it here.)
-func (c *conn) dialBackingOff(ep netip.AddrPort, deadline time.Time, err error) (*sock, error) {
-	backoff := time.Duration(0)
-	for outOfResources(err) {
-		backoff = nextBackoff(backoff)
-		if time.Until(deadline) < backoff {
-			break
-		}
-		if backoff == minBackoff { // once per attempt, not per retry
-			c.logger().WithError(err).Warn("dial: out of resources, backing off")
-		}
-		if !c.p.sleep(backoff) {
-			break
-		}
-		var s *sock
-		if s, err = dialSock(ep, deadline, c.p.cfg.KeepAlive, c); err == nil {
-			return s, nil
-		}
-	}
-	return nil, err
-}
-
-// startDial records the socket being connected so that terminate can abort the dial; false if the
-// connection is already closed.
-func (c *conn) startDial(s *sock) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return false
-	}
-	c.dialing = s
-	return true
-}
-
-// endDial forgets the socket of a dial that ended.
-func (c *conn) endDial() {
-	c.mu.Lock()
-	c.dialing = nil
-	c.mu.Unlock()
-}
-
 func (c *conn) isClosed() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -352,9 +223,8 @@ func (c *conn) fail(reason flow.EndReason, err error) {
 	}
 }
 
-// terminate closes both sockets, with a reset when rst is set (SO_LINGER 0: the kernel sends RST and
-// drops unsent data). It reports false if the connection was already closing. Parked directions have
-// no goroutine to notice, so they are released here.
+// terminate marks the connection closed and has its transport close both sockets, with a reset
+// when rst is set. It reports false if the connection was already closing.
 func (c *conn) terminate(reason flow.EndReason, rst bool) bool {
 	c.mu.Lock()
 	if c.closed {
@@ -367,34 +237,10 @@ func (c *conn) terminate(reason flow.EndReason, rst bool) bool {
 	if !c.drained && (c.end == flow.Unknown || (reason != flow.ClientClosed && reason != flow.EndpointClosed)) {
 		c.end = reason
 	}
-	for _, d := range []*direction{&c.up, &c.down} {
-		if d.parked {
-			d.parked = false
-			c.live--
-		}
-	}
-	be, dialing, done := c.backend, c.dialing, c.live == 0
+	c.live -= c.t.closingLocked()
+	done := c.live == 0
 	c.mu.Unlock()
-	if c.u != nil {
-		c.u.terminate(rst) // the loop closes the sockets, then releases its share
-		if done {
-			c.finish()
-		}
-		return true
-	}
-	if rst {
-		c.client.resetOnClose()
-		if be != nil {
-			be.resetOnClose()
-		}
-	}
-	c.client.close()
-	if be != nil {
-		be.close()
-	}
-	if dialing != nil {
-		dialing.close() // its dialer wakes up, sees closed, and gives up
-	}
+	c.t.terminate(rst)
 	if done {
 		c.finish()
 	}
@@ -419,13 +265,7 @@ func (c *conn) release() {
 
 // finish runs once, after the last owner is gone and the sockets are closed.
 func (c *conn) finish() {
-	if c.u == nil {
-		c.up.releasePipe()
-		c.down.releasePipe()
-		pk := c.p.parker.Load()
-		pk.forget(&c.up)
-		pk.forget(&c.down)
-	}
+	c.t.finished()
 	c.p.untrack(c)
 	c.mu.Lock()
 	end, counted, ep := c.end, c.counted, c.endpoint
@@ -433,7 +273,7 @@ func (c *conn) finish() {
 	c.p.stats.ended[end].Add(1)
 	c.p.stats.active.Add(-1)
 	if o, ok := c.p.picker.(Observer); ok && counted {
-		o.FlowDone(ep, end == flow.EndpointReset && c.down.bytes.Load() == 0)
+		o.FlowDone(ep, end == flow.EndpointReset && c.bytesDown.Load() == 0)
 	}
 	if c.p.cfg.OnEnd == nil && c.fl == nil {
 		return
@@ -459,16 +299,73 @@ func (c *conn) drain() bool {
 	}
 	c.drained = true
 	c.end = flow.DrainTimeout
-	be := c.backend
 	c.mu.Unlock()
-	if c.u != nil {
-		c.u.drain()
-		return true
-	}
-	// Errors (a peer already gone) are left to the directions, which see them on their sockets.
-	_ = c.client.closeWrite()
-	_ = be.closeWrite()
+	c.t.drain()
 	return true
+}
+
+// count counts n bytes a direction (up: client->endpoint) moved, at now (unix nanoseconds on
+// the proxy clock): both engines' directions call it.
+func (c *conn) count(up bool, n, now int64) {
+	if up {
+		c.bytesUp.Add(n)
+		c.p.stats.bytesIn.Add(n)
+	} else {
+		c.bytesDown.Add(n)
+		c.p.stats.bytesOut.Add(n)
+	}
+	c.last.Store(now)
+}
+
+// sawEOF records that a direction (up: client->endpoint) read EOF, and says whether its
+// destination must be shut down for writing to forward the FIN (both engines).
+func (c *conn) sawEOF(up bool) (shut bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.end == flow.Unknown { // before the shutdown: the peer may answer our FIN with its own at once
+		c.end = flow.EndpointClosed
+		if up {
+			c.end = flow.ClientClosed
+		}
+	}
+	// The other direction already ended: closing both sockets sends this FIN too, so the shutdown
+	// would be a wasted syscall. Nothing is unread on either socket (both reads saw EOF), so the
+	// close sends FIN, not RST. And drain shut both destinations down already; a second shutdown
+	// may fail (ENOTCONN once the peer's FIN completed the close) and would be taken for a broken leg.
+	return c.eofs != 1 && !c.drained
+}
+
+// eofForwarded counts a direction that forwarded its EOF; the second one ends the connection.
+func (c *conn) eofForwarded() {
+	c.mu.Lock()
+	c.eofs++
+	both, end := c.eofs == 2, c.end
+	c.mu.Unlock()
+	if both {
+		c.terminate(end, false)
+	}
+}
+
+// legFailed resets the connection after a read (onWrite=false) or write error of a direction (up:
+// client->endpoint), with the reason naming the side that failed (both engines).
+func (c *conn) legFailed(up, onWrite bool, err error) {
+	if c.isClosed() {
+		return
+	}
+	op := "read"
+	if onWrite {
+		op = "write"
+	}
+	dir := "endpoint->client"
+	if up {
+		dir = "client->endpoint"
+	}
+	clientSide := up != onWrite // reading client->endpoint, or writing endpoint->client
+	reason := flow.EndpointReset
+	if clientSide {
+		reason = flow.ClientReset
+	}
+	c.fail(reason, fmt.Errorf("%s: %s: %w", dir, op, err))
 }
 
 // isDrained reports whether drain sent this connection's FINs and it is still open.
@@ -485,7 +382,7 @@ func (c *conn) info() flow.Info {
 	start := time.Unix(0, c.start)
 	return flow.Info{
 		Client: c.clientAddr, Endpoint: c.endpoint,
-		BytesToEndpoint: uint64(c.up.bytes.Load()), BytesToClient: uint64(c.down.bytes.Load()),
+		BytesToEndpoint: uint64(c.bytesUp.Load()), BytesToClient: uint64(c.bytesDown.Load()),
 		Start: start, LastActive: time.Unix(0, c.last.Load()), Duration: now.Sub(start),
 		DialAttempts: c.attempts, End: c.endIfClosed(), Err: c.err,
 	}

@@ -3,7 +3,6 @@ package tcp
 import (
 	"errors"
 	"fmt"
-	"runtime"
 
 	"github.com/sirupsen/logrus"
 
@@ -36,6 +35,12 @@ type Engine interface {
 	blockingListener() bool
 	// acceptLoop accepts p's connections until p is closed (Proxy.Run).
 	acceptLoop(p *Proxy) error
+	// start is Proxy.Start: it starts accepting p's connections on the engine's own threads and
+	// reports true, or reports false when p needs Run (a goroutine of its own that accepts).
+	start(p *Proxy) (started bool, err error)
+	// listenerChanged follows SetRefusing's change of p.ln (p.lnMu held): an engine that
+	// accepts for a started proxy arms the new listener.
+	listenerChanged(p *Proxy)
 	// stopAccepting returns once nothing accepts on ln any more, so that closing it closes the
 	// socket (an accept request in flight holds a reference to it).
 	stopAccepting(p *Proxy, ln *sock)
@@ -62,6 +67,8 @@ func (epollEngine) Status() EngineStatus        { return EngineStatus{Serving: E
 func (epollEngine) blockingListener() bool      { return false }
 func (epollEngine) acceptLoop(p *Proxy) error   { return p.acceptLoop() }
 func (epollEngine) stopAccepting(*Proxy, *sock) {}
+func (epollEngine) start(*Proxy) (bool, error)  { return false, nil }
+func (epollEngine) listenerChanged(*Proxy)      {}
 
 // ProbeIOUring tells whether the io_uring engine can run in this process: see iouring.Probe.
 func ProbeIOUring() error { return iouring.Probe() }
@@ -97,13 +104,6 @@ func ChooseEngine(name string, probe func() error, log logrus.FieldLogger) (e En
 // (GOMAXPROCS), and then the engine adds a P while it runs, so that its loops waiting in the
 // kernel keep theirs (uring.go). It opens nothing until a proxy runs on it.
 func NewIOUring(threads int) Engine { return newIOUring(threads, nil) }
-
-func newIOUring(threads int, log logrus.FieldLogger) *uringEngine {
-	if threads <= 0 {
-		return &uringEngine{threads: runtime.GOMAXPROCS(0), spareP: true, log: log}
-	}
-	return &uringEngine{threads: threads, log: log}
-}
 
 // defaultEngine serves proxies whose Config.Engine is nil: Epoll, except in this package's tests
 // run for the io_uring engine (engine_test.go).

@@ -146,12 +146,12 @@ func (e *uringEngine) logger() logrus.FieldLogger {
 // poller, and a proxy the engine started gets an accept goroutine of its own. A proxy that runs
 // calls it from its acceptLoop, then accepts there. The caller holds p.lnMu. Done once per proxy.
 func (e *uringEngine) toEpoll(p *Proxy) {
-	if p.onEpoll {
+	if p.uring.onEpoll {
 		return
 	}
-	p.onEpoll = true
-	if p.uacceptLn != nil {
-		e.disarm(p, p.uacceptLn)
+	p.uring.onEpoll = true
+	if p.uring.ln != nil {
+		e.disarm(p, p.uring.ln)
 	}
 	if p.ln != nil {
 		ln, err := p.ln.polled()
@@ -165,10 +165,10 @@ func (e *uringEngine) toEpoll(p *Proxy) {
 		}
 		p.ln = ln
 	}
-	if !p.armsItself {
+	if !p.uring.armsItself {
 		return
 	}
-	p.armsItself = false
+	p.uring.armsItself = false
 	select {
 	case <-p.closed:
 		return

@@ -223,13 +223,5 @@ var modes = []struct {
 func legFDs(c *conn) (client, endpoint int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.u != nil {
-		return int(c.u.fd[0]), int(c.u.fd[1])
-	}
-	fd := func(s *sock) int {
-		var n int
-		_ = s.raw.Control(func(f uintptr) { n = int(f) })
-		return n
-	}
-	return fd(c.client), fd(c.backend)
+	return c.t.legs()
 }

@@ -3,8 +3,6 @@ package tcp
 import (
 	"fmt"
 	"net/netip"
-	"sync/atomic"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -109,43 +107,13 @@ func (p *Proxy) WakeHeld() {
 	p.holdMu.Unlock()
 }
 
-// watchHeldClient watches a held connection's client socket in the runtime poller until stop is
-// called, and sends on gone why the client is gone once it reset the connection (ClientReset) or
-// closed it without having sent a byte (ClientClosed): nothing of it would reach the endpoint, and
-// its place in the hold is free again. The bytes a client sends are left in the socket for the
-// endpoint; each arrival only wakes the watch. stop ends the watch (through an expired read
-// deadline, cleared again afterwards) and waits for it, so the socket is the dialer's again.
-//
-// On the io_uring engine the loop owns the client socket (c.client is nil) and watches it with a
-// poll of its ring (uconn.watchHeld).
+// watchHeldClient watches a held connection's client socket until stop is called (the
+// transport's watchHeld: the runtime poller on epoll, a poll on the connection's ring on
+// io_uring), and sends on gone why the client is gone once it reset the connection (ClientReset)
+// or closed it without having sent a byte (ClientClosed): nothing of it would reach the
+// endpoint, and its place in the hold is free again.
 func (c *conn) watchHeldClient() (gone <-chan flow.EndReason, stop func()) {
-	if c.u != nil {
-		return c.u.watchHeld()
-	}
-	ch := make(chan flow.EndReason, 1)
-	var stopping atomic.Bool
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		// The error is the expired deadline of stop, or a socket closed by terminate: both
-		// mean the hold is over.
-		_ = c.client.raw.Read(func(fd uintptr) bool {
-			if stopping.Load() {
-				return true
-			}
-			if reason, ok := clientGone(int(fd)); ok {
-				ch <- reason
-				return true
-			}
-			return false
-		})
-	}()
-	return ch, func() {
-		stopping.Store(true)
-		_ = c.client.f.SetReadDeadline(time.Unix(1, 0))
-		<-done
-		_ = c.client.f.SetReadDeadline(time.Time{})
-	}
+	return c.t.watchHeld()
 }
 
 // The kernel's TCP states (include/net/tcp_states.h) as TCP_INFO reports them.

@@ -138,15 +138,8 @@ type Proxy struct {
 	lnChanged chan struct{}
 	addr      netip.AddrPort
 	adopted   bool // Listen took a handed-over socket (Config.Adopt)
-	// uacceptLn is the listener the io_uring engine's loops accept on, with uaccepts (uring.go).
-	uacceptLn *sock
-	uaccepts  []*uaccept
-	// armsItself: started by Start, so no acceptLoop waits on lnChanged; whatever changes ln
-	// arms the new one itself (under lnMu).
-	armsItself bool
-	// onEpoll: the io_uring engine fell back, and this proxy accepts on the epoll engine
-	// (fallback.go; under lnMu).
-	onEpoll bool
+	// uring is the io_uring engine's accepting for this proxy (uring.go), under lnMu.
+	uring uringAccepting
 	// parker is created lazily by idleWatcher; pkMu orders its creation with stopBackground.
 	parker    atomic.Pointer[parker]
 	pkMu      sync.Mutex
@@ -257,27 +250,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 // engine that accepts on a goroutine per proxy (epoll), or an io_uring engine that could not
 // start and fell back to epoll, it does nothing and reports false: call Run.
 func (p *Proxy) Start() (bool, error) {
-	u, ok := p.engine().(*uringEngine)
-	if !ok {
-		return false, nil
-	}
-	if !p.addr.IsValid() {
-		return true, fmt.Errorf("tcp proxy %s: Start before Listen", p.name)
-	}
-	if u.start() != nil {
-		// The engine fell back to epoll (fallback.go: logged and counted there): Run accepts.
-		return false, nil
-	}
-	p.startBackground()
-	p.lnMu.Lock()
-	defer p.lnMu.Unlock()
-	p.armsItself = true
-	select {
-	case <-p.closed:
-	default:
-		u.arm(p)
-	}
-	return true, nil
+	return p.engine().start(p)
 }
 
 // Close stops accepting at once and keeps established connections (the legacy behaviour).

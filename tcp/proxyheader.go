@@ -2,7 +2,6 @@ package tcp
 
 import (
 	"net/netip"
-	"os"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -10,37 +9,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxyprotocol"
 )
-
-// sendProxyHeader writes the PROXY protocol header on the endpoint socket, in one write, before
-// either direction starts, so the header is the first thing the endpoint reads and the splice
-// path stays as it is. The socket has just connected and its send buffer is empty, so the write
-// of at most 107 bytes completes at once; a partial write is finished all the same.
-func (c *conn) sendProxyHeader(be *sock, v proxyprotocol.Version) error {
-	var buf [proxyprotocol.MaxLen]byte
-	var b []byte
-	_ = c.client.raw.Control(func(fd uintptr) { b = c.proxyHeader(buf[:0], int(fd), v) })
-	var werr error
-	err := be.raw.Write(func(fd uintptr) bool {
-		for len(b) > 0 {
-			n, err := sysWrite(int(fd), b)
-			switch err {
-			case nil:
-				b = b[n:]
-			case unix.EINTR:
-			case unix.EAGAIN:
-				return false
-			default:
-				werr = os.NewSyscallError("write", err)
-				return true
-			}
-		}
-		return true
-	})
-	if err != nil {
-		return err
-	}
-	return werr
-}
 
 // proxyHeader appends the header of version v for this connection, whose client socket is fd.
 func (c *conn) proxyHeader(b []byte, fd int, v proxyprotocol.Version) []byte {

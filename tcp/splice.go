@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -39,14 +38,13 @@ type direction struct {
 	src, dst    *sock
 	fill, flush func(fd uintptr) bool // method values, bound once: no allocation per wakeup
 
-	bulk  bool           // splicing a bulk burst (see fillFn)
-	buf   *[bufSize]byte // holds d.n bytes at off, in small-read mode
-	off   int
-	pipe  *pipe
-	n     int64 // bytes in flight (buffer or pipe), or the last read result
-	rerr  error // from fill
-	werr  error // from flush
-	bytes atomic.Int64
+	bulk bool           // splicing a bulk burst (see fillFn)
+	buf  *[bufSize]byte // holds d.n bytes at off, in small-read mode
+	off  int
+	pipe *pipe
+	n    int64 // bytes in flight (buffer or pipe), or the last read result
+	rerr error // from fill
+	werr error // from flush
 
 	// guarded by c.mu
 	parked bool // waiting in the parker, no goroutine
@@ -234,19 +232,7 @@ func (d *direction) releasePipe() {
 	}
 }
 
-func (d *direction) count(n int64) { d.countAt(n, d.c.p.cfg.Clock.Now().UnixNano()) }
-
-// countAt counts n bytes moved at now (unix nanoseconds on the proxy's clock).
-func (d *direction) countAt(n, now int64) {
-	d.bytes.Add(n)
-	c := d.c
-	if d.up {
-		c.p.stats.bytesIn.Add(n)
-	} else {
-		c.p.stats.bytesOut.Add(n)
-	}
-	c.last.Store(now)
-}
+func (d *direction) count(n int64) { d.c.count(d.up, n, d.c.p.cfg.Clock.Now().UnixNano()) }
 
 // eof forwards a FIN: half-close the destination and let the other direction run on. The second
 // direction to see FIN closes the connection.
@@ -263,35 +249,6 @@ func (d *direction) eof() {
 	c.release()
 }
 
-// sawEOF records that a direction (up: client->endpoint) read EOF, and says whether its
-// destination must be shut down for writing to forward the FIN (both engines).
-func (c *conn) sawEOF(up bool) (shut bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.end == flow.Unknown { // before the shutdown: the peer may answer our FIN with its own at once
-		c.end = flow.EndpointClosed
-		if up {
-			c.end = flow.ClientClosed
-		}
-	}
-	// The other direction already ended: closing both sockets sends this FIN too, so the shutdown
-	// would be a wasted syscall. Nothing is unread on either socket (both reads saw EOF), so the
-	// close sends FIN, not RST. And drain shut both destinations down already; a second shutdown
-	// may fail (ENOTCONN once the peer's FIN completed the close) and would be taken for a broken leg.
-	return c.eofs != 1 && !c.drained
-}
-
-// eofForwarded counts a direction that forwarded its EOF; the second one ends the connection.
-func (c *conn) eofForwarded() {
-	c.mu.Lock()
-	c.eofs++
-	both, end := c.eofs == 2, c.end
-	c.mu.Unlock()
-	if both {
-		c.terminate(end, false)
-	}
-}
-
 // broken handles a read (onWrite=false) or write error: the side that failed is gone or reset, so
 // reset the other one too. On a connection closed under us on purpose (its sockets report "use of
 // closed file"), fail does nothing, so no error is built.
@@ -299,28 +256,6 @@ func (d *direction) broken(onWrite bool, err error) {
 	d.releasePipe()
 	d.c.legFailed(d.up, onWrite, err)
 	d.c.release()
-}
-
-// legFailed resets the connection after a read (onWrite=false) or write error of a direction (up:
-// client->endpoint), with the reason naming the side that failed (both engines).
-func (c *conn) legFailed(up, onWrite bool, err error) {
-	if c.isClosed() {
-		return
-	}
-	op := "read"
-	if onWrite {
-		op = "write"
-	}
-	dir := "endpoint->client"
-	if up {
-		dir = "client->endpoint"
-	}
-	clientSide := up != onWrite // reading client->endpoint, or writing endpoint->client
-	reason := flow.EndpointReset
-	if clientSide {
-		reason = flow.ClientReset
-	}
-	c.fail(reason, fmt.Errorf("%s: %s: %w", dir, op, err))
 }
 
 // park hands the idle source to the watcher and lets the goroutine go (true). If the connection

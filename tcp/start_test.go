@@ -25,7 +25,7 @@ func TestStartServesWithoutRun(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Start: %v", err)
 	}
-	if _, uring := p.engine().(*uringEngine); started != uring {
+	if uring := p.engine().Name() == EngineIOUring; started != uring {
 		t.Fatalf("Start = %v on the %s engine", started, p.engine().Name())
 	}
 	if !started {

@@ -83,7 +83,7 @@ const (
 
 type uringEngine struct {
 	threads int
-	// spareP: the engine raises GOMAXPROCS by one while it runs (see start).
+	// spareP: the engine raises GOMAXPROCS by one while it runs (see startLoops).
 	spareP    bool
 	prevProcs int
 	ringBufs  int // buffers per loop; 0 means uringBufs (tests make it small)
@@ -108,6 +108,13 @@ type uringEngine struct {
 	loopErr    error // the first loop's death
 }
 
+func newIOUring(threads int, log logrus.FieldLogger) *uringEngine {
+	if threads <= 0 {
+		return &uringEngine{threads: runtime.GOMAXPROCS(0), spareP: true, log: log}
+	}
+	return &uringEngine{threads: threads, log: log}
+}
+
 func (e *uringEngine) Name() string { return EngineIOUring }
 
 // blockingListener: a listener the rings accept on stays out of the runtime poller, until the
@@ -118,9 +125,9 @@ func (e *uringEngine) blockingListener() bool {
 	return !e.fallen
 }
 
-// start sets up the loops on first use. If they cannot be set up, the engine falls back to
-// epoll (fallback.go) and start keeps failing: each proxy then accepts on the epoll engine.
-func (e *uringEngine) start() error {
+// setUp sets up the loops on first use. If they cannot be set up, the engine falls back to
+// epoll (fallback.go) and setUp keeps failing: each proxy then accepts on the epoll engine.
+func (e *uringEngine) setUp() error {
 	e.startOnce.Do(func() {
 		e.startErr = e.startLoops()
 		if e.startErr != nil && e.startErr != errEngineClosed {
@@ -205,7 +212,7 @@ func (e *uringEngine) Close() error {
 // SetRefusing replaces it, until the proxy is closed. The loops do the accepting; once the engine
 // has fallen back to epoll, this goroutine does.
 func (e *uringEngine) acceptLoop(p *Proxy) error {
-	if e.start() == nil {
+	if e.setUp() == nil {
 		fellBack := e.fellBack()
 	accepting:
 		for {
@@ -229,18 +236,59 @@ func (e *uringEngine) acceptLoop(p *Proxy) error {
 	return p.acceptLoop()
 }
 
+// uringAccepting is what the engine keeps in a Proxy (Proxy.uring), guarded by p.lnMu.
+type uringAccepting struct {
+	// ln is the listener the loops accept on, with accepts, one per loop.
+	ln      *sock
+	accepts []*uaccept
+	// armsItself: started by Start, so no acceptLoop waits on lnChanged; whatever changes ln
+	// arms the new one itself (listenerChanged).
+	armsItself bool
+	// onEpoll: the engine fell back, and this proxy accepts on the epoll engine (fallback.go).
+	onEpoll bool
+}
+
+// start is Proxy.Start on this engine: the loops accept for p, and no goroutine waits in Run.
+func (e *uringEngine) start(p *Proxy) (bool, error) {
+	if !p.addr.IsValid() {
+		return true, fmt.Errorf("tcp proxy %s: Start before Listen", p.name)
+	}
+	if e.setUp() != nil {
+		// The engine fell back to epoll (fallback.go: logged and counted there): Run accepts.
+		return false, nil
+	}
+	p.startBackground()
+	p.lnMu.Lock()
+	defer p.lnMu.Unlock()
+	p.uring.armsItself = true
+	select {
+	case <-p.closed:
+	default:
+		e.arm(p)
+	}
+	return true, nil
+}
+
+// listenerChanged arms the new listener of a proxy the engine started (Start); a proxy that runs
+// (Run) re-arms it in acceptLoop, woken by lnChanged. The caller holds p.lnMu.
+func (e *uringEngine) listenerChanged(p *Proxy) {
+	if p.uring.armsItself {
+		e.arm(p)
+	}
+}
+
 // arm arms an accept on every loop for p's listening socket unless that is done already or p is
 // refusing. The caller holds p.lnMu: Close and SetRefusing cancel what is armed before closing
 // ln, so an accept is never armed on a closed (and maybe reused) descriptor.
 func (e *uringEngine) arm(p *Proxy) {
 	ln := p.ln
-	if ln == nil || p.uacceptLn == ln {
+	if ln == nil || p.uring.ln == ln {
 		return
 	}
 	if !e.track(p) {
 		// Fallen back: a proxy the engine started accepts on a goroutine now; a proxy that
 		// runs switches its acceptLoop itself.
-		if p.armsItself {
+		if p.uring.armsItself {
 			e.toEpoll(p)
 		}
 		return
@@ -255,13 +303,13 @@ func (e *uringEngine) arm(p *Proxy) {
 			close(a.done)
 		}
 	}
-	p.uaccepts, p.uacceptLn = accs, ln
+	p.uring.accepts, p.uring.ln = accs, ln
 }
 
 // stopAccepting cancels the accepts armed on ln and waits for the loops to confirm. The caller
 // holds p.lnMu (the loops never take it).
 func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
-	if p.uacceptLn != ln {
+	if p.uring.ln != ln {
 		return
 	}
 	e.disarm(p, ln)
@@ -272,8 +320,8 @@ func (e *uringEngine) stopAccepting(p *Proxy, ln *sock) {
 // p.lnMu.
 func (e *uringEngine) disarm(p *Proxy, ln *sock) {
 	e.untrack(p)
-	accs := p.uaccepts
-	p.uaccepts, p.uacceptLn = nil, nil
+	accs := p.uring.accepts
+	p.uring.accepts, p.uring.ln = nil, nil
 	for i, a := range accs {
 		l := e.loops[i]
 		if !l.post(func() { l.cancelAccept(a) }) {
@@ -745,9 +793,9 @@ func (l *loop) serve(p *Proxy, fd int, peer netip.AddrPort) {
 		u.slot = uint32(len(l.conns))
 		l.conns = append(l.conns, u)
 	}
-	c := p.initConn(&both.c, peer, u)
-	c.startFlow(fd)
-	c.up.c, c.up.up, c.down.c = c, true, c // the directions count bytes (direction.count)
+	u.c = &both.c
+	p.initConn(u.c, peer, u)
+	u.c.startFlow(fd)
 	p.wg.Add(1)
 	u.pick()
 }

@@ -50,10 +50,23 @@ type uconn struct {
 	d [2]udir // client->endpoint, endpoint->client
 }
 
-// terminate asks the loop to close the connection (conn.terminate, from any goroutine).
+var _ transport = (*uconn)(nil)
+
+// closingLocked: nothing of a connection on a loop waits outside the loop, which releases its
+// one share when the sockets are closed (closeNow).
+func (u *uconn) closingLocked() (released int) { return 0 }
+
+// terminate asks the loop to close the connection (conn.terminate, from any goroutine): the
+// loop cancels what is in the kernel, closes the sockets, then releases its share.
 func (u *uconn) terminate(rst bool) {
 	u.l.postItem(inboxItem{u: u, rst: rst})
 }
+
+// finished: the loop gave back the buffers and pipes when it closed the sockets (closeNow).
+func (u *uconn) finished() {}
+
+// legs returns the sockets' descriptors (the loop's own: read them where the loop is quiet).
+func (u *uconn) legs() (client, endpoint int) { return int(u.fd[0]), int(u.fd[1]) }
 
 // drain sends FIN to both peers (conn.drain).
 func (u *uconn) drain() {
@@ -166,7 +179,7 @@ func (u *uconn) pick() {
 	}()
 }
 
-// watchHeld is conn.watchHeldClient on the io_uring engine, called by the hold's goroutine: the
+// watchHeld watches a held client (conn.watchHeldClient), called by the hold's goroutine: the
 // loop owns the client socket, so the loop watches it, with a multishot poll for input or a peer
 // shutdown. Such a poll is edge-triggered: it completes once per arrival (data, FIN, RST), not
 // again while the socket stays readable, so the bytes a client sends stay queued for the endpoint
@@ -570,19 +583,15 @@ func (d *udir) sent(res int32) {
 
 func (d *udir) count(n int64) {
 	c := d.u.c
-	dir := &c.down
-	if d.i == 0 {
-		dir = &c.up
-	}
 	if c.p.realClock {
 		// The time the loop read after its last wait: the idle timeout needs no finer stamp,
 		// and reading the clock per send (twice per keep-alive request and direction) was 2% of
 		// the proxy's CPU in a keep-alive profile (clock_gettime through the vDSO, twice per
 		// time.Now).
-		dir.countAt(n, d.u.l.now)
+		c.count(d.i == 0, n, d.u.l.now)
 		return
 	}
-	dir.count(n)
+	c.count(d.i == 0, n, c.p.cfg.Clock.Now().UnixNano())
 }
 
 // bulkSlice bounds one bulkMove: then the loop serves its other connections (a poll for

@@ -18,7 +18,7 @@ import (
 // a batch of client datagrams and demultiplex them to their sessions.
 func (p *shard) serve() error {
 	for {
-		events, err := p.poll.wait()
+		ready, err := p.io.wait()
 		p.mu.Lock()
 		if p.closed {
 			p.mu.Unlock()
@@ -33,17 +33,15 @@ func (p *shard) serve() error {
 		// Replies first: each one completes an exchange a client is waiting for, so they leave
 		// before the pass spends time forwarding new requests.
 		clients := false
-		for _, ev := range events {
-			switch fd := int(ev.Fd); fd {
-			case p.poll.wakeFD:
-			case p.lfd:
+		for _, fd := range ready {
+			if int(fd) == p.lfd {
 				clients = true
-			default:
-				// A descriptor closed earlier in this pass is no longer in byFD; a reused one
-				// belongs to its new session and at worst reads EAGAIN.
-				if s := p.byFD[ev.Fd]; s != nil {
-					p.readBackend(b, s, now)
-				}
+				continue
+			}
+			// A descriptor closed earlier in this pass is no longer in byFD; a reused one
+			// belongs to its new session and at worst reads EAGAIN.
+			if s := p.byFD[fd]; s != nil {
+				p.readBackend(b, s, now)
 			}
 		}
 		p.flush(b)
@@ -69,9 +67,7 @@ type Observer interface {
 // readClients reads one batch from the listening socket. Level-triggered epoll reports the
 // socket again if more is queued, so one busy client socket cannot starve the replies.
 func (p *shard) readClients(b *batch, now time.Time) {
-	n := p.cfg.BatchSize
-	b.in.prepareRecv(0, n, true)
-	got, err := recvmmsg(p.lfd, b.in.hdrs[:n])
+	got, err := p.io.recvBatch(p.lfd, &b.in, 0, p.cfg.BatchSize, true)
 	if err != nil {
 		if !temporary(err) {
 			p.warn(now, "read from clients", err, nil)
@@ -104,7 +100,7 @@ func (p *shard) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 			return
 		}
 	}
-	err := send(s.fd, data)
+	err := p.io.send(s.fd, data)
 	if errors.Is(err, unix.ECONNREFUSED) {
 		// A pending ICMP port unreachable for an earlier datagram; this one was not sent. Re-pick
 		// with affinity reset and try once more, so the client loses one datagram, not two.
@@ -112,7 +108,7 @@ func (p *shard) forward(client netip.AddrPort, local netip.Addr, name *sockaddr,
 		if s = p.open(client, local, name, namelen, true, now); s == nil {
 			return
 		}
-		err = send(s.fd, data)
+		err = p.io.send(s.fd, data)
 	}
 	if s.tap != nil && err == nil {
 		s.tap.Payload(flow.ToEndpoint, now, data)
@@ -178,7 +174,7 @@ func (p *shard) open(client netip.AddrPort, local netip.Addr, name *sockaddr, na
 	}
 	fd, err := dialUDP(ep)
 	if err == nil {
-		if err = p.poll.add(fd); err != nil {
+		if err = p.io.add(fd); err != nil {
 			closeFD(fd)
 		}
 	}
@@ -225,8 +221,7 @@ func (p *shard) readBackend(b *batch, s *session, now time.Time) {
 	// batch, keeps a lone reply cheap. Level-triggered epoll reports the socket again if more wait.
 	from := b.outN
 	to := min(from+perSessionReads, p.cfg.BatchSize)
-	b.out.prepareRecv(from, to, false)
-	got, err := recvmmsg(s.fd, b.out.hdrs[from:to])
+	got, err := p.io.recvBatch(s.fd, &b.out, from, to, false)
 	switch {
 	case err == nil:
 	case temporary(err):
@@ -267,7 +262,7 @@ func (p *shard) readBackend(b *batch, s *session, now time.Time) {
 func (p *shard) flush(b *batch) {
 	hs := b.out.hdrs[:b.outN]
 	for len(hs) > 0 {
-		n, err := sendmmsg(p.lfd, hs)
+		n, err := p.io.sendBatch(p.lfd, hs)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
@@ -331,7 +326,7 @@ func (p *shard) touch(s *session, now time.Time) {
 // as a tombstone, so the client's next datagram re-picks with reset; any other end removes it.
 func (p *shard) end(s *session, reason flow.EndReason) {
 	if s.fd >= 0 {
-		closeFD(s.fd)
+		p.io.closeSocket(s.fd)
 		delete(p.byFD, int32(s.fd))
 		s.fd = -1
 		p.stats.end(reason)

@@ -188,7 +188,7 @@ func (p *Proxy) Listen(addr netip.AddrPort) error {
 			closeFDs(fds[i+1:])
 			for _, s := range shards {
 				s.close()
-				s.closePoller()
+				s.closeIO()
 			}
 			return fmt.Errorf("udp %s: listen %s: %w", p.name, addr, err)
 		}
@@ -310,7 +310,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	wg.Wait()
 	p.Close()
 	for _, s := range p.shardList() {
-		if err := s.closePoller(); err != nil {
+		if err := s.closeIO(); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -397,7 +397,7 @@ func (p *Proxy) Close() error {
 	}
 	if !p.running {
 		for _, s := range p.shards {
-			if err := s.closePoller(); err != nil {
+			if err := s.closeIO(); err != nil {
 				errs = append(errs, err)
 			}
 		}

@@ -13,7 +13,7 @@ import (
 
 // shard is one loop of a Proxy: a listening socket of the port's SO_REUSEPORT group, the sessions
 // of the clients the kernel steers to it (a client's address and port always hash to the same
-// socket of the group), their backend sockets and the epoll set that holds them all. A shard
+// socket of the group), their backend sockets and the loop's I/O that watches them all (loopIO). A shard
 // shares nothing with its siblings but the picker and the counters, so no lock is shared between
 // loops.
 //
@@ -33,8 +33,8 @@ type shard struct {
 	closed   bool
 	released bool // Release: no more client datagrams are read
 	drainOne sync.Once
-	lfd      int // listening socket, -1 while refusing
-	poll     *poller
+	lfd      int    // listening socket, -1 while refusing
+	io       loopIO // nil once closed (closeIO)
 	sessions map[netip.AddrPort]*session
 	byFD     map[int32]*session
 	lru      lru
@@ -46,10 +46,10 @@ type shard struct {
 
 // newShard serves the listening socket fd (owned by the shard from now on, also on error).
 func newShard(p *Proxy, fd int, maxSessions int) (*shard, error) {
-	poll, err := newPoller(2 * maxBatch)
+	io, err := newEpollIO(2 * maxBatch)
 	if err == nil {
-		if err = poll.add(fd); err != nil {
-			poll.close()
+		if err = io.add(fd); err != nil {
+			io.close()
 		}
 	}
 	if err != nil {
@@ -60,7 +60,7 @@ func newShard(p *Proxy, fd int, maxSessions int) (*shard, error) {
 	cfg.MaxSessions = maxSessions
 	return &shard{
 		name: p.name, picker: p.picker, cfg: cfg, log: p.log, stats: &p.stats, drainedOne: p.shardDrained,
-		lfd: fd, poll: poll,
+		lfd: fd, io: io,
 		sessions: make(map[netip.AddrPort]*session),
 		byFD:     make(map[int32]*session),
 	}, nil
@@ -81,23 +81,23 @@ func (s *shard) close() ([]flow.Info, error) {
 	}
 	var err error
 	if s.lfd >= 0 {
-		err = closeFD(s.lfd)
+		err = s.io.closeSocket(s.lfd)
 		s.lfd, s.laddr = -1, netip.AddrPort{}
 	}
-	s.poll.wake() // serve sees closed; the poller is closed by release after serve returned
+	s.io.wake() // serve sees closed; the I/O is closed by closeIO after serve returned
 	return s.takeEnded(), err
 }
 
-// closePoller releases the epoll set once no loop runs on it (after serve returned, or when it
-// never ran).
-func (s *shard) closePoller() error {
+// closeIO releases the loop's I/O (its epoll set) once no loop runs on it (after serve
+// returned, or when it never ran).
+func (s *shard) closeIO() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.poll == nil {
+	if s.io == nil {
 		return nil
 	}
-	err := s.poll.close()
-	s.poll = nil
+	err := s.io.close()
+	s.io = nil
 	return err
 }
 
@@ -111,7 +111,7 @@ func (s *shard) refuse() ([]flow.Info, error) {
 	for _, ss := range s.sessions {
 		s.end(ss, flow.Shutdown)
 	}
-	err := closeFD(s.lfd) // closing also takes it out of the epoll set
+	err := s.io.closeSocket(s.lfd)
 	s.lfd, s.laddr = -1, netip.AddrPort{}
 	return s.takeEnded(), err
 }
@@ -120,11 +120,11 @@ func (s *shard) refuse() ([]flow.Info, error) {
 func (s *shard) listenAgain(fd int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed || s.lfd >= 0 || s.poll == nil {
+	if s.closed || s.lfd >= 0 || s.io == nil {
 		closeFD(fd)
 		return nil
 	}
-	if err := s.poll.add(fd); err != nil {
+	if err := s.io.add(fd); err != nil {
 		closeFD(fd)
 		return err
 	}
@@ -148,8 +148,8 @@ func (s *shard) release() []flow.Info {
 		return nil
 	}
 	s.released = true
-	if s.lfd >= 0 && s.poll != nil {
-		if err := s.poll.remove(s.lfd); err != nil {
+	if s.lfd >= 0 && s.io != nil {
+		if err := s.io.remove(s.lfd); err != nil {
 			s.log.WithError(err).Warn("Cannot stop reading client datagrams")
 		}
 	}
