@@ -33,6 +33,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe"
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe/auth"
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
@@ -123,7 +124,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer pm.close()
+	defer func() { _ = pm.Close() }()
 	steps.done("portals")
 	if d.engine, err = d.chooseEngine(); err != nil {
 		return err
@@ -138,9 +139,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 	steps.done("read the rules in force (or the bind state)")
 	// A fresh start probes now (a node that cannot NAT fails here, as before). A restart's rules
 	// in force prove NAT works: the --random-fully probe waits until the sockets serve.
-	probeLater := pm.probe != nil && rulesInForce
-	if pm.probe != nil && !rulesInForce {
-		if err := pm.probe(ctx, false); err != nil {
+	prober, _ := pm.(natProber)
+	probeLater := prober != nil && rulesInForce
+	if prober != nil && !rulesInForce {
+		if err := prober.ProbeNAT(ctx, false); err != nil {
 			return err
 		}
 		steps.done("iptables probes")
@@ -148,8 +150,12 @@ func (d *Daemon) Run(ctx context.Context) error {
 	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
 	inheritAffinity(inh, w.proxier, d.deps.clock, log)
 	steps.done("restart snapshot or the predecessor's affinity")
+	var setHostIPs func(map[portal.Family]netip.Addr) // nil: the mode has no rules to the node IPs
+	if s, ok := pm.(hostIPSetter); ok {
+		setHostIPs = s.SetHostIPs
+	}
 	target := nodeTarget{health: w.health, proxier: w.proxier,
-		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: pm.setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
+		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
 	target.apply(node, nodeObj) // a Node read above: the zone is known before the first sync
 	// serving ends with ctx, or earlier when this process hands over to a successor: then
 	// everything but the proxy sockets' draining stops.
@@ -157,7 +163,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	defer stopServing()
 	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
 		if probeLater {
-			_ = pm.probe(ctx, true) // NAT proven: no error to report
+			_ = prober.ProbeNAT(ctx, true) // NAT proven: no error to report
 			steps.done("iptables probe (--random-fully)")
 		}
 		if client != nil && !nodeRead {
@@ -190,8 +196,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if client != nil {
 		servingTasks = append(servingTasks, watchNode(client, node, o.configSyncPeriod, target, log))
 	}
-	if pm.state != nil {
-		servingTasks = append(servingTasks, pm.state.Run)
+	if k, ok := pm.(listenStateKeeper); ok {
+		servingTasks = append(servingTasks, k.ListenState().Run)
 	}
 	if look := w.proxier.KernelFlows(); look != nil {
 		servingTasks = append(servingTasks, kernelFlowsTask(look, log))
@@ -276,7 +282,7 @@ type wiring struct {
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
-func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
+func (d *Daemon) wire(client kubernetes.Interface, pm portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
 	o, log, clk := d.o, d.log, d.deps.clock
 	reg := prometheus.NewRegistry()
 	syncMetrics := metrics.New()
@@ -292,7 +298,8 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 		},
 	})
 	var kernelPorts proxier.KernelPorts
-	if o.portRange.IsKernelChosen() && pm.plan == nil && d.deps.kernelPorts != nil {
+	hooks := hooksOf(pm)
+	if o.portRange.IsKernelChosen() && hooks.plan == nil && d.deps.kernelPorts != nil {
 		kp, err := d.deps.kernelPorts()
 		if err != nil {
 			log.WithError(err).Warn("Cannot read the ephemeral port range; the kernel chooses proxy ports (slower with many service ports)")
@@ -308,25 +315,25 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	lb := loadbalancer.New(clk)
 	px := proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
-		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState(), Clock: clk, Logger: log,
+		DrainTCP: o.drainEndpoints, ListenPlan: hooks.plan, ListenState: hooks.listenState, Clock: clk, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
 	}, proxier.Deps{
-		Balancer: lb, Portals: pm.portals, Conntrack: pm.conntrack,
+		Balancer: lb, Portals: hooks.portals, Conntrack: hooks.conntrack,
 		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
-		KernelCounters: pm.kernelCounters, Flows: kernelFlows,
+		KernelCounters: hooks.kernelCounters, Flows: kernelFlows,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			Flows: flowSink(hub), Node: nodeName(o),
-			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
-			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
+			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
 	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
 	snap := newSnapshotStats()
 	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		metrics.NewTrafficCollector(px), restart.collector(), snap.collector(), engineCollector(d.engine)}
-	if pm.collector != nil {
-		collectors = append(collectors, pm.collector)
+	if mc, ok := pm.(metricsCollector); ok {
+		collectors = append(collectors, mc.Collector())
 	}
 	var flows, flowsExposed http.Handler // the flow stream; nil without a hub
 	if hub != nil {
@@ -347,7 +354,7 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 	gate := &handoverGate{}
 	gate.busy.Store(inh != nil)
 	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
-	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling, flows), hub: hub, flows: flowsExposed,
+	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.Describe, o.profiling, flows), hub: hub, flows: flowsExposed,
 		metricsOnly: metricsOnlyMux(reg)}
 	if o.servicesFile != "" {
 		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
