@@ -33,7 +33,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe"
 	"github.com/kube-portal-proxy/kube-portal-proxy/observe/auth"
-	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
@@ -72,177 +71,28 @@ type source interface {
 // goroutine it started. Portal rules stay in place, so a restart does not black-hole services.
 // An error means the daemon could not start or did not stop in time.
 func (d *Daemon) Run(ctx context.Context) error {
-	o, log := d.o, d.log
-	log.WithFields(logrus.Fields{"version": d.version, "mode": "userspace", "portal": o.portalMode, "config": o.configFile,
-		"flags": changedFlags(o.flags)}).Info("Starting kube-portal-proxy")
-	logConfigNotes(log, o)
-	settle := d.deps.host.tune(o, log)
-	if err := d.deps.host.check(o); err != nil {
-		return err
-	}
-
-	started := d.deps.clock.Now()
-	steps := newStartupSteps(d.deps.clock, log)
-	steps.done("tune and check")
-	inh := d.receiveHandover(ctx)
-	if inh != nil {
-		defer inh.Close() // what no one took; after Ready there is nothing left
-	}
-	steps.done("hand-over")
-
-	node := nodeName(o)
-	var client kubernetes.Interface
-	if o.servicesFile == "" {
-		c, err := d.deps.client(o, d.version)
-		if err != nil {
+	r := &run{d: d, o: d.o, log: d.log}
+	defer r.exit()
+	for _, step := range []func(context.Context) error{
+		r.prepareHost,  // log the start, tune the process and node, check tools and privileges
+		r.takeHandover, // receive a running predecessor's sockets (--handover-socket)
+		r.connect,      // the API client, unless --services-file
+		r.findNodeIPs,  // from the interfaces (or, without any, the Node object)
+		r.buildPortals, // the event recorder and --portal-mode
+		r.pickEngine,   // --io-engine
+		r.wire,         // balancer, proxier, source, metrics and HTTP handlers
+		r.reopen,       // the ports the rules in force point at; the NAT probe of a fresh start
+		r.restore,      // the restart snapshot or the predecessor's affinity; the Node so far
+	} {
+		if err := step(ctx); err != nil {
 			return err
 		}
-		client = c
 	}
-	var notNode []string
-	if o.portalMode == "bind" {
-		notNode = append(notNode, o.portalInterface) // service IPs, left there by a previous process
-	}
-	// The node IPs come from the interfaces until the Node object is read, after the sockets
-	// serve (startup.go). Only a node without an interface address waits for the Node first.
-	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nil, notNode...))
-	var nodeObj *v1.Node
-	nodeRead := false
-	if len(hostIPs) == 0 && o.bind.IsUnspecified() && client != nil {
-		nodeObj, nodeRead = getNode(ctx, client, node, log), true
-		hostIPs = proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddresses(nodeObj), notNode...))
-		steps.done("Node object (no interface address)")
-	}
-	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
-		return errors.New("no node IP found (no global unicast address on any interface): set --bind-address")
-	}
-	log.WithField("nodeIPs", fmt.Sprint(hostIPs)).Info("Node IPs")
-
-	events, stopEvents := newServiceEvents(ctx, client, node, log)
-	defer stopEvents()
-	pm, err := d.deps.portals(ctx, o, hostIPs, events, inh, log)
+	tasks, err := r.tasks(ctx) // the proxier, sources, HTTP servers, hand-over, ready file
 	if err != nil {
 		return err
 	}
-	defer func() { _ = pm.Close() }()
-	steps.done("portals")
-	if d.engine, err = d.chooseEngine(); err != nil {
-		return err
-	}
-	defer d.engine.Close() // once runAll has shut the proxy sockets down
-	w, err := d.wire(client, pm, events, inh, settle)
-	if err != nil {
-		return err
-	}
-	steps.done("wiring")
-	rulesInForce := seedReopen(ctx, pm, w.proxier, log)
-	steps.done("read the rules in force (or the bind state)")
-	// A fresh start probes now (a node that cannot NAT fails here, as before). A restart's rules
-	// in force prove NAT works: the --random-fully probe waits until the sockets serve.
-	prober, _ := pm.(natProber)
-	probeLater := prober != nil && rulesInForce
-	if prober != nil && !rulesInForce {
-		if err := prober.ProbeNAT(ctx, false); err != nil {
-			return err
-		}
-		steps.done("iptables probes")
-	}
-	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
-	inheritAffinity(inh, w.proxier, d.deps.clock, log)
-	steps.done("restart snapshot or the predecessor's affinity")
-	var setHostIPs func(map[portal.Family]netip.Addr) // nil: the mode has no rules to the node IPs
-	if s, ok := pm.(hostIPSetter); ok {
-		setHostIPs = s.SetHostIPs
-	}
-	target := nodeTarget{health: w.health, proxier: w.proxier,
-		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
-	target.apply(node, nodeObj) // a Node read above: the zone is known before the first sync
-	// serving ends with ctx, or earlier when this process hands over to a successor: then
-	// everything but the proxy sockets' draining stops.
-	serving, stopServing := context.WithCancel(ctx)
-	defer stopServing()
-	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
-		if probeLater {
-			_ = prober.ProbeNAT(ctx, true) // NAT proven: no error to report
-			steps.done("iptables probe (--random-fully)")
-		}
-		if client != nil && !nodeRead {
-			// Off the path to serving (it runs beside the reopen in proxier.Run), before the
-			// sources: the first sync has the Node's addresses and zone (an unreachable API
-			// server costs the first sync the read's timeout, as it did when the read came
-			// first, but not the reopened sockets).
-			target.apply(node, getNode(ctx, client, node, log))
-			steps.done("Node object")
-		}
-		if err := w.source.Run(ctx); err != nil && ctx.Err() == nil {
-			log.WithError(err).Error("Source stopped")
-		}
-	}, func(ctx context.Context) {
-		select {
-		case <-w.proxier.Serving():
-			steps.serving()
-		case <-ctx.Done():
-			return
-		}
-		select {
-		case <-w.proxier.FirstSync():
-			steps.done("first sync")
-		case <-ctx.Done():
-		}
-	}}
-	if w.reload != nil {
-		servingTasks = append(servingTasks, d.reloadOnSignal(w.reload))
-	}
-	if client != nil {
-		servingTasks = append(servingTasks, watchNode(client, node, o.configSyncPeriod, target, log))
-	}
-	if k, ok := pm.(listenStateKeeper); ok {
-		servingTasks = append(servingTasks, k.ListenState().Run)
-	}
-	if look := w.proxier.KernelFlows(); look != nil {
-		servingTasks = append(servingTasks, kernelFlowsTask(look, log))
-	}
-	if o.restartSnapshot != "" {
-		sw := &snapshotWriter{path: o.restartSnapshot, node: node, src: w.proxier, clock: d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: log}
-		servingTasks = append(servingTasks, sw.Run)
-	}
-	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false},
-		{o.metricsOnlyBindAddress, w.metricsOnly, true}, {o.flows.bindAddress, w.flows, false}}, inh)
-	if err != nil {
-		return err
-	}
-	servingTasks = append(servingTasks, servers...)
-	proxierTask := w.proxier.Run
-	var tasks []func(context.Context) // the proxier's task goes first, below
-	for _, task := range servingTasks {
-		tasks = append(tasks, func(context.Context) { task(serving) })
-	}
-	serves := w.proxier.FirstSync() // closed once this process serves
-	if o.handoverSocket != "" {
-		drain, endDrain := drainContext(ctx, d.deps.clock, drainBudget(o.shutdownTimeout))
-		defer endDrain()
-		tookOver := make(chan struct{})
-		serves = tookOver
-		handover := d.handoverTask(inh, w.proxier, affinityTable(w.balancer, d.deps.clock), w.restart, w.gate, tookOver, started, func() {
-			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
-			w.proxier.HandOff(drain)
-			stopServing()
-			log.Info("Handed over to a successor: no longer syncing or accepting; finishing established connections, exiting at SIGTERM")
-		})
-		// At a SIGTERM the proxier drains its connections if this process handed over, or ends
-		// them. The hand-over task decides which as it stops (a successor's ready may be read
-		// just then), so the proxier sees the SIGTERM only once that task has returned.
-		decided := make(chan struct{})
-		proxierTask = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
-		tasks = append(tasks, func(ctx context.Context) {
-			defer close(decided)
-			handover(ctx)
-		})
-	}
-	if o.readyFile != "" {
-		tasks = append(tasks, readyFileTask(o.readyFile, serves, log))
-	}
-	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, append([]func(context.Context){proxierTask}, tasks...)...)
+	return runAll(ctx, d.deps.clock, d.o.shutdownTimeout, d.log, tasks...)
 }
 
 // afterClosed is a context that ends once ctx has ended and ch is closed.
