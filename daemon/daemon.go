@@ -133,13 +133,27 @@ type wiring struct {
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
 func (d *Daemon) wire(client kubernetes.Interface, pm portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
-	o, log, clk := d.o, d.log, d.deps.clock
-	reg := prometheus.NewRegistry()
+	o := d.o
 	syncMetrics := metrics.New()
-	if err := syncMetrics.Register(reg); err != nil {
-		return nil, fmt.Errorf("register metrics: %w", err)
+	w := &wiring{balancer: loadbalancer.New(d.deps.clock), hub: newFlowHub(o, nodeName(o)), snapshot: newSnapshotStats()}
+	w.health, w.svcHealth = d.healthChecks(events, inh)
+	w.proxier = d.newProxier(hooksOf(pm), w, syncMetrics, events, inh, settle)
+	events.uid = w.proxier.ServiceUID
+	w.restart = &restartStats{reopened: w.proxier.ReopenCounts, failed: &d.handoverFailed}
+	reg, err := d.registry(w, syncMetrics, pm)
+	if err != nil {
+		return nil, err
 	}
-	health := healthcheck.NewProxyHealth(clk, 2*o.syncPeriod)
+	d.handlers(w, reg, pm, client, inh)
+	w.source, w.reload = d.newSource(client, w.proxier)
+	return w, nil
+}
+
+// healthChecks are the proxy's health (/healthz, /livez) and the service health check node
+// ports, which listen on the predecessor's sockets where it handed them over.
+func (d *Daemon) healthChecks(events *serviceEvents, inh *handover.Inherited) (*healthcheck.ProxyHealth, *healthcheck.ServiceHealthServer) {
+	o, log := d.o, d.log
+	health := healthcheck.NewProxyHealth(d.deps.clock, 2*o.syncPeriod)
 	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceConfig{
 		NodePortAddresses: o.nodePorts, Proxier: health, Logger: log, Listen: healthListen(inh),
 		OnListenError: func(svc service.NamespacedName, port uint16, err error) {
@@ -147,72 +161,101 @@ func (d *Daemon) wire(client kubernetes.Interface, pm portalMode, events *servic
 			events.ServiceWarning(svc, healthcheck.ReasonFailedToStart, err.Error())
 		},
 	})
-	var kernelPorts proxier.KernelPorts
-	hooks := hooksOf(pm)
-	if o.portRange.IsKernelChosen() && hooks.plan == nil && d.deps.kernelPorts != nil {
-		kp, err := d.deps.kernelPorts()
-		if err != nil {
-			log.WithError(err).Warn("Cannot read the ephemeral port range; the kernel chooses proxy ports (slower with many service ports)")
-		}
-		kernelPorts = kp
-	}
-	pods := proxier.NewPodIndex() // the access log and the flow stream name the pod behind each endpoint
-	hub := newFlowHub(o, nodeName(o))
+	return health, svcHealth
+}
+
+// newProxier builds the proxier over w's balancer, health checks and flow hub, with what the
+// portal mode gives (hooks) and the sockets of the chosen engine.
+func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.Metrics, events *serviceEvents, inh *handover.Inherited, settle func()) *proxier.Proxier {
+	o, log := d.o, d.log
+	pods := proxier.NewPodIndex()    // the access log and the flow stream name the pod behind each endpoint
 	var kernelFlows proxier.FlowSink // kernel-path flows come from conntrack (iptables mode only)
 	if o.portalMode == "iptables" {
-		kernelFlows = flowSink(hub)
+		kernelFlows = flowSink(w.hub)
 	}
-	lb := loadbalancer.New(clk)
-	px := proxier.New(proxier.Config{
-		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
-		DrainTCP: o.drainEndpoints, ListenPlan: hooks.plan, ListenState: hooks.listenState, Clock: clk, Logger: log,
+	return proxier.New(proxier.Config{
+		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: d.kernelPorts(hooks), MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
+		DrainTCP: o.drainEndpoints, ListenPlan: hooks.plan, ListenState: hooks.listenState, Clock: d.deps.clock, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
 	}, proxier.Deps{
-		Balancer: lb, Portals: hooks.portals, Conntrack: hooks.conntrack,
-		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
+		Balancer: w.balancer, Portals: hooks.portals, Conntrack: hooks.conntrack,
+		Metrics: syncMetrics, Health: w.health, ServiceHealth: w.svcHealth, Event: events.Warning, Pods: pods,
 		KernelCounters: hooks.kernelCounters, Flows: kernelFlows,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
-			Flows: flowSink(hub), Node: nodeName(o),
+			Flows: flowSink(w.hub), Node: nodeName(o),
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
-	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
-	snap := newSnapshotStats()
-	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(px), restart.collector(), snap.collector(), engineCollector(d.engine)}
+}
+
+// kernelPorts reads the node's ephemeral port range, where proxy ports come from without
+// --proxy-port-range, unless the sockets listen on the portal addresses (bind mode). Unreadable,
+// the kernel chooses each proxy port.
+func (d *Daemon) kernelPorts(hooks proxierHooks) proxier.KernelPorts {
+	if !d.o.portRange.IsKernelChosen() || hooks.plan != nil || d.deps.kernelPorts == nil {
+		return proxier.KernelPorts{}
+	}
+	kp, err := d.deps.kernelPorts()
+	if err != nil {
+		d.log.WithError(err).Warn("Cannot read the ephemeral port range; the kernel chooses proxy ports (slower with many service ports)")
+	}
+	return kp
+}
+
+// registry holds every metric: the sync's, the process's, the traffic's, the restarts', the
+// snapshot's, the engine's, the portal mode's and the flow stream's.
+func (d *Daemon) registry(w *wiring, syncMetrics *metrics.Metrics, pm portalMode) (*prometheus.Registry, error) {
+	reg := prometheus.NewRegistry()
+	if err := syncMetrics.Register(reg); err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	cs := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		metrics.NewTrafficCollector(w.proxier), w.restart.collector(), w.snapshot.collector(), engineCollector(d.engine)}
 	if mc, ok := pm.(metricsCollector); ok {
-		collectors = append(collectors, mc.Collector())
+		cs = append(cs, mc.Collector())
 	}
-	var flows, flowsExposed http.Handler // the flow stream; nil without a hub
-	if hub != nil {
-		collectors = append(collectors, flowCollector(hub))
-		flows = hub.Handler(px.FlowResolver())
-		if o.flows.bindAddress != "" {
-			flowsExposed = flowsMux(flows, auth.New(auth.Config{Client: client, Node: nodeName(o), Log: log}).Wrap)
-		}
+	if w.hub != nil {
+		cs = append(cs, flowCollector(w.hub))
 	}
-	for _, c := range collectors {
+	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
 	}
+	return reg, nil
+}
 
-	events.uid = px.ServiceUID
-	// A successor is not ready before it has taken over (see handoverGate).
-	gate := &handoverGate{}
-	gate.busy.Store(inh != nil)
-	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
-	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.Describe, o.profiling, flows), hub: hub, flows: flowsExposed,
-		metricsOnly: metricsOnlyMux(reg)}
-	if o.servicesFile != "" {
-		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
-		w.source, w.reload = fsrc, fsrc.Reload
-	} else {
-		w.source = config.NewInformerSource(client, o.configSyncPeriod, px, log)
+// handlers sets w's HTTP handlers: /healthz and /livez, the metrics and debug pages, /metrics
+// alone, and the flow stream (on the metrics address, and behind token authentication on
+// --flows-bind-address).
+func (d *Daemon) handlers(w *wiring, reg *prometheus.Registry, pm portalMode, client kubernetes.Interface, inh *handover.Inherited) {
+	o := d.o
+	var flows http.Handler // the flow stream; nil without a hub
+	if w.hub != nil {
+		flows = w.hub.Handler(w.proxier.FlowResolver())
+		if o.flows.bindAddress != "" {
+			w.flows = flowsMux(flows, auth.New(auth.Config{Client: client, Node: nodeName(o), Log: d.log}).Wrap)
+		}
 	}
-	return w, nil
+	// A successor is not ready before it has taken over (see handoverGate).
+	w.gate = &handoverGate{}
+	w.gate.busy.Store(inh != nil)
+	healthz := w.gate.wrap(engineHealthz(d.engine, w.health.Healthz()))
+	w.healthz = healthMux(healthz, w.health.Livez())
+	w.metrics = metricsMux(reg, healthz, w.proxier, pm.Describe, o.profiling, flows)
+	w.metricsOnly = metricsOnlyMux(reg)
+}
+
+// newSource is where the proxier's Services and EndpointSlices come from: --services-file (reload
+// on SIGHUP), or the API server.
+func (d *Daemon) newSource(client kubernetes.Interface, px *proxier.Proxier) (src source, reload func()) {
+	if d.o.servicesFile != "" {
+		fsrc := config.NewFileSource(d.o.servicesFile, px, d.deps.clock, d.o.fileCheckPeriod, d.log)
+		return fsrc, fsrc.Reload
+	}
+	return config.NewInformerSource(client, d.o.configSyncPeriod, px, d.log), nil
 }
 
 // healthMux serves --healthz-bind-address: /healthz fails when syncs stall or the node is being
