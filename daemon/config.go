@@ -215,6 +215,23 @@ func (o *Options) setting(flag string) string {
 // decodeProxyConfig decodes a KubeProxyConfiguration strictly: unknown or duplicate fields and
 // values of the wrong type are errors that name the field. A mode other than userspace is refused.
 func decodeProxyConfig(data []byte) (*proxyConfig, error) {
+	raw, err := decodeMapping(data)
+	if err != nil {
+		return nil, err
+	}
+	c := &proxyConfig{}
+	if err := c.takeOwnFields(raw); err != nil {
+		return nil, err
+	}
+	if err := c.decodeKube(raw); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// decodeMapping decodes strict YAML (no duplicate field) into a mapping whose apiVersion and kind
+// are a KubeProxyConfiguration's.
+func decodeMapping(data []byte) (map[string]any, error) {
 	js, err := yaml.YAMLToJSONStrict(data)
 	if err != nil {
 		return nil, fmt.Errorf("not valid YAML: %w", err)
@@ -226,62 +243,85 @@ func decodeProxyConfig(data []byte) (*proxyConfig, error) {
 	if err := checkTypeMeta(raw); err != nil {
 		return nil, err
 	}
-	c := &proxyConfig{}
-	if v, ok := raw[fieldUDPIdleTimeout]; ok {
-		if c.udpIdleTimeout, err = parseDurationField(fieldUDPIdleTimeout, v); err != nil {
-			return nil, err
-		}
-		delete(raw, fieldUDPIdleTimeout)
+	return raw, nil
+}
+
+// takeOwnFields decodes the fields kube-portal-proxy adds to a KubeProxyConfiguration and removes
+// them from raw, leaving kube-proxy's own for the strict decoder.
+func (c *proxyConfig) takeOwnFields(raw map[string]any) error {
+	fields := []struct {
+		name   string
+		decode func(v any) error
+	}{
+		{fieldUDPIdleTimeout, func(v any) (err error) {
+			c.udpIdleTimeout, err = parseDurationField(fieldUDPIdleTimeout, v)
+			return err
+		}},
+		{fieldIOEngine, func(v any) error {
+			s, isString := v.(string)
+			if !isString {
+				return fmt.Errorf("%s: want a string (%s), got %v", fieldIOEngine, strings.Join(tcp.EngineNames, ", "), v)
+			}
+			c.ioEngine = s
+			return nil
+		}},
+		{fieldDefaultDataPath, func(v any) error {
+			s, _ := v.(string)
+			if s != "kernel" && s != "proxy" {
+				return fmt.Errorf("%s: want kernel or proxy, got %v", fieldDefaultDataPath, v)
+			}
+			c.defaultDataPath = s
+			return nil
+		}},
+		{fieldMetricsOnlyBindAddress, func(v any) error {
+			s, isString := v.(string)
+			if !isString {
+				return fmt.Errorf("%s: want an ip:port string, got %v", fieldMetricsOnlyBindAddress, v)
+			}
+			c.metricsOnlyBindAddress = s
+			return nil
+		}},
+		{fieldFlows, func(v any) (err error) {
+			c.flows, err = decodeFlows(v)
+			return err
+		}},
 	}
-	if v, ok := raw[fieldIOEngine]; ok {
-		s, isString := v.(string)
-		if !isString {
-			return nil, fmt.Errorf("%s: want a string (%s), got %v", fieldIOEngine, strings.Join(tcp.EngineNames, ", "), v)
+	for _, f := range fields {
+		v, ok := raw[f.name]
+		if !ok {
+			continue
 		}
-		c.ioEngine = s
-		delete(raw, fieldIOEngine)
-	}
-	if v, ok := raw[fieldDefaultDataPath]; ok {
-		s, _ := v.(string)
-		if s != "kernel" && s != "proxy" {
-			return nil, fmt.Errorf("%s: want kernel or proxy, got %v", fieldDefaultDataPath, v)
+		if err := f.decode(v); err != nil {
+			return err
 		}
-		c.defaultDataPath = s
-		delete(raw, fieldDefaultDataPath)
+		delete(raw, f.name)
 	}
-	if v, ok := raw[fieldMetricsOnlyBindAddress]; ok {
-		s, isString := v.(string)
-		if !isString {
-			return nil, fmt.Errorf("%s: want an ip:port string, got %v", fieldMetricsOnlyBindAddress, v)
-		}
-		c.metricsOnlyBindAddress = s
-		delete(raw, fieldMetricsOnlyBindAddress)
-	}
-	if v, ok := raw[fieldFlows]; ok {
-		if c.flows, err = decodeFlows(v); err != nil {
-			return nil, err
-		}
-		delete(raw, fieldFlows)
-	}
+	return nil
+}
+
+// decodeKube decodes kube-proxy's fields strictly (durations checked first, so that an error
+// names the field), refuses a mode other than userspace, and notes the fields this proxy ignores.
+func (c *proxyConfig) decodeKube(raw map[string]any) error {
 	configType := reflect.TypeFor[kubeproxyconfig.KubeProxyConfiguration]()
 	if err := visitFields(raw, configType, "", checkDuration); err != nil {
-		return nil, err
+		return err
 	}
-	if js, err = json.Marshal(raw); err != nil {
-		return nil, err
+	js, err := json.Marshal(raw)
+	if err != nil {
+		return err
 	}
 	if _, _, err := configCodecs.UniversalDeserializer().Decode(js, nil, &c.kube); err != nil {
-		return nil, err
+		return err
 	}
 	if m := c.kube.Mode; m != "" && m != modeUserspace {
-		return nil, fmt.Errorf("mode %q: kube-portal-proxy is kube-proxy's userspace (portal) mode and only that: set mode: %s or leave it empty, or keep kube-proxy for the %s mode",
+		return fmt.Errorf("mode %q: kube-portal-proxy is kube-proxy's userspace (portal) mode and only that: set mode: %s or leave it empty, or keep kube-proxy for the %s mode",
 			m, modeUserspace, m)
 	}
 	if slices.ContainsFunc(c.kube.NodePortAddresses, func(s string) bool { return strings.TrimSpace(s) == nodePortPrimary }) {
-		return nil, fmt.Errorf("nodePortAddresses: %w", errNodePortPrimary)
+		return fmt.Errorf("nodePortAddresses: %w", errNodePortPrimary)
 	}
 	c.ignored = c.ignoredFields(raw, configType)
-	return c, nil
+	return nil
 }
 
 // configCodecs decodes strictly: an unknown field is an error naming it.

@@ -71,172 +71,28 @@ type source interface {
 // goroutine it started. Portal rules stay in place, so a restart does not black-hole services.
 // An error means the daemon could not start or did not stop in time.
 func (d *Daemon) Run(ctx context.Context) error {
-	o, log := d.o, d.log
-	log.WithFields(logrus.Fields{"version": d.version, "mode": "userspace", "portal": o.portalMode, "config": o.configFile,
-		"flags": changedFlags(o.flags)}).Info("Starting kube-portal-proxy")
-	logConfigNotes(log, o)
-	settle := d.deps.host.tune(o, log)
-	if err := d.deps.host.check(o); err != nil {
-		return err
-	}
-
-	started := d.deps.clock.Now()
-	steps := newStartupSteps(d.deps.clock, log)
-	steps.done("tune and check")
-	inh := d.receiveHandover(ctx)
-	if inh != nil {
-		defer inh.Close() // what no one took; after Ready there is nothing left
-	}
-	steps.done("hand-over")
-
-	node := nodeName(o)
-	var client kubernetes.Interface
-	if o.servicesFile == "" {
-		c, err := d.deps.client(o, d.version)
-		if err != nil {
+	r := &run{d: d, o: d.o, log: d.log}
+	defer r.exit()
+	for _, step := range []func(context.Context) error{
+		r.prepareHost,  // log the start, tune the process and node, check tools and privileges
+		r.takeHandover, // receive a running predecessor's sockets (--handover-socket)
+		r.connect,      // the API client, unless --services-file
+		r.findNodeIPs,  // from the interfaces (or, without any, the Node object)
+		r.buildPortals, // the event recorder and --portal-mode
+		r.pickEngine,   // --io-engine
+		r.wire,         // balancer, proxier, source, metrics and HTTP handlers
+		r.reopen,       // the ports the rules in force point at; the NAT probe of a fresh start
+		r.restore,      // the restart snapshot or the predecessor's affinity; the Node so far
+	} {
+		if err := step(ctx); err != nil {
 			return err
 		}
-		client = c
 	}
-	var notNode []string
-	if o.portalMode == "bind" {
-		notNode = append(notNode, o.portalInterface) // service IPs, left there by a previous process
-	}
-	// The node IPs come from the interfaces until the Node object is read, after the sockets
-	// serve (startup.go). Only a node without an interface address waits for the Node first.
-	hostIPs := proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nil, notNode...))
-	var nodeObj *v1.Node
-	nodeRead := false
-	if len(hostIPs) == 0 && o.bind.IsUnspecified() && client != nil {
-		nodeObj, nodeRead = getNode(ctx, client, node, log), true
-		hostIPs = proxier.NodeIPs(proxier.HostNodeIPSources(o.bind, nodeAddresses(nodeObj), notNode...))
-		steps.done("Node object (no interface address)")
-	}
-	if len(hostIPs) == 0 && o.bind.IsUnspecified() {
-		return errors.New("no node IP found (no global unicast address on any interface): set --bind-address")
-	}
-	log.WithField("nodeIPs", fmt.Sprint(hostIPs)).Info("Node IPs")
-
-	events, stopEvents := newServiceEvents(ctx, client, node, log)
-	defer stopEvents()
-	pm, err := d.deps.portals(ctx, o, hostIPs, events, inh, log)
+	tasks, err := r.tasks(ctx) // the proxier, sources, HTTP servers, hand-over, ready file
 	if err != nil {
 		return err
 	}
-	defer pm.close()
-	steps.done("portals")
-	if d.engine, err = d.chooseEngine(); err != nil {
-		return err
-	}
-	defer d.engine.Close() // once runAll has shut the proxy sockets down
-	w, err := d.wire(client, pm, events, inh, settle)
-	if err != nil {
-		return err
-	}
-	steps.done("wiring")
-	rulesInForce := seedReopen(ctx, pm, w.proxier, log)
-	steps.done("read the rules in force (or the bind state)")
-	// A fresh start probes now (a node that cannot NAT fails here, as before). A restart's rules
-	// in force prove NAT works: the --random-fully probe waits until the sockets serve.
-	probeLater := pm.probe != nil && rulesInForce
-	if pm.probe != nil && !rulesInForce {
-		if err := pm.probe(ctx, false); err != nil {
-			return err
-		}
-		steps.done("iptables probes")
-	}
-	restoreSnapshot(o.restartSnapshot, node, inh != nil, w.proxier, w.snapshot, d.deps.clock, log)
-	inheritAffinity(inh, w.proxier, d.deps.clock, log)
-	steps.done("restart snapshot or the predecessor's affinity")
-	target := nodeTarget{health: w.health, proxier: w.proxier,
-		ips: &nodeIPs{bind: o.bind, exclude: notNode, set: pm.setHostIPs, sync: syncAfterFirst(w.proxier), log: log, cur: hostIPs}}
-	target.apply(node, nodeObj) // a Node read above: the zone is known before the first sync
-	// serving ends with ctx, or earlier when this process hands over to a successor: then
-	// everything but the proxy sockets' draining stops.
-	serving, stopServing := context.WithCancel(ctx)
-	defer stopServing()
-	servingTasks := []func(context.Context){w.svcHealth.Run, func(ctx context.Context) {
-		if probeLater {
-			_ = pm.probe(ctx, true) // NAT proven: no error to report
-			steps.done("iptables probe (--random-fully)")
-		}
-		if client != nil && !nodeRead {
-			// Off the path to serving (it runs beside the reopen in proxier.Run), before the
-			// sources: the first sync has the Node's addresses and zone (an unreachable API
-			// server costs the first sync the read's timeout, as it did when the read came
-			// first, but not the reopened sockets).
-			target.apply(node, getNode(ctx, client, node, log))
-			steps.done("Node object")
-		}
-		if err := w.source.Run(ctx); err != nil && ctx.Err() == nil {
-			log.WithError(err).Error("Source stopped")
-		}
-	}, func(ctx context.Context) {
-		select {
-		case <-w.proxier.Serving():
-			steps.serving()
-		case <-ctx.Done():
-			return
-		}
-		select {
-		case <-w.proxier.FirstSync():
-			steps.done("first sync")
-		case <-ctx.Done():
-		}
-	}}
-	if w.reload != nil {
-		servingTasks = append(servingTasks, d.reloadOnSignal(w.reload))
-	}
-	if client != nil {
-		servingTasks = append(servingTasks, watchNode(client, node, o.configSyncPeriod, target, log))
-	}
-	if pm.state != nil {
-		servingTasks = append(servingTasks, pm.state.Run)
-	}
-	if look := w.proxier.KernelFlows(); look != nil {
-		servingTasks = append(servingTasks, kernelFlowsTask(look, log))
-	}
-	if o.restartSnapshot != "" {
-		sw := &snapshotWriter{path: o.restartSnapshot, node: node, src: w.proxier, clock: d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: log}
-		servingTasks = append(servingTasks, sw.Run)
-	}
-	servers, err := d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false},
-		{o.metricsOnlyBindAddress, w.metricsOnly, true}, {o.flows.bindAddress, w.flows, false}}, inh)
-	if err != nil {
-		return err
-	}
-	servingTasks = append(servingTasks, servers...)
-	proxierTask := w.proxier.Run
-	var tasks []func(context.Context) // the proxier's task goes first, below
-	for _, task := range servingTasks {
-		tasks = append(tasks, func(context.Context) { task(serving) })
-	}
-	serves := w.proxier.FirstSync() // closed once this process serves
-	if o.handoverSocket != "" {
-		drain, endDrain := drainContext(ctx, d.deps.clock, drainBudget(o.shutdownTimeout))
-		defer endDrain()
-		tookOver := make(chan struct{})
-		serves = tookOver
-		handover := d.handoverTask(inh, w.proxier, affinityTable(w.balancer, d.deps.clock), w.restart, w.gate, tookOver, started, func() {
-			w.restart.handedOffAt.Store(d.deps.clock.Now().UnixNano())
-			w.proxier.HandOff(drain)
-			stopServing()
-			log.Info("Handed over to a successor: no longer syncing or accepting; finishing established connections, exiting at SIGTERM")
-		})
-		// At a SIGTERM the proxier drains its connections if this process handed over, or ends
-		// them. The hand-over task decides which as it stops (a successor's ready may be read
-		// just then), so the proxier sees the SIGTERM only once that task has returned.
-		decided := make(chan struct{})
-		proxierTask = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
-		tasks = append(tasks, func(ctx context.Context) {
-			defer close(decided)
-			handover(ctx)
-		})
-	}
-	if o.readyFile != "" {
-		tasks = append(tasks, readyFileTask(o.readyFile, serves, log))
-	}
-	return runAll(ctx, d.deps.clock, o.shutdownTimeout, log, append([]func(context.Context){proxierTask}, tasks...)...)
+	return runAll(ctx, d.deps.clock, d.o.shutdownTimeout, d.log, tasks...)
 }
 
 // afterClosed is a context that ends once ctx has ended and ch is closed.
@@ -276,14 +132,28 @@ type wiring struct {
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
-func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
-	o, log, clk := d.o, d.log, d.deps.clock
-	reg := prometheus.NewRegistry()
+func (d *Daemon) wire(client kubernetes.Interface, pm portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
+	o := d.o
 	syncMetrics := metrics.New()
-	if err := syncMetrics.Register(reg); err != nil {
-		return nil, fmt.Errorf("register metrics: %w", err)
+	w := &wiring{balancer: loadbalancer.New(d.deps.clock), hub: newFlowHub(o, nodeName(o)), snapshot: newSnapshotStats()}
+	w.health, w.svcHealth = d.healthChecks(events, inh)
+	w.proxier = d.newProxier(hooksOf(pm), w, syncMetrics, events, inh, settle)
+	events.uid = w.proxier.ServiceUID
+	w.restart = &restartStats{reopened: w.proxier.ReopenCounts, failed: &d.handoverFailed}
+	reg, err := d.registry(w, syncMetrics, pm)
+	if err != nil {
+		return nil, err
 	}
-	health := healthcheck.NewProxyHealth(clk, 2*o.syncPeriod)
+	d.handlers(w, reg, pm, client, inh)
+	w.source, w.reload = d.newSource(client, w.proxier)
+	return w, nil
+}
+
+// healthChecks are the proxy's health (/healthz, /livez) and the service health check node
+// ports, which listen on the predecessor's sockets where it handed them over.
+func (d *Daemon) healthChecks(events *serviceEvents, inh *handover.Inherited) (*healthcheck.ProxyHealth, *healthcheck.ServiceHealthServer) {
+	o, log := d.o, d.log
+	health := healthcheck.NewProxyHealth(d.deps.clock, 2*o.syncPeriod)
 	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceConfig{
 		NodePortAddresses: o.nodePorts, Proxier: health, Logger: log, Listen: healthListen(inh),
 		OnListenError: func(svc service.NamespacedName, port uint16, err error) {
@@ -291,71 +161,101 @@ func (d *Daemon) wire(client kubernetes.Interface, pm *portalMode, events *servi
 			events.ServiceWarning(svc, healthcheck.ReasonFailedToStart, err.Error())
 		},
 	})
-	var kernelPorts proxier.KernelPorts
-	if o.portRange.IsKernelChosen() && pm.plan == nil && d.deps.kernelPorts != nil {
-		kp, err := d.deps.kernelPorts()
-		if err != nil {
-			log.WithError(err).Warn("Cannot read the ephemeral port range; the kernel chooses proxy ports (slower with many service ports)")
-		}
-		kernelPorts = kp
-	}
-	pods := proxier.NewPodIndex() // the access log and the flow stream name the pod behind each endpoint
-	hub := newFlowHub(o, nodeName(o))
+	return health, svcHealth
+}
+
+// newProxier builds the proxier over w's balancer, health checks and flow hub, with what the
+// portal mode gives (hooks) and the sockets of the chosen engine.
+func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.Metrics, events *serviceEvents, inh *handover.Inherited, settle func()) *proxier.Proxier {
+	o, log := d.o, d.log
+	pods := proxier.NewPodIndex()    // the access log and the flow stream name the pod behind each endpoint
 	var kernelFlows proxier.FlowSink // kernel-path flows come from conntrack (iptables mode only)
 	if o.portalMode == "iptables" {
-		kernelFlows = flowSink(hub)
+		kernelFlows = flowSink(w.hub)
 	}
-	lb := loadbalancer.New(clk)
-	px := proxier.New(proxier.Config{
-		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: kernelPorts, MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
-		DrainTCP: o.drainEndpoints, ListenPlan: pm.plan, ListenState: pm.listenState(), Clock: clk, Logger: log,
+	return proxier.New(proxier.Config{
+		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: d.kernelPorts(hooks), MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
+		DrainTCP: o.drainEndpoints, ListenPlan: hooks.plan, ListenState: hooks.listenState, Clock: d.deps.clock, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
 	}, proxier.Deps{
-		Balancer: lb, Portals: pm.portals, Conntrack: pm.conntrack,
-		Metrics: syncMetrics, Health: health, ServiceHealth: svcHealth, Event: events.Warning, Pods: pods,
-		KernelCounters: pm.kernelCounters, Flows: kernelFlows,
+		Balancer: w.balancer, Portals: hooks.portals, Conntrack: hooks.conntrack,
+		Metrics: syncMetrics, Health: w.health, ServiceHealth: w.svcHealth, Event: events.Warning, Pods: pods,
+		KernelCounters: hooks.kernelCounters, Flows: kernelFlows,
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
-			Flows: flowSink(hub), Node: nodeName(o),
-			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
-			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: pm.freeBind, Adopt: adoptFrom(inh, "udp")},
+			Flows: flowSink(w.hub), Node: nodeName(o),
+			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
+			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
 	})
-	restart := &restartStats{reopened: px.ReopenCounts, failed: &d.handoverFailed}
-	snap := newSnapshotStats()
-	collectors := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(px), restart.collector(), snap.collector(), engineCollector(d.engine)}
-	if pm.collector != nil {
-		collectors = append(collectors, pm.collector)
+}
+
+// kernelPorts reads the node's ephemeral port range, where proxy ports come from without
+// --proxy-port-range, unless the sockets listen on the portal addresses (bind mode). Unreadable,
+// the kernel chooses each proxy port.
+func (d *Daemon) kernelPorts(hooks proxierHooks) proxier.KernelPorts {
+	if !d.o.portRange.IsKernelChosen() || hooks.plan != nil || d.deps.kernelPorts == nil {
+		return proxier.KernelPorts{}
 	}
-	var flows, flowsExposed http.Handler // the flow stream; nil without a hub
-	if hub != nil {
-		collectors = append(collectors, flowCollector(hub))
-		flows = hub.Handler(px.FlowResolver())
-		if o.flows.bindAddress != "" {
-			flowsExposed = flowsMux(flows, auth.New(auth.Config{Client: client, Node: nodeName(o), Log: log}).Wrap)
-		}
+	kp, err := d.deps.kernelPorts()
+	if err != nil {
+		d.log.WithError(err).Warn("Cannot read the ephemeral port range; the kernel chooses proxy ports (slower with many service ports)")
 	}
-	for _, c := range collectors {
+	return kp
+}
+
+// registry holds every metric: the sync's, the process's, the traffic's, the restarts', the
+// snapshot's, the engine's, the portal mode's and the flow stream's.
+func (d *Daemon) registry(w *wiring, syncMetrics *metrics.Metrics, pm portalMode) (*prometheus.Registry, error) {
+	reg := prometheus.NewRegistry()
+	if err := syncMetrics.Register(reg); err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	cs := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		metrics.NewTrafficCollector(w.proxier), w.restart.collector(), w.snapshot.collector(), engineCollector(d.engine)}
+	if mc, ok := pm.(metricsCollector); ok {
+		cs = append(cs, mc.Collector())
+	}
+	if w.hub != nil {
+		cs = append(cs, flowCollector(w.hub))
+	}
+	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
 	}
+	return reg, nil
+}
 
-	events.uid = px.ServiceUID
-	// A successor is not ready before it has taken over (see handoverGate).
-	gate := &handoverGate{}
-	gate.busy.Store(inh != nil)
-	healthz := gate.wrap(engineHealthz(d.engine, health.Healthz()))
-	w := &wiring{proxier: px, balancer: lb, restart: restart, snapshot: snap, gate: gate, health: health, svcHealth: svcHealth, healthz: healthMux(healthz, health.Livez()), metrics: metricsMux(reg, healthz, px, pm.describe, o.profiling, flows), hub: hub, flows: flowsExposed,
-		metricsOnly: metricsOnlyMux(reg)}
-	if o.servicesFile != "" {
-		fsrc := config.NewFileSource(o.servicesFile, px, clk, o.fileCheckPeriod, log)
-		w.source, w.reload = fsrc, fsrc.Reload
-	} else {
-		w.source = config.NewInformerSource(client, o.configSyncPeriod, px, log)
+// handlers sets w's HTTP handlers: /healthz and /livez, the metrics and debug pages, /metrics
+// alone, and the flow stream (on the metrics address, and behind token authentication on
+// --flows-bind-address).
+func (d *Daemon) handlers(w *wiring, reg *prometheus.Registry, pm portalMode, client kubernetes.Interface, inh *handover.Inherited) {
+	o := d.o
+	var flows http.Handler // the flow stream; nil without a hub
+	if w.hub != nil {
+		flows = w.hub.Handler(w.proxier.FlowResolver())
+		if o.flows.bindAddress != "" {
+			w.flows = flowsMux(flows, auth.New(auth.Config{Client: client, Node: nodeName(o), Log: d.log}).Wrap)
+		}
 	}
-	return w, nil
+	// A successor is not ready before it has taken over (see handoverGate).
+	w.gate = &handoverGate{}
+	w.gate.busy.Store(inh != nil)
+	healthz := w.gate.wrap(engineHealthz(d.engine, w.health.Healthz()))
+	w.healthz = healthMux(healthz, w.health.Livez())
+	w.metrics = metricsMux(reg, healthz, w.proxier, pm.Describe, o.profiling, flows)
+	w.metricsOnly = metricsOnlyMux(reg)
+}
+
+// newSource is where the proxier's Services and EndpointSlices come from: --services-file (reload
+// on SIGHUP), or the API server.
+func (d *Daemon) newSource(client kubernetes.Interface, px *proxier.Proxier) (src source, reload func()) {
+	if d.o.servicesFile != "" {
+		fsrc := config.NewFileSource(d.o.servicesFile, px, d.deps.clock, d.o.fileCheckPeriod, d.log)
+		return fsrc, fsrc.Reload
+	}
+	return config.NewInformerSource(client, d.o.configSyncPeriod, px, d.log), nil
 }
 
 // healthMux serves --healthz-bind-address: /healthz fails when syncs stall or the node is being

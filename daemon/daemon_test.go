@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 	v1 "k8s.io/api/core/v1"
@@ -153,8 +154,8 @@ func newHarness(t *testing.T, args ...string) *harness {
 		client: func(*Options, string) (kubernetes.Interface, error) {
 			return nil, errors.New("the file mode must not build an API client")
 		},
-		portals: func(context.Context, *Options, map[portal.Family]netip.Addr, *serviceEvents, *handover.Inherited, logrus.FieldLogger) (*portalMode, error) {
-			return &portalMode{portals: h.portals, collector: portalCollector(rules), describe: rules.Rules, close: func() {}}, nil
+		portals: func(context.Context, *Options, map[portal.Family]netip.Addr, *serviceEvents, *handover.Inherited, logrus.FieldLogger) (portalMode, error) {
+			return &testMode{portals: h.portals, rules: rules}, nil
 		},
 		listen: func(addr string) (net.Listener, error) {
 			ln, err := net.Listen("tcp", addr)
@@ -170,6 +171,26 @@ func newHarness(t *testing.T, args ...string) *harness {
 	}}
 	return h
 }
+
+// testMode is the harness's portal mode: the recording portals in front of rules on a fake
+// iptables, with their metrics and /debug/rules; no NAT probe, conntrack or kernel counters.
+type testMode struct {
+	portals portal.Portals
+	rules   *iptables.Portals
+}
+
+func (m *testMode) Portals() portal.Portals         { return m.portals }
+func (m *testMode) Describe() string                { return m.rules.Rules() }
+func (m *testMode) Close() error                    { return nil }
+func (m *testMode) Collector() prometheus.Collector { return portalCollector(m.rules) }
+
+// testModeHostIPs is testMode taking the node IPs (hostIPSetter) as set says.
+type testModeHostIPs struct {
+	*testMode
+	set func(map[portal.Family]netip.Addr)
+}
+
+func (m *testModeHostIPs) SetHostIPs(ips map[portal.Family]netip.Addr) { m.set(ips) }
 
 // start runs the daemon; the returned function cancels it and returns Run's error.
 func (h *harness) start(t *testing.T) (stop func() error) {
@@ -561,17 +582,17 @@ func TestDaemonServesFromTheAPIServer(t *testing.T) {
 		syncsBefore = -1
 	)
 	portals := h.d.deps.portals
-	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error) {
+	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (portalMode, error) {
 		pm, err := portals(ctx, o, hostIPs, ev, inh, log)
 		if pm != nil {
-			pm.setHostIPs = func(ips map[portal.Family]netip.Addr) {
+			pm = &testModeHostIPs{testMode: pm.(*testMode), set: func(ips map[portal.Family]netip.Addr) {
 				h.portals.mu.Lock()
 				n := h.portals.syncs
 				h.portals.mu.Unlock()
 				mu.Lock()
 				gotHostIPs, syncsBefore = ips, n
 				mu.Unlock()
-			}
+			}}
 		}
 		return pm, err
 	}

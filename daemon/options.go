@@ -234,7 +234,29 @@ func parseOptions(args []string) (*Options, *pflag.FlagSet, error) {
 	return o, fs, o.validate()
 }
 
+// validate checks the options and parses the addresses and ranges they name, failing at the first
+// that is wrong with the setting's name (a flag, or the configuration file's field).
 func (o *Options) validate() error {
+	if err := o.parseNetworks(); err != nil {
+		return err
+	}
+	for _, c := range o.checks() {
+		if !c.ok {
+			return fmt.Errorf("%s: %s", o.setting(c.flag), c.msg)
+		}
+	}
+	if err := o.checkListenAddresses(); err != nil {
+		return err
+	}
+	if _, err := parseLevel(o.logLevel); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	return nil
+}
+
+// parseNetworks parses --bind-address, --proxy-port-range, --nodeport-addresses and
+// --cluster-cidr.
+func (o *Options) parseNetworks() error {
 	var err error
 	if o.bind, err = netip.ParseAddr(o.bindAddress); err != nil {
 		return fmt.Errorf("%s %q: %w", o.setting("--bind-address"), o.bindAddress, err)
@@ -266,11 +288,20 @@ func (o *Options) validate() error {
 		}
 		o.podCIDRs = append(o.podCIDRs, p.Masked())
 	}
-	checks := []struct {
-		ok   bool
-		flag string
-		msg  string
-	}{
+	return nil
+}
+
+// optionCheck is one condition a setting must meet, and what it says when it does not.
+type optionCheck struct {
+	ok   bool
+	flag string
+	msg  string
+}
+
+// checks are the conditions on single settings and on pairs of them, in the order validate
+// reports them.
+func (o *Options) checks() []optionCheck {
+	return []optionCheck{
 		{o.udpTimeout > 0, "--udp-timeout", "must be > 0"},
 		{o.udpMaxSessions > 0, "--udp-max-sessions", "must be > 0"},
 		{o.udpLoops >= 0 && o.udpLoops <= 16, "--udp-loops", "must be 0-16"},
@@ -304,11 +335,10 @@ func (o *Options) validate() error {
 		{o.flows.bindAddress == "" || o.flows.ringSize > 0, "--flows-bind-address", "needs the flow stream (--flow-ring-size > 0)"},
 		{o.iptablesVariant == "" || o.iptablesVariant == "nft" || o.iptablesVariant == "legacy", "--iptables-variant", "must be empty, nft or legacy"},
 	}
-	for _, c := range checks {
-		if !c.ok {
-			return fmt.Errorf("%s: %s", o.setting(c.flag), c.msg)
-		}
-	}
+}
+
+// checkListenAddresses checks that each HTTP server's address, when set, is an ip:port.
+func (o *Options) checkListenAddresses() error {
 	for _, hp := range []struct{ flag, v string }{{"--healthz-bind-address", o.healthzBindAddress}, {"--metrics-bind-address", o.metricsBindAddress},
 		{"--metrics-only-bind-address", o.metricsOnlyBindAddress}, {"--flows-bind-address", o.flows.bindAddress}} {
 		if hp.v == "" {
@@ -317,9 +347,6 @@ func (o *Options) validate() error {
 		if _, err := netip.ParseAddrPort(hp.v); err != nil {
 			return fmt.Errorf("%s %q: want ip:port: %w", o.setting(hp.flag), hp.v, err)
 		}
-	}
-	if _, err := parseLevel(o.logLevel); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
 	}
 	return nil
 }

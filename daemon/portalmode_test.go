@@ -4,10 +4,14 @@ package daemon
 // 192.0.2.10 (eth0), 198.51.100.10 (eth1) and 2001:db8::10 (eth0). Nothing is opened.
 
 import (
+	"context"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+	logtest "github.com/sirupsen/logrus/hooks/test"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -60,3 +64,56 @@ func TestBindPlan(t *testing.T) {
 		})
 	}
 }
+
+// TestPortalModeCapabilities checks which optional interfaces each --portal-mode has: Run and
+// wire find a capability only by asserting on the mode, so a missing method would silently turn
+// a feature off (the NAT probe, the reopen after a crash, the bind state file).
+func TestPortalModeCapabilities(t *testing.T) {
+	tests := []struct {
+		args []string
+		want []string
+	}{{
+		args: []string{"--portal-mode=iptables"},
+		want: []string{"natProber", "conntracker", "kernelCounterReader", "steeredReader", "hostIPSetter", "metricsCollector"},
+	}, {
+		args: []string{"--portal-mode=bind"},
+		want: []string{"listenPlanner"},
+	}, {
+		args: []string{"--portal-mode=bind", "--bind-state-file=/nonexistent/state.json"},
+		want: []string{"steeredReader", "listenPlanner", "listenStateKeeper"},
+	}}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			o, _, err := parseOptions(append(tt.args, "--bind-address=192.0.2.10"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			log, _ := logtest.NewNullLogger()
+			pm, err := newPortalMode(context.Background(), o, nil, &serviceEvents{}, nil, log)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pm.Close()
+			var got []string
+			for name, has := range map[string]bool{
+				"natProber":           is[natProber](pm),
+				"conntracker":         is[conntracker](pm),
+				"kernelCounterReader": is[kernelCounterReader](pm),
+				"steeredReader":       is[steeredReader](pm),
+				"hostIPSetter":        is[hostIPSetter](pm),
+				"listenPlanner":       is[listenPlanner](pm),
+				"listenStateKeeper":   is[listenStateKeeper](pm),
+				"metricsCollector":    is[metricsCollector](pm),
+			} {
+				if has {
+					got = append(got, name)
+				}
+			}
+			if diff := cmp.Diff(tt.want, got, cmpopts.SortSlices(func(a, b string) bool { return a < b })); diff != "" {
+				t.Errorf("capabilities (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func is[T any](pm portalMode) bool { _, ok := pm.(T); return ok }

@@ -15,43 +15,32 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
-	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
 )
 
-// steeredSeeds reads where the portal rules in force send each service port.
-func steeredSeeds(rules *iptables.Portals) func(ctx context.Context) ([]proxier.Seed, error) {
-	return func(ctx context.Context) ([]proxier.Seed, error) {
-		st, err := rules.ReadSteered(ctx)
-		seeds := make([]proxier.Seed, 0, len(st))
-		for _, s := range st {
-			seeds = append(seeds, proxier.Seed{Name: s.Name, Protocol: s.Protocol, ProxyPort: s.ProxyPort,
-				ExternalProxyPort: s.ExternalProxyPort, Families: s.Families})
-		}
-		return seeds, err
-	}
-}
-
-// seedReopen hands the proxier the proxy ports the rules in force point at. A failed read-back
-// is logged and costs only the head start: the first sync programs everything anyway. It reports
-// whether rules of a previous process are in force (iptables mode): then the node can NAT.
-func seedReopen(ctx context.Context, pm *portalMode, px *proxier.Proxier, log logrus.FieldLogger) (rulesInForce bool) {
-	if pm.steered == nil {
+// seedReopen hands the proxier the proxy ports the rules in force point at (or, in bind mode,
+// where the previous process listened). A failed read-back is logged and costs only the head
+// start: the first sync programs everything anyway. It reports whether rules of a previous process
+// are in force (iptables mode): then the node can NAT.
+func seedReopen(ctx context.Context, pm portalMode, px *proxier.Proxier, log logrus.FieldLogger) (rulesInForce bool) {
+	r, ok := pm.(steeredReader)
+	if !ok {
 		return false
 	}
-	seeds, err := pm.steered(ctx)
-	if err != nil && pm.plan == nil {
+	_, listensOnPortals := pm.(listenPlanner) // bind mode: no rules, the previous sockets' addresses
+	seeds, err := r.Steered(ctx)
+	if err != nil && !listensOnPortals {
 		log.WithError(err).Warn("Cannot read the portal rules in force; proxy sockets open at the first sync")
 	} else if err != nil {
 		log.WithError(err).Warn("Ignoring the bind state file; proxy sockets open at the first sync")
 	}
-	if len(seeds) > 0 && pm.plan == nil {
+	if len(seeds) > 0 && !listensOnPortals {
 		log.WithField("servicePorts", len(seeds)).Info("Portal rules of a previous process are in force; reopening their proxy ports")
 	} else if len(seeds) > 0 {
 		log.WithField("servicePorts", len(seeds)).Info("A previous process listened on portal addresses still on the link; reopening its sockets")
 	}
 	px.Reopen(seeds)
-	return len(seeds) > 0 && pm.plan == nil
+	return len(seeds) > 0 && !listensOnPortals
 }
 
 // boundSeeds reads, in bind mode, where the previous process listened (its state file), keeping

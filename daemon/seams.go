@@ -34,7 +34,7 @@ type deps struct {
 	client func(o *Options, version string) (kubernetes.Interface, error)
 	// portals builds what --portal-mode needs: rules or addresses, conntrack, listen plan.
 	// Ports the running proxy handed over (inh, nil without) are held on its sockets.
-	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (*portalMode, error)
+	portals func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, events *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (portalMode, error)
 	// listen opens the listener of an HTTP server (--healthz-bind-address, --metrics-bind-address).
 	listen func(addr string) (net.Listener, error)
 	// notifyReload relays the reload signal (SIGHUP) to c until stop is called.

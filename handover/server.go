@@ -156,17 +156,8 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 // successor confirmed it holds the sockets, whatever came after.
 func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
 	start := s.cfg.Clock.Now()
-	if err := samePeerUser(c); err != nil {
-		return false, err
-	}
-	deadline(c, time.Now(), s.cfg.Timeout)
-	var h hello
-	if _, err := receive(c, &h); err != nil {
-		return false, fmt.Errorf("handover: read hello: %w", err)
-	}
-	if h.Version != Version {
-		err := fmt.Errorf("%w: the successor speaks version %d, this process %d", ErrVersion, h.Version, Version)
-		_ = send(c, header{Version: Version, Error: err.Error()}, nil)
+	h, err := greet(c, s.cfg.Timeout)
+	if err != nil {
 		return false, err
 	}
 	socks, err := s.cfg.Collect()
@@ -179,23 +170,64 @@ func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
 			_ = closeFD(sk.fd)
 		}
 	}()
-	parts := chunks(len(socks))
-	var affinity [][]byte
-	sentAffinity := 0
-	if h.Affinity && s.cfg.Affinity != nil {
-		entries := s.cfg.Affinity()
-		msgs, left, err := encodeAffinity(entries, maxAffinityEntries)
-		if err != nil { // entries of this process's own table: not expected
-			s.cfg.Logger.WithError(err).Warn("Cannot encode the affinity table; handing over without it")
-		} else {
-			affinity, sentAffinity = msgs, len(entries)-left
-		}
-		if left > 0 {
-			s.cfg.Logger.WithFields(logrus.Fields{"entries": len(entries), "left": left}).Warn("Handing over part of the affinity table: over its bound, the least recently used stay behind")
-		}
+	affinity, sentAffinity := s.affinityMessages(h)
+	if err := sendSockets(c, socks, affinity); err != nil {
+		return false, err
 	}
+	var r reply
+	if _, err := receive(c, &r); err != nil || r.Adopted == nil {
+		return false, fmt.Errorf("handover: successor did not confirm adoption: %v", orNot(err, r))
+	}
+	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted, "affinityEntries": sentAffinity,
+		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
+	return true, s.awaitReady(c, start)
+}
+
+// greet checks that the successor runs as this process's user, and reads its hello, refusing
+// (and telling it) a protocol version other than this one.
+func greet(c *net.UnixConn, timeout time.Duration) (hello, error) {
+	var h hello
+	if err := samePeerUser(c); err != nil {
+		return h, err
+	}
+	deadline(c, time.Now(), timeout)
+	if _, err := receive(c, &h); err != nil {
+		return h, fmt.Errorf("handover: read hello: %w", err)
+	}
+	if h.Version != Version {
+		err := fmt.Errorf("%w: the successor speaks version %d, this process %d", ErrVersion, h.Version, Version)
+		_ = send(c, header{Version: Version, Error: err.Error()}, nil)
+		return h, err
+	}
+	return h, nil
+}
+
+// affinityMessages is the affinity table as messages, when the successor asks for it, and how
+// many entries they hold: at most maxAffinityEntries, the least recently used left behind.
+func (s *Server) affinityMessages(h hello) (msgs [][]byte, sent int) {
+	if !h.Affinity || s.cfg.Affinity == nil {
+		return nil, 0
+	}
+	entries := s.cfg.Affinity()
+	msgs, left, err := encodeAffinity(entries, maxAffinityEntries)
+	if err != nil { // entries of this process's own table: not expected
+		s.cfg.Logger.WithError(err).Warn("Cannot encode the affinity table; handing over without it")
+		msgs = nil
+	} else {
+		sent = len(entries) - left
+	}
+	if left > 0 {
+		s.cfg.Logger.WithFields(logrus.Fields{"entries": len(entries), "left": left}).Warn("Handing over part of the affinity table: over its bound, the least recently used stay behind")
+	}
+	return msgs, sent
+}
+
+// sendSockets sends the header, the sockets in chunks (their entries with their descriptors) and
+// the affinity messages.
+func sendSockets(c *net.UnixConn, socks []socket, affinity [][]byte) error {
+	parts := chunks(len(socks))
 	if err := send(c, header{Version: Version, Sockets: len(socks), Chunks: len(parts), Affinity: len(affinity)}, nil); err != nil {
-		return false, fmt.Errorf("handover: send header: %w", err)
+		return fmt.Errorf("handover: send header: %w", err)
 	}
 	for _, p := range parts {
 		entries := make([]Entry, 0, p[1]-p[0])
@@ -205,30 +237,30 @@ func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
 			fds = append(fds, sk.fd)
 		}
 		if err := send(c, entries, fds); err != nil {
-			return false, fmt.Errorf("handover: send sockets: %w", err)
+			return fmt.Errorf("handover: send sockets: %w", err)
 		}
 	}
 	for _, msg := range affinity {
 		if _, _, err := c.WriteMsgUnix(msg, nil, nil); err != nil {
-			return false, fmt.Errorf("handover: send affinity: %w", err)
+			return fmt.Errorf("handover: send affinity: %w", err)
 		}
 	}
-	var r reply
-	if _, err := receive(c, &r); err != nil || r.Adopted == nil {
-		return false, fmt.Errorf("handover: successor did not confirm adoption: %v", orNot(err, r))
-	}
-	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted, "affinityEntries": sentAffinity,
-		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
+	return nil
+}
+
+// awaitReady waits, at most ReadyTimeout, for the successor that adopted the sockets to say it
+// is ready; Pending is true meanwhile, and again false if it never does.
+func (s *Server) awaitReady(c *net.UnixConn, start time.Time) error {
 	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
 	var ready reply // a message of its own: the adoption's fields must not count as ready
 	if _, err := receive(c, &ready); err != nil || !ready.Ready {
 		s.pending(false)
-		return true, fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
+		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
 	}
 	s.cfg.Logger.WithField("duration", s.cfg.Clock.Since(start).String()).
 		Info("Successor is ready: no longer accepting; finishing established connections")
-	return true, nil
+	return nil
 }
 
 func (s *Server) pending(p bool) {

@@ -121,40 +121,69 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	defer p.mu.Unlock()
 	now := p.cfg.Clock.Now()
 	verify := p.lastVerify.IsZero() || now.Sub(p.lastVerify) >= p.cfg.VerifyPeriod
-	sorted := slices.Clone(specs)
-	if !slices.IsSortedFunc(sorted, portal.CompareSpecs) { // the proxier passes them sorted
-		slices.SortFunc(sorted, portal.CompareSpecs)
-	}
-	for i := range sorted { // the caller may reuse its slices
-		s := &sorted[i]
-		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
-		s.SourceRanges = slices.Clone(s.SourceRanges)
-		s.Kernel = s.Kernel.Clone()
-	}
+	sorted := sortedSpecs(specs)
 	if !verify && p.applied != nil && slices.EqualFunc(sorted, p.applied, specEqual) {
 		if p.canaryIntact(ctx) {
 			return nil
 		}
 		verify = true
 	}
-	nk := 0
+	p.countKernelPorts(sorted)
+	p.applied = nil
+	verified, err := p.syncFamilies(ctx, sorted, verify)
+	if verify && verified {
+		p.lastVerify = now
+	}
+	if p.natRepaired && p.cfg.AfterNATRepair != nil {
+		p.cfg.AfterNATRepair(ctx, sorted)
+	}
+	p.natRepaired = false
+	if err == nil {
+		p.applied = sorted
+	}
+	return err
+}
+
+// sortedSpecs is a sorted deep copy of specs: the caller may reuse its slices.
+func sortedSpecs(specs []portal.Spec) []portal.Spec {
+	sorted := slices.Clone(specs)
+	if !slices.IsSortedFunc(sorted, portal.CompareSpecs) { // the proxier passes them sorted
+		slices.SortFunc(sorted, portal.CompareSpecs)
+	}
 	for i := range sorted {
-		if sorted[i].Kernel != nil && p.cfg.KernelPath {
+		s := &sorted[i]
+		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
+		s.SourceRanges = slices.Clone(s.SourceRanges)
+		s.Kernel = s.Kernel.Clone()
+	}
+	return sorted
+}
+
+// countKernelPorts keeps, for the counters, how many of the specs are on the kernel path.
+func (p *Portals) countKernelPorts(specs []portal.Spec) {
+	nk := 0
+	for i := range specs {
+		if specs[i].Kernel != nil && p.cfg.KernelPath {
 			nk++
 		}
 	}
 	p.viewMu.Lock()
 	p.kernelPorts = nk
 	p.viewMu.Unlock()
-	p.applied = nil
-	verified := true
+}
+
+// syncFamilies builds and syncs the rules of each enabled family. A spec that cannot have a
+// portal is logged once, when it first turns up, and skipped. verified reports whether every
+// read-back worked.
+func (p *Portals) syncFamilies(ctx context.Context, specs []portal.Spec, verify bool) (verified bool, err error) {
+	verified = true
 	var errs []error
 	invalid := map[string]bool{}
 	for _, fam := range portal.Families {
 		if !p.familyEnabled(fam) {
 			continue
 		}
-		want, bad := buildRules(p.cfg, fam, sorted)
+		want, bad := buildRules(p.cfg, fam, specs)
 		for _, err := range bad {
 			if !p.invalid[err.Error()] && !invalid[err.Error()] {
 				p.cfg.Logger.WithError(err).Warn("Skipping service port without portal")
@@ -168,17 +197,7 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 		}
 	}
 	p.invalid = invalid
-	if verify && verified {
-		p.lastVerify = now
-	}
-	if p.natRepaired && p.cfg.AfterNATRepair != nil {
-		p.cfg.AfterNATRepair(ctx, sorted)
-	}
-	p.natRepaired = false
-	if len(errs) == 0 {
-		p.applied = sorted
-	}
-	return errors.Join(errs...)
+	return verified, errors.Join(errs...)
 }
 
 // familyEnabled reports whether fam is programmed, logging once why it is not.
@@ -215,49 +234,73 @@ func (p *Portals) syncFamily(ctx context.Context, fam portal.Family, want family
 		live = map[string]*tableState{}
 		p.live[fam] = live
 	}
-	var errs []error
-	ok = true
-	// Every read-back comes before the first restore: with iptables-nft, `iptables-save -t nat`
-	// right after filter's 10,000 guard rules went in took 0.14 s of a cold start (3 ms before).
-	repair, unread := map[string]bool{}, map[string]bool{}
+	rb, err := p.readBackTables(ctx, fam, live, verify)
+	if errors.Is(err, ErrUnavailable) {
+		p.skip(fam, err.Error())
+		return true, nil
+	}
+	errs := append(rb.errs, p.restoreTables(ctx, fam, live, want, rb)...)
+	p.publish(fam, live)
+	return len(rb.unread) == 0, errors.Join(errs...)
+}
+
+// readBacks is what the read-backs of a family found: the tables someone else changed (repaired
+// by the restore) and those that could not be read (left alone until the next Sync).
+type readBacks struct {
+	repair, unread map[string]bool
+	errs           []error
+}
+
+// readBackTables reads back each table whose state is unknown, or every table when verifying,
+// into live. Every read-back comes before the first restore: with iptables-nft, `iptables-save
+// -t nat` right after filter's 10,000 guard rules went in took 0.14 s of a cold start (3 ms
+// before). An error is ErrUnavailable: the family cannot be programmed at all.
+func (p *Portals) readBackTables(ctx context.Context, fam portal.Family, live map[string]*tableState, verify bool) (readBacks, error) {
+	rb := readBacks{repair: map[string]bool{}, unread: map[string]bool{}}
 	for _, table := range tables {
 		if !verify && live[table] != nil {
 			continue
 		}
 		st, err := p.readBack(ctx, fam, table)
 		if errors.Is(err, ErrUnavailable) {
-			p.skip(fam, err.Error())
-			return true, nil
+			return rb, err
 		}
 		if err != nil {
-			ok = false
-			unread[table] = true
-			errs = append(errs, err)
+			rb.unread[table] = true
+			rb.errs = append(rb.errs, err)
 			continue
 		}
 		if live[table] != nil && !live[table].equal(st) {
-			repair[table] = true
+			rb.repair[table] = true
 			p.count(func(s *Stats) { s.Repairs++ })
 			p.cfg.Logger.WithFields(map[string]any{"family": fam.String(), "table": table}).
 				Warn("Portal rules changed behind our back; repairing")
 		}
 		live[table] = st
 	}
-	// Every table's additions go in before any table's deletions: filter's, then nat's, then
-	// nat's stale rules go, then filter's. A service port whose endpoints arrive changes from a
-	// filter REJECT to a nat REDIRECT: deleting the REJECT first (both tables in turn, as before)
-	// left a moment where a SYN to the service was neither refused nor steered, so it was dropped
-	// and retransmitted a second later. Now the REDIRECT is in first (translated traffic no longer
-	// matches the REJECT), then the REJECT goes. The reverse change adds the REJECT before the
-	// REDIRECT goes. And filter's rules accepting a new proxy port still precede nat steering to it.
+	return rb, nil
+}
+
+// restoreTables brings each table that was read to want, keeping live as what is in force (nil:
+// unknown, read back before the next attempt).
+//
+// Every table's additions go in before any table's deletions: filter's, then nat's, then
+// nat's stale rules go, then filter's. A service port whose endpoints arrive changes from a
+// filter REJECT to a nat REDIRECT: deleting the REJECT first (both tables in turn, as before)
+// left a moment where a SYN to the service was neither refused nor steered, so it was dropped
+// and retransmitted a second later. Now the REDIRECT is in first (translated traffic no longer
+// matches the REJECT), then the REJECT goes. The reverse change adds the REJECT before the
+// REDIRECT goes. And filter's rules accepting a new proxy port still precede nat steering to it.
+func (p *Portals) restoreTables(ctx context.Context, fam portal.Family, live map[string]*tableState, want familyRules, rb readBacks) []error {
+	var errs []error
 	plans := map[string]plan{}
 	for _, table := range tables {
-		if unread[table] {
+		if rb.unread[table] {
 			continue
 		}
-		pl := restorePlan(table, live[table], want[table], repair[table])
+		pl := restorePlan(table, live[table], want[table], rb.repair[table])
 		if err := p.restoreAll(ctx, fam, table, pl.apply); err != nil {
-			live[table] = nil // unknown now: read back before the next attempt
+			live[table] = nil
 			errs = append(errs, err)
 			continue
 		}
@@ -274,12 +317,11 @@ func (p *Portals) syncFamily(ctx context.Context, fam portal.Family, want family
 			continue
 		}
 		live[table] = pl.result
-		if repair[table] && table == tableNAT {
+		if rb.repair[table] && table == tableNAT {
 			p.natRepaired = true
 		}
 	}
-	p.publish(fam, live)
-	return ok, errors.Join(errs...)
+	return errs
 }
 
 func (p *Portals) readBack(ctx context.Context, fam portal.Family, table string) (*tableState, error) {

@@ -52,70 +52,91 @@ func restorePlan(table string, have, want *tableState, rewrite bool) plan {
 	if have.equal(want) {
 		return plan{result: have}
 	}
-	result := newTableState()
-	var decl, jumpDel, body, jumpAdd, drop, deletes []string
+	l := planLines{result: newTableState()}
+	for _, c := range chainOrder(table, have, want) {
+		l.chain(table, c, have, want, rewrite)
+	}
+	l.jumps(have, want)
+	return plan{
+		apply:   restoreInput(table, l.decl, l.jumpDel, l.body, l.jumpAdd, l.drop),
+		cleanup: restoreInput(table, l.kDecl, l.deletes, l.kDrop),
+		result:  l.result,
+	}
+}
+
+// planLines are the lines of a plan, by the part of a transaction they go in, and the state
+// after the plan.
+type planLines struct {
+	decl, jumpDel, body, jumpAdd, drop, deletes []string
 	// Kernel-path chains no longer wanted go in the cleanup transaction, after the deletes: a
 	// rule of a chain changed by head insert and delete (KUBE-SERVICES) may still jump to them
 	// until then, and they jump to each other, so all are flushed before any is removed.
-	var kDecl, kDrop []string
-	for _, c := range chainOrder(table, have, want) {
-		w, wanted := want.chains[c]
-		h, exists := have.chains[c]
+	kDecl, kDrop []string
+	result       *tableState
+}
+
+// chain plans chain c: dropped, created, left alone, changed by head inserts and deletes, or
+// rewritten whole.
+func (l *planLines) chain(table, c string, have, want *tableState, rewrite bool) {
+	w, wanted := want.chains[c]
+	h, exists := have.chains[c]
+	switch {
+	case !wanted && exists && isKernelChain(table, c):
+		l.kDecl = append(l.kDecl, ":"+c+" - [0:0]")
+		l.kDrop = append(l.kDrop, "-X "+c)
+	case !wanted && exists:
+		l.decl = append(l.decl, ":"+c+" - [0:0]")
+		l.drop = append(l.drop, "-X "+c)
+	case !wanted:
+	case !exists:
+		l.rewrite(c, w)
+	default:
+		removed, added := multisetDiff(h, w)
 		switch {
-		case !wanted && exists && isKernelChain(table, c):
-			kDecl = append(kDecl, ":"+c+" - [0:0]")
-			kDrop = append(kDrop, "-X "+c)
-		case !wanted && exists:
-			decl = append(decl, ":"+c+" - [0:0]")
-			drop = append(drop, "-X "+c)
-		case !wanted:
-		case !exists:
-			decl = append(decl, ":"+c+" - [0:0]")
-			body = appendRules(body, "-A", c, w)
-			result.chains[c] = w
-		default:
-			removed, added := multisetDiff(h, w)
-			switch {
-			case len(removed) == 0 && len(added) == 0:
-				result.chains[c] = h
-			case !rewrite && len(removed) <= maxIncrementalDeletes && !kernel.Ordered(table, c):
-				// Inserted last first, so the added rules end up at the head in their own order.
-				for i := len(added) - 1; i >= 0; i-- {
-					body = append(body, "-I "+c+" 1 "+added[i])
-				}
-				deletes = appendRules(deletes, "-D", c, removed)
-				result.chains[c] = append(slices.Clone(added), removeFirst(h, removed)...)
-			default:
-				decl = append(decl, ":"+c+" - [0:0]")
-				body = appendRules(body, "-A", c, w)
-				result.chains[c] = w
+		case len(removed) == 0 && len(added) == 0:
+			l.result.chains[c] = h
+		case !rewrite && len(removed) <= maxIncrementalDeletes && !kernel.Ordered(table, c):
+			// Inserted last first, so the added rules end up at the head in their own order.
+			for i := len(added) - 1; i >= 0; i-- {
+				l.body = append(l.body, "-I "+c+" 1 "+added[i])
 			}
+			l.deletes = appendRules(l.deletes, "-D", c, removed)
+			l.result.chains[c] = append(slices.Clone(added), removeFirst(h, removed)...)
+		default:
+			l.rewrite(c, w)
 		}
 	}
+}
+
+// rewrite declares chain c (creating or flushing it) and fills it with rules.
+func (l *planLines) rewrite(c string, rules []string) {
+	l.decl = append(l.decl, ":"+c+" - [0:0]")
+	l.body = appendRules(l.body, "-A", c, rules)
+	l.result.chains[c] = rules
+}
+
+// jumps plans the jumps from the built-in chains: a chain whose jumps changed has them all
+// deleted and added again, at the head or the tail as each wants.
+func (l *planLines) jumps(have, want *tableState) {
 	for _, chain := range sortedKeys(have.jumps, want.jumps) {
 		h, w := have.jumps[chain], want.jumps[chain]
 		if len(w) > 0 {
-			result.jumps[chain] = w
+			l.result.jumps[chain] = w
 		}
 		if slices.Equal(h, w) {
 			continue
 		}
-		jumpDel = appendRules(jumpDel, "-D", chain, h)
+		l.jumpDel = appendRules(l.jumpDel, "-D", chain, h)
 		for i := len(w) - 1; i >= 0; i-- {
 			if jumpHead[w[i]] {
-				jumpAdd = append(jumpAdd, "-I "+chain+" 1 "+w[i])
+				l.jumpAdd = append(l.jumpAdd, "-I "+chain+" 1 "+w[i])
 			}
 		}
 		for _, j := range w {
 			if !jumpHead[j] {
-				jumpAdd = append(jumpAdd, "-A "+chain+" "+j)
+				l.jumpAdd = append(l.jumpAdd, "-A "+chain+" "+j)
 			}
 		}
-	}
-	return plan{
-		apply:   restoreInput(table, decl, jumpDel, body, jumpAdd, drop),
-		cleanup: restoreInput(table, kDecl, deletes, kDrop),
-		result:  result,
 	}
 }
 

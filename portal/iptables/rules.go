@@ -186,7 +186,32 @@ type ruleBuilder struct {
 // by portal.CompareSpecs (Sync sorts them once for both families), and each spec's rules in the legacy order (cluster IP, external IPs, load-balancer
 // IPs, node port), so the text is stable. Invalid specs are returned for the caller to report.
 func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules, []error) {
-	b := ruleBuilder{fam: fam, bind: cfg.BindAddress, hostIP: cfg.HostIPs[fam], protect: cfg.ProtectProxyPorts,
+	b := newRuleBuilder(cfg, fam)
+	var errs []error
+	if cfg.KernelPath {
+		errs = b.addKernelSpecs(cfg, specs)
+	}
+	for i := range specs {
+		if specs[i].Kernel != nil {
+			if !cfg.KernelPath {
+				errs = append(errs, fmt.Errorf("portal %s: the kernel data path is off on this node", specs[i].Name))
+			}
+			continue
+		}
+		if err := validate(&specs[i]); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		b.add(&specs[i])
+	}
+	addCanary(b.out)
+	return b.out, errs
+}
+
+// newRuleBuilder starts fam's rules with our chains, empty, and the jumps to them, and keeps the
+// pod CIDRs and node-port addresses of fam.
+func newRuleBuilder(cfg Config, fam portal.Family) *ruleBuilder {
+	b := &ruleBuilder{fam: fam, bind: cfg.BindAddress, hostIP: cfg.HostIPs[fam], protect: cfg.ProtectProxyPorts,
 		out: familyRules{}}
 	for _, table := range tables {
 		b.out[table] = newTableState()
@@ -214,37 +239,26 @@ func buildRules(cfg Config, fam portal.Family, specs []portal.Spec) (familyRules
 			b.npDsts = append(b.npDsts, p.Masked().String())
 		}
 	}
+	return b
+}
 
+// addKernelSpecs adds the kernel path's rules for the valid kernel-path specs, returning the
+// invalid ones' errors.
+func (b *ruleBuilder) addKernelSpecs(cfg Config, specs []portal.Spec) []error {
 	var errs []error
-	if cfg.KernelPath {
-		var kspecs []portal.Spec
-		for i := range specs {
-			if specs[i].Kernel == nil {
-				continue
-			}
-			if err := validateKernel(&specs[i]); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			kspecs = append(kspecs, specs[i])
-		}
-		b.addKernel(cfg, kspecs)
-	}
+	var kspecs []portal.Spec
 	for i := range specs {
-		if specs[i].Kernel != nil {
-			if !cfg.KernelPath {
-				errs = append(errs, fmt.Errorf("portal %s: the kernel data path is off on this node", specs[i].Name))
-			}
+		if specs[i].Kernel == nil {
 			continue
 		}
-		if err := validate(&specs[i]); err != nil {
+		if err := validateKernel(&specs[i]); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		b.add(&specs[i])
+		kspecs = append(kspecs, specs[i])
 	}
-	addCanary(b.out)
-	return b.out, errs
+	b.addKernel(cfg, kspecs)
+	return errs
 }
 
 // The canary chain's one rule, and the jump every other chain of ours ends with.

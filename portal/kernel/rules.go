@@ -165,12 +165,39 @@ type portRules struct {
 	extFilterTarget  string
 	extFilterComment string
 	cluster, local   []string // endpoints "ip:port", sorted as kube-proxy sorts them (as text)
+	// the service's addresses of the builder's family
+	clusterIPs, externalIPs, lbIPs []netip.Addr
 }
 
 // port writes the chains of one kernel-path service port, following kube-proxy's
 // syncProxyRules: the captures in KUBE-SERVICES / KUBE-NODEPORTS, the filter rules for traffic
 // without endpoints, then the port's own chains.
 func (b *builder) port(s *portal.Spec) {
+	r := b.portRules(s)
+	b.filterTargets(&r)
+	for _, ip := range r.clusterIPs {
+		b.clusterIP(&r, s.Port, ip)
+	}
+	b.externalCaptures(&r, s)
+	if r.usesExt {
+		b.externalChain(&r, s.Kernel.ExternalLocal)
+	}
+	if r.usesFW {
+		b.firewallChain(&r, s, r.lbIPs)
+	}
+	if r.usesSVC {
+		b.spread(&r, r.svc, r.cluster)
+	}
+	if r.usesSVL {
+		b.spread(&r, r.svl, r.local)
+	}
+	b.endpointChains(&r)
+}
+
+// portRules names the chains of s and decides which of them exist: the cluster (SVC) and local
+// (SVL) spreads, the external (EXT) and firewall (FW) chains, and where internal and external
+// traffic goes.
+func (b *builder) portRules(s *portal.Spec) portRules {
 	k := s.Kernel
 	r := portRules{name: s.Name.String(), proto: protocol(s.Protocol), affinitySeconds: k.AffinitySeconds}
 	r.quoted = strconv.Quote(r.name)
@@ -179,9 +206,9 @@ func (b *builder) port(s *portal.Spec) {
 	r.ext = ServiceChain(PrefixExternal, s.Name, s.Protocol)
 	r.fw = ServiceChain(PrefixFirewall, s.Name, s.Protocol)
 	r.cluster, r.local = b.endpoints(k.Cluster), b.endpoints(k.Local)
+	r.clusterIPs, r.externalIPs, r.lbIPs = b.ofFamily(s.ClusterIPs), b.ofFamily(s.ExternalIPs), b.ofFamily(s.LoadBalancerIPs)
 
-	clusterIPs, externalIPs, lbIPs := b.ofFamily(s.ClusterIPs), b.ofFamily(s.ExternalIPs), b.ofFamily(s.LoadBalancerIPs)
-	external := s.NodePort != 0 || len(externalIPs) > 0 || len(lbIPs) > 0
+	external := s.NodePort != 0 || len(r.externalIPs) > 0 || len(r.lbIPs) > 0
 	r.hasEndpoints = k.AnyEndpoints || len(r.cluster) > 0 || len(r.local) > 0
 	r.usesSVC = len(r.cluster) > 0 && (!k.InternalLocal || external)
 	r.usesSVL = len(r.local) > 0 && (k.InternalLocal || (k.ExternalLocal && external))
@@ -200,16 +227,17 @@ func (b *builder) port(s *portal.Spec) {
 	r.lbChain = r.ext
 	// Source ranges of the other family only still close this family's load-balancer IPs to
 	// everyone (kube-proxy would leave them open); a range list is an allow list.
-	r.usesFW = r.hasEndpoints && len(lbIPs) > 0 && len(s.SourceRanges) > 0
+	r.usesFW = r.hasEndpoints && len(r.lbIPs) > 0 && len(s.SourceRanges) > 0
 	if r.usesFW {
 		r.lbChain = r.fw
 	}
-	b.filterTargets(&r)
+	return r
+}
 
-	for _, ip := range clusterIPs {
-		b.clusterIP(&r, s.Port, ip)
-	}
-	for _, ip := range externalIPs {
+// externalCaptures writes the captures of the external IPs, load-balancer IPs and node port, and
+// the filter rules that refuse their traffic when there is no endpoint to send it to.
+func (b *builder) externalCaptures(r *portRules, s *portal.Spec) {
+	for _, ip := range r.externalIPs {
 		m := b.match("-d "+hostPrefix(ip)+" ", r.proto, s.Port)
 		if r.hasEndpoints {
 			b.add(TableNAT, ChainServices, m.comment(r.name+" external IP")+m.port()+"-j "+r.ext)
@@ -218,7 +246,7 @@ func (b *builder) port(s *portal.Spec) {
 			b.add(TableFilter, ChainExternalServices, m.comment(r.extFilterComment)+m.port()+r.extFilterTarget)
 		}
 	}
-	for _, ip := range lbIPs {
+	for _, ip := range r.lbIPs {
 		m := b.match("-d "+hostPrefix(ip)+" ", r.proto, s.Port)
 		if r.hasEndpoints {
 			b.add(TableNAT, ChainServices, m.comment(r.name+" loadbalancer IP")+m.port()+"-j "+r.lbChain)
@@ -228,7 +256,7 @@ func (b *builder) port(s *portal.Spec) {
 		}
 	}
 	if !r.hasExt {
-		for _, ip := range lbIPs {
+		for _, ip := range r.lbIPs {
 			m := b.match("-d "+hostPrefix(ip)+" ", r.proto, s.Port)
 			b.add(TableFilter, ChainExternalServices, m.comment(r.extFilterComment)+m.port()+r.extFilterTarget)
 		}
@@ -243,19 +271,6 @@ func (b *builder) port(s *portal.Spec) {
 				m.comment(r.extFilterComment)+"-m addrtype --dst-type LOCAL "+m.port()+r.extFilterTarget)
 		}
 	}
-	if r.usesExt {
-		b.externalChain(&r, k.ExternalLocal)
-	}
-	if r.usesFW {
-		b.firewallChain(&r, s, lbIPs)
-	}
-	if r.usesSVC {
-		b.spread(&r, r.svc, r.cluster)
-	}
-	if r.usesSVL {
-		b.spread(&r, r.svl, r.local)
-	}
-	b.endpointChains(&r)
 }
 
 // filterTargets decides what the filter table does with traffic that has no endpoint: REJECT
