@@ -136,7 +136,16 @@ func (r *portRecorder) Record(e *flow.Event) {
 }
 
 func (h *Hub) write(e *flow.Event, p *flow.Port) {
-	seq := h.head.Add(1) - 1
+	h.put(h.head.Add(1)-1, e, p)
+	if obs := h.observers.Load(); obs != nil {
+		for _, o := range *obs {
+			o.poke()
+		}
+	}
+}
+
+// put writes the event numbered seq to its slot.
+func (h *Hub) put(seq uint64, e *flow.Event, p *flow.Port) {
 	s := &h.slots[seq%uint64(len(h.slots))]
 	s.mu.Lock()
 	// A writer preempted between taking its number and writing may find the slot already
@@ -148,11 +157,6 @@ func (h *Hub) write(e *flow.Event, p *flow.Port) {
 		s.seq = seq + 1
 	}
 	s.mu.Unlock()
-	if obs := h.observers.Load(); obs != nil {
-		for _, o := range *obs {
-			o.poke()
-		}
-	}
 }
 
 // readState is what read found in a slot.

@@ -268,12 +268,12 @@ func (o *observer) drainPayloads(st *stream) {
 	if !o.capture {
 		return
 	}
+	defer func() { st.lose(lostCapture, o.payloadsLost.Swap(0)) }() // the drops came after the queued pieces
 	for range payloadQueue {
 		select {
 		case p := <-o.payloads:
 			st.item(Item{Payload: p})
 		default:
-			st.lose(lostCapture, o.payloadsLost.Swap(0))
 			return
 		}
 	}
