@@ -537,3 +537,22 @@ func TestStreamCaptureOverflow(t *testing.T) {
 		t.Errorf("Stats().Lost[%s] = %d, want %d", LostCapture, n, lost)
 	}
 }
+
+// Drops are said even when the drain stops at its bound with the queue just emptied (the
+// observer may then sleep with nothing to wake it).
+func TestDrainPayloadsSaysDropsAtTheBound(t *testing.T) {
+	h := NewHub(HubConfig{Capture: true})
+	o := newObserver(h, nil, nil, time.Time{})
+	o.capture = true
+	o.payloads = make(chan *Payload, payloadQueue)
+	for range payloadQueue {
+		o.payloads <- &Payload{ID: 1}
+	}
+	o.payloadsLost.Store(5)
+	w := httptest.NewRecorder()
+	st := &stream{w: w, rc: http.NewResponseController(w), hub: h}
+	o.drainPayloads(st)
+	if n := st.pending[lostCapture]; n != 5 {
+		t.Errorf("after a full drain, %d drops pending to be said, want 5", n)
+	}
+}
