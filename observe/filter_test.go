@@ -186,3 +186,20 @@ func TestFilterResolvesOnce(t *testing.T) {
 		}
 	}
 }
+
+// A dual-stack listener sees IPv4 clients as IPv4-mapped IPv6 addresses: an IPv4 filter still
+// matches them.
+func TestFilterClientMapped(t *testing.T) {
+	e := filterEvents()["web"]
+	e.Client = netip.MustParseAddrPort("[::ffff:10.0.1.5]:40000")
+	for _, q := range []string{"client=10.0.1.0/24", "client=10.0.1.5", "client=::ffff:10.0.1.5"} {
+		v, _ := url.ParseQuery(q)
+		f, err := ParseFilter(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !f.Match(e, nil) {
+			t.Errorf("%s does not match client %v", q, e.Client)
+		}
+	}
+}

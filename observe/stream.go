@@ -27,6 +27,10 @@ const (
 // client of output nor the observer of its context's end.
 const batchMax = 256
 
+// writeStall is how long a batch may take to write before the observer is ended: a stalled
+// client holds one of MaxObservers.
+const writeStall = time.Minute
+
 // request is a parsed /debug/flows query.
 type request struct {
 	filter      *Filter
@@ -212,6 +216,12 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 	h := o.hub
 	var e flow.Event
 	for {
+		// A client that stops reading holds its observer slot: give up on it when a batch
+		// cannot be written for writeStall. Set per batch, as a long sleep between batches is
+		// no stall. (It also lifts the server's WriteTimeout, which would end any long follow.)
+		if err := st.rc.SetWriteDeadline(time.Now().Add(writeStall)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+			return
+		}
 		n := 0
 		for ; n < batchMax && cursor < end; n++ {
 			ok, lost := h.next(&cursor, &e)
