@@ -85,6 +85,10 @@ type Hub struct {
 	taps atomic.Int64
 
 	lost [numLostReasons]atomic.Uint64
+
+	// writeStall ends an observer whose batch takes longer to write (a client that stopped
+	// reading); tests shorten it.
+	writeStall time.Duration
 }
 
 // slot holds one event. Its mutex makes the copy in and the copy out atomic to each other; it is
@@ -111,7 +115,7 @@ var lostReasonNames = [numLostReasons]string{LostSlow, LostRate, LostCapture}
 // NewHub builds a hub with its ring. It starts nothing.
 func NewHub(cfg HubConfig) *Hub {
 	cfg = cfg.withDefaults()
-	return &Hub{cfg: cfg, slots: make([]slot, cfg.RingSize)}
+	return &Hub{cfg: cfg, slots: make([]slot, cfg.RingSize), writeStall: defaultWriteStall}
 }
 
 // ForPort returns the Recorder of one service port: it sets each event's Port to p and writes it

@@ -27,9 +27,9 @@ const (
 // client of output nor the observer of its context's end.
 const batchMax = 256
 
-// writeStall is how long a batch may take to write before the observer is ended: a stalled
-// client holds one of MaxObservers.
-const writeStall = time.Minute
+// defaultWriteStall is how long a batch may take to write before the observer is ended: a
+// stalled client holds one of MaxObservers.
+const defaultWriteStall = time.Minute
 
 // request is a parsed /debug/flows query.
 type request struct {
@@ -219,7 +219,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 		// A client that stops reading holds its observer slot: give up on it when a batch
 		// cannot be written for writeStall. Set per batch, as a long sleep between batches is
 		// no stall. (It also lifts the server's WriteTimeout, which would end any long follow.)
-		if err := st.rc.SetWriteDeadline(time.Now().Add(writeStall)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		if err := st.rc.SetWriteDeadline(time.Now().Add(h.writeStall)); err != nil && !errors.Is(err, http.ErrNotSupported) {
 			return
 		}
 		n := 0

@@ -556,3 +556,20 @@ func TestDrainPayloadsSaysDropsAtTheBound(t *testing.T) {
 		t.Errorf("after a full drain, %d drops pending to be said, want 5", n)
 	}
 }
+
+// A client that stops reading is given up after the write stall, freeing its observer slot;
+// Record never waits for it.
+func TestStreamStalledClientEnded(t *testing.T) {
+	h := NewHub(HubConfig{RingSize: 1024})
+	h.writeStall = 100 * time.Millisecond
+	url := serveHub(t, h)
+	get(t, url, "follow=1") // never read
+	// Write until the socket buffers fill and the observer's batch stalls past the deadline.
+	deadline := time.Now().Add(20 * time.Second) // well before the request's own timeout
+	for id := uint64(1); h.Stats().Observers != 0; id += 1000 {
+		if time.Now().After(deadline) {
+			t.Fatal("the stalled observer was not ended")
+		}
+		recordWeb(h, id, id+999)
+	}
+}
