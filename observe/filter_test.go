@@ -1,6 +1,7 @@
 package observe
 
 import (
+	"encoding/json"
 	"net/netip"
 	"net/url"
 	"strings"
@@ -178,7 +179,11 @@ func TestFilterResolvesOnce(t *testing.T) {
 		if r.endpointCalls != tc.calls || r.clientCalls != tc.calls {
 			t.Errorf("%q: resolver asked endpoint %d, client %d times, want %d each", tc.query, r.endpointCalls, r.clientCalls, tc.calls)
 		}
-		if got := v.flow(); got.EndpointPod != "default/web-abc" || got.ClientPod != "default/client-1" || got.EndpointNode != "node-b" {
+		var it Item
+		if err := json.Unmarshal(appendFlowItem(nil, &v), &it); err != nil {
+			t.Fatal(err)
+		}
+		if got := it.Flow; got.EndpointPod != "default/web-abc" || got.ClientPod != "default/client-1" || got.EndpointNode != "node-b" {
 			t.Errorf("%q: flow names pods %q %q %q", tc.query, got.EndpointPod, got.EndpointNode, got.ClientPod)
 		}
 		if r.endpointCalls != 1 {

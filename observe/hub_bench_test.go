@@ -91,3 +91,27 @@ func benchHub(b *testing.B, observers int, filter string) flow.Recorder {
 	}
 	return h.ForPort(webPort)
 }
+
+// BenchmarkStreamEvent is an observer's cost for one event it sends: filter, convert (pods
+// named), encode, write. Ten observers at full rate pay it ten times per event, on the cores
+// the data path shares.
+func BenchmarkStreamEvent(b *testing.B) {
+	h := NewHub(HubConfig{})
+	f, err := ParseFilter(map[string][]string{"service": {"default/web"}, "not-verdict": {"refused"}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	o := newObserver(h, f, &lockedResolver{}, time.Time{})
+	w := httptest.NewRecorder()
+	st := &stream{w: io.Discard, rc: http.NewResponseController(w), hub: h}
+	e := *webEvent(1)
+	e.Port = webPort
+	b.ReportAllocs()
+	for b.Loop() {
+		v := view{e: &e, r: o.res}
+		if !o.pass(&v) {
+			b.Fatal("filtered out")
+		}
+		st.flow(&v)
+	}
+}

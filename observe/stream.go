@@ -242,7 +242,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 				// it happened (a capture reader closes the flow at End and drops what follows).
 				o.drainPayloads(st)
 			}
-			st.item(Item{Flow: v.flow()})
+			st.flow(&v)
 		}
 		o.drainPayloads(st)
 		st.flushLost()
@@ -298,6 +298,7 @@ type stream struct {
 	limiter *rate.Limiter
 	// pending counts, by reason, the events lost since the last Lost item.
 	pending [numLostReasons]uint64
+	buf     []byte // reused for each item
 	err     error
 }
 
@@ -331,16 +332,39 @@ func (s *stream) write(it Item) {
 	if s.err != nil {
 		return
 	}
-	b, err := json.Marshal(it)
+	j, err := json.Marshal(it)
 	if err != nil {
 		s.err = fmt.Errorf("flows: encode item: %w", err)
 		return
 	}
+	s.send(append(s.begin(), j...))
+}
+
+// flow writes the flow item of v after any pending Lost items.
+func (s *stream) flow(v *view) {
+	s.flushLost()
+	if s.err != nil {
+		return
+	}
+	s.send(appendFlowItem(s.begin(), v))
+}
+
+// begin starts an item in the stream's reused buffer.
+func (s *stream) begin() []byte {
 	if s.sse {
-		b = append(append([]byte("data: "), b...), '\n', '\n')
+		return append(s.buf[:0], "data: "...)
+	}
+	return s.buf[:0]
+}
+
+// send ends the item in b and writes it.
+func (s *stream) send(b []byte) {
+	if s.sse {
+		b = append(b, '\n', '\n')
 	} else {
 		b = append(b, '\n')
 	}
+	s.buf = b
 	if _, err := s.w.Write(b); err != nil {
 		s.err = fmt.Errorf("flows: write: %w", err)
 	}
