@@ -107,8 +107,9 @@ func BenchmarkStreamEvent(b *testing.B) {
 	e := *webEvent(1)
 	e.Port = webPort
 	b.ReportAllocs()
+	var v view
 	for b.Loop() {
-		v := view{e: &e, r: o.res}
+		v = view{e: &e, r: o.res}
 		if !o.pass(&v) {
 			b.Fatal("filtered out")
 		}

@@ -215,6 +215,7 @@ func (h *Hub) serve(ctx context.Context, w http.ResponseWriter, r Resolver, q *r
 func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 	h := o.hub
 	var e flow.Event
+	var v view // escapes to the filters: one allocation per observer, reused for each event
 	for {
 		// A client that stops reading holds its observer slot: give up on it when a batch
 		// cannot be written for writeStall. Set per batch, as a long sleep between batches is
@@ -229,7 +230,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 			if !ok {
 				break
 			}
-			v := view{e: &e, r: o.res}
+			v = view{e: &e, r: o.res}
 			if !o.pass(&v) {
 				continue
 			}
