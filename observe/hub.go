@@ -89,6 +89,8 @@ type Hub struct {
 	// writeStall ends an observer whose batch takes longer to write (a client that stopped
 	// reading); tests shorten it.
 	writeStall time.Duration
+	// coalesce is how long a woken observer waits for more events before reading (0: none).
+	coalesce time.Duration
 }
 
 // slot holds one event. Its mutex makes the copy in and the copy out atomic to each other; it is
@@ -115,7 +117,7 @@ var lostReasonNames = [numLostReasons]string{LostSlow, LostRate, LostCapture}
 // NewHub builds a hub with its ring. It starts nothing.
 func NewHub(cfg HubConfig) *Hub {
 	cfg = cfg.withDefaults()
-	return &Hub{cfg: cfg, slots: make([]slot, cfg.RingSize), writeStall: defaultWriteStall}
+	return &Hub{cfg: cfg, slots: make([]slot, cfg.RingSize), writeStall: defaultWriteStall, coalesce: defaultCoalesce}
 }
 
 // ForPort returns the Recorder of one service port: it sets each event's Port to p and writes it

@@ -31,6 +31,10 @@ const batchMax = 256
 // stalled client holds one of MaxObservers.
 const defaultWriteStall = time.Minute
 
+// defaultCoalesce is how long a woken observer lets events gather before it reads them: short
+// for a person watching, and it bounds the wake-ups writers pay for to 100 a second per observer.
+const defaultCoalesce = 10 * time.Millisecond
+
 // request is a parsed /debug/flows query.
 type request struct {
 	filter      *Filter
@@ -216,6 +220,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 	h := o.hub
 	var e flow.Event
 	var v view // escapes to the filters: one allocation per observer, reused for each event
+	var coalesce *time.Timer
 	for {
 		// A client that stops reading holds its observer slot: give up on it when a batch
 		// cannot be written for writeStall. Set per batch, as a long sleep between batches is
@@ -267,6 +272,22 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 		case <-ctx.Done():
 			return
 		case <-o.wake:
+			// Let events gather before reading them: an observer that keeps up would
+			// otherwise be woken (a channel send and a goroutine switch, paid by the
+			// writer) for every event. While it waits it is awake, so writers skip it.
+			if h.coalesce > 0 {
+				if coalesce == nil {
+					coalesce = time.NewTimer(h.coalesce)
+					defer coalesce.Stop()
+				} else {
+					coalesce.Reset(h.coalesce)
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-coalesce.C:
+				}
+			}
 		case p := <-o.payloads: // nil channel without capture: never ready
 			o.sleeping.Store(false)
 			st.item(Item{Payload: p})
