@@ -573,3 +573,40 @@ func TestStreamStalledClientEnded(t *testing.T) {
 		recordWeb(h, id, id+999)
 	}
 }
+
+// A TCP flow's two directions call Payload from their own goroutines: the flow's cap holds
+// across both, and one piece (the one that reached it) is marked truncated.
+func TestStreamCaptureBothDirections(t *testing.T) {
+	const flowCap = 1000
+	h := NewHub(HubConfig{Capture: true, CaptureFlowBytes: flowCap})
+	s := get(t, serveHub(t, h), "follow=1&capture=1")
+	tap := h.ForPort(webPort).(flow.Capturer).Capture(webEvent(1))
+	if tap == nil {
+		t.Fatal("not captured")
+	}
+	var wg sync.WaitGroup
+	for _, dir := range []flow.Direction{flow.ToEndpoint, flow.ToClient} {
+		wg.Go(func() {
+			b := []byte("0123456789")
+			for range 100 { // 1000 bytes each way: twice the cap
+				tap.Payload(dir, t0, b)
+			}
+		})
+	}
+	wg.Wait()
+	tap.Close()
+	var bytes, truncated int
+	for bytes < flowCap || truncated == 0 {
+		it := s.mustItem()
+		if it.Payload == nil {
+			t.Fatalf("got %s", it.short())
+		}
+		bytes += len(it.Payload.Data)
+		if it.Payload.Truncated {
+			truncated++
+		}
+	}
+	if bytes != flowCap || truncated != 1 {
+		t.Errorf("%d bytes, %d truncated pieces; want %d, 1", bytes, truncated, flowCap)
+	}
+}
