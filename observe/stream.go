@@ -191,6 +191,9 @@ func (h *Hub) serve(ctx context.Context, w http.ResponseWriter, r Resolver, q *r
 		o.payloads = make(chan *Payload, payloadQueue)
 	}
 	// Subscribe before the start is chosen: an event recorded after that pokes the observer.
+	// The response's headers reach the client at the first flush, after the start is chosen:
+	// a client that has them knows every event recorded from then on is in its stream (unless
+	// lost, and then said).
 	h.subscribe(o)
 	defer h.unsubscribe(o)
 
