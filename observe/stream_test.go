@@ -18,6 +18,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
 // The stream tests serve the hub on a loopback httptest server and read it as the CLI does.
@@ -129,18 +130,6 @@ func (it Item) short() string {
 		return fmt.Sprintf("p%d:%s:%q:%v", it.Payload.ID, it.Payload.Direction, it.Payload.Data, it.Payload.Truncated)
 	}
 	return "empty"
-}
-
-// waitFor waits for cond, failing the test after a deadline.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond) // polling a condition, not ordering events
-	}
 }
 
 func recordWeb(h *Hub, from, to uint64) {
@@ -356,7 +345,7 @@ func TestStreamTooManyObservers(t *testing.T) {
 		t.Errorf("429 body %q", body)
 	}
 	a.cancel() // its request's context ends: the observer goes
-	waitFor(t, "the first observer to end", func() bool { return h.Stats().Observers == 1 })
+	testenv.WaitFor(t, "the first observer to end", func() bool { return h.Stats().Observers == 1 })
 	if d := get(t, url, "follow=1"); d.resp.StatusCode != http.StatusOK {
 		t.Fatalf("after one ended: %s, want 200", d.resp.Status)
 	}
