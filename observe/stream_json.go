@@ -46,9 +46,9 @@ func appendFlowItem(b []byte, v *view) []byte {
 	if e.Endpoint.IsValid() && (e.Port == nil || e.Port.Path == flow.PathSocket) {
 		b = append(b, `,"pick":{"algorithm":`...)
 		b = appendString(b, e.Pick.Algorithm.String())
-		if e.Pick.Why != 0 {
+		if names := e.Pick.Why.Names(); len(names) > 0 { // unnamed bits say nothing, as in NewFlow
 			b = append(b, `,"why":[`...)
-			for i, n := range e.Pick.Why.Names() {
+			for i, n := range names {
 				if i > 0 {
 					b = append(b, ',')
 				}
