@@ -126,14 +126,6 @@ func (v *view) resolve() {
 	}
 }
 
-// flow converts the event for the stream, reusing the pods resolved for the filter.
-func (v *view) flow() *Flow {
-	f := NewFlow(v.e, nil)
-	v.resolve()
-	f.EndpointPod, f.EndpointNode, f.ClientPod = v.endpointPod, v.endpointNode, v.clientPod
-	return f
-}
-
 var errEmpty = errors.New("empty value")
 
 // parseTerm builds the matcher of one key's values.

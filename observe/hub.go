@@ -85,6 +85,12 @@ type Hub struct {
 	taps atomic.Int64
 
 	lost [numLostReasons]atomic.Uint64
+
+	// writeStall ends an observer whose batch takes longer to write (a client that stopped
+	// reading); tests shorten it.
+	writeStall time.Duration
+	// coalesce is how long a woken observer waits for more events before reading (0: none).
+	coalesce time.Duration
 }
 
 // slot holds one event. Its mutex makes the copy in and the copy out atomic to each other; it is
@@ -111,7 +117,7 @@ var lostReasonNames = [numLostReasons]string{LostSlow, LostRate, LostCapture}
 // NewHub builds a hub with its ring. It starts nothing.
 func NewHub(cfg HubConfig) *Hub {
 	cfg = cfg.withDefaults()
-	return &Hub{cfg: cfg, slots: make([]slot, cfg.RingSize)}
+	return &Hub{cfg: cfg, slots: make([]slot, cfg.RingSize), writeStall: defaultWriteStall, coalesce: defaultCoalesce}
 }
 
 // ForPort returns the Recorder of one service port: it sets each event's Port to p and writes it
@@ -141,7 +147,16 @@ func (r *portRecorder) Record(e *flow.Event) {
 }
 
 func (h *Hub) write(e *flow.Event, p *flow.Port) {
-	seq := h.head.Add(1) - 1
+	h.put(h.head.Add(1)-1, e, p)
+	if obs := h.observers.Load(); obs != nil {
+		for _, o := range *obs {
+			o.poke()
+		}
+	}
+}
+
+// put writes the event numbered seq to its slot.
+func (h *Hub) put(seq uint64, e *flow.Event, p *flow.Port) {
 	s := &h.slots[seq%uint64(len(h.slots))]
 	s.mu.Lock()
 	// A writer preempted between taking its number and writing may find the slot already
@@ -153,11 +168,6 @@ func (h *Hub) write(e *flow.Event, p *flow.Port) {
 		s.seq = seq + 1
 	}
 	s.mu.Unlock()
-	if obs := h.observers.Load(); obs != nil {
-		for _, o := range *obs {
-			o.poke()
-		}
-	}
 }
 
 // readState is what read found in a slot.

@@ -25,15 +25,11 @@ func (r *portRecorder) Capture(e *flow.Event) flow.Tap {
 	ev := *e
 	ev.Port = r.port
 	var targets []tapTarget
-	v := view{e: &ev}
 	for _, o := range *obs {
 		if !o.capture || o.gone.Load() || o.captureLeft.Load() <= 0 {
 			continue
 		}
-		if v.r != o.res { // observers of different resolvers: resolve again
-			v = view{e: &ev, r: o.res}
-		}
-		if o.passFlow(&v) {
+		if o.passFlow(&view{e: &ev, r: o.res}) {
 			targets = append(targets, tapTarget{o: o, left: o.captureFlow})
 		}
 	}

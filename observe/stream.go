@@ -27,6 +27,14 @@ const (
 // client of output nor the observer of its context's end.
 const batchMax = 256
 
+// defaultWriteStall is how long a batch may take to write before the observer is ended: a
+// stalled client holds one of MaxObservers.
+const defaultWriteStall = time.Minute
+
+// defaultCoalesce is how long a woken observer lets events gather before it reads them: short
+// for a person watching, and it bounds the wake-ups writers pay for to 100 a second per observer.
+const defaultCoalesce = 10 * time.Millisecond
+
 // request is a parsed /debug/flows query.
 type request struct {
 	filter      *Filter
@@ -183,6 +191,9 @@ func (h *Hub) serve(ctx context.Context, w http.ResponseWriter, r Resolver, q *r
 		o.payloads = make(chan *Payload, payloadQueue)
 	}
 	// Subscribe before the start is chosen: an event recorded after that pokes the observer.
+	// The response's headers reach the client at the first flush, after the start is chosen:
+	// a client that has them knows every event recorded from then on is in its stream (unless
+	// lost, and then said).
 	h.subscribe(o)
 	defer h.unsubscribe(o)
 
@@ -211,7 +222,15 @@ func (h *Hub) serve(ctx context.Context, w http.ResponseWriter, r Resolver, q *r
 func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 	h := o.hub
 	var e flow.Event
+	var v view // escapes to the filters: one allocation per observer, reused for each event
+	var coalesce *time.Timer
 	for {
+		// A client that stops reading holds its observer slot: give up on it when a batch
+		// cannot be written for writeStall. Set per batch, as a long sleep between batches is
+		// no stall. (It also lifts the server's WriteTimeout, which would end any long follow.)
+		if err := st.rc.SetWriteDeadline(time.Now().Add(h.writeStall)); err != nil && !errors.Is(err, http.ErrNotSupported) {
+			return
+		}
 		n := 0
 		for ; n < batchMax && cursor < end; n++ {
 			ok, lost := h.next(&cursor, &e)
@@ -219,7 +238,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 			if !ok {
 				break
 			}
-			v := view{e: &e, r: o.res}
+			v = view{e: &e, r: o.res}
 			if !o.pass(&v) {
 				continue
 			}
@@ -232,7 +251,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 				// it happened (a capture reader closes the flow at End and drops what follows).
 				o.drainPayloads(st)
 			}
-			st.item(Item{Flow: v.flow()})
+			st.flow(&v)
 		}
 		o.drainPayloads(st)
 		st.flushLost()
@@ -256,6 +275,22 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 		case <-ctx.Done():
 			return
 		case <-o.wake:
+			// Let events gather before reading them: an observer that keeps up would
+			// otherwise be woken (a channel send and a goroutine switch, paid by the
+			// writer) for every event. While it waits it is awake, so writers skip it.
+			if h.coalesce > 0 {
+				if coalesce == nil {
+					coalesce = time.NewTimer(h.coalesce)
+					defer coalesce.Stop()
+				} else {
+					coalesce.Reset(h.coalesce)
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-coalesce.C:
+				}
+			}
 		case p := <-o.payloads: // nil channel without capture: never ready
 			o.sleeping.Store(false)
 			st.item(Item{Payload: p})
@@ -268,12 +303,12 @@ func (o *observer) drainPayloads(st *stream) {
 	if !o.capture {
 		return
 	}
+	defer func() { st.lose(lostCapture, o.payloadsLost.Swap(0)) }() // the drops came after the queued pieces
 	for range payloadQueue {
 		select {
 		case p := <-o.payloads:
 			st.item(Item{Payload: p})
 		default:
-			st.lose(lostCapture, o.payloadsLost.Swap(0))
 			return
 		}
 	}
@@ -288,6 +323,7 @@ type stream struct {
 	limiter *rate.Limiter
 	// pending counts, by reason, the events lost since the last Lost item.
 	pending [numLostReasons]uint64
+	buf     []byte // reused for each item
 	err     error
 }
 
@@ -321,16 +357,39 @@ func (s *stream) write(it Item) {
 	if s.err != nil {
 		return
 	}
-	b, err := json.Marshal(it)
+	j, err := json.Marshal(it)
 	if err != nil {
 		s.err = fmt.Errorf("flows: encode item: %w", err)
 		return
 	}
+	s.send(append(s.begin(), j...))
+}
+
+// flow writes the flow item of v after any pending Lost items.
+func (s *stream) flow(v *view) {
+	s.flushLost()
+	if s.err != nil {
+		return
+	}
+	s.send(appendFlowItem(s.begin(), v))
+}
+
+// begin starts an item in the stream's reused buffer.
+func (s *stream) begin() []byte {
 	if s.sse {
-		b = append(append([]byte("data: "), b...), '\n', '\n')
+		return append(s.buf[:0], "data: "...)
+	}
+	return s.buf[:0]
+}
+
+// send ends the item in b and writes it.
+func (s *stream) send(b []byte) {
+	if s.sse {
+		b = append(b, '\n', '\n')
 	} else {
 		b = append(b, '\n')
 	}
+	s.buf = b
 	if _, err := s.w.Write(b); err != nil {
 		s.err = fmt.Errorf("flows: write: %w", err)
 	}
