@@ -60,7 +60,7 @@ test-deps:
 FUZZ_TARGETS := ./proxier/snapshot:FuzzDecode ./proxier/snapshot:FuzzDecodeBody ./proxyprotocol:FuzzHeaderRoundTrip ./proxyprotocol:FuzzParse ./portal/bind:FuzzDecodeState \
 	./portal/iptables:FuzzReadSteered ./portal/iptables:FuzzParseRule ./handover:FuzzReceive ./handover:FuzzServe \
 	./proxier:FuzzServiceAnnotations ./proxier/config:FuzzServicesFile ./proxier/config:FuzzDecodeDocument \
-	./observe:FuzzParseRequest ./observe/pcap:FuzzWriteItems
+	./observe:FuzzParseRequest ./observe:FuzzAppendFlowItem ./observe/pcap:FuzzWriteItems
 FUZZTIME ?= 10m
 # CI budgets by executions, not by time: a -fuzztime duration races Go's fuzzing coordinator,
 # which can fail a target with "context deadline exceeded" and no crasher when the deadline

@@ -41,7 +41,7 @@ func flowCollector(hub *observe.Hub) prometheus.Collector {
 	events := prometheus.NewDesc("kube_portal_proxy_flow_events_total",
 		"Flow events recorded in the live flow stream's ring (each phase of each TCP connection and UDP session, and kernel-path flows from conntrack).", nil, nil)
 	lost := prometheus.NewDesc("kube_portal_proxy_flow_events_lost_total",
-		"Flow events (and captured payload pieces) observers of /debug/flows did not get, by reason: slow-observer (the ring overtook it), rate-cap (over its rate), capture (its payload queue or cap was full).", []string{"reason"}, nil)
+		"Flow events (and captured payload pieces) observers of /debug/flows did not get, by reason: slow-observer (the ring overtook it), rate-cap (over its rate), capture-overflow (captured payload pieces dropped from a full queue).", []string{"reason"}, nil)
 	observers := prometheus.NewDesc("kube_portal_proxy_flow_observers",
 		"Observers of /debug/flows now, and how many of them capture payload.", []string{"kind"}, nil)
 	return collectorFunc{descs: []*prometheus.Desc{events, lost, observers}, collect: func(ch chan<- prometheus.Metric) {
