@@ -308,9 +308,9 @@ func TestEndpointsWakeTheHeldConnectionsOfTheirClassOfTraffic(t *testing.T) {
 	e.sync()
 	wakes := func() (cluster, external int) {
 		t.Helper()
-		e.p.activeMu.RLock()
-		a := e.p.active[webHTTP]
-		e.p.activeMu.RUnlock()
+		e.p.pathMu.RLock()
+		a := e.p.socketOf(webHTTP)
+		e.p.pathMu.RUnlock()
 		if a == nil || a.ext == nil {
 			t.Fatalf("want a cluster and an external socket for %s", webHTTP)
 		}

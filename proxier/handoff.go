@@ -64,15 +64,13 @@ func (p *Proxier) drain() {
 	}
 	start := p.cfg.Clock.Now()
 	var socks []ProxySocket
-	p.activeMu.RLock()
-	for _, a := range p.active {
-		for _, ap := range []*activePort{a, a.ext} {
-			if ap != nil {
-				socks = append(socks, members(ap.sock)...)
-			}
+	p.pathMu.RLock()
+	for _, path := range p.paths {
+		for _, sock := range path.sockets() {
+			socks = append(socks, members(sock)...)
 		}
 	}
-	p.activeMu.RUnlock()
+	p.pathMu.RUnlock()
 	for _, s := range socks {
 		if r, ok := s.(releaser); ok {
 			r.Release()

@@ -75,19 +75,22 @@ func (p *Proxier) onKernel(port *service.Port) bool {
 // close (tcp.Proxy.Close keeps them).
 func (p *Proxier) toKernel(port *service.Port) {
 	delete(p.failed, port.Name)
-	p.activeMu.Lock()
-	a := p.active[port.Name]
-	delete(p.active, port.Name)
-	_, was := p.kernel[port.Name]
-	p.kernel[port.Name] = port
-	p.activeMu.Unlock()
+	p.pathMu.Lock()
+	old := p.paths[port.Name]
+	k, was := old.(*kernelPort)
+	if was {
+		k.port = port
+	} else {
+		p.paths[port.Name] = &kernelPort{port: port}
+	}
+	p.pathMu.Unlock()
 	if p.kflows != nil {
 		p.kflows.dirty = true
 	}
-	if a != nil {
-		p.retiring = append(p.retiring, a)
-	}
-	if a != nil || !was {
+	if !was {
+		if old != nil {
+			p.retiring = append(p.retiring, old) // the proxy socket: closed after the sync
+		}
 		p.markUnsynced(port.Name)
 		p.log.WithField("service", port.Name.String()).Info("Service port on the kernel data path")
 	}
@@ -96,85 +99,78 @@ func (p *Proxier) toKernel(port *service.Port) {
 // leaveKernel takes a port off the kernel path (it left, or moves to the proxy path); reports
 // whether it was on it.
 func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
-	p.activeMu.Lock()
-	_, was := p.kernel[name]
-	delete(p.kernel, name)
-	p.activeMu.Unlock()
-	if was && p.kflows != nil {
+	p.pathMu.Lock()
+	k, was := p.paths[name].(*kernelPort)
+	if was {
+		delete(p.paths, name)
+	}
+	p.pathMu.Unlock()
+	if !was {
+		return false
+	}
+	// Retired, so that the sync after which it is gone clears its UDP flows (clearStaleKernelUDP).
+	p.retiring = append(p.retiring, k)
+	if p.kflows != nil {
 		p.kflows.dirty = true
 	}
-	if was {
-		p.markUnsynced(name)
-	}
-	return was
+	p.markUnsynced(name)
+	return true
 }
 
-// closeRetired closes the sockets of ports that moved to the kernel path, after the sync that
-// applied their chains. A UDP port's conntrack entries redirected to its proxy socket go first,
-// the socket after: a client whose new datagram reuses the source port of an entry not yet
-// deleted (UDP entries live 30 s; a resolver opens a new port per query, so some do) is still
-// answered by the socket, where a closed one would answer port unreachable (the chaos soak saw
-// it while the delete walked the table, 80 ms; TestDataPathUDPSwitchesLive saw one refusal per
-// switch).
-func (p *Proxier) closeRetired() {
-	for _, a := range p.retiring {
-		if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
-			// Only those entries: the kernel chains are in force by now, and an entry their DNAT
-			// made for a datagram in flight must stay, or the endpoint's answer is lost.
-			flows := conntrack.FlowsOf(a.port)
-			flows.ProxyPorts = []uint16{a.proxyPort}
-			if a.ext != nil {
-				flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
-			}
-			start := p.cfg.Clock.Now()
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
-				p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
-			}
-			p.log.WithField("service", a.port.Name.String()).WithField("duration", p.cfg.Clock.Since(start)).
-				Debug("Cleared the UDP conntrack entries redirected to the proxy socket the kernel path replaced")
-		}
-		p.closeSocket(a)
-		if a.ext != nil {
-			p.closeSocket(a.ext)
-		}
-	}
-	p.retiring = nil
+// kernelPort is a port on the kernel path: kube-proxy's chains DNAT its traffic straight to the
+// endpoints its selection gives each traffic policy; no socket. applied is the port as of the
+// last portal sync that worked, when it was a UDP port (clearStaleKernelUDP).
+type kernelPort struct {
+	port    *service.Port
+	applied *kernelUDPPort
 }
 
-// kernelSpecs lists the specs of the ports on the kernel path, with the endpoints their
-// selections give each traffic policy. The caller holds activeMu and selMu (read).
-func (p *Proxier) kernelSpecs(out []portal.Spec) []portal.Spec {
-	p.kflows.rebuild(p.kernel)
-	for _, port := range p.kernel {
-		out = append(out, kernelSpec(port, p.sels[port.Name]))
+func (k *kernelPort) svcPort() *service.Port     { return k.port }
+func (k *kernelPort) dataPath() service.DataPath { return service.DataPathKernel }
+func (k *kernelPort) sockets() []ProxySocket     { return nil }
+
+// retire does nothing at once: a kernel port's UDP flows are cleared by clearStaleKernelUDP,
+// which reads the retired kernel ports.
+func (k *kernelPort) retire(*Proxier) {}
+
+// kernelPorts are the ports on the kernel path, for the flow index. The caller holds pathMu.
+func (p *Proxier) kernelPorts() map[service.ServicePortName]*service.Port {
+	out := map[service.ServicePortName]*service.Port{}
+	for name, path := range p.paths {
+		if k, ok := path.(*kernelPort); ok {
+			out[name] = k.port
+		}
 	}
 	return out
 }
 
-func kernelSpec(port *service.Port, sel *portSelection) portal.Spec {
-	k := &portal.KernelPath{InternalLocal: port.InternalLocal, ExternalLocal: port.ExternalLocal && port.ExternallyAccessible()}
+// spec lists the port's kernel chains, with the endpoints its selection gives each traffic
+// policy.
+func (k *kernelPort) spec(sel *portSelection) portal.Spec {
+	port := k.port
+	kp := &portal.KernelPath{InternalLocal: port.InternalLocal, ExternalLocal: port.ExternalLocal && port.ExternallyAccessible()}
 	if port.Affinity.ClientIP {
-		k.AffinitySeconds = int(port.Affinity.TTL().Seconds())
+		kp.AffinitySeconds = int(port.Affinity.TTL().Seconds())
 	}
 	if sel != nil {
-		k.AnyEndpoints = sel.HasAnyEndpoints
+		kp.AnyEndpoints = sel.HasAnyEndpoints
 		switch {
 		case !port.InternalLocal:
-			k.Cluster = sel.Internal.Endpoints
+			kp.Cluster = sel.Internal.Endpoints
 		case port.ExternallyAccessible():
-			k.Cluster = sel.ExternalFromNode.Endpoints
+			kp.Cluster = sel.ExternalFromNode.Endpoints
 		}
 		switch {
 		case port.InternalLocal:
-			k.Local = sel.Internal.Endpoints
-		case k.ExternalLocal:
-			k.Local = sel.External.Endpoints
+			kp.Local = sel.Internal.Endpoints
+		case kp.ExternalLocal:
+			kp.Local = sel.External.Endpoints
 		}
 	}
 	return portal.Spec{
 		Name: port.Name, Protocol: port.Protocol, Port: port.Port, NodePort: port.NodePort,
 		ClusterIPs: port.ClusterIPs, ExternalIPs: port.ExternalIPs, LoadBalancerIPs: port.LoadBalancerIPs,
-		SourceRanges: port.LoadBalancerSourceRanges, Kernel: k,
+		SourceRanges: port.LoadBalancerSourceRanges, Kernel: kp,
 	}
 }
 
@@ -186,26 +182,12 @@ func (s *portSelection) endpointsEqual(o *portSelection) bool {
 		slices.Equal(s.ExternalFromNode.Endpoints, o.ExternalFromNode.Endpoints)
 }
 
-// DataPathOf reports the data path a service port is on right now (for the debug views):
-// kernel, proxy, or "" when the port is unknown or has no socket (failed).
-func (p *Proxier) DataPathOf(name service.ServicePortName) service.DataPath {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	if _, ok := p.kernel[name]; ok {
-		return service.DataPathKernel
-	}
-	if _, ok := p.active[name]; ok {
-		return service.DataPathProxy
-	}
-	return ""
-}
-
 // kernelCounters reads the KUBE-SEP counters for the debug views, by service port; nil when no
 // port is on the kernel path or they cannot be read (the view then shows none).
 func (p *Proxier) kernelCounters() map[service.ServicePortName][]debugview.KernelEndpointView {
-	p.activeMu.RLock()
-	n := len(p.kernel)
-	p.activeMu.RUnlock()
+	p.pathMu.RLock()
+	n := len(p.kernelPorts())
+	p.pathMu.RUnlock()
 	if n == 0 || p.deps.KernelCounters == nil {
 		return nil
 	}
@@ -237,33 +219,51 @@ type kernelUDPPort struct {
 // endpoint that is gone (every entry, when the port is gone). A port that moved to the proxy
 // path keeps its established flows on their endpoint until they end, like TCP connections.
 func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
-	p.activeMu.RLock()
-	none := len(p.kernel) == 0
-	p.activeMu.RUnlock()
-	if none && len(p.kernelUDP) == 0 {
-		return // a node without kernel ports pays nothing per sync
-	}
 	now := map[service.ServicePortName]kernelUDPPort{}
-	p.activeMu.RLock()
+	anyKernel := false
 	for _, s := range specs {
-		if s.Kernel != nil && s.Protocol == service.UDP && p.kernel[s.Name] != nil {
-			now[s.Name] = kernelUDPPort{port: p.kernel[s.Name], endpoints: append(slices.Clone(s.Kernel.Cluster), s.Kernel.Local...)}
+		if s.Kernel == nil {
+			continue
+		}
+		anyKernel = true
+		if s.Protocol == service.UDP {
+			now[s.Name] = kernelUDPPort{endpoints: append(slices.Clone(s.Kernel.Cluster), s.Kernel.Local...)}
 		}
 	}
-	p.activeMu.RUnlock()
-	for name, old := range p.kernelUDP {
+	var old []*kernelPort
+	for _, path := range p.retiring {
+		if k, ok := path.(*kernelPort); ok && k.applied != nil {
+			old = append(old, k)
+		}
+	}
+	if !anyKernel && len(old) == 0 {
+		return // a node without kernel ports pays nothing per sync
+	}
+	var current []*kernelPort
+	p.pathMu.RLock()
+	for _, path := range p.paths {
+		if k, ok := path.(*kernelPort); ok {
+			current = append(current, k)
+			if k.applied != nil {
+				old = append(old, k)
+			}
+		}
+	}
+	p.pathMu.RUnlock()
+	for _, k := range old {
+		name := k.applied.port.Name
 		cur, still := now[name]
 		gone := !still && p.DataPathOf(name) == "" // removed, not moved to the proxy path
 		var lost []netip.AddrPort
 		if still {
-			for _, e := range old.endpoints {
+			for _, e := range k.applied.endpoints {
 				if !slices.Contains(cur.endpoints, e) {
 					lost = append(lost, e)
 				}
 			}
 		}
 		if (gone || len(lost) > 0) && p.deps.Conntrack != nil {
-			flows := conntrack.FlowsOf(old.port)
+			flows := conntrack.FlowsOf(k.applied.port)
 			// Lost endpoints: their flows alone (kube-proxy's delete by --dst-nat); deleting
 			// the others would lose the answers they have in flight.
 			flows.Endpoints = lost
@@ -272,5 +272,11 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 			}
 		}
 	}
-	p.kernelUDP = now
+	for _, k := range current {
+		k.applied = nil
+		if cur, ok := now[k.port.Name]; ok {
+			cur.port = k.port
+			k.applied = &cur
+		}
+	}
 }

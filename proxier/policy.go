@@ -221,12 +221,12 @@ func (p *Proxier) wakeHeld(port *service.Port, external bool, usable []netip.Add
 	if !port.Holds() || len(usable) == 0 {
 		return
 	}
-	p.activeMu.RLock()
-	a := p.active[port.Name]
+	p.pathMu.RLock()
+	a := p.socketOf(port.Name)
 	if a != nil && external {
 		a = a.ext
 	}
-	p.activeMu.RUnlock()
+	p.pathMu.RUnlock()
 	if a == nil {
 		return
 	}

@@ -172,26 +172,20 @@ type Proxier struct {
 	// hcLocal counts, per Service with a health check node port, its ready endpoints on this node.
 	hcLocal map[service.NamespacedName]int
 
-	// activeMu guards active for readers outside the sync goroutine (debug view, drains);
-	// only the sync goroutine writes it.
-	activeMu sync.RWMutex
-	active   map[service.ServicePortName]*activePort
+	// pathMu guards paths for readers outside the sync goroutine (debug view, drains); only the
+	// sync goroutine writes it. paths holds every port's data path (path.go): a proxy socket
+	// (activePort) or the kernel path (kernelPort). A port whose socket failed has none.
+	pathMu sync.RWMutex
+	paths  map[service.ServicePortName]portPath
 
 	// kflows indexes the kernel-path ports by address for their conntrack flow events.
 	kflows *kernelFlows
 
-	// kernel holds the ports on the kernel data path (no socket; see kernelpath.go). Written by
-	// the sync goroutine under activeMu.
-	kernel map[service.ServicePortName]*service.Port
-
 	// Owned by the sync goroutine.
 	services map[service.NamespacedName][]*service.Port
-	// retiring are the sockets of ports that moved to the kernel path, closed after the next
-	// portal sync that works.
-	retiring []*activePort
-	// kernelUDP are the kernel-path UDP ports as last applied, with their endpoints (see
-	// clearStaleKernelUDP).
-	kernelUDP map[service.ServicePortName]kernelUDPPort
+	// retiring are the paths ports left (the sockets of ports that moved to the kernel path,
+	// kernel paths left), ended after the next portal sync that works (retirePaths).
+	retiring []portPath
 	// steered: what each UDP port's rules steered at the last sync that worked, and steerGen
 	// that sync's number (clearUntranslatedUDP).
 	steered  map[service.ServicePortName]*steeredUDP
@@ -287,8 +281,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		node:           cfg.Node,
 		sels:           make(map[service.ServicePortName]*portSelection),
 		hcLocal:        make(map[service.NamespacedName]int),
-		active:         make(map[service.ServicePortName]*activePort),
-		kernel:         make(map[service.ServicePortName]*service.Port),
+		paths:          make(map[service.ServicePortName]portPath),
 		services:       make(map[service.NamespacedName][]*service.Port),
 		failed:         make(map[service.ServicePortName]*service.Port),
 		extFailed:      make(map[service.ServicePortName]bool),
@@ -361,20 +354,17 @@ func (p *Proxier) Run(ctx context.Context) {
 }
 
 func (p *Proxier) shutdown() {
-	p.activeMu.Lock()
-	for _, a := range append(slices.Collect(maps.Values(p.active)), p.retiring...) {
-		for _, sock := range []*activePort{a, a.ext} {
-			if sock == nil {
-				continue
-			}
-			if s, ok := sock.sock.(shutdowner); ok {
+	p.pathMu.Lock()
+	for _, path := range append(slices.Collect(maps.Values(p.paths)), p.retiring...) {
+		for _, sock := range path.sockets() {
+			if s, ok := sock.(shutdowner); ok {
 				s.Shutdown() // the process is going away: end established connections too
 			} else {
-				_ = sock.sock.Close()
+				_ = sock.Close()
 			}
 		}
 	}
-	p.activeMu.Unlock()
+	p.pathMu.Unlock()
 	p.socketWG.Wait()
 	p.drains.wg.Wait() // they stop on the run context
 }
@@ -634,9 +624,9 @@ func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
 	if port.Protocol == service.TCP && !p.cfg.DrainTCP && port.DrainTimeout == 0 {
 		return nil
 	}
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	a := p.active[port.Name]
+	p.pathMu.RLock()
+	defer p.pathMu.RUnlock()
+	a := p.socketOf(port.Name)
 	if a != nil && external {
 		a = a.ext
 	}

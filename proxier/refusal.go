@@ -40,14 +40,14 @@ func (p *Proxier) reconcileRefusals() {
 	if p.cfg.ListenPlan == nil {
 		return // iptables mode: the portal rules refuse
 	}
-	p.activeMu.RLock()
+	p.pathMu.RLock()
 	p.selMu.RLock()
 	type change struct {
 		a    *activePort
 		want bool
 	}
 	var todo []change
-	for name, a := range p.active {
+	for name, a := range p.socketPaths() {
 		sel := p.sels[name]
 		internal, external := false, false
 		if sel != nil {
@@ -61,7 +61,7 @@ func (p *Proxier) reconcileRefusals() {
 		}
 	}
 	p.selMu.RUnlock()
-	p.activeMu.RUnlock()
+	p.pathMu.RUnlock()
 	for _, c := range todo {
 		r, ok := c.a.sock.(refuser)
 		if !ok {
@@ -72,9 +72,9 @@ func (p *Proxier) reconcileRefusals() {
 			log.WithError(err).Error("Cannot reopen the proxy socket of a service port that has endpoints again; retrying at the next sync")
 			continue
 		}
-		p.activeMu.Lock()
+		p.pathMu.Lock()
 		c.a.refusing = c.want
-		p.activeMu.Unlock()
+		p.pathMu.Unlock()
 		p.listenChanged = true
 		log.WithField("refusing", c.want).Debug("Proxy socket refusing changed")
 	}

@@ -102,9 +102,9 @@ func (p *Proxier) reopen() {
 				}
 			}
 		}
-		p.activeMu.Lock()
-		p.active[s.Name] = a
-		p.activeMu.Unlock()
+		p.pathMu.Lock()
+		p.paths[s.Name] = a
+		p.pathMu.Unlock()
 		p.seeded[s.Name] = true
 		opened++
 	}

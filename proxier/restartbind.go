@@ -86,10 +86,10 @@ func sameAddrs(a, b []netip.AddrPort) bool {
 // state file a restarted process reopens from. A port whose cluster socket refuses (no endpoint) is left out:
 // after a restart nothing should listen there either.
 func (p *Proxier) listenState() []Seed {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	out := make([]Seed, 0, len(p.active))
-	for _, a := range p.active {
+	p.pathMu.RLock()
+	defer p.pathMu.RUnlock()
+	out := make([]Seed, 0, len(p.paths))
+	for _, a := range p.socketPaths() {
 		if a.refusing {
 			continue
 		}

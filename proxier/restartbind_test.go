@@ -92,7 +92,7 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 	second.Reopen(saved)
 	saved = nil
 	second.reopen()
-	reopened := second.active[web]
+	reopened := second.socketOf(web)
 
 	t.Run("reopened_sockets_check_source_ranges_before_the_first_sync", func(t *testing.T) {
 		if got, err := dial("127.0.0.6", lb); !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, io.EOF) {
@@ -123,7 +123,7 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 		}
 	})
 	t.Run("the_first_sync_keeps_the_reopened_sockets", func(t *testing.T) {
-		if a := second.active[web]; a == nil || a != reopened {
+		if a := second.socketOf(web); a == nil || a != reopened {
 			t.Errorf("active socket after the first sync = %p, want the reopened %p", a, reopened)
 		}
 		if got, err := dial("127.0.0.5", lb); err != nil || got != "ping" {

@@ -164,8 +164,10 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 			p.selMu.RLock()
 			sel := p.sels[port.Name]
 			p.selMu.RUnlock()
-			p.activeMu.RLock()
-			a, kernel := p.active[port.Name], p.kernel[port.Name] != nil
+			p.pathMu.RLock()
+			path := p.paths[port.Name]
+			a := p.socketOf(port.Name)
+			kernel := path != nil && path.dataPath() == service.DataPathKernel
 			var proxyPort, extPort uint16
 			if a != nil {
 				proxyPort = a.proxyPort
@@ -173,7 +175,7 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 					extPort = a.ext.proxyPort
 				}
 			}
-			p.activeMu.RUnlock()
+			p.pathMu.RUnlock()
 			if sel == nil || kernel {
 				continue
 			}

@@ -163,10 +163,10 @@ func (p *Proxier) Traffic() iter.Seq[metrics.PortTraffic] {
 
 // activeList snapshots the open sockets (copies, so readers need no lock afterwards).
 func (p *Proxier) activeList() []activePort {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	out := make([]activePort, 0, len(p.active))
-	for _, a := range p.active {
+	p.pathMu.RLock()
+	defer p.pathMu.RUnlock()
+	out := make([]activePort, 0, len(p.paths))
+	for _, a := range p.socketPaths() {
 		out = append(out, *a)
 	}
 	return out

@@ -1,7 +1,6 @@
 package proxier
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -57,7 +56,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 	m := p.deps.Metrics
 	m.SyncDuration.Observe(end.Sub(start).Seconds())
 	m.PendingServiceChanges.Set(float64(p.svcChanges.pending()))
-	m.ActivePorts.Set(float64(p.activeCount()))
+	m.ActivePorts.Set(float64(socketSpecs(specs)))
 	m.FailedPorts.Set(float64(len(p.failed)))
 	if err != nil {
 		m.SyncFailures.Inc()
@@ -69,8 +68,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.unsyncedNames(5), err)
 	}
-	p.closeRetired()
-	p.clearStaleKernelUDP(specs)
+	p.retirePaths(specs)
 	p.clearUntranslatedUDP(specs)
 	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
 		p.saveListenState()
@@ -122,17 +120,17 @@ func (p *Proxier) reconcileService(previous, current []*service.Port) {
 			continue
 		}
 		p.leaveKernel(port.Name)
-		p.activeMu.RLock()
-		a := p.active[port.Name]
-		p.activeMu.RUnlock()
+		p.pathMu.RLock()
+		a := p.socketOf(port.Name)
+		p.pathMu.RUnlock()
 		switch {
 		case a != nil && (a.port.SocketEqual(port) || p.adoptable(a, port)):
-			p.activeMu.Lock()
+			p.pathMu.Lock()
 			a.port = port
 			if a.ext != nil {
 				a.ext.port = port
 			}
-			p.activeMu.Unlock()
+			p.pathMu.Unlock()
 			a.filter.set(port.LoadBalancerSourceRanges)
 		case a != nil:
 			if p.seeded[port.Name] && p.cfg.ListenPlan == nil { // reopened at start: open again where the rules point
@@ -177,9 +175,9 @@ func (p *Proxier) startPort(port *service.Port) {
 	p.markUnsynced(port.Name)
 	a := p.serve(port, sock, proxyPort)
 	a.filter, a.split = filter, splitsExternal(port)
-	p.activeMu.Lock()
-	p.active[port.Name] = a
-	p.activeMu.Unlock()
+	p.pathMu.Lock()
+	p.paths[port.Name] = a
+	p.pathMu.Unlock()
 	p.portLog(port).WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
 	p.reconcileSplit(a)
 }
@@ -219,14 +217,14 @@ func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16) 
 // and closes the ones no longer needed (a policy changed under a live port). A socket that failed
 // to open is tried again here at every sync.
 func (p *Proxier) reconcileSplits() {
-	p.activeMu.RLock()
+	p.pathMu.RLock()
 	var todo []*activePort
-	for _, a := range p.active {
+	for _, a := range p.socketPaths() {
 		if splitsExternal(a.port) != (a.ext != nil) || (p.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split) {
 			todo = append(todo, a)
 		}
 	}
-	p.activeMu.RUnlock()
+	p.pathMu.RUnlock()
 	for _, a := range todo {
 		if p.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split {
 			// Bind mode: unsplit, the port's one socket listens on the external addresses too, so
@@ -248,10 +246,10 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 	log := p.portLog(a.port)
 	p.markUnsynced(a.port.Name)
 	if !want {
-		p.activeMu.Lock()
+		p.pathMu.Lock()
 		ext := a.ext
 		a.ext = nil
-		p.activeMu.Unlock()
+		p.pathMu.Unlock()
 		p.closeSocket(ext)
 		p.deps.Balancer.DeleteService(externalName(a.port.Name))
 		return
@@ -268,9 +266,9 @@ func (p *Proxier) reconcileSplit(a *activePort) {
 	delete(p.extFailed, a.port.Name)
 	ext := p.serve(a.port, sock, proxyPort)
 	ext.filter = a.filter
-	p.activeMu.Lock()
+	p.pathMu.Lock()
 	a.ext = ext
-	p.activeMu.Unlock()
+	p.pathMu.Unlock()
 	log.WithField("proxyPort", proxyPort).Debug("Opened external-traffic socket")
 }
 
@@ -381,10 +379,12 @@ func wildcards(port *service.Port) []netip.Addr {
 // balancer state and endpoint selection go too; a changed port keeps them (endpoints and affinity
 // survive, as in legacy).
 func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
-	p.activeMu.Lock()
-	a := p.active[name]
-	delete(p.active, name)
-	p.activeMu.Unlock()
+	p.pathMu.Lock()
+	a := p.socketOf(name)
+	if a != nil {
+		delete(p.paths, name)
+	}
+	p.pathMu.Unlock()
 	delete(p.extFailed, name)
 	if gone {
 		p.deps.Balancer.DeleteService(name)
@@ -417,43 +417,76 @@ func (p *Proxier) closeSocket(a *activePort) {
 	}
 }
 
-// specs lists the portal specs of every open socket, sorted by name for stable rule output. A port
-// refuses the traffic it has no endpoint for; a split port whose external socket is not open
-// refuses external traffic rather than send it to the cluster socket's endpoints.
-func (p *Proxier) specs() []portal.Spec {
-	p.activeMu.RLock()
-	p.selMu.RLock()
-	out := make([]portal.Spec, 0, len(p.active))
-	for _, a := range p.active {
-		s := portal.Spec{
-			Name: a.port.Name, Protocol: a.port.Protocol, Port: a.port.Port, NodePort: a.port.NodePort,
-			ClusterIPs: a.port.ClusterIPs, ExternalIPs: a.port.ExternalIPs, LoadBalancerIPs: a.port.LoadBalancerIPs,
-			ProxyPort: a.proxyPort, SourceRanges: a.port.LoadBalancerSourceRanges,
-		}
-		if sel := p.sels[a.port.Name]; sel != nil {
-			s.RejectInternal, s.RejectExternal = sel.rejectInternal, sel.rejectExternal
-		}
-		if a.ext != nil {
-			s.ExternalProxyPort = a.ext.proxyPort
-		} else if splitsExternal(a.port) {
-			s.RejectExternal = true
-		}
-		out = append(out, s)
+// The proxy-socket path: portal rules redirect the port's traffic to a proxy socket (and a
+// split port's external traffic to a second one), which picks an endpoint per connection.
+
+func (a *activePort) svcPort() *service.Port     { return a.port }
+func (a *activePort) dataPath() service.DataPath { return service.DataPathProxy }
+
+// spec points the port's portals at its proxy ports. A port refuses the traffic it has no
+// endpoint for; a split port whose external socket is not open refuses external traffic rather
+// than send it to the cluster socket's endpoints.
+func (a *activePort) spec(sel *portSelection) portal.Spec {
+	s := portal.Spec{
+		Name: a.port.Name, Protocol: a.port.Protocol, Port: a.port.Port, NodePort: a.port.NodePort,
+		ClusterIPs: a.port.ClusterIPs, ExternalIPs: a.port.ExternalIPs, LoadBalancerIPs: a.port.LoadBalancerIPs,
+		ProxyPort: a.proxyPort, SourceRanges: a.port.LoadBalancerSourceRanges,
 	}
-	out = p.kernelSpecs(out)
-	p.selMu.RUnlock()
-	p.activeMu.RUnlock()
-	slices.SortFunc(out, func(a, b portal.Spec) int {
-		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
-			cmp.Compare(a.Name.Port, b.Name.Port))
-	})
-	return out
+	if sel != nil {
+		s.RejectInternal, s.RejectExternal = sel.rejectInternal, sel.rejectExternal
+	}
+	if a.ext != nil {
+		s.ExternalProxyPort = a.ext.proxyPort
+	} else if splitsExternal(a.port) {
+		s.RejectExternal = true
+	}
+	return s
 }
 
-func (p *Proxier) activeCount() int {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	return len(p.active)
+func (a *activePort) sockets() []ProxySocket {
+	if a.ext == nil {
+		return []ProxySocket{a.sock}
+	}
+	return []ProxySocket{a.sock, a.ext.sock}
+}
+
+// retire closes the sockets of a port that moved to the kernel path, after the sync that applied
+// its chains. A UDP port's conntrack entries redirected to its proxy socket go first, the socket
+// after: a client whose new datagram reuses the source port of an entry not yet deleted (UDP
+// entries live 30 s; a resolver opens a new port per query, so some do) is still answered by the
+// socket, where a closed one would answer port unreachable (the chaos soak saw it while the
+// delete walked the table, 80 ms; TestDataPathUDPSwitchesLive saw one refusal per switch).
+func (a *activePort) retire(p *Proxier) {
+	if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
+		// Only those entries: the kernel chains are in force by now, and an entry their DNAT
+		// made for a datagram in flight must stay, or the endpoint's answer is lost.
+		flows := conntrack.FlowsOf(a.port)
+		flows.ProxyPorts = []uint16{a.proxyPort}
+		if a.ext != nil {
+			flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
+		}
+		start := p.cfg.Clock.Now()
+		if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
+			p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+		}
+		p.log.WithField("service", a.port.Name.String()).WithField("duration", p.cfg.Clock.Since(start)).
+			Debug("Cleared the UDP conntrack entries redirected to the proxy socket the kernel path replaced")
+	}
+	p.closeSocket(a)
+	if a.ext != nil {
+		p.closeSocket(a.ext)
+	}
+}
+
+// socketSpecs counts the specs of the proxy-socket path (the active-ports gauge).
+func socketSpecs(specs []portal.Spec) int {
+	n := 0
+	for i := range specs {
+		if specs[i].Kernel == nil {
+			n++
+		}
+	}
+	return n
 }
 
 // markUnsynced records that a service port's portal spec changed.
