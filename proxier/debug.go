@@ -57,7 +57,7 @@ func (p *Proxier) Services() []debugview.ServiceView {
 		if port.DrainTimeout > 0 {
 			v.DrainTimeout = port.DrainTimeout.String()
 		}
-		v.Draining = append(p.drains.views(port.Name, now), p.drains.views(externalName(port.Name), now)...)
+		v.Draining = append(p.eps.drains.views(port.Name, now), p.eps.drains.views(externalName(port.Name), now)...)
 		inUse := map[netip.AddrPort]bool{}
 		states := map[netip.AddrPort]loadbalancer.EndpointState{}
 		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
@@ -176,7 +176,7 @@ func (p *Proxier) fillSelection(v *debugview.ServiceView, port *service.Port) {
 	if port.ExternallyAccessible() {
 		v.ExternalTrafficPolicy = policy(port.ExternalLocal)
 	}
-	sel := p.selection(port.Name)
+	sel := p.eps.selection(port.Name)
 	if sel == nil {
 		return
 	}

@@ -59,15 +59,15 @@ func (p *Proxier) socketPaths() iter.Seq2[service.ServicePortName, *activePort] 
 // specs lists the portal spec of every port's path, sorted by name for stable rule output.
 func (p *Proxier) specs() []portal.Spec {
 	p.pathMu.RLock()
-	p.selMu.RLock()
+	p.eps.selMu.RLock()
 	if p.kflows != nil && p.kflows.dirty {
 		p.kflows.rebuild(p.kernelPorts())
 	}
 	out := make([]portal.Spec, 0, len(p.paths))
 	for name, path := range p.paths {
-		out = append(out, path.spec(p.sels[name]))
+		out = append(out, path.spec(p.eps.sels[name]))
 	}
-	p.selMu.RUnlock()
+	p.eps.selMu.RUnlock()
 	p.pathMu.RUnlock()
 	slices.SortFunc(out, func(a, b portal.Spec) int {
 		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),

@@ -113,9 +113,9 @@ func balancingView(b service.Balancing) debugview.BalancingView {
 }
 
 // outliers sums the outlier detection counters of a port's balancers (cluster and external).
-func (p *Proxier) outliers(name service.ServicePortName) (total uint64, ejected int) {
+func (e *endpointApplier) outliers(name service.ServicePortName) (total uint64, ejected int) {
 	for _, key := range []service.ServicePortName{name, externalName(name)} {
-		if b := p.deps.Balancer.Lookup(key); b != nil {
+		if b := e.balancer.Lookup(key); b != nil {
 			t, e := b.Outliers()
 			total, ejected = total+t, ejected+e
 		}
@@ -217,20 +217,11 @@ func (m *multiSocket) WakeHeld() {
 
 // wakeHeld tells the socket of a holding port's class of traffic that it has endpoints again, so
 // its held connections are dialed now. Called after the balancer has them.
-func (p *Proxier) wakeHeld(port *service.Port, external bool, usable []netip.AddrPort) {
+func (e *endpointApplier) wakeHeld(port *service.Port, external bool, usable []netip.AddrPort) {
 	if !port.Holds() || len(usable) == 0 {
 		return
 	}
-	p.pathMu.RLock()
-	a := p.socketOf(port.Name)
-	if a != nil && external {
-		a = a.ext
-	}
-	p.pathMu.RUnlock()
-	if a == nil {
-		return
-	}
-	if h, ok := a.sock.(holder); ok {
+	if h, ok := e.socketOf(port.Name, external).(holder); ok {
 		h.WakeHeld()
 	}
 }

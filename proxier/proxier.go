@@ -158,19 +158,9 @@ type Proxier struct {
 	node            NodeTopology
 
 	annotations annotationWarnings
-	drains      drains
 
-	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
-	epMu sync.Mutex
-	// inherited is a hand-over predecessor's affinity table until the ports take it (affinity.go).
-	inherited inheritedAffinity
-
-	// selMu guards sels, the endpoint selection of every service port, written by applyEndpoints
-	// and read by the sync (portal refusals) and the debug view.
-	selMu sync.RWMutex
-	sels  map[service.ServicePortName]*portSelection
-	// hcLocal counts, per Service with a health check node port, its ready endpoints on this node.
-	hcLocal map[service.NamespacedName]int
+	// eps applies endpoint changes to the balancer (endpoints.go).
+	eps *endpointApplier
 
 	// pathMu guards paths for readers outside the sync goroutine (debug view, drains); only the
 	// sync goroutine writes it. paths holds every port's data path (path.go): a proxy socket
@@ -279,8 +269,6 @@ func New(cfg Config, deps Deps) *Proxier {
 		latest:         make(map[service.NamespacedName][]*service.Port),
 		started:        cfg.Clock.Now(),
 		node:           cfg.Node,
-		sels:           make(map[service.ServicePortName]*portSelection),
-		hcLocal:        make(map[service.NamespacedName]int),
 		paths:          make(map[service.ServicePortName]portPath),
 		services:       make(map[service.NamespacedName][]*service.Port),
 		failed:         make(map[service.ServicePortName]*service.Port),
@@ -291,6 +279,12 @@ func New(cfg Config, deps Deps) *Proxier {
 		endpointsReady: make(chan struct{}),
 		firstSync:      make(chan struct{}),
 		serving:        make(chan struct{}),
+	}
+	p.eps = &endpointApplier{
+		balancer: deps.Balancer, pods: deps.Pods, health: deps.ServiceHealth, slices: p.slices,
+		clock: cfg.Clock, log: cfg.Logger, drainTCP: cfg.DrainTCP, drainGrace: cfg.DrainGrace,
+		ports: p.portsOf, socketOf: p.openSocket, onKernel: p.onKernel, runCtx: func() context.Context { return p.runCtx },
+		sels: make(map[service.ServicePortName]*portSelection), hcLocal: make(map[service.NamespacedName]int),
 	}
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {
@@ -366,7 +360,7 @@ func (p *Proxier) shutdown() {
 	}
 	p.pathMu.Unlock()
 	p.socketWG.Wait()
-	p.drains.wg.Wait() // they stop on the run context
+	p.eps.drains.wg.Wait() // they stop on the run context
 }
 
 // Sync asks for a sync soon (bounded by the minimum sync period).
@@ -512,45 +506,11 @@ func triggerTime(s *discovery.EndpointSlice) (time.Time, bool) {
 	return t, err == nil
 }
 
-// applyEndpoints recomputes the endpoints of every port of a Service, selects the ones each class
-// of traffic uses on this node (traffic policies, topology hints, terminating fallback) and hands
-// them to the balancer. Connections or sessions on endpoints that disappeared are dropped where that
-// is the policy (UDP always; TCP with DrainTCP). When a port's refusals or socket split change, the
-// portals must change too, so a sync is asked for (and true returned).
+// applyEndpoints selects a Service's endpoints again and hands them to the balancer
+// (endpointApplier.apply). When a port's refusals or socket split changed, the portals must
+// change too, so a sync is asked for (and true returned).
 func (p *Proxier) applyEndpoints(name service.NamespacedName) bool {
-	// The Service and its slices arrive on different goroutines, each storing its object and then
-	// applying. Both are read under epMu, so whichever applies last sees both: read before it, an
-	// apply that had read the Service without its slice could run last and leave the port with no
-	// endpoints (seen at 10,000 services: one port rejecting traffic until its next change).
-	p.epMu.Lock()
-	defer p.epMu.Unlock()
-	p.mu.Lock()
-	ports := p.latest[name]
-	node := p.node
-	p.mu.Unlock()
-	sl := p.slices.get(name)
-
-	rulesChanged := false
-	for _, port := range ports {
-		eps := endpointsFor(port, sl)
-		p.deps.Pods.update(port.Name, eps)
-		serving := func(ep netip.AddrPort) bool {
-			i, ok := slices.BinarySearchFunc(eps, ep, func(e service.Endpoint, a netip.AddrPort) int { return e.Addr.Compare(a) })
-			return ok && eps[i].Serving
-		}
-		sel := newPortSelection(port, selectEndpoints(port, eps, node))
-		p.setBalancer(port, port.Name, sel.Internal, false, serving)
-		if sel.split {
-			p.setBalancer(port, externalName(port.Name), sel.External, true, serving)
-		}
-		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) || (p.onKernel(port) && !sel.endpointsEqual(old)) {
-			rulesChanged = true
-			if old != nil && old.split && !sel.split {
-				p.deps.Balancer.DeleteService(externalName(port.Name))
-			}
-		}
-	}
-	p.updateLocalCount(name, ports, sl, node.Name)
+	rulesChanged := p.eps.apply(name)
 	// Read after the selections are in: when the initial lists are reported synced meanwhile,
 	// either this sees it and triggers, or the sync that setSynced triggers reads them. (Read
 	// before, a slice delivered during the first sync could be left out of it and never synced:
@@ -565,75 +525,26 @@ func (p *Proxier) applyEndpoints(name service.NamespacedName) bool {
 	return rulesChanged
 }
 
-// updateLocalCount recounts a Service's ready endpoints on this node when it has a health check
-// node port, and tells the health check server when the count changed.
-func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service.Port, sl []*slimSlice, node string) {
-	if p.deps.ServiceHealth == nil {
-		return
-	}
-	eps := map[service.ServicePortName][]service.Endpoint{}
-	for _, port := range ports {
-		if port.HealthCheckNodePort != 0 {
-			eps[port.Name] = endpointsFor(port, sl)
-		}
-	}
-	n, has := healthcheck.LocalReadyEndpoints(node, eps)[name]
-	p.selMu.Lock()
-	old, had := p.hcLocal[name]
-	if has {
-		p.hcLocal[name] = n
-	} else {
-		delete(p.hcLocal, name)
-	}
-	var snapshot map[service.NamespacedName]int
-	if old != n || had != has {
-		snapshot = maps.Clone(p.hcLocal)
-	}
-	p.selMu.Unlock()
-	if snapshot != nil {
-		p.deps.ServiceHealth.SyncEndpoints(snapshot)
-	}
+// portsOf is a Service's ports and the node's topology as the handlers last recorded them.
+func (p *Proxier) portsOf(name service.NamespacedName) ([]*service.Port, NodeTopology) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.latest[name], p.node
 }
 
-// setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
-// traffic) its endpoints, and ends or drains the flows of those that left it (endRemoved).
-func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, sel Selection, external bool, serving func(netip.AddrPort) bool) {
-	usable := sel.Endpoints
-	if p.keepRestored(key, usable) {
-		return // the restart snapshot's endpoints serve until the sources know this port's
-	}
-	p.deps.Balancer.SetAffinity(key, port.Affinity)
-	p.deps.Balancer.SetBalancing(key, port.Balancing)
-	p.deps.Balancer.SetPickWhy(key, sel.pickWhy())
-	sock := p.drainable(port, external)
-	var before []netip.AddrPort
-	if sock != nil { // only then is the old list needed
-		before = p.deps.Balancer.Service(key).Endpoints()
-	}
-	p.deps.Balancer.SetEndpoints(key, usable)
-	p.takeInherited(key, len(usable))
-	p.wakeHeld(port, external, usable)
-	if sock != nil {
-		p.endRemoved(sock, port, key, before, usable, serving)
-	}
-}
-
-// drainable returns the open socket of a port whose flows on endpoints leaving the rotation are
-// ended or drained (UDP always, TCP with DrainTCP or a drain-timeout), or nil.
-func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
-	if port.Protocol == service.TCP && !p.cfg.DrainTCP && port.DrainTimeout == 0 {
-		return nil
-	}
+// openSocket is the open proxy socket of a port's cluster (or, external, its external) traffic,
+// or nil.
+func (p *Proxier) openSocket(name service.ServicePortName, external bool) ProxySocket {
 	p.pathMu.RLock()
 	defer p.pathMu.RUnlock()
-	a := p.socketOf(port.Name)
+	a := p.socketOf(name)
 	if a != nil && external {
 		a = a.ext
 	}
-	if a != nil {
-		return a.sock
+	if a == nil {
+		return nil
 	}
-	return nil
+	return a.sock
 }
 
 func nsName(ns, name string) service.NamespacedName {

@@ -41,14 +41,14 @@ func (p *Proxier) reconcileRefusals() {
 		return // iptables mode: the portal rules refuse
 	}
 	p.pathMu.RLock()
-	p.selMu.RLock()
+	p.eps.selMu.RLock()
 	type change struct {
 		a    *activePort
 		want bool
 	}
 	var todo []change
 	for name, a := range p.socketPaths() {
-		sel := p.sels[name]
+		sel := p.eps.sels[name]
 		internal, external := false, false
 		if sel != nil {
 			internal, external = sel.rejectInternal, sel.rejectExternal
@@ -60,7 +60,7 @@ func (p *Proxier) reconcileRefusals() {
 			todo = append(todo, change{a.ext, external})
 		}
 	}
-	p.selMu.RUnlock()
+	p.eps.selMu.RUnlock()
 	p.pathMu.RUnlock()
 	for _, c := range todo {
 		r, ok := c.a.sock.(refuser)

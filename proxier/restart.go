@@ -351,7 +351,9 @@ func (h *holdPicker) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flo
 // markEndpointsReady releases held connections: the initial Services and EndpointSlices are in.
 func (p *Proxier) markEndpointsReady() {
 	p.readyOnce.Do(func() {
-		p.dropRestored() // before held connections pick again
+		for _, name := range p.eps.dropRestored() { // before held connections pick again
+			p.applyEndpoints(name)
+		}
 		close(p.endpointsReady)
 	})
 }

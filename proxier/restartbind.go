@@ -111,7 +111,7 @@ func (p *Proxier) listenState() []Seed {
 // saveListenState hands the bind-mode listen state to Config.ListenState after a sync that worked
 // and changed something (the caller checks), so a periodic sync of 10,000 ports costs nothing.
 func (p *Proxier) saveListenState() {
-	p.restore.gen.Add(1) // a sync changed sockets: the restart snapshot's proxy ports may differ
+	p.eps.restore.gen.Add(1) // a sync changed sockets: the restart snapshot's proxy ports may differ
 	if p.cfg.ListenPlan == nil || p.cfg.ListenState == nil {
 		return
 	}

@@ -143,7 +143,7 @@ func (p *Proxier) Traffic() iter.Seq[metrics.PortTraffic] {
 				t.Balanced, t.Endpoints = true, len(b.Endpoints())
 			}
 			if t.Outlier = a.port.Balancing.Outlier.On(); t.Outlier {
-				t.Ejections, t.Ejected = p.outliers(a.port.Name)
+				t.Ejections, t.Ejected = p.eps.outliers(a.port.Name)
 			}
 			t.Stats, t.Observed = socketStats(a.observedSocket())
 			if t.Drain = a.port.DrainTimeout > 0; t.Drain && t.Observed {

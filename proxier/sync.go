@@ -83,7 +83,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 			p.cfg.AfterFirstSync()
 		}
 		debug.FreeOSMemory()
-		p.endInherited()
+		p.eps.endInherited()
 		p.markFirstSync()
 	}
 	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
@@ -389,7 +389,7 @@ func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
 	if gone {
 		p.deps.Balancer.DeleteService(name)
 		p.deps.Balancer.DeleteService(externalName(name))
-		p.setSelection(name, nil)
+		p.eps.setSelection(name, nil)
 	}
 	if a == nil {
 		return
