@@ -18,7 +18,7 @@ var _ debugview.Source = (*Proxier)(nil)
 // Services describes every service port the proxier knows, open or not, sorted by name.
 func (p *Proxier) Services() []debugview.ServiceView {
 	open := map[service.ServicePortName]activePort{}
-	for _, a := range p.activeList() {
+	for _, a := range p.paths.activeList() {
 		open[a.port.Name] = a
 	}
 	p.mu.Lock()
@@ -125,7 +125,7 @@ func fillStats(v *debugview.ServiceView, s ProxySocket) {
 func (p *Proxier) Connections(svc, client string) []debugview.ConnView {
 	now := p.cfg.Clock.Now()
 	var out []debugview.ConnView
-	for _, a := range p.activeList() {
+	for _, a := range p.paths.activeList() {
 		name := a.port.Name.String()
 		if svc != "" && !strings.Contains(name, svc) {
 			continue

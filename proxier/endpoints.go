@@ -68,7 +68,7 @@ type endpointApplier struct {
 // socket split changed (or a kernel-path port's endpoints): the portals must change too.
 func (e *endpointApplier) apply(name service.NamespacedName) bool {
 	// The Service and its slices arrive on different goroutines, each storing its object and then
-	// applying. Both are read under epMu, so whichever applies last sees both: read before it, an
+	// applying. Both are read under e.mu, so whichever applies last sees both: read before it, an
 	// apply that had read the Service without its slice could run last and leave the port with no
 	// endpoints (seen at 10,000 services: one port rejecting traffic until its next change).
 	e.mu.Lock()

@@ -42,7 +42,7 @@ func dataPath(svc *v1.Service) (service.DataPath, error) {
 func (p *Proxier) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
 	var errs []error
 	for _, port := range ports {
-		if !p.wantsKernel(port) {
+		if !p.cfg.wantsKernel(port) {
 			continue
 		}
 		switch {
@@ -59,61 +59,61 @@ func (p *Proxier) kernelConflicts(name service.NamespacedName, ports []*service.
 }
 
 // wantsKernel reports whether a port asks for the kernel path, by annotation or node default.
-func (p *Proxier) wantsKernel(port *service.Port) bool {
-	return port.DataPath == service.DataPathKernel || (port.DataPath == "" && p.cfg.DefaultDataPath == service.DataPathKernel)
+func (c *Config) wantsKernel(port *service.Port) bool {
+	return port.DataPath == service.DataPathKernel || (port.DataPath == "" && c.DefaultDataPath == service.DataPathKernel)
 }
 
 // onKernel reports whether a port takes the kernel path: it asks for it, the node has one, and
 // nothing the port needs is done by the proxy alone.
-func (p *Proxier) onKernel(port *service.Port) bool {
-	return p.cfg.KernelPath && p.wantsKernel(port) && port.ProxyProtocol == ""
+func (c *Config) onKernel(port *service.Port) bool {
+	return c.KernelPath && c.wantsKernel(port) && port.ProxyProtocol == ""
 }
 
 // toKernel puts a port on the kernel path. Its proxy socket, if open, is not closed yet: it is
 // retired, and closed once a portal sync has replaced its portal rules by the kernel chains, so
 // no new connection is refused in between; a TCP socket's established connections outlive the
 // close (tcp.Proxy.Close keeps them).
-func (p *Proxier) toKernel(port *service.Port) {
-	delete(p.failed, port.Name)
-	p.pathMu.Lock()
-	old := p.paths[port.Name]
+func (d *dataPaths) toKernel(port *service.Port) {
+	delete(d.failed, port.Name)
+	d.mu.Lock()
+	old := d.byName[port.Name]
 	k, was := old.(*kernelPort)
 	if was {
 		k.port = port
 	} else {
-		p.paths[port.Name] = &kernelPort{port: port}
+		d.byName[port.Name] = &kernelPort{port: port}
 	}
-	p.pathMu.Unlock()
-	if p.kflows != nil {
-		p.kflows.dirty = true
+	d.mu.Unlock()
+	if d.kflows != nil {
+		d.kflows.dirty = true
 	}
 	if !was {
 		if old != nil {
-			p.retiring = append(p.retiring, old) // the proxy socket: closed after the sync
+			d.retiring = append(d.retiring, old) // the proxy socket: closed after the sync
 		}
-		p.markUnsynced(port.Name)
-		p.log.WithField("service", port.Name.String()).Info("Service port on the kernel data path")
+		d.markUnsynced(port.Name)
+		d.log.WithField("service", port.Name.String()).Info("Service port on the kernel data path")
 	}
 }
 
 // leaveKernel takes a port off the kernel path (it left, or moves to the proxy path); reports
 // whether it was on it.
-func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
-	p.pathMu.Lock()
-	k, was := p.paths[name].(*kernelPort)
+func (d *dataPaths) leaveKernel(name service.ServicePortName) bool {
+	d.mu.Lock()
+	k, was := d.byName[name].(*kernelPort)
 	if was {
-		delete(p.paths, name)
+		delete(d.byName, name)
 	}
-	p.pathMu.Unlock()
+	d.mu.Unlock()
 	if !was {
 		return false
 	}
 	// Retired, so that the sync after which it is gone clears its UDP flows (clearStaleKernelUDP).
-	p.retiring = append(p.retiring, k)
-	if p.kflows != nil {
-		p.kflows.dirty = true
+	d.retiring = append(d.retiring, k)
+	if d.kflows != nil {
+		d.kflows.dirty = true
 	}
-	p.markUnsynced(name)
+	d.markUnsynced(name)
 	return true
 }
 
@@ -131,12 +131,12 @@ func (k *kernelPort) sockets() []ProxySocket     { return nil }
 
 // retire does nothing at once: a kernel port's UDP flows are cleared by clearStaleKernelUDP,
 // which reads the retired kernel ports.
-func (k *kernelPort) retire(*Proxier) {}
+func (k *kernelPort) retire(*dataPaths) {}
 
-// kernelPorts are the ports on the kernel path, for the flow index. The caller holds pathMu.
-func (p *Proxier) kernelPorts() map[service.ServicePortName]*service.Port {
+// kernelPorts are the ports on the kernel path, for the flow index. The caller holds d.mu.
+func (d *dataPaths) kernelPorts() map[service.ServicePortName]*service.Port {
 	out := map[service.ServicePortName]*service.Port{}
-	for name, path := range p.paths {
+	for name, path := range d.byName {
 		if k, ok := path.(*kernelPort); ok {
 			out[name] = k.port
 		}
@@ -185,9 +185,9 @@ func (s *portSelection) endpointsEqual(o *portSelection) bool {
 // kernelCounters reads the KUBE-SEP counters for the debug views, by service port; nil when no
 // port is on the kernel path or they cannot be read (the view then shows none).
 func (p *Proxier) kernelCounters() map[service.ServicePortName][]debugview.KernelEndpointView {
-	p.pathMu.RLock()
-	n := len(p.kernelPorts())
-	p.pathMu.RUnlock()
+	p.paths.mu.RLock()
+	n := len(p.paths.kernelPorts())
+	p.paths.mu.RUnlock()
 	if n == 0 || p.deps.KernelCounters == nil {
 		return nil
 	}
@@ -211,14 +211,9 @@ type kernelUDPPort struct {
 	endpoints []netip.AddrPort
 }
 
-// clearStaleKernelUDP deletes the conntrack entries of a kernel-path UDP port that lost an
-// endpoint or left the kernel path, after the sync that applied it. A UDP flow keeps its DNAT for
-// as long as packets come (a resolver asking every second never lets the entry expire), so
-// without this it would go on to an endpoint that is gone; with it, the next datagram is
-// balanced again over the current endpoints, as kube-proxy does. Only the entries DNATed to an
-// endpoint that is gone (every entry, when the port is gone). A port that moved to the proxy
-// path keeps its established flows on their endpoint until they end, like TCP connections.
-func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
+// kernelUDPSpecs lists the endpoints of the kernel-path UDP ports in specs, and whether any
+// spec is on the kernel path.
+func kernelUDPSpecs(specs []portal.Spec) (map[service.ServicePortName]kernelUDPPort, bool) {
 	now := map[service.ServicePortName]kernelUDPPort{}
 	anyKernel := false
 	for _, s := range specs {
@@ -230,8 +225,20 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 			now[s.Name] = kernelUDPPort{endpoints: append(slices.Clone(s.Kernel.Cluster), s.Kernel.Local...)}
 		}
 	}
+	return now, anyKernel
+}
+
+// clearStaleKernelUDP deletes the conntrack entries of a kernel-path UDP port that lost an
+// endpoint or left the kernel path, after the sync that applied it. A UDP flow keeps its DNAT for
+// as long as packets come (a resolver asking every second never lets the entry expire), so
+// without this it would go on to an endpoint that is gone; with it, the next datagram is
+// balanced again over the current endpoints, as kube-proxy does. Only the entries DNATed to an
+// endpoint that is gone (every entry, when the port is gone). A port that moved to the proxy
+// path keeps its established flows on their endpoint until they end, like TCP connections.
+func (d *dataPaths) clearStaleKernelUDP(specs []portal.Spec) {
+	now, anyKernel := kernelUDPSpecs(specs)
 	var old []*kernelPort
-	for _, path := range p.retiring {
+	for _, path := range d.retiring {
 		if k, ok := path.(*kernelPort); ok && k.applied != nil {
 			old = append(old, k)
 		}
@@ -240,8 +247,8 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 		return // a node without kernel ports pays nothing per sync
 	}
 	var current []*kernelPort
-	p.pathMu.RLock()
-	for _, path := range p.paths {
+	d.mu.RLock()
+	for _, path := range d.byName {
 		if k, ok := path.(*kernelPort); ok {
 			current = append(current, k)
 			if k.applied != nil {
@@ -249,11 +256,11 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 			}
 		}
 	}
-	p.pathMu.RUnlock()
+	d.mu.RUnlock()
 	for _, k := range old {
 		name := k.applied.port.Name
 		cur, still := now[name]
-		gone := !still && p.DataPathOf(name) == "" // removed, not moved to the proxy path
+		gone := !still && d.dataPathOf(name) == "" // removed, not moved to the proxy path
 		var lost []netip.AddrPort
 		if still {
 			for _, e := range k.applied.endpoints {
@@ -262,13 +269,13 @@ func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
 				}
 			}
 		}
-		if (gone || len(lost) > 0) && p.deps.Conntrack != nil {
+		if (gone || len(lost) > 0) && d.deps.Conntrack != nil {
 			flows := conntrack.FlowsOf(k.applied.port)
 			// Lost endpoints: their flows alone (kube-proxy's delete by --dst-nat); deleting
 			// the others would lose the answers they have in flight.
 			flows.Endpoints = lost
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
-				p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+			if err := d.deps.Conntrack.ClearUDP(d.runCtx, flows); err != nil {
+				d.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
 		}
 	}

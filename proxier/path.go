@@ -10,12 +10,72 @@ package proxier
 
 import (
 	"cmp"
+	"context"
 	"iter"
 	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/sirupsen/logrus"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
+
+// dataPaths is every service port's data path, and what the sync needs to reconcile them: the
+// sockets' proxy ports, the ports whose socket failed, the seeds of a restart (restart.go), the
+// conntrack bookkeeping of UDP ports (kernelpath.go, untranslated.go). The sync goroutine owns
+// it; mu guards byName for the readers outside it (debug views, drains, snapshots).
+type dataPaths struct {
+	// cfg and deps are the Proxier's.
+	cfg  *Config
+	deps *Deps
+	log  logrus.FieldLogger
+	eps  *endpointApplier
+
+	mu     sync.RWMutex
+	byName map[service.ServicePortName]portPath
+	// kflows indexes the kernel-path ports by address for their conntrack flow events.
+	kflows *kernelFlows
+
+	// services is every Service's ports as the sync last applied them.
+	services map[service.NamespacedName][]*service.Port
+	// retiring are the paths ports left (the sockets of ports that moved to the kernel path,
+	// kernel paths left), ended after the next portal sync that works (retirePaths).
+	retiring []portPath
+	// steered: what each UDP port's rules steered at the last sync that worked, and steerGen
+	// that sync's number (clearUntranslatedUDP).
+	steered  map[service.ServicePortName]*steeredUDP
+	steerGen uint64
+	// failed: ports whose socket failed to open, retried at every sync; extFailed: ports whose
+	// external-traffic socket failed to open (logged once).
+	failed    map[service.ServicePortName]*service.Port
+	extFailed map[service.ServicePortName]bool
+	// unsynced names the service ports whose portal spec changed (socket opened or closed)
+	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
+	unsynced map[service.ServicePortName]struct{}
+	ports    *portAllocator
+	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
+	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
+	// again (its real port differs) keeps, so the rules need not change.
+	seeds    []Seed
+	seeded   map[service.ServicePortName]bool
+	keepPort map[service.ServicePortName]uint16
+	// listenChanged: a socket stopped or started refusing since the last saved listen state
+	// (bind mode; Config.ListenState is given the state only after a sync that changed it).
+	listenChanged bool
+	// reopened and reallocated count the seeds reopened on their proxy port, and those that
+	// could not be (the first sync allocates another port): ReopenCounts.
+	reopened, rebound, reallocated atomic.Int64
+	// endpointsReady is the Proxier's, closed once the initial Services and EndpointSlices are
+	// in; gate opens reopened UDP sockets (reopenGate).
+	endpointsReady chan struct{}
+	gate           chan struct{}
+	gateOnce       sync.Once
+	// runCtx is the context the sockets run on (set by Run); socketWG tracks their goroutines.
+	runCtx   context.Context
+	socketWG sync.WaitGroup
+}
 
 // portPath is how one service port's traffic reaches its endpoints on this node.
 type portPath interface {
@@ -30,7 +90,7 @@ type portPath interface {
 	sockets() []ProxySocket
 	// retire ends what is left of a path the port no longer takes, after the portal sync that
 	// replaced its rules worked. Called by the sync goroutine.
-	retire(p *Proxier)
+	retire(d *dataPaths)
 }
 
 var (
@@ -39,16 +99,16 @@ var (
 )
 
 // socketOf is the proxy-socket path of a port, or nil when it has none (kernel path, socket
-// failed, unknown). The caller holds pathMu.
-func (p *Proxier) socketOf(name service.ServicePortName) *activePort {
-	a, _ := p.paths[name].(*activePort)
+// failed, unknown). The caller holds d.mu.
+func (d *dataPaths) socketOf(name service.ServicePortName) *activePort {
+	a, _ := d.byName[name].(*activePort)
 	return a
 }
 
-// socketPaths yields the ports on the proxy-socket path. The caller holds pathMu.
-func (p *Proxier) socketPaths() iter.Seq2[service.ServicePortName, *activePort] {
+// socketPaths yields the ports on the proxy-socket path. The caller holds d.mu.
+func (d *dataPaths) socketPaths() iter.Seq2[service.ServicePortName, *activePort] {
 	return func(yield func(service.ServicePortName, *activePort) bool) {
-		for name, path := range p.paths {
+		for name, path := range d.byName {
 			if a, ok := path.(*activePort); ok && !yield(name, a) {
 				return
 			}
@@ -57,18 +117,18 @@ func (p *Proxier) socketPaths() iter.Seq2[service.ServicePortName, *activePort] 
 }
 
 // specs lists the portal spec of every port's path, sorted by name for stable rule output.
-func (p *Proxier) specs() []portal.Spec {
-	p.pathMu.RLock()
-	p.eps.selMu.RLock()
-	if p.kflows != nil && p.kflows.dirty {
-		p.kflows.rebuild(p.kernelPorts())
+func (d *dataPaths) specs() []portal.Spec {
+	d.mu.RLock()
+	d.eps.selMu.RLock()
+	if d.kflows != nil && d.kflows.dirty {
+		d.kflows.rebuild(d.kernelPorts())
 	}
-	out := make([]portal.Spec, 0, len(p.paths))
-	for name, path := range p.paths {
-		out = append(out, path.spec(p.eps.sels[name]))
+	out := make([]portal.Spec, 0, len(d.byName))
+	for name, path := range d.byName {
+		out = append(out, path.spec(d.eps.sels[name]))
 	}
-	p.eps.selMu.RUnlock()
-	p.pathMu.RUnlock()
+	d.eps.selMu.RUnlock()
+	d.mu.RUnlock()
 	slices.SortFunc(out, func(a, b portal.Spec) int {
 		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
 			cmp.Compare(a.Name.Port, b.Name.Port))
@@ -80,20 +140,24 @@ func (p *Proxier) specs() []portal.Spec {
 // sockets of ports that moved to the kernel path (closeRetired's order: their UDP conntrack
 // entries, then the socket), then the conntrack entries of kernel-path UDP ports that lost
 // endpoints or left (clearStaleKernelUDP).
-func (p *Proxier) retirePaths(specs []portal.Spec) {
-	for _, path := range p.retiring {
-		path.retire(p)
+func (d *dataPaths) retirePaths(specs []portal.Spec) {
+	for _, path := range d.retiring {
+		path.retire(d)
 	}
-	p.clearStaleKernelUDP(specs)
-	p.retiring = nil
+	d.clearStaleKernelUDP(specs)
+	d.retiring = nil
 }
 
 // DataPathOf reports the data path a service port is on right now (for the debug views):
 // kernel, proxy, or "" when the port is unknown or has no socket (failed).
 func (p *Proxier) DataPathOf(name service.ServicePortName) service.DataPath {
-	p.pathMu.RLock()
-	defer p.pathMu.RUnlock()
-	if path, ok := p.paths[name]; ok {
+	return p.paths.dataPathOf(name)
+}
+
+func (d *dataPaths) dataPathOf(name service.ServicePortName) service.DataPath {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if path, ok := d.byName[name]; ok {
 		return path.dataPath()
 	}
 	return ""

@@ -10,7 +10,6 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -162,47 +161,14 @@ type Proxier struct {
 	// eps applies endpoint changes to the balancer (endpoints.go).
 	eps *endpointApplier
 
-	// pathMu guards paths for readers outside the sync goroutine (debug view, drains); only the
-	// sync goroutine writes it. paths holds every port's data path (path.go): a proxy socket
-	// (activePort) or the kernel path (kernelPort). A port whose socket failed has none.
-	pathMu sync.RWMutex
-	paths  map[service.ServicePortName]portPath
+	// paths is every service port's data path, reconciled by the sync (path.go).
+	paths *dataPaths
 
-	// kflows indexes the kernel-path ports by address for their conntrack flow events.
-	kflows *kernelFlows
-
-	// Owned by the sync goroutine.
-	services map[service.NamespacedName][]*service.Port
-	// retiring are the paths ports left (the sockets of ports that moved to the kernel path,
-	// kernel paths left), ended after the next portal sync that works (retirePaths).
-	retiring []portPath
-	// steered: what each UDP port's rules steered at the last sync that worked, and steerGen
-	// that sync's number (clearUntranslatedUDP).
-	steered  map[service.ServicePortName]*steeredUDP
-	steerGen uint64
-	failed   map[service.ServicePortName]*service.Port
-	// extFailed: ports whose external-traffic socket failed to open (logged once).
-	extFailed map[service.ServicePortName]bool
-	// unsynced names the service ports whose portal spec changed (socket opened or closed)
-	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
-	unsynced map[service.ServicePortName]struct{}
-	ports    *portAllocator
-	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
-	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
-	// again (its real port differs) keeps, so the rules need not change.
-	seeds    []Seed
-	seeded   map[service.ServicePortName]bool
-	keepPort map[service.ServicePortName]uint16
-	// listenChanged: a socket stopped or started refusing since the last saved listen state
-	// (bind mode; Config.ListenState is given the state only after a sync that changed it).
-	listenChanged bool
 	// endpointsReady is closed once the initial Services and EndpointSlices are in.
 	endpointsReady chan struct{}
 	readyOnce      sync.Once
 	// firstSynced: the first portal sync worked (its garbage was handed back to the OS).
 	firstSynced bool
-	socketWG    sync.WaitGroup
-	runCtx      context.Context
 	// handOff is set by HandOff (see handoff.go).
 	handOff handOffState
 	// firstSync is closed after the first portal sync that worked (FirstSync).
@@ -210,14 +176,6 @@ type Proxier struct {
 	firstSyncOnce sync.Once
 	// serving is closed once Run has reopened the seeds' sockets (Serving).
 	serving chan struct{}
-	// reopened and reallocated count the seeds reopened on their proxy port, and those that
-	// could not be (the first sync allocates another port): ReopenCounts.
-	reopened, rebound, reallocated atomic.Int64
-	// gate opens reopened UDP sockets (reopenGate).
-	gate     chan struct{}
-	gateOnce sync.Once
-	// restore: the restart snapshot's endpoints, until the initial lists are in (restore.go).
-	restore restoreState
 }
 
 // activePort is a service port with an open proxy socket.
@@ -269,23 +227,26 @@ func New(cfg Config, deps Deps) *Proxier {
 		latest:         make(map[service.NamespacedName][]*service.Port),
 		started:        cfg.Clock.Now(),
 		node:           cfg.Node,
-		paths:          make(map[service.ServicePortName]portPath),
-		services:       make(map[service.NamespacedName][]*service.Port),
-		failed:         make(map[service.ServicePortName]*service.Port),
-		extFailed:      make(map[service.ServicePortName]bool),
-		ports:          newPortAllocator(cfg.PortRange, cfg.KernelPorts),
-		seeded:         make(map[service.ServicePortName]bool),
-		keepPort:       make(map[service.ServicePortName]uint16),
 		endpointsReady: make(chan struct{}),
 		firstSync:      make(chan struct{}),
 		serving:        make(chan struct{}),
 	}
+	p.paths = &dataPaths{
+		cfg: &p.cfg, deps: &p.deps, log: cfg.Logger, endpointsReady: p.endpointsReady,
+		byName:   make(map[service.ServicePortName]portPath),
+		services: make(map[service.NamespacedName][]*service.Port),
+		failed:   make(map[service.ServicePortName]*service.Port),
+		ports:    newPortAllocator(cfg.PortRange, cfg.KernelPorts),
+		seeded:   make(map[service.ServicePortName]bool),
+		keepPort: make(map[service.ServicePortName]uint16),
+	}
 	p.eps = &endpointApplier{
 		balancer: deps.Balancer, pods: deps.Pods, health: deps.ServiceHealth, slices: p.slices,
 		clock: cfg.Clock, log: cfg.Logger, drainTCP: cfg.DrainTCP, drainGrace: cfg.DrainGrace,
-		ports: p.portsOf, socketOf: p.openSocket, onKernel: p.onKernel, runCtx: func() context.Context { return p.runCtx },
+		ports: p.portsOf, socketOf: p.paths.openSocket, onKernel: p.cfg.onKernel, runCtx: func() context.Context { return p.paths.runCtx },
 		sels: make(map[service.ServicePortName]*portSelection), hcLocal: make(map[service.NamespacedName]int),
 	}
+	p.paths.eps = p.eps
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {
 		deps.Balancer.OnEjection(p.onEjection)
@@ -294,7 +255,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		deps.Pods.source = p.endpointsOf
 	}
 	if deps.Flows != nil {
-		p.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
+		p.paths.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
 	}
 	return p
 }
@@ -302,10 +263,10 @@ func New(cfg Config, deps Deps) *Proxier {
 // KernelFlows finds the kernel-path port of a conntrack entry by its original destination
 // (observe/conntrack.PortLookup); nil without Deps.Flows.
 func (p *Proxier) KernelFlows() KernelFlowLookup {
-	if p.kflows == nil {
+	if p.paths.kflows == nil {
 		return nil
 	}
-	return p.kflows
+	return p.paths.kflows
 }
 
 // FlowResolver names the pods behind flows' addresses for the live flow stream
@@ -337,9 +298,9 @@ func (p *Proxier) Run(ctx context.Context) {
 	// connections first. Otherwise they end with it, as before.
 	sockets, endSockets := context.WithCancel(context.WithoutCancel(ctx))
 	defer endSockets()
-	p.runCtx = sockets
+	p.paths.runCtx = sockets
 	p.deps.Health.QueuedUpdate()
-	p.reopen()
+	p.paths.reopen()
 	close(p.serving)
 	p.runner.Run(p.syncContext(ctx))
 	p.drain()
@@ -348,8 +309,8 @@ func (p *Proxier) Run(ctx context.Context) {
 }
 
 func (p *Proxier) shutdown() {
-	p.pathMu.Lock()
-	for _, path := range append(slices.Collect(maps.Values(p.paths)), p.retiring...) {
+	p.paths.mu.Lock()
+	for _, path := range append(slices.Collect(maps.Values(p.paths.byName)), p.paths.retiring...) {
 		for _, sock := range path.sockets() {
 			if s, ok := sock.(shutdowner); ok {
 				s.Shutdown() // the process is going away: end established connections too
@@ -358,8 +319,8 @@ func (p *Proxier) shutdown() {
 			}
 		}
 	}
-	p.pathMu.Unlock()
-	p.socketWG.Wait()
+	p.paths.mu.Unlock()
+	p.paths.socketWG.Wait()
 	p.eps.drains.wg.Wait() // they stop on the run context
 }
 
@@ -534,10 +495,10 @@ func (p *Proxier) portsOf(name service.NamespacedName) ([]*service.Port, NodeTop
 
 // openSocket is the open proxy socket of a port's cluster (or, external, its external) traffic,
 // or nil.
-func (p *Proxier) openSocket(name service.ServicePortName, external bool) ProxySocket {
-	p.pathMu.RLock()
-	defer p.pathMu.RUnlock()
-	a := p.socketOf(name)
+func (d *dataPaths) openSocket(name service.ServicePortName, external bool) ProxySocket {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	a := d.socketOf(name)
 	if a != nil && external {
 		a = a.ext
 	}

@@ -43,8 +43,8 @@ func (p *Proxier) Restore(st *snapshot.State) int {
 	if st == nil {
 		return 0
 	}
-	seeded := make(map[service.ServicePortName]service.Protocol, len(p.seeds))
-	for _, s := range p.seeds {
+	seeded := make(map[service.ServicePortName]service.Protocol, len(p.paths.seeds))
+	for _, s := range p.paths.seeds {
 		seeded[s.Name] = s.Protocol
 	}
 	p.eps.restore.mu.Lock()
@@ -117,14 +117,14 @@ func (e *endpointApplier) dropRestored() []service.NamespacedName {
 
 // restoredGate is the gate of a reopened UDP socket: open at once when its entry has the
 // snapshot's endpoints, otherwise reopenGate.
-func (p *Proxier) restoredGate(key service.ServicePortName) <-chan struct{} {
-	p.eps.restore.mu.Lock()
-	_, ok := p.eps.restore.keys[key]
-	p.eps.restore.mu.Unlock()
+func (d *dataPaths) restoredGate(key service.ServicePortName) <-chan struct{} {
+	d.eps.restore.mu.Lock()
+	_, ok := d.eps.restore.keys[key]
+	d.eps.restore.mu.Unlock()
 	if ok {
 		return closedChan
 	}
-	return p.reopenGate()
+	return d.reopenGate()
 }
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
@@ -163,9 +163,9 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 			p.eps.selMu.RLock()
 			sel := p.eps.sels[port.Name]
 			p.eps.selMu.RUnlock()
-			p.pathMu.RLock()
-			path := p.paths[port.Name]
-			a := p.socketOf(port.Name)
+			p.paths.mu.RLock()
+			path := p.paths.byName[port.Name]
+			a := p.paths.socketOf(port.Name)
 			kernel := path != nil && path.dataPath() == service.DataPathKernel
 			var proxyPort, extPort uint16
 			if a != nil {
@@ -174,7 +174,7 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 					extPort = a.ext.proxyPort
 				}
 			}
-			p.pathMu.RUnlock()
+			p.paths.mu.RUnlock()
 			if sel == nil || kernel {
 				continue
 			}
