@@ -5,10 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
-	"strings"
 	"time"
-
-	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
@@ -16,37 +13,17 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// AnnotationDataPath picks a Service's data path: "proxy" (portal rules to a proxy socket) or
-// "kernel" (kube-proxy's iptables chains straight to the endpoints, portal/kernel). Unset: the
-// node's --default-data-path.
-const AnnotationDataPath = "portal-proxy.kubernetes.io/data-path"
-
-// dataPath reads the data-path annotation; a value that does not parse is reported (wrapping
-// ErrInvalidAnnotation) and the node default used.
-func dataPath(svc *v1.Service) (service.DataPath, error) {
-	v, ok := svc.Annotations[AnnotationDataPath]
-	if !ok {
-		return "", nil
-	}
-	switch d := service.DataPath(strings.TrimSpace(v)); d {
-	case service.DataPathProxy, service.DataPathKernel:
-		return d, nil
-	}
-	return "", fmt.Errorf("service %s/%s: annotation %s=%s: want kernel or proxy; the node's --default-data-path applies: %w",
-		svc.Namespace, svc.Name, AnnotationDataPath, quoteValue(v), ErrInvalidAnnotation)
-}
-
 // kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:
 // the node has no kernel path (bind mode: no NAT), or a port needs the proxy (a PROXY protocol
 // header is written by the proxy socket). Those ports take the proxy path.
-func (p *Proxier) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
+func (c *Config) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
 	var errs []error
 	for _, port := range ports {
-		if !p.cfg.wantsKernel(port) {
+		if !c.wantsKernel(port) {
 			continue
 		}
 		switch {
-		case !p.cfg.KernelPath:
+		case !c.KernelPath:
 			errs = append(errs, fmt.Errorf("service %s: data path kernel: this node's portal mode has no kernel path (bind mode has no NAT); the proxy path applies: %w",
 				name, ErrInvalidAnnotation))
 			return errs

@@ -6,10 +6,8 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/sirupsen/logrus"
-	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
@@ -121,67 +119,6 @@ func (e *endpointApplier) outliers(name service.ServicePortName) (total uint64, 
 		}
 	}
 	return total, ejected
-}
-
-// Annotations of the connection policies of a Service's TCP ports: what the proxy does with the
-// connection itself rather than with the choice of endpoint.
-const (
-	// AnnotationProxyProtocol makes every connection to an endpoint start with a PROXY protocol
-	// header ("v1" or "v2") carrying the client's address. TCP only: ignored, with a warning, on
-	// UDP ports.
-	AnnotationProxyProtocol = "portal-proxy.kubernetes.io/proxy-protocol"
-	// AnnotationHoldTimeout holds new connections while the port has no endpoint, for up to this
-	// long (a Go duration), instead of refusing them. TCP only; unset: refuse.
-	AnnotationHoldTimeout = "portal-proxy.kubernetes.io/hold-timeout"
-)
-
-// Bounds of the hold timeout: clients give up on a connection that sends nothing after a minute
-// or so anyway, and scaling from zero takes seconds to minutes.
-const (
-	minHoldTimeout = time.Second
-	maxHoldTimeout = time.Hour
-)
-
-// connectionPolicy reads the PROXY protocol and hold annotations of a Service. A value that does
-// not parse is reported (wrapping ErrInvalidAnnotation) and the default used: off.
-func connectionPolicy(svc *v1.Service) (service.ProxyProtocol, time.Duration, []error) {
-	var errs []error
-	bad := func(key, value, why string) {
-		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%s: %s: %w", svc.Namespace, svc.Name, key, quoteValue(value), why, ErrInvalidAnnotation))
-	}
-	var pp service.ProxyProtocol
-	if v, ok := svc.Annotations[AnnotationProxyProtocol]; ok {
-		switch s := service.ProxyProtocol(strings.TrimSpace(v)); s {
-		case service.ProxyProtocolV1, service.ProxyProtocolV2:
-			pp = s
-		default:
-			bad(AnnotationProxyProtocol, v, "want v1 or v2; no PROXY header is sent")
-		}
-	}
-	var hold time.Duration
-	if v, ok := svc.Annotations[AnnotationHoldTimeout]; ok {
-		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= minHoldTimeout && d <= maxHoldTimeout {
-			hold = d
-		} else {
-			bad(AnnotationHoldTimeout, v, fmt.Sprintf("want a duration from %s to %s, such as 30s; connections are refused while there is no endpoint", minHoldTimeout, maxHoldTimeout))
-		}
-	}
-	return pp, hold, errs
-}
-
-// setConnectionPolicy gives a TCP port the Service's connection policies. A UDP port takes
-// neither: a PROXY protocol asked of it is reported (the Service's TCP ports still send it), a
-// hold is silently not applied (datagrams without an endpoint are dropped; the client retries).
-func setConnectionPolicy(p *service.Port, pp service.ProxyProtocol, hold time.Duration) error {
-	if p.Protocol == service.TCP {
-		p.ProxyProtocol, p.HoldTimeout = pp, hold
-		return nil
-	}
-	if pp != "" {
-		return fmt.Errorf("service port %s: annotation %s=%q: ignored on a UDP port, the PROXY protocol is TCP only: %w",
-			p.Name, AnnotationProxyProtocol, pp, ErrInvalidAnnotation)
-	}
-	return nil
 }
 
 // proxyProtocolVersion is the tcp package's spelling of a port's PROXY protocol.

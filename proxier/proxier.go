@@ -345,7 +345,7 @@ func (p *Proxier) OnServiceDelete(svc *v1.Service) { p.onService(nsName(svc.Name
 // OnServiceUpdate is called when a Service changes (old is nil for an add).
 func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	ports, errs := convertService(svc)
-	errs = append(errs, p.kernelConflicts(nsName(svc.Namespace, svc.Name), ports)...)
+	errs = append(errs, p.cfg.kernelConflicts(nsName(svc.Namespace, svc.Name), ports)...)
 	for _, err := range errs {
 		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
 		if errors.Is(err, ErrUnsupportedProtocol) {
