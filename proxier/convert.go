@@ -59,6 +59,43 @@ var ErrInvalidAnnotation = errors.New("invalid annotation, using the default")
 // ErrUnsupportedProtocol marks a service port this proxy cannot serve (SCTP).
 var ErrUnsupportedProtocol = errors.New("protocol not supported by a userspace proxy")
 
+// servicePorts converts a Service (convertService) and reports the ports that ask for the kernel
+// path this node cannot give them (kernelConflicts): those take the proxy path.
+func (c *Config) servicePorts(svc *v1.Service) ([]*service.Port, []error) {
+	ports, errs := convertService(svc)
+	if svc == nil {
+		return ports, errs
+	}
+	return ports, append(errs, c.kernelConflicts(service.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}, ports)...)
+}
+
+// kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:
+// the node has no kernel path (bind mode: no NAT), or a port needs the proxy (a PROXY protocol
+// header is written by the proxy socket). Those ports take the proxy path.
+func (c *Config) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
+	var errs []error
+	for _, port := range ports {
+		if !c.wantsKernel(port) {
+			continue
+		}
+		switch {
+		case !c.KernelPath:
+			errs = append(errs, fmt.Errorf("service %s: data path kernel: this node's portal mode has no kernel path (bind mode has no NAT); the proxy path applies: %w",
+				name, ErrInvalidAnnotation))
+			return errs
+		case port.ProxyProtocol != "":
+			errs = append(errs, fmt.Errorf("service port %s: data path kernel cannot send a PROXY protocol header; the proxy path applies: %w",
+				port.Name, ErrInvalidAnnotation))
+		}
+	}
+	return errs
+}
+
+// wantsKernel reports whether a port asks for the kernel path, by annotation or node default.
+func (c *Config) wantsKernel(port *service.Port) bool {
+	return port.DataPath == service.DataPathKernel || (port.DataPath == "" && c.DefaultDataPath == service.DataPathKernel)
+}
+
 // convertService turns a Service into the service ports the proxy serves. Services the proxy does
 // not handle (headless, ExternalName, another proxy's) yield none. A port that cannot be served
 // (SCTP) is left out and reported in errs; the others are still returned.

@@ -2,7 +2,6 @@ package proxier
 
 import (
 	"context"
-	"fmt"
 	"net/netip"
 	"slices"
 	"time"
@@ -12,33 +11,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
-
-// kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:
-// the node has no kernel path (bind mode: no NAT), or a port needs the proxy (a PROXY protocol
-// header is written by the proxy socket). Those ports take the proxy path.
-func (c *Config) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
-	var errs []error
-	for _, port := range ports {
-		if !c.wantsKernel(port) {
-			continue
-		}
-		switch {
-		case !c.KernelPath:
-			errs = append(errs, fmt.Errorf("service %s: data path kernel: this node's portal mode has no kernel path (bind mode has no NAT); the proxy path applies: %w",
-				name, ErrInvalidAnnotation))
-			return errs
-		case port.ProxyProtocol != "":
-			errs = append(errs, fmt.Errorf("service port %s: data path kernel cannot send a PROXY protocol header; the proxy path applies: %w",
-				port.Name, ErrInvalidAnnotation))
-		}
-	}
-	return errs
-}
-
-// wantsKernel reports whether a port asks for the kernel path, by annotation or node default.
-func (c *Config) wantsKernel(port *service.Port) bool {
-	return port.DataPath == service.DataPathKernel || (port.DataPath == "" && c.DefaultDataPath == service.DataPathKernel)
-}
 
 // onKernel reports whether a port takes the kernel path: it asks for it, the node has one, and
 // nothing the port needs is done by the proxy alone.

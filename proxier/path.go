@@ -162,3 +162,18 @@ func (d *dataPaths) dataPathOf(name service.ServicePortName) service.DataPath {
 	}
 	return ""
 }
+
+// openSocket is the open proxy socket of a port's cluster (or, external, its external) traffic,
+// or nil.
+func (d *dataPaths) openSocket(name service.ServicePortName, external bool) ProxySocket {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	a := d.socketOf(name)
+	if a != nil && external {
+		a = a.ext
+	}
+	if a == nil {
+		return nil
+	}
+	return a.sock
+}
