@@ -7,6 +7,8 @@ package proxier
 
 import (
 	"errors"
+	"strings"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -36,6 +38,53 @@ func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
 	}
 	p.onService(nsName(svc.Namespace, svc.Name), ports)
 	p.warnAnnotations(nsName(svc.Namespace, svc.Name), errs)
+}
+
+// ReasonInvalidAnnotation is the Warning event recorded on a Service whose
+// portal-proxy.kubernetes.io/ annotations do not parse.
+const ReasonInvalidAnnotation = "InvalidAnnotation"
+
+// annotationWarnings remembers what was last reported about each Service's annotations, so that
+// an unchanged bad value (every resync, every unrelated update) is not reported again.
+type annotationWarnings struct {
+	mu   sync.Mutex
+	last map[service.NamespacedName]string
+}
+
+// changed records the Service's annotation errors (nil for none) and reports whether they differ
+// from the last ones.
+func (w *annotationWarnings) changed(name service.NamespacedName, errs []error) (string, bool) {
+	var msgs []string
+	for _, err := range errs {
+		if errors.Is(err, ErrInvalidAnnotation) {
+			msgs = append(msgs, err.Error())
+		}
+	}
+	msg := strings.Join(msgs, "; ")
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.last == nil {
+		w.last = map[service.NamespacedName]string{}
+	}
+	if w.last[name] == msg {
+		return msg, false
+	}
+	if msg == "" {
+		delete(w.last, name)
+	} else {
+		w.last[name] = msg
+	}
+	return msg, true
+}
+
+// warnAnnotations records a Warning event on a Service when its annotation errors change to a
+// new non-empty set. (The errors themselves are logged with the other conversion errors.)
+func (p *Proxier) warnAnnotations(name service.NamespacedName, errs []error) {
+	msg, changed := p.annotations.changed(name, errs)
+	if !changed || msg == "" || p.deps.Event == nil {
+		return
+	}
+	p.deps.Event(service.ServicePortName{Namespace: name.Namespace, Name: name.Name}, ReasonInvalidAnnotation, msg)
 }
 
 // onService records the ports a Service now has; none (deleted, headless, ...) means absent.

@@ -1,7 +1,7 @@
 package proxier
 
 // path.go: every service port this node serves takes one data path, and the proxier keeps them
-// in one map (Proxier.paths). Two paths exist: the proxy-socket path (activePort, sync.go: portal
+// in one map (dataPaths.byName). Two paths exist: the proxy-socket path (activePort, sync.go: portal
 // rules redirect to a proxy socket that picks an endpoint) and the kernel path (kernelPort,
 // kernelpath.go: kube-proxy's chains DNAT straight to the endpoints). The sync picks a path per
 // port (reconcileService), asks every path for its portal spec (specs), and a port that switches
@@ -137,7 +137,7 @@ func (d *dataPaths) specs() []portal.Spec {
 }
 
 // retirePaths ends the paths that ports left, after a portal sync that worked: first the proxy
-// sockets of ports that moved to the kernel path (closeRetired's order: their UDP conntrack
+// sockets of ports that moved to the kernel path (activePort.retire: their UDP conntrack
 // entries, then the socket), then the conntrack entries of kernel-path UDP ports that lost
 // endpoints or left (clearStaleKernelUDP).
 func (d *dataPaths) retirePaths(specs []portal.Spec) {
