@@ -130,7 +130,7 @@ func (p *Proxier) markFirstSync() { p.firstSyncOnce.Do(func() { close(p.firstSyn
 // anew (not handed over by a running predecessor: the SIGKILL path); and how many service ports
 // it could not reopen (their first sync allocates another proxy port and rewrites their rules).
 func (p *Proxier) ReopenCounts() (reopened, reboundSockets, reallocated int) {
-	return int(p.paths.reopened.Load()), int(p.paths.rebound.Load()), int(p.paths.reallocated.Load())
+	return int(p.paths.restart.reopened.Load()), int(p.paths.restart.rebound.Load()), int(p.paths.restart.reallocated.Load())
 }
 
 // adopter is a socket that says whether it took a handed-over socket (both proxies).

@@ -14,7 +14,6 @@ import (
 	"iter"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/sirupsen/logrus"
 
@@ -55,23 +54,11 @@ type dataPaths struct {
 	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
 	unsynced map[service.ServicePortName]struct{}
 	ports    *portAllocator
-	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
-	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
-	// again (its real port differs) keeps, so the rules need not change.
-	seeds    []Seed
-	seeded   map[service.ServicePortName]bool
-	keepPort map[service.ServicePortName]uint16
 	// listenChanged: a socket stopped or started refusing since the last saved listen state
 	// (bind mode; Config.ListenState is given the state only after a sync that changed it).
 	listenChanged bool
-	// reopened and reallocated count the seeds reopened on their proxy port, and those that
-	// could not be (the first sync allocates another port): ReopenCounts.
-	reopened, rebound, reallocated atomic.Int64
-	// endpointsReady is the Proxier's, closed once the initial Services and EndpointSlices are
-	// in; gate opens reopened UDP sockets (reopenGate).
-	endpointsReady chan struct{}
-	gate           chan struct{}
-	gateOnce       sync.Once
+	// restart is the state of the sockets reopened at start (restart.go).
+	restart reopenState
 	// runCtx is the context the sockets run on (set by Run); socketWG tracks their goroutines.
 	runCtx   context.Context
 	socketWG sync.WaitGroup

@@ -228,13 +228,15 @@ func New(cfg Config, deps Deps) *Proxier {
 		serving:        make(chan struct{}),
 	}
 	p.paths = &dataPaths{
-		cfg: &p.cfg, deps: &p.deps, log: cfg.Logger, endpointsReady: p.endpointsReady,
+		cfg: &p.cfg, deps: &p.deps, log: cfg.Logger,
 		byName:   make(map[service.ServicePortName]portPath),
 		services: make(map[service.NamespacedName][]*service.Port),
 		failed:   make(map[service.ServicePortName]*service.Port),
 		ports:    newPortAllocator(cfg.PortRange, cfg.KernelPorts),
-		seeded:   make(map[service.ServicePortName]bool),
-		keepPort: make(map[service.ServicePortName]uint16),
+		restart: reopenState{endpointsReady: p.endpointsReady,
+			seeded:   make(map[service.ServicePortName]bool),
+			keepPort: make(map[service.ServicePortName]uint16),
+		},
 	}
 	p.eps = &endpointApplier{
 		balancer: deps.Balancer, pods: deps.Pods, health: deps.ServiceHealth, slices: p.slices,

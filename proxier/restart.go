@@ -13,6 +13,8 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -53,11 +55,30 @@ type Seed struct {
 	SourceRanges     []netip.Prefix
 }
 
+// reopenState is what the paths keep of a restart: the seeds, the sockets reopened from them
+// until the first sync adopts or closes them, and the gate of reopened UDP sockets.
+type reopenState struct {
+	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
+	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
+	// again (its real port differs) keeps, so the rules need not change.
+	seeds    []Seed
+	seeded   map[service.ServicePortName]bool
+	keepPort map[service.ServicePortName]uint16
+	// reopened and reallocated count the seeds reopened on their proxy port, and those that
+	// could not be (the first sync allocates another port): ReopenCounts.
+	reopened, rebound, reallocated atomic.Int64
+	// endpointsReady is the Proxier's, closed once the initial Services and EndpointSlices are
+	// in; gate opens reopened UDP sockets (reopenGate).
+	endpointsReady chan struct{}
+	gate           chan struct{}
+	gateOnce       sync.Once
+}
+
 // Reopen asks Run to reopen, before anything else, a socket on each seed's proxy ports (in bind
 // mode, on each seed's addresses), so that the portal rules (the addresses) a previous process
 // left in place lead somewhere again. Call it before Run.
 func (p *Proxier) Reopen(seeds []Seed) {
-	p.paths.seeds = slices.Clone(seeds)
+	p.paths.restart.seeds = slices.Clone(seeds)
 }
 
 // reopen opens the seeds' sockets: on the proxy ports the portal rules point at (iptables mode)
@@ -66,7 +87,7 @@ func (p *Proxier) Reopen(seeds []Seed) {
 // cannot be opened (a port another process took since) is reported and left to the first sync. It runs in the sync
 // goroutine, before the first sync.
 func (d *dataPaths) reopen() {
-	if len(d.seeds) == 0 {
+	if len(d.restart.seeds) == 0 {
 		return
 	}
 	open, what := d.reopenSteered, "the proxy sockets the portal rules in force point at"
@@ -75,7 +96,7 @@ func (d *dataPaths) reopen() {
 	}
 	start := d.cfg.Clock.Now()
 	opened, rebound, inherited, busy := 0, 0, 0, 0
-	for _, s := range d.seeds {
+	for _, s := range d.restart.seeds {
 		log := d.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		a, err := open(s, log)
 		if errors.Is(err, syscall.EADDRINUSE) {
@@ -105,16 +126,16 @@ func (d *dataPaths) reopen() {
 		d.mu.Lock()
 		d.byName[s.Name] = a
 		d.mu.Unlock()
-		d.seeded[s.Name] = true
+		d.restart.seeded[s.Name] = true
 		opened++
 	}
-	d.reopened.Store(int64(opened))
-	d.rebound.Store(int64(rebound))
-	d.reallocated.Store(int64(len(d.seeds) - opened))
-	d.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(d.seeds),
+	d.restart.reopened.Store(int64(opened))
+	d.restart.rebound.Store(int64(rebound))
+	d.restart.reallocated.Store(int64(len(d.restart.seeds) - opened))
+	d.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(d.restart.seeds),
 		"stillInUse": busy, "duration": d.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
-	d.seeds = nil
+	d.restart.seeds = nil
 }
 
 // reopenInUseFor bounds how long reopen tries again a seed whose address is still in use. Just
@@ -192,7 +213,7 @@ func (s Seed) port() *service.Port {
 // (the access log, PROXY protocol and hold annotations). Otherwise the socket is reopened on the
 // same proxy port.
 func (d *dataPaths) adoptable(a *activePort, port *service.Port) bool {
-	same := d.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
+	same := d.restart.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
 		port.ProxyProtocol == "" && port.HoldTimeout == 0
 	if d.cfg.ListenPlan != nil {
 		return same && d.boundAdoptable(a, port)
@@ -203,14 +224,14 @@ func (d *dataPaths) adoptable(a *activePort, port *service.Port) bool {
 // dropUnwantedSeeds closes, at the first sync, the reopened sockets of service ports that no
 // longer exist. Their rules go with the sync's diff.
 func (d *dataPaths) dropUnwantedSeeds() {
-	for name := range d.seeded {
+	for name := range d.restart.seeded {
 		wanted := slices.ContainsFunc(d.services[name.ServiceName()], func(port *service.Port) bool { return port.Name == name })
 		if !wanted {
 			d.log.WithField("service", name.String()).Debug("Closing a reopened proxy socket: the service port is gone")
 			d.stopPort(name, true)
 		}
 	}
-	d.seeded = map[service.ServicePortName]bool{}
+	d.restart.seeded = map[service.ServicePortName]bool{}
 }
 
 // holdingBuild builds a reopened socket: TCP ones hold connections that find no endpoint until
@@ -223,7 +244,7 @@ func (d *dataPaths) holdingBuild(port *service.Port, key service.ServicePortName
 	return func(at netip.AddrPort) ProxySocket {
 		var picker Picker = d.deps.Balancer.Service(key)
 		if port.Protocol == service.TCP {
-			picker = &holdPicker{next: picker, ready: d.endpointsReady, done: d.runCtx.Done(), clock: d.cfg.Clock, hold: d.cfg.ReopenHold}
+			picker = &holdPicker{next: picker, ready: d.restart.endpointsReady, done: d.runCtx.Done(), clock: d.cfg.Clock, hold: d.cfg.ReopenHold}
 		} else {
 			picker = &gatedPicker{next: picker, ready: d.restoredGate(key)}
 		}
@@ -234,20 +255,20 @@ func (d *dataPaths) holdingBuild(port *service.Port, key service.ServicePortName
 // reopenGate is closed once the initial endpoints are in, or ReopenHold after the first call, or
 // when Run ends: reopened UDP sockets start reading then.
 func (d *dataPaths) reopenGate() <-chan struct{} {
-	d.gateOnce.Do(func() {
-		d.gate = make(chan struct{})
+	d.restart.gateOnce.Do(func() {
+		d.restart.gate = make(chan struct{})
 		t := d.cfg.Clock.NewTimer(d.cfg.ReopenHold)
 		go func() {
-			defer close(d.gate)
+			defer close(d.restart.gate)
 			defer t.Stop()
 			select {
-			case <-d.endpointsReady:
+			case <-d.restart.endpointsReady:
 			case <-t.C():
 			case <-d.runCtx.Done():
 			}
 		}()
 	})
-	return d.gate
+	return d.restart.gate
 }
 
 // gatedPicker is a reopened UDP socket's picker: a udp.Gate until the initial endpoints are in.

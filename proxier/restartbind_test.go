@@ -140,7 +140,7 @@ func TestBoundAdoptable(t *testing.T) {
 	plan := []netip.AddrPort{ap("10.96.0.10:80"), ap("0.0.0.0:30080")}
 	p := New(Config{ListenPlan: func(*service.Port) []netip.AddrPort { return plan }}, Deps{})
 	port := &service.Port{Name: webHTTP, Protocol: service.TCP, Port: 80, NodePort: 30080, ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}}
-	p.paths.seeded[webHTTP] = true
+	p.paths.restart.seeded[webHTTP] = true
 	for _, tc := range []struct {
 		name   string
 		a      *activePort

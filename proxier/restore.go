@@ -43,8 +43,8 @@ func (p *Proxier) Restore(st *snapshot.State) int {
 	if st == nil {
 		return 0
 	}
-	seeded := make(map[service.ServicePortName]service.Protocol, len(p.paths.seeds))
-	for _, s := range p.paths.seeds {
+	seeded := make(map[service.ServicePortName]service.Protocol, len(p.paths.restart.seeds))
+	for _, s := range p.paths.restart.seeds {
 		seeded[s.Name] = s.Protocol
 	}
 	p.eps.restore.mu.Lock()

@@ -146,8 +146,8 @@ func (d *dataPaths) reconcileService(previous, current []*service.Port) {
 			d.mu.Unlock()
 			a.filter.set(port.LoadBalancerSourceRanges)
 		case a != nil:
-			if d.seeded[port.Name] && d.cfg.ListenPlan == nil { // reopened at start: open again where the rules point
-				d.keepPort[port.Name] = a.proxyPort
+			if d.restart.seeded[port.Name] && d.cfg.ListenPlan == nil { // reopened at start: open again where the rules point
+				d.restart.keepPort[port.Name] = a.proxyPort
 			}
 			// The port or an address changed: the legacy proxy reopened the socket too.
 			d.stopPort(port.Name, false)
@@ -314,8 +314,8 @@ func (d *dataPaths) open(port *service.Port, external bool, filter *sourceFilter
 		}
 		return m, port.Port, nil
 	}
-	if pp, ok := d.keepPort[key]; ok {
-		delete(d.keepPort, key)
+	if pp, ok := d.restart.keepPort[key]; ok {
+		delete(d.restart.keepPort, key)
 		if d.ports.take(pp) {
 			sock, err := d.listenFamilies(port, pp, build)
 			if err == nil {
