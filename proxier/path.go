@@ -64,6 +64,26 @@ type dataPaths struct {
 	socketWG sync.WaitGroup
 }
 
+// newDataPaths builds the paths of a Proxier (its cfg, deps and endpointsReady); the Proxier
+// sets eps.
+func newDataPaths(cfg *Config, deps *Deps, endpointsReady chan struct{}) *dataPaths {
+	d := &dataPaths{
+		cfg: cfg, deps: deps, log: cfg.Logger,
+		byName:   make(map[service.ServicePortName]portPath),
+		services: make(map[service.NamespacedName][]*service.Port),
+		failed:   make(map[service.ServicePortName]*service.Port),
+		ports:    newPortAllocator(cfg.PortRange, cfg.KernelPorts),
+		restart: reopenState{endpointsReady: endpointsReady,
+			seeded:   make(map[service.ServicePortName]bool),
+			keepPort: make(map[service.ServicePortName]uint16),
+		},
+	}
+	if deps.Flows != nil {
+		d.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
+	}
+	return d
+}
+
 // portPath is how one service port's traffic reaches its endpoints on this node.
 type portPath interface {
 	// svcPort is the service port as the path last took it.

@@ -227,17 +227,7 @@ func New(cfg Config, deps Deps) *Proxier {
 		firstSync:      make(chan struct{}),
 		serving:        make(chan struct{}),
 	}
-	p.paths = &dataPaths{
-		cfg: &p.cfg, deps: &p.deps, log: cfg.Logger,
-		byName:   make(map[service.ServicePortName]portPath),
-		services: make(map[service.NamespacedName][]*service.Port),
-		failed:   make(map[service.ServicePortName]*service.Port),
-		ports:    newPortAllocator(cfg.PortRange, cfg.KernelPorts),
-		restart: reopenState{endpointsReady: p.endpointsReady,
-			seeded:   make(map[service.ServicePortName]bool),
-			keepPort: make(map[service.ServicePortName]uint16),
-		},
-	}
+	p.paths = newDataPaths(&p.cfg, &p.deps, p.endpointsReady)
 	p.eps = &endpointApplier{
 		balancer: deps.Balancer, pods: deps.Pods, health: deps.ServiceHealth, slices: p.slices,
 		clock: cfg.Clock, log: cfg.Logger, drainTCP: cfg.DrainTCP, drainGrace: cfg.DrainGrace,
@@ -251,9 +241,6 @@ func New(cfg Config, deps Deps) *Proxier {
 	}
 	if deps.Pods != nil {
 		deps.Pods.source = p.endpointsOf
-	}
-	if deps.Flows != nil {
-		p.paths.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
 	}
 	return p
 }
