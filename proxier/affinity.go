@@ -13,7 +13,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// inheritedAffinity is the predecessor's table until the ports take it; guarded by epMu.
+// inheritedAffinity is the predecessor's table until the ports take it; guarded by endpointApplier.mu.
 type inheritedAffinity struct {
 	pending       map[service.ServicePortName][]loadbalancer.AffinityEntry
 	offered, took int
@@ -24,34 +24,35 @@ type inheritedAffinity struct {
 // taken (loadbalancer.ImportAffinity); what no port took by the end of the first sync is dropped.
 // Call it before Run.
 func (p *Proxier) InheritAffinity(entries map[service.ServicePortName][]loadbalancer.AffinityEntry) {
-	p.epMu.Lock()
-	defer p.epMu.Unlock()
-	p.inherited.pending = entries
+	e := p.eps
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.inherited.pending = entries
 	for _, es := range entries {
-		p.inherited.offered += len(es)
+		e.inherited.offered += len(es)
 	}
 }
 
 // takeInherited puts a balancer entry's inherited clients into its table once it has endpoints.
-// Called with epMu held, after SetAffinity and SetEndpoints, before held connections wake.
-func (p *Proxier) takeInherited(key service.ServicePortName, usable int) {
-	es, ok := p.inherited.pending[key]
+// Called with e.mu held, after SetAffinity and SetEndpoints, before held connections wake.
+func (e *endpointApplier) takeInherited(key service.ServicePortName, usable int) {
+	es, ok := e.inherited.pending[key]
 	if !ok || usable == 0 { // a Service often comes before its EndpointSlices
 		return
 	}
-	delete(p.inherited.pending, key)
-	p.inherited.took += p.deps.Balancer.ImportAffinity(key, es)
+	delete(e.inherited.pending, key)
+	e.inherited.took += e.balancer.ImportAffinity(key, es)
 }
 
 // endInherited drops what no port took, at the end of the first sync, and says what was kept.
-func (p *Proxier) endInherited() {
-	p.epMu.Lock()
-	in := p.inherited
-	p.inherited = inheritedAffinity{}
-	p.epMu.Unlock()
+func (e *endpointApplier) endInherited() {
+	e.mu.Lock()
+	in := e.inherited
+	e.inherited = inheritedAffinity{}
+	e.mu.Unlock()
 	if in.offered == 0 {
 		return
 	}
-	p.log.WithFields(logrus.Fields{"entries": in.offered, "kept": in.took, "dropped": in.offered - in.took}).
+	e.log.WithFields(logrus.Fields{"entries": in.offered, "kept": in.took, "dropped": in.offered - in.took}).
 		Info("Kept the predecessor's ClientIP affinity (entries of endpoints no longer in use, past their timeout, or of service ports gone are dropped)")
 }

@@ -42,7 +42,7 @@ func TestInheritAffinity(t *testing.T) {
 	if n := len(e.lb.Service(webHTTP).AffinityEntries()); n != 1 {
 		t.Errorf("%d affinity entries; want the one inherited client (the other's endpoint is gone)", n)
 	}
-	if e.p.inherited.pending != nil || e.p.inherited.offered != 0 {
-		t.Errorf("the inherited table outlived the first sync: %+v", e.p.inherited)
+	if e.p.eps.inherited.pending != nil || e.p.eps.inherited.offered != 0 {
+		t.Errorf("the inherited table outlived the first sync: %+v", e.p.eps.inherited)
 	}
 }

@@ -183,7 +183,7 @@ func TestHoldAndProxyProtocolWithRealSockets(t *testing.T) {
 		return []netip.AddrPort{cluster}
 	}}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: &recordingPortals{}, Sockets: RealSockets(SocketConfig{})})
 	ctx, cancel := context.WithCancel(context.Background())
-	p.runCtx = ctx
+	p.paths.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
 	p.OnServicesSynced()
 	p.OnEndpointSlicesSynced()
@@ -255,7 +255,7 @@ func TestStatusPageShowsConnectionPolicies(t *testing.T) {
 		t.Fatal(err)
 	}
 	var proxyAddr string
-	for _, a := range e.p.activeList() {
+	for _, a := range e.p.paths.activeList() {
 		if a.port.Name.Name == "held" {
 			proxyAddr = a.sock.Addr().String()
 		}
@@ -308,9 +308,9 @@ func TestEndpointsWakeTheHeldConnectionsOfTheirClassOfTraffic(t *testing.T) {
 	e.sync()
 	wakes := func() (cluster, external int) {
 		t.Helper()
-		e.p.activeMu.RLock()
-		a := e.p.active[webHTTP]
-		e.p.activeMu.RUnlock()
+		e.p.paths.mu.RLock()
+		a := e.p.paths.socketOf(webHTTP)
+		e.p.paths.mu.RUnlock()
 		if a == nil || a.ext == nil {
 			t.Fatalf("want a cluster and an external socket for %s", webHTTP)
 		}
@@ -345,7 +345,7 @@ func TestReopenedSocketNotAdoptedForConnectionPolicies(t *testing.T) {
 		t.Run(kv[0], func(t *testing.T) {
 			e := newFakeEnv(t, nil)
 			e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
-			e.p.reopen()
+			e.p.paths.reopen()
 			reopened := e.open[webHTTP]
 			e.p.OnServiceAdd(webService(annotated(kv...)))
 			e.synced()

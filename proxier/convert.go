@@ -1,17 +1,20 @@
 package proxier
 
+// convert.go: a Service converted, in one pure step, into the service ports the proxy serves,
+// with every annotation the proxy reads (as kube-proxy builds its ServicePortInfo). What cannot
+// be used is returned as errors (ErrInvalidAnnotation, ErrUnsupportedProtocol) and the default
+// applies; the handler logs them and turns annotation errors into an event.
+
 import (
 	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	discovery "k8s.io/api/discovery/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -37,6 +40,148 @@ const (
 	// connections ramps up (a Go duration; unset: off).
 	AnnotationSlowStart = "portal-proxy.kubernetes.io/slow-start"
 )
+
+// maxQuotedValue bounds how much of a bad annotation value an error quotes: the error becomes a
+// Warning event on the Service and a log line, and a value may be 256 KiB.
+const maxQuotedValue = 64
+
+// quoteValue quotes an annotation value for an error, cut to maxQuotedValue bytes.
+func quoteValue(v string) string {
+	if len(v) <= maxQuotedValue {
+		return strconv.Quote(v)
+	}
+	return strconv.Quote(strings.ToValidUTF8(v[:maxQuotedValue], "")) + fmt.Sprintf("... (%d bytes)", len(v))
+}
+
+// ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
+var ErrInvalidAnnotation = errors.New("invalid annotation, using the default")
+
+// ErrUnsupportedProtocol marks a service port this proxy cannot serve (SCTP).
+var ErrUnsupportedProtocol = errors.New("protocol not supported by a userspace proxy")
+
+// servicePorts converts a Service (convertService) and reports the ports that ask for the kernel
+// path this node cannot give them (kernelConflicts): those take the proxy path.
+func (c *Config) servicePorts(svc *v1.Service) ([]*service.Port, []error) {
+	ports, errs := convertService(svc)
+	if svc == nil {
+		return ports, errs
+	}
+	return ports, append(errs, c.kernelConflicts(service.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}, ports)...)
+}
+
+// kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:
+// the node has no kernel path (bind mode: no NAT), or a port needs the proxy (a PROXY protocol
+// header is written by the proxy socket). Those ports take the proxy path.
+func (c *Config) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
+	var errs []error
+	for _, port := range ports {
+		if !c.wantsKernel(port) {
+			continue
+		}
+		switch {
+		case !c.KernelPath:
+			errs = append(errs, fmt.Errorf("service %s: data path kernel: this node's portal mode has no kernel path (bind mode has no NAT); the proxy path applies: %w",
+				name, ErrInvalidAnnotation))
+			return errs
+		case port.ProxyProtocol != "":
+			errs = append(errs, fmt.Errorf("service port %s: data path kernel cannot send a PROXY protocol header; the proxy path applies: %w",
+				port.Name, ErrInvalidAnnotation))
+		}
+	}
+	return errs
+}
+
+// wantsKernel reports whether a port asks for the kernel path, by annotation or node default.
+func (c *Config) wantsKernel(port *service.Port) bool {
+	return port.DataPath == service.DataPathKernel || (port.DataPath == "" && c.DefaultDataPath == service.DataPathKernel)
+}
+
+// convertService turns a Service into the service ports the proxy serves. Services the proxy does
+// not handle (headless, ExternalName, another proxy's) yield none. A port that cannot be served
+// (SCTP) is left out and reported in errs; the others are still returned.
+func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
+	if svc == nil || !shouldProxy(svc) {
+		return nil, nil
+	}
+	clusterIPs := parseIPs(svc.Spec.ClusterIPs)
+	if len(clusterIPs) == 0 {
+		clusterIPs = parseIPs([]string{svc.Spec.ClusterIP})
+	}
+	if len(clusterIPs) == 0 {
+		return nil, []error{fmt.Errorf("service %s/%s: no valid cluster IP in %q", svc.Namespace, svc.Name, svc.Spec.ClusterIP)}
+	}
+	common := service.Port{
+		UID:             string(svc.UID),
+		ClusterIPs:      clusterIPs,
+		ExternalIPs:     parseIPs(svc.Spec.ExternalIPs),
+		LoadBalancerIPs: loadBalancerIPs(svc),
+		Affinity:        affinity(svc),
+		ExternalLocal:   externalPolicyLocal(svc),
+		InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
+	}
+	if svc.Spec.TrafficDistribution != nil {
+		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
+	}
+	proxyProto, hold, errs := readAnnotations(svc, &common)
+	for i := range svc.Spec.Ports {
+		sp := &svc.Spec.Ports[i]
+		name := service.ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
+		proto := service.Protocol(sp.Protocol)
+		if proto == "" {
+			proto = service.TCP
+		}
+		if proto != service.TCP && proto != service.UDP {
+			errs = append(errs, fmt.Errorf("service port %s: %s: %w", name, proto, ErrUnsupportedProtocol))
+			continue
+		}
+		if sp.Port <= 0 || sp.Port > 65535 || sp.NodePort < 0 || sp.NodePort > 65535 {
+			errs = append(errs, fmt.Errorf("service port %s: port %d / nodePort %d out of range", name, sp.Port, sp.NodePort))
+			continue
+		}
+		p := common
+		p.Name = name
+		p.Protocol = proto
+		p.Port = uint16(sp.Port)
+		p.NodePort = uint16(sp.NodePort)
+		if err := setConnectionPolicy(&p, proxyProto, hold); err != nil {
+			errs = append(errs, err)
+		}
+		ports = append(ports, &p)
+	}
+	return ports, errs
+}
+
+// readAnnotations sets a Service's ports' common settings from its annotations and from the spec
+// fields that need parsing (the data path, balancing, drain timeout, health check node port,
+// source ranges, access log), and returns the connection policies, which apply to TCP ports
+// only (setConnectionPolicy), and what it could not use.
+func readAnnotations(svc *v1.Service, common *service.Port) (service.ProxyProtocol, time.Duration, []error) {
+	var errs []error
+	accessLogOn, accessLogErr := accessLog(svc)
+	common.AccessLog = accessLogOn
+	var err error
+	if common.DataPath, err = dataPath(svc); err != nil {
+		errs = append(errs, err)
+	}
+	var balErrs []error
+	common.Balancing, balErrs = balancing(svc)
+	errs = append(errs, balErrs...)
+	if common.DrainTimeout, err = drainTimeout(svc); err != nil {
+		errs = append(errs, err)
+	}
+	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
+		errs = append(errs, err)
+	}
+	var rangeErrs []error
+	common.LoadBalancerSourceRanges, rangeErrs = sourceRanges(svc)
+	errs = append(errs, rangeErrs...)
+	proxyProto, hold, connErrs := connectionPolicy(svc)
+	errs = append(errs, connErrs...)
+	if accessLogErr != nil {
+		errs = append(errs, accessLogErr)
+	}
+	return proxyProto, hold, errs
+}
 
 // AnnotationDrainTimeout is how long the connections and sessions of an endpoint that leaves
 // the rotation (terminating, or removed) may go on before what is left is closed: FIN both ways,
@@ -81,100 +226,85 @@ func accessLog(svc *v1.Service) (bool, error) {
 		svc.Namespace, svc.Name, AnnotationAccessLog, quoteValue(v), ErrInvalidAnnotation)
 }
 
-// maxQuotedValue bounds how much of a bad annotation value an error quotes: the error becomes a
-// Warning event on the Service and a log line, and a value may be 256 KiB.
-const maxQuotedValue = 64
+// AnnotationDataPath picks a Service's data path: "proxy" (portal rules to a proxy socket) or
+// "kernel" (kube-proxy's iptables chains straight to the endpoints, portal/kernel). Unset: the
+// node's --default-data-path.
+const AnnotationDataPath = "portal-proxy.kubernetes.io/data-path"
 
-// quoteValue quotes an annotation value for an error, cut to maxQuotedValue bytes.
-func quoteValue(v string) string {
-	if len(v) <= maxQuotedValue {
-		return strconv.Quote(v)
+// dataPath reads the data-path annotation; a value that does not parse is reported (wrapping
+// ErrInvalidAnnotation) and the node default used.
+func dataPath(svc *v1.Service) (service.DataPath, error) {
+	v, ok := svc.Annotations[AnnotationDataPath]
+	if !ok {
+		return "", nil
 	}
-	return strconv.Quote(strings.ToValidUTF8(v[:maxQuotedValue], "")) + fmt.Sprintf("... (%d bytes)", len(v))
+	switch d := service.DataPath(strings.TrimSpace(v)); d {
+	case service.DataPathProxy, service.DataPathKernel:
+		return d, nil
+	}
+	return "", fmt.Errorf("service %s/%s: annotation %s=%s: want kernel or proxy; the node's --default-data-path applies: %w",
+		svc.Namespace, svc.Name, AnnotationDataPath, quoteValue(v), ErrInvalidAnnotation)
 }
 
-// ErrInvalidAnnotation marks an annotation value the proxy cannot use; the default applies.
-var ErrInvalidAnnotation = errors.New("invalid annotation, using the default")
+// Annotations of the connection policies of a Service's TCP ports: what the proxy does with the
+// connection itself rather than with the choice of endpoint.
+const (
+	// AnnotationProxyProtocol makes every connection to an endpoint start with a PROXY protocol
+	// header ("v1" or "v2") carrying the client's address. TCP only: ignored, with a warning, on
+	// UDP ports.
+	AnnotationProxyProtocol = "portal-proxy.kubernetes.io/proxy-protocol"
+	// AnnotationHoldTimeout holds new connections while the port has no endpoint, for up to this
+	// long (a Go duration), instead of refusing them. TCP only; unset: refuse.
+	AnnotationHoldTimeout = "portal-proxy.kubernetes.io/hold-timeout"
+)
 
-// ErrUnsupportedProtocol marks a service port this proxy cannot serve (SCTP).
-var ErrUnsupportedProtocol = errors.New("protocol not supported by a userspace proxy")
+// Bounds of the hold timeout: clients give up on a connection that sends nothing after a minute
+// or so anyway, and scaling from zero takes seconds to minutes.
+const (
+	minHoldTimeout = time.Second
+	maxHoldTimeout = time.Hour
+)
 
-// convertService turns a Service into the service ports the proxy serves. Services the proxy does
-// not handle (headless, ExternalName, another proxy's) yield none. A port that cannot be served
-// (SCTP) is left out and reported in errs; the others are still returned.
-func convertService(svc *v1.Service) (ports []*service.Port, errs []error) {
-	if svc == nil || !shouldProxy(svc) {
-		return nil, nil
+// connectionPolicy reads the PROXY protocol and hold annotations of a Service. A value that does
+// not parse is reported (wrapping ErrInvalidAnnotation) and the default used: off.
+func connectionPolicy(svc *v1.Service) (service.ProxyProtocol, time.Duration, []error) {
+	var errs []error
+	bad := func(key, value, why string) {
+		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%s: %s: %w", svc.Namespace, svc.Name, key, quoteValue(value), why, ErrInvalidAnnotation))
 	}
-	clusterIPs := parseIPs(svc.Spec.ClusterIPs)
-	if len(clusterIPs) == 0 {
-		clusterIPs = parseIPs([]string{svc.Spec.ClusterIP})
-	}
-	if len(clusterIPs) == 0 {
-		return nil, []error{fmt.Errorf("service %s/%s: no valid cluster IP in %q", svc.Namespace, svc.Name, svc.Spec.ClusterIP)}
-	}
-	common := service.Port{
-		UID:             string(svc.UID),
-		ClusterIPs:      clusterIPs,
-		ExternalIPs:     parseIPs(svc.Spec.ExternalIPs),
-		LoadBalancerIPs: loadBalancerIPs(svc),
-		Affinity:        affinity(svc),
-		ExternalLocal:   externalPolicyLocal(svc),
-		InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
-	}
-	accessLogOn, accessLogErr := accessLog(svc)
-	common.AccessLog = accessLogOn
-	var err error
-	if svc.Spec.TrafficDistribution != nil {
-		common.TrafficDistribution = service.TrafficDistribution(*svc.Spec.TrafficDistribution)
-	}
-	var dpErr error
-	if common.DataPath, dpErr = dataPath(svc); dpErr != nil {
-		errs = append(errs, dpErr)
-	}
-	var balErrs []error
-	common.Balancing, balErrs = balancing(svc)
-	errs = append(errs, balErrs...)
-	if common.DrainTimeout, err = drainTimeout(svc); err != nil {
-		errs = append(errs, err)
-	}
-	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
-		errs = append(errs, err)
-	}
-	var rangeErrs []error
-	common.LoadBalancerSourceRanges, rangeErrs = sourceRanges(svc)
-	errs = append(errs, rangeErrs...)
-	proxyProto, hold, connErrs := connectionPolicy(svc)
-	errs = append(errs, connErrs...)
-	if accessLogErr != nil {
-		errs = append(errs, accessLogErr)
-	}
-	for i := range svc.Spec.Ports {
-		sp := &svc.Spec.Ports[i]
-		name := service.ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
-		proto := service.Protocol(sp.Protocol)
-		if proto == "" {
-			proto = service.TCP
+	var pp service.ProxyProtocol
+	if v, ok := svc.Annotations[AnnotationProxyProtocol]; ok {
+		switch s := service.ProxyProtocol(strings.TrimSpace(v)); s {
+		case service.ProxyProtocolV1, service.ProxyProtocolV2:
+			pp = s
+		default:
+			bad(AnnotationProxyProtocol, v, "want v1 or v2; no PROXY header is sent")
 		}
-		if proto != service.TCP && proto != service.UDP {
-			errs = append(errs, fmt.Errorf("service port %s: %s: %w", name, proto, ErrUnsupportedProtocol))
-			continue
-		}
-		if sp.Port <= 0 || sp.Port > 65535 || sp.NodePort < 0 || sp.NodePort > 65535 {
-			errs = append(errs, fmt.Errorf("service port %s: port %d / nodePort %d out of range", name, sp.Port, sp.NodePort))
-			continue
-		}
-		p := common
-		p.Name = name
-		p.Protocol = proto
-		p.Port = uint16(sp.Port)
-		p.NodePort = uint16(sp.NodePort)
-		if err := setConnectionPolicy(&p, proxyProto, hold); err != nil {
-			errs = append(errs, err)
-		}
-		ports = append(ports, &p)
 	}
-	return ports, errs
+	var hold time.Duration
+	if v, ok := svc.Annotations[AnnotationHoldTimeout]; ok {
+		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= minHoldTimeout && d <= maxHoldTimeout {
+			hold = d
+		} else {
+			bad(AnnotationHoldTimeout, v, fmt.Sprintf("want a duration from %s to %s, such as 30s; connections are refused while there is no endpoint", minHoldTimeout, maxHoldTimeout))
+		}
+	}
+	return pp, hold, errs
+}
+
+// setConnectionPolicy gives a TCP port the Service's connection policies. A UDP port takes
+// neither: a PROXY protocol asked of it is reported (the Service's TCP ports still send it), a
+// hold is silently not applied (datagrams without an endpoint are dropped; the client retries).
+func setConnectionPolicy(p *service.Port, pp service.ProxyProtocol, hold time.Duration) error {
+	if p.Protocol == service.TCP {
+		p.ProxyProtocol, p.HoldTimeout = pp, hold
+		return nil
+	}
+	if pp != "" {
+		return fmt.Errorf("service port %s: annotation %s=%q: ignored on a UDP port, the PROXY protocol is TCP only: %w",
+			p.Name, AnnotationProxyProtocol, pp, ErrInvalidAnnotation)
+	}
+	return nil
 }
 
 // shouldProxy mirrors kube-proxy's ShouldSkipService plus its informer label selector.
@@ -330,182 +460,4 @@ func parseIPs(raw []string) []netip.Addr {
 		}
 	}
 	return out
-}
-
-// slimSlice is the part of an EndpointSlice the proxy uses, converted once when the event arrives.
-type slimSlice struct {
-	family    discovery.AddressType
-	ports     []slicePort
-	endpoints []service.Endpoint // Addr carries port 0; the port comes from ports
-}
-
-type slicePort struct {
-	name     string
-	protocol service.Protocol
-	port     uint16
-}
-
-// convertSlice extracts addresses, conditions and ports. FQDN slices are not usable by a proxy.
-func convertSlice(s *discovery.EndpointSlice) *slimSlice {
-	if s.AddressType != discovery.AddressTypeIPv4 && s.AddressType != discovery.AddressTypeIPv6 {
-		return &slimSlice{family: s.AddressType}
-	}
-	out := &slimSlice{family: s.AddressType}
-	for _, p := range s.Ports {
-		if p.Port == nil || *p.Port <= 0 || *p.Port > 65535 {
-			continue
-		}
-		sp := slicePort{protocol: service.TCP, port: uint16(*p.Port)}
-		if p.Name != nil {
-			sp.name = *p.Name
-		}
-		if p.Protocol != nil {
-			sp.protocol = service.Protocol(*p.Protocol)
-		}
-		out.ports = append(out.ports, sp)
-	}
-	n := 0
-	for i := range s.Endpoints {
-		n += len(s.Endpoints[i].Addresses)
-	}
-	out.endpoints = make([]service.Endpoint, 0, n) // one allocation: an Endpoint is ~150 bytes
-	hints := hintSets{}
-	for _, e := range s.Endpoints {
-		base := endpointOf(s.Namespace, &e, hints)
-		for _, a := range e.Addresses {
-			ip, err := netip.ParseAddr(a)
-			if err != nil {
-				continue
-			}
-			ep := base // the hint slices are shared, never modified
-			ep.Addr = netip.AddrPortFrom(ip.Unmap(), 0)
-			out.endpoints = append(out.endpoints, ep)
-		}
-	}
-	return out
-}
-
-// endpointOf converts the address-independent part of one slice endpoint: conditions, where it
-// runs, its topology hints and the object behind it.
-func endpointOf(namespace string, e *discovery.Endpoint, hints hintSets) service.Endpoint {
-	c := e.Conditions
-	ready := c.Ready == nil || *c.Ready // nil means unknown, which the API says to treat as ready
-	serving := ready
-	if c.Serving != nil {
-		serving = *c.Serving
-	}
-	out := service.Endpoint{Ready: ready, Serving: serving, Terminating: c.Terminating != nil && *c.Terminating}
-	if e.NodeName != nil {
-		out.NodeName = *e.NodeName
-	}
-	if e.Zone != nil {
-		out.Zone = *e.Zone
-	}
-	if h := e.Hints; h != nil {
-		out.ZoneHints = hints.of(len(h.ForZones), func(i int) string { return h.ForZones[i].Name })
-		out.NodeHints = hints.of(len(h.ForNodes), func(i int) string { return h.ForNodes[i].Name })
-	}
-	if r := e.TargetRef; r != nil {
-		out.TargetRef = service.NamespacedName{Namespace: r.Namespace, Name: r.Name}
-		if out.TargetRef.Namespace == "" {
-			out.TargetRef.Namespace = namespace
-		}
-	}
-	return out
-}
-
-// hintSets shares the hint slices of one EndpointSlice: its endpoints are mostly hinted for the
-// one zone (or node) they are in, so a 1,000-endpoint slice needs a handful of slices, not 1,000.
-// Shared slices are never modified.
-type hintSets map[string][]string
-
-// of returns the sorted set of the n names name(0..n-1).
-func (h hintSets) of(n int, name func(int) string) []string {
-	if n == 1 {
-		one := name(0)
-		if one == "" {
-			return nil
-		}
-		if s, ok := h[one]; ok {
-			return s
-		}
-		s := []string{one}
-		h[one] = s
-		return s
-	}
-	names := make([]string, n)
-	for i := range names {
-		names[i] = name(i)
-	}
-	return sortedSet(names)
-}
-
-// sortedSet sorts names and drops duplicates and empty names (which no node or zone has); nil
-// when nothing is left, so "no hints" has one form.
-func sortedSet(names []string) []string {
-	names = slices.DeleteFunc(names, func(n string) bool { return n == "" })
-	if len(names) == 0 {
-		return nil
-	}
-	slices.Sort(names)
-	return slices.Compact(names)
-}
-
-// endpointsFor merges the slices of one service into the endpoints of one of its ports: ports are
-// matched by name and protocol, only the service's IP families are used, duplicates are dropped,
-// and serving-terminating endpoints are used only when no endpoint is ready (as kube-proxy does).
-// The result is sorted, so equal inputs give equal outputs.
-func endpointsFor(p *service.Port, slices []*slimSlice) []service.Endpoint {
-	families := map[discovery.AddressType]bool{}
-	for _, ip := range p.ClusterIPs {
-		if ip.Is4() {
-			families[discovery.AddressTypeIPv4] = true
-		} else {
-			families[discovery.AddressTypeIPv6] = true
-		}
-	}
-	seen := map[netip.AddrPort]int{}
-	var all []service.Endpoint
-	for _, s := range slices {
-		if !families[s.family] {
-			continue
-		}
-		for _, sp := range s.ports {
-			if sp.name != p.Name.Port || sp.protocol != p.Protocol {
-				continue
-			}
-			for _, e := range s.endpoints {
-				e.Addr = netip.AddrPortFrom(e.Addr.Addr(), sp.port)
-				if i, dup := seen[e.Addr]; dup {
-					// The same address in two slices (a move in progress): keep the readier view.
-					if e.Ready && !all[i].Ready {
-						all[i] = e
-					}
-					continue
-				}
-				seen[e.Addr] = len(all)
-				all = append(all, e)
-			}
-		}
-	}
-	sort.Slice(all, func(i, j int) bool { return all[i].Addr.Compare(all[j].Addr) < 0 })
-	return all
-}
-
-// usableEndpoints picks the addresses the balancer may use: the ready ones, or, when none is
-// ready, the ones still serving while terminating.
-func usableEndpoints(eps []service.Endpoint) []netip.AddrPort {
-	var ready, terminating []netip.AddrPort
-	for _, e := range eps {
-		switch {
-		case e.Ready:
-			ready = append(ready, e.Addr)
-		case e.Serving && e.Terminating:
-			terminating = append(terminating, e.Addr)
-		}
-	}
-	if len(ready) > 0 {
-		return ready
-	}
-	return terminating
 }

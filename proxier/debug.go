@@ -18,7 +18,7 @@ var _ debugview.Source = (*Proxier)(nil)
 // Services describes every service port the proxier knows, open or not, sorted by name.
 func (p *Proxier) Services() []debugview.ServiceView {
 	open := map[service.ServicePortName]activePort{}
-	for _, a := range p.activeList() {
+	for _, a := range p.paths.activeList() {
 		open[a.port.Name] = a
 	}
 	p.mu.Lock()
@@ -31,85 +31,107 @@ func (p *Proxier) Services() []debugview.ServiceView {
 	counters := p.kernelCounters()
 	out := make([]debugview.ServiceView, 0, len(ports))
 	for _, port := range ports {
-		v := debugview.ServiceView{
-			Name: port.Name.String(), Protocol: string(port.Protocol), Port: port.Port, NodePort: port.NodePort,
-			ClusterIPs: addrStrings(port.ClusterIPs), ExternalIPs: addrStrings(port.ExternalIPs),
-			LoadBalancerIPs: addrStrings(port.LoadBalancerIPs), Affinity: "None",
-		}
-		if port.Affinity.ClientIP {
-			v.Affinity = "ClientIP " + port.Affinity.TTL().String()
-		}
-		if a, ok := open[port.Name]; ok {
-			v.Open, v.ProxyPort = true, a.proxyPort
-			v.Listen = listenAddrs(a.observedSocket())
-			fillStats(&v, a.observedSocket())
-			if a.ext != nil {
-				v.ExternalProxyPort = a.ext.proxyPort
-			}
-		}
-		v.DataPath = string(p.DataPathOf(port.Name))
+		v := p.serviceView(port, open, now)
 		if v.DataPath == string(service.DataPathKernel) {
 			v.Kernel = counters[port.Name]
-		}
-		p.fillSelection(&v, port)
-		v.Balancing = balancingView(port.Balancing)
-		connectionPolicyView(&v, port, open)
-		if port.DrainTimeout > 0 {
-			v.DrainTimeout = port.DrainTimeout.String()
-		}
-		v.Draining = append(p.drains.views(port.Name, now), p.drains.views(externalName(port.Name), now)...)
-		inUse := map[netip.AddrPort]bool{}
-		states := map[netip.AddrPort]loadbalancer.EndpointState{}
-		for _, key := range []service.ServicePortName{port.Name, externalName(port.Name)} {
-			if b := p.deps.Balancer.Lookup(key); b != nil {
-				for _, st := range b.EndpointStates() {
-					inUse[st.Endpoint] = true
-					sum := states[st.Endpoint]
-					sum.Active += st.Active
-					if st.EjectedUntil.After(sum.EjectedUntil) {
-						sum.EjectedUntil, sum.Ejections = st.EjectedUntil, st.Ejections
-					}
-					if sum.Weight == 0 || st.Weight < sum.Weight {
-						sum.Weight = st.Weight
-					}
-					states[st.Endpoint] = sum
-				}
-			}
-		}
-		if b := p.deps.Balancer.Lookup(port.Name); b != nil {
-			for _, e := range b.AffinityEntries() {
-				v.AffinityEntries = append(v.AffinityEntries, debugview.AffinityView{Client: e.Client.String(),
-					Endpoint: e.Endpoint.String(), IdleFor: now.Sub(e.LastUsed).Round(time.Second).String()})
-			}
-		}
-		// Computed on request from the slice cache: keeping a third copy of every endpoint for a
-		// page that is rarely open would cost memory at 50,000 endpoints.
-		for _, e := range endpointsFor(port, p.slices.get(port.Name.ServiceName())) {
-			ev := debugview.EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
-				Terminating: e.Terminating, InUse: inUse[e.Addr], Node: e.NodeName, Zone: e.Zone}
-			if e.TargetRef.Name != "" {
-				ev.Pod = e.TargetRef.String()
-			}
-			if st, ok := states[e.Addr]; ok {
-				ev.Active, ev.Ejections = st.Active, st.Ejections
-				if st.Weight < 1 {
-					ev.WarmingPercent = int(st.Weight * 100)
-				}
-				if st.EjectedUntil.After(now) {
-					ev.EjectedFor = st.EjectedUntil.Sub(now).Round(time.Second).String()
-				}
-			}
-			for _, z := range e.ZoneHints {
-				ev.Hints = append(ev.Hints, "zone:"+z)
-			}
-			for _, n := range e.NodeHints {
-				ev.Hints = append(ev.Hints, "node:"+n)
-			}
-			v.Endpoints = append(v.Endpoints, ev)
 		}
 		out = append(out, v)
 	}
 	slices.SortFunc(out, func(a, b debugview.ServiceView) int { return cmp.Compare(a.Name, b.Name) })
+	return out
+}
+
+// serviceView describes one service port: its addresses and policies, its sockets, its
+// endpoint selection and each endpoint with the balancer's state of it.
+func (p *Proxier) serviceView(port *service.Port, open map[service.ServicePortName]activePort, now time.Time) debugview.ServiceView {
+	v := debugview.ServiceView{
+		Name: port.Name.String(), Protocol: string(port.Protocol), Port: port.Port, NodePort: port.NodePort,
+		ClusterIPs: addrStrings(port.ClusterIPs), ExternalIPs: addrStrings(port.ExternalIPs),
+		LoadBalancerIPs: addrStrings(port.LoadBalancerIPs), Affinity: "None",
+	}
+	if port.Affinity.ClientIP {
+		v.Affinity = "ClientIP " + port.Affinity.TTL().String()
+	}
+	if a, ok := open[port.Name]; ok {
+		v.Open, v.ProxyPort = true, a.proxyPort
+		v.Listen = listenAddrs(a.observedSocket())
+		fillStats(&v, a.observedSocket())
+		if a.ext != nil {
+			v.ExternalProxyPort = a.ext.proxyPort
+		}
+	}
+	v.DataPath = string(p.DataPathOf(port.Name))
+	fillSelection(&v, port, p.eps.selection(port.Name))
+	v.Balancing = balancingView(port.Balancing)
+	connectionPolicyView(&v, port, open)
+	if port.DrainTimeout > 0 {
+		v.DrainTimeout = port.DrainTimeout.String()
+	}
+	v.Draining = append(p.eps.drains.views(port.Name, now), p.eps.drains.views(externalName(port.Name), now)...)
+	if b := p.deps.Balancer.Lookup(port.Name); b != nil {
+		for _, e := range b.AffinityEntries() {
+			v.AffinityEntries = append(v.AffinityEntries, debugview.AffinityView{Client: e.Client.String(),
+				Endpoint: e.Endpoint.String(), IdleFor: now.Sub(e.LastUsed).Round(time.Second).String()})
+		}
+	}
+	// Computed on request from the slice cache: keeping a third copy of every endpoint for a
+	// page that is rarely open would cost memory at 50,000 endpoints.
+	eps := endpointsFor(port, p.slices.get(port.Name.ServiceName()))
+	v.Endpoints = endpointViews(eps, endpointStates(p.deps.Balancer, port.Name), now)
+	return v
+}
+
+// endpointStates sums the balancer's state of each endpoint over a port's balancer entries
+// (cluster and external traffic); an endpoint in neither is not in use.
+func endpointStates(lb *loadbalancer.LoadBalancer, name service.ServicePortName) map[netip.AddrPort]loadbalancer.EndpointState {
+	states := map[netip.AddrPort]loadbalancer.EndpointState{}
+	for _, key := range []service.ServicePortName{name, externalName(name)} {
+		b := lb.Lookup(key)
+		if b == nil {
+			continue
+		}
+		for _, st := range b.EndpointStates() {
+			sum := states[st.Endpoint]
+			sum.Active += st.Active
+			if st.EjectedUntil.After(sum.EjectedUntil) {
+				sum.EjectedUntil, sum.Ejections = st.EjectedUntil, st.Ejections
+			}
+			if sum.Weight == 0 || st.Weight < sum.Weight {
+				sum.Weight = st.Weight
+			}
+			states[st.Endpoint] = sum
+		}
+	}
+	return states
+}
+
+// endpointViews describes a port's endpoints with their balancer states.
+func endpointViews(eps []service.Endpoint, states map[netip.AddrPort]loadbalancer.EndpointState, now time.Time) []debugview.EndpointView {
+	var out []debugview.EndpointView
+	for _, e := range eps {
+		st, inUse := states[e.Addr]
+		ev := debugview.EndpointView{Address: e.Addr.String(), Ready: e.Ready, Serving: e.Serving,
+			Terminating: e.Terminating, InUse: inUse, Node: e.NodeName, Zone: e.Zone}
+		if e.TargetRef.Name != "" {
+			ev.Pod = e.TargetRef.String()
+		}
+		if inUse {
+			ev.Active, ev.Ejections = st.Active, st.Ejections
+			if st.Weight < 1 {
+				ev.WarmingPercent = int(st.Weight * 100)
+			}
+			if st.EjectedUntil.After(now) {
+				ev.EjectedFor = st.EjectedUntil.Sub(now).Round(time.Second).String()
+			}
+		}
+		for _, z := range e.ZoneHints {
+			ev.Hints = append(ev.Hints, "zone:"+z)
+		}
+		for _, n := range e.NodeHints {
+			ev.Hints = append(ev.Hints, "node:"+n)
+		}
+		out = append(out, ev)
+	}
 	return out
 }
 
@@ -125,7 +147,7 @@ func fillStats(v *debugview.ServiceView, s ProxySocket) {
 func (p *Proxier) Connections(svc, client string) []debugview.ConnView {
 	now := p.cfg.Clock.Now()
 	var out []debugview.ConnView
-	for _, a := range p.activeList() {
+	for _, a := range p.paths.activeList() {
 		name := a.port.Name.String()
 		if svc != "" && !strings.Contains(name, svc) {
 			continue
@@ -161,7 +183,7 @@ func (p *Proxier) ServiceUID(name service.NamespacedName) string {
 }
 
 // fillSelection adds a port's policies and the endpoint selection of each class of traffic.
-func (p *Proxier) fillSelection(v *debugview.ServiceView, port *service.Port) {
+func fillSelection(v *debugview.ServiceView, port *service.Port, sel *portSelection) {
 	policy := func(local bool) string {
 		if local {
 			return "Local"
@@ -176,7 +198,6 @@ func (p *Proxier) fillSelection(v *debugview.ServiceView, port *service.Port) {
 	if port.ExternallyAccessible() {
 		v.ExternalTrafficPolicy = policy(port.ExternalLocal)
 	}
-	sel := p.selection(port.Name)
 	if sel == nil {
 		return
 	}

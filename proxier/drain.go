@@ -58,61 +58,61 @@ type pendingDrain struct {
 // endRemoved applies the drain policy to the endpoints that left a balancer entry's rotation
 // (before, not in after), and calls off the drains of those back in it. serving reports whether
 // an endpoint is still in the Service's EndpointSlices and serving.
-func (p *Proxier) endRemoved(sock ProxySocket, port *service.Port, key service.ServicePortName, before, after []netip.AddrPort, serving func(netip.AddrPort) bool) {
+func (e *endpointApplier) endRemoved(sock ProxySocket, port *service.Port, key service.ServicePortName, before, after []netip.AddrPort, serving func(netip.AddrPort) bool) {
 	in := make(map[netip.AddrPort]bool, len(after))
 	for _, ep := range after {
 		in[ep] = true
 	}
-	p.drains.returned(key, in)
+	e.drains.returned(key, in)
 	for _, ep := range before {
 		if in[ep] {
 			continue
 		}
 		switch {
 		case port.DrainTimeout > 0:
-			p.startDrain(sock, port, drainKey{key, ep})
+			e.startDrain(sock, port, drainKey{key, ep})
 		case port.Protocol == service.UDP:
-			p.drop(sock, port, ep)
-		case !p.cfg.DrainTCP:
+			e.drop(sock, port, ep)
+		case !e.drainTCP:
 		case serving(ep):
-			p.drains.keepServing(drainKey{key, ep})
+			e.drains.keepServing(drainKey{key, ep})
 		default:
-			p.drop(sock, port, ep)
+			e.drop(sock, port, ep)
 		}
 	}
-	if port.Protocol == service.TCP && p.cfg.DrainTCP {
-		for _, ep := range p.drains.stoppedServing(key, serving) {
-			p.drop(sock, port, ep)
+	if port.Protocol == service.TCP && e.drainTCP {
+		for _, ep := range e.drains.stoppedServing(key, serving) {
+			e.drop(sock, port, ep)
 		}
 	}
 }
 
-func (p *Proxier) drop(sock ProxySocket, port *service.Port, ep netip.AddrPort) {
+func (e *endpointApplier) drop(sock ProxySocket, port *service.Port, ep netip.AddrPort) {
 	if n := sock.DropEndpoint(ep); n > 0 {
-		p.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": ep.String(), "count": n}).
+		e.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": ep.String(), "count": n}).
 			Info("Closed connections to a removed endpoint")
 	}
 }
 
 // startDrain closes the endpoint's flows on sock at its drain deadline, port.DrainTimeout from
 // now, unless it comes back first. A drain already under way keeps its deadline.
-func (p *Proxier) startDrain(sock ProxySocket, port *service.Port, k drainKey) {
+func (e *endpointApplier) startDrain(sock ProxySocket, port *service.Port, k drainKey) {
 	d, ok := sock.(drainer)
-	ctx := p.runCtx
+	ctx := e.runCtx()
 	if !ok || ctx == nil {
 		return
 	}
-	pd := &pendingDrain{deadline: p.cfg.Clock.Now().Add(port.DrainTimeout), stop: make(chan struct{})}
-	if !p.drains.add(k, pd) {
+	pd := &pendingDrain{deadline: e.clock.Now().Add(port.DrainTimeout), stop: make(chan struct{})}
+	if !e.drains.add(k, pd) {
 		return
 	}
-	t := p.cfg.Clock.NewTimer(port.DrainTimeout)
-	grace := p.cfg.DrainGrace
+	t := e.clock.NewTimer(port.DrainTimeout)
+	grace := e.drainGrace
 	if grace <= 0 {
 		grace = DefaultDrainGrace
 	}
 	go func() {
-		defer p.drains.wg.Done()
+		defer e.drains.wg.Done()
 		defer t.Stop()
 		select {
 		case <-t.C():
@@ -121,12 +121,12 @@ func (p *Proxier) startDrain(sock ProxySocket, port *service.Port, k drainKey) {
 		case <-ctx.Done():
 			return
 		}
-		if !p.drains.remove(k, pd) {
+		if !e.drains.remove(k, pd) {
 			return // called off in the meantime
 		}
 		n := d.DrainEndpoint(k.ep, grace)
 		if n > 0 {
-			p.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": k.ep.String(), "count": n,
+			e.log.WithFields(logrus.Fields{"service": port.Name.String(), "endpoint": k.ep.String(), "count": n,
 				"drain_timeout": port.DrainTimeout.String()}).Info("Drain deadline passed, closing the connections left on an endpoint out of rotation")
 		}
 	}()

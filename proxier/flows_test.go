@@ -37,7 +37,7 @@ func TestKernelFlowsLookup(t *testing.T) {
 	sink := &portSink{}
 	e := newFakeEnv(t, func(c *Config) { c.KernelPath, c.Node.Name = true, "node-a" })
 	e.p.deps.Flows = sink
-	e.p.kflows = newKernelFlows(sink, "node-a")
+	e.p.paths.kflows = newKernelFlows(sink, "node-a")
 	e.synced()
 	e.p.OnEndpointSliceAdd(webSlice("a", 8080, "10.244.1.1"))
 	svc := webService(func(s *v1.Service) {

@@ -64,15 +64,13 @@ func (p *Proxier) drain() {
 	}
 	start := p.cfg.Clock.Now()
 	var socks []ProxySocket
-	p.activeMu.RLock()
-	for _, a := range p.active {
-		for _, ap := range []*activePort{a, a.ext} {
-			if ap != nil {
-				socks = append(socks, members(ap.sock)...)
-			}
+	p.paths.mu.RLock()
+	for _, path := range p.paths.byName {
+		for _, sock := range path.sockets() {
+			socks = append(socks, members(sock)...)
 		}
 	}
-	p.activeMu.RUnlock()
+	p.paths.mu.RUnlock()
 	for _, s := range socks {
 		if r, ok := s.(releaser); ok {
 			r.Release()
@@ -132,7 +130,7 @@ func (p *Proxier) markFirstSync() { p.firstSyncOnce.Do(func() { close(p.firstSyn
 // anew (not handed over by a running predecessor: the SIGKILL path); and how many service ports
 // it could not reopen (their first sync allocates another proxy port and rewrites their rules).
 func (p *Proxier) ReopenCounts() (reopened, reboundSockets, reallocated int) {
-	return int(p.reopened.Load()), int(p.rebound.Load()), int(p.reallocated.Load())
+	return int(p.paths.restart.reopened.Load()), int(p.paths.restart.rebound.Load()), int(p.paths.restart.reallocated.Load())
 }
 
 // adopter is a socket that says whether it took a handed-over socket (both proxies).

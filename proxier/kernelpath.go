@@ -2,13 +2,9 @@ package proxier
 
 import (
 	"context"
-	"fmt"
 	"net/netip"
 	"slices"
-	"strings"
 	"time"
-
-	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
@@ -16,165 +12,114 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// AnnotationDataPath picks a Service's data path: "proxy" (portal rules to a proxy socket) or
-// "kernel" (kube-proxy's iptables chains straight to the endpoints, portal/kernel). Unset: the
-// node's --default-data-path.
-const AnnotationDataPath = "portal-proxy.kubernetes.io/data-path"
-
-// dataPath reads the data-path annotation; a value that does not parse is reported (wrapping
-// ErrInvalidAnnotation) and the node default used.
-func dataPath(svc *v1.Service) (service.DataPath, error) {
-	v, ok := svc.Annotations[AnnotationDataPath]
-	if !ok {
-		return "", nil
-	}
-	switch d := service.DataPath(strings.TrimSpace(v)); d {
-	case service.DataPathProxy, service.DataPathKernel:
-		return d, nil
-	}
-	return "", fmt.Errorf("service %s/%s: annotation %s=%s: want kernel or proxy; the node's --default-data-path applies: %w",
-		svc.Namespace, svc.Name, AnnotationDataPath, quoteValue(v), ErrInvalidAnnotation)
-}
-
-// kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:
-// the node has no kernel path (bind mode: no NAT), or a port needs the proxy (a PROXY protocol
-// header is written by the proxy socket). Those ports take the proxy path.
-func (p *Proxier) kernelConflicts(name service.NamespacedName, ports []*service.Port) []error {
-	var errs []error
-	for _, port := range ports {
-		if !p.wantsKernel(port) {
-			continue
-		}
-		switch {
-		case !p.cfg.KernelPath:
-			errs = append(errs, fmt.Errorf("service %s: data path kernel: this node's portal mode has no kernel path (bind mode has no NAT); the proxy path applies: %w",
-				name, ErrInvalidAnnotation))
-			return errs
-		case port.ProxyProtocol != "":
-			errs = append(errs, fmt.Errorf("service port %s: data path kernel cannot send a PROXY protocol header; the proxy path applies: %w",
-				port.Name, ErrInvalidAnnotation))
-		}
-	}
-	return errs
-}
-
-// wantsKernel reports whether a port asks for the kernel path, by annotation or node default.
-func (p *Proxier) wantsKernel(port *service.Port) bool {
-	return port.DataPath == service.DataPathKernel || (port.DataPath == "" && p.cfg.DefaultDataPath == service.DataPathKernel)
-}
-
 // onKernel reports whether a port takes the kernel path: it asks for it, the node has one, and
 // nothing the port needs is done by the proxy alone.
-func (p *Proxier) onKernel(port *service.Port) bool {
-	return p.cfg.KernelPath && p.wantsKernel(port) && port.ProxyProtocol == ""
+func (c *Config) onKernel(port *service.Port) bool {
+	return c.KernelPath && c.wantsKernel(port) && port.ProxyProtocol == ""
 }
 
 // toKernel puts a port on the kernel path. Its proxy socket, if open, is not closed yet: it is
 // retired, and closed once a portal sync has replaced its portal rules by the kernel chains, so
 // no new connection is refused in between; a TCP socket's established connections outlive the
 // close (tcp.Proxy.Close keeps them).
-func (p *Proxier) toKernel(port *service.Port) {
-	delete(p.failed, port.Name)
-	p.activeMu.Lock()
-	a := p.active[port.Name]
-	delete(p.active, port.Name)
-	_, was := p.kernel[port.Name]
-	p.kernel[port.Name] = port
-	p.activeMu.Unlock()
-	if p.kflows != nil {
-		p.kflows.dirty = true
+func (d *dataPaths) toKernel(port *service.Port) {
+	delete(d.failed, port.Name)
+	d.mu.Lock()
+	old := d.byName[port.Name]
+	k, was := old.(*kernelPort)
+	if was {
+		k.port = port
+	} else {
+		d.byName[port.Name] = &kernelPort{port: port}
 	}
-	if a != nil {
-		p.retiring = append(p.retiring, a)
+	d.mu.Unlock()
+	if d.kflows != nil {
+		d.kflows.dirty = true
 	}
-	if a != nil || !was {
-		p.markUnsynced(port.Name)
-		p.log.WithField("service", port.Name.String()).Info("Service port on the kernel data path")
+	if !was {
+		if old != nil {
+			d.retiring = append(d.retiring, old) // the proxy socket: closed after the sync
+		}
+		d.markUnsynced(port.Name)
+		d.log.WithField("service", port.Name.String()).Info("Service port on the kernel data path")
 	}
 }
 
 // leaveKernel takes a port off the kernel path (it left, or moves to the proxy path); reports
 // whether it was on it.
-func (p *Proxier) leaveKernel(name service.ServicePortName) bool {
-	p.activeMu.Lock()
-	_, was := p.kernel[name]
-	delete(p.kernel, name)
-	p.activeMu.Unlock()
-	if was && p.kflows != nil {
-		p.kflows.dirty = true
-	}
+func (d *dataPaths) leaveKernel(name service.ServicePortName) bool {
+	d.mu.Lock()
+	k, was := d.byName[name].(*kernelPort)
 	if was {
-		p.markUnsynced(name)
+		delete(d.byName, name)
 	}
-	return was
+	d.mu.Unlock()
+	if !was {
+		return false
+	}
+	// Retired, so that the sync after which it is gone clears its UDP flows (clearStaleKernelUDP).
+	d.retiring = append(d.retiring, k)
+	if d.kflows != nil {
+		d.kflows.dirty = true
+	}
+	d.markUnsynced(name)
+	return true
 }
 
-// closeRetired closes the sockets of ports that moved to the kernel path, after the sync that
-// applied their chains. A UDP port's conntrack entries redirected to its proxy socket go first,
-// the socket after: a client whose new datagram reuses the source port of an entry not yet
-// deleted (UDP entries live 30 s; a resolver opens a new port per query, so some do) is still
-// answered by the socket, where a closed one would answer port unreachable (the chaos soak saw
-// it while the delete walked the table, 80 ms; TestDataPathUDPSwitchesLive saw one refusal per
-// switch).
-func (p *Proxier) closeRetired() {
-	for _, a := range p.retiring {
-		if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
-			// Only those entries: the kernel chains are in force by now, and an entry their DNAT
-			// made for a datagram in flight must stay, or the endpoint's answer is lost.
-			flows := conntrack.FlowsOf(a.port)
-			flows.ProxyPorts = []uint16{a.proxyPort}
-			if a.ext != nil {
-				flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
-			}
-			start := p.cfg.Clock.Now()
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
-				p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
-			}
-			p.log.WithField("service", a.port.Name.String()).WithField("duration", p.cfg.Clock.Since(start)).
-				Debug("Cleared the UDP conntrack entries redirected to the proxy socket the kernel path replaced")
-		}
-		p.closeSocket(a)
-		if a.ext != nil {
-			p.closeSocket(a.ext)
-		}
-	}
-	p.retiring = nil
+// kernelPort is a port on the kernel path: kube-proxy's chains DNAT its traffic straight to the
+// endpoints its selection gives each traffic policy; no socket. applied is the port as of the
+// last portal sync that worked, when it was a UDP port (clearStaleKernelUDP).
+type kernelPort struct {
+	port    *service.Port
+	applied *kernelUDPPort
 }
 
-// kernelSpecs lists the specs of the ports on the kernel path, with the endpoints their
-// selections give each traffic policy. The caller holds activeMu and selMu (read).
-func (p *Proxier) kernelSpecs(out []portal.Spec) []portal.Spec {
-	p.kflows.rebuild(p.kernel)
-	for _, port := range p.kernel {
-		out = append(out, kernelSpec(port, p.sels[port.Name]))
+func (k *kernelPort) svcPort() *service.Port     { return k.port }
+func (k *kernelPort) dataPath() service.DataPath { return service.DataPathKernel }
+func (k *kernelPort) sockets() []ProxySocket     { return nil }
+
+// retire does nothing at once: a kernel port's UDP flows are cleared by clearStaleKernelUDP,
+// which reads the retired kernel ports.
+func (k *kernelPort) retire(*dataPaths) {}
+
+// kernelPorts are the ports on the kernel path, for the flow index. The caller holds d.mu.
+func (d *dataPaths) kernelPorts() map[service.ServicePortName]*service.Port {
+	out := map[service.ServicePortName]*service.Port{}
+	for name, path := range d.byName {
+		if k, ok := path.(*kernelPort); ok {
+			out[name] = k.port
+		}
 	}
 	return out
 }
 
-func kernelSpec(port *service.Port, sel *portSelection) portal.Spec {
-	k := &portal.KernelPath{InternalLocal: port.InternalLocal, ExternalLocal: port.ExternalLocal && port.ExternallyAccessible()}
+// spec lists the port's kernel chains, with the endpoints its selection gives each traffic
+// policy.
+func (k *kernelPort) spec(sel *portSelection) portal.Spec {
+	port := k.port
+	kp := &portal.KernelPath{InternalLocal: port.InternalLocal, ExternalLocal: port.ExternalLocal && port.ExternallyAccessible()}
 	if port.Affinity.ClientIP {
-		k.AffinitySeconds = int(port.Affinity.TTL().Seconds())
+		kp.AffinitySeconds = int(port.Affinity.TTL().Seconds())
 	}
 	if sel != nil {
-		k.AnyEndpoints = sel.HasAnyEndpoints
+		kp.AnyEndpoints = sel.HasAnyEndpoints
 		switch {
 		case !port.InternalLocal:
-			k.Cluster = sel.Internal.Endpoints
+			kp.Cluster = sel.Internal.Endpoints
 		case port.ExternallyAccessible():
-			k.Cluster = sel.ExternalFromNode.Endpoints
+			kp.Cluster = sel.ExternalFromNode.Endpoints
 		}
 		switch {
 		case port.InternalLocal:
-			k.Local = sel.Internal.Endpoints
-		case k.ExternalLocal:
-			k.Local = sel.External.Endpoints
+			kp.Local = sel.Internal.Endpoints
+		case kp.ExternalLocal:
+			kp.Local = sel.External.Endpoints
 		}
 	}
 	return portal.Spec{
 		Name: port.Name, Protocol: port.Protocol, Port: port.Port, NodePort: port.NodePort,
 		ClusterIPs: port.ClusterIPs, ExternalIPs: port.ExternalIPs, LoadBalancerIPs: port.LoadBalancerIPs,
-		SourceRanges: port.LoadBalancerSourceRanges, Kernel: k,
+		SourceRanges: port.LoadBalancerSourceRanges, Kernel: kp,
 	}
 }
 
@@ -186,26 +131,12 @@ func (s *portSelection) endpointsEqual(o *portSelection) bool {
 		slices.Equal(s.ExternalFromNode.Endpoints, o.ExternalFromNode.Endpoints)
 }
 
-// DataPathOf reports the data path a service port is on right now (for the debug views):
-// kernel, proxy, or "" when the port is unknown or has no socket (failed).
-func (p *Proxier) DataPathOf(name service.ServicePortName) service.DataPath {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	if _, ok := p.kernel[name]; ok {
-		return service.DataPathKernel
-	}
-	if _, ok := p.active[name]; ok {
-		return service.DataPathProxy
-	}
-	return ""
-}
-
 // kernelCounters reads the KUBE-SEP counters for the debug views, by service port; nil when no
 // port is on the kernel path or they cannot be read (the view then shows none).
 func (p *Proxier) kernelCounters() map[service.ServicePortName][]debugview.KernelEndpointView {
-	p.activeMu.RLock()
-	n := len(p.kernel)
-	p.activeMu.RUnlock()
+	p.paths.mu.RLock()
+	n := len(p.paths.kernelPorts())
+	p.paths.mu.RUnlock()
 	if n == 0 || p.deps.KernelCounters == nil {
 		return nil
 	}
@@ -229,6 +160,23 @@ type kernelUDPPort struct {
 	endpoints []netip.AddrPort
 }
 
+// kernelUDPSpecs lists the endpoints of the kernel-path UDP ports in specs, and whether any
+// spec is on the kernel path.
+func kernelUDPSpecs(specs []portal.Spec) (map[service.ServicePortName]kernelUDPPort, bool) {
+	now := map[service.ServicePortName]kernelUDPPort{}
+	anyKernel := false
+	for _, s := range specs {
+		if s.Kernel == nil {
+			continue
+		}
+		anyKernel = true
+		if s.Protocol == service.UDP {
+			now[s.Name] = kernelUDPPort{endpoints: append(slices.Clone(s.Kernel.Cluster), s.Kernel.Local...)}
+		}
+	}
+	return now, anyKernel
+}
+
 // clearStaleKernelUDP deletes the conntrack entries of a kernel-path UDP port that lost an
 // endpoint or left the kernel path, after the sync that applied it. A UDP flow keeps its DNAT for
 // as long as packets come (a resolver asking every second never lets the entry expire), so
@@ -236,41 +184,55 @@ type kernelUDPPort struct {
 // balanced again over the current endpoints, as kube-proxy does. Only the entries DNATed to an
 // endpoint that is gone (every entry, when the port is gone). A port that moved to the proxy
 // path keeps its established flows on their endpoint until they end, like TCP connections.
-func (p *Proxier) clearStaleKernelUDP(specs []portal.Spec) {
-	p.activeMu.RLock()
-	none := len(p.kernel) == 0
-	p.activeMu.RUnlock()
-	if none && len(p.kernelUDP) == 0 {
-		return // a node without kernel ports pays nothing per sync
-	}
-	now := map[service.ServicePortName]kernelUDPPort{}
-	p.activeMu.RLock()
-	for _, s := range specs {
-		if s.Kernel != nil && s.Protocol == service.UDP && p.kernel[s.Name] != nil {
-			now[s.Name] = kernelUDPPort{port: p.kernel[s.Name], endpoints: append(slices.Clone(s.Kernel.Cluster), s.Kernel.Local...)}
+func (d *dataPaths) clearStaleKernelUDP(specs []portal.Spec) {
+	now, anyKernel := kernelUDPSpecs(specs)
+	var old []*kernelPort
+	for _, path := range d.retiring {
+		if k, ok := path.(*kernelPort); ok && k.applied != nil {
+			old = append(old, k)
 		}
 	}
-	p.activeMu.RUnlock()
-	for name, old := range p.kernelUDP {
+	if !anyKernel && len(old) == 0 {
+		return // a node without kernel ports pays nothing per sync
+	}
+	var current []*kernelPort
+	d.mu.RLock()
+	for _, path := range d.byName {
+		if k, ok := path.(*kernelPort); ok {
+			current = append(current, k)
+			if k.applied != nil {
+				old = append(old, k)
+			}
+		}
+	}
+	d.mu.RUnlock()
+	for _, k := range old {
+		name := k.applied.port.Name
 		cur, still := now[name]
-		gone := !still && p.DataPathOf(name) == "" // removed, not moved to the proxy path
+		gone := !still && d.dataPathOf(name) == "" // removed, not moved to the proxy path
 		var lost []netip.AddrPort
 		if still {
-			for _, e := range old.endpoints {
+			for _, e := range k.applied.endpoints {
 				if !slices.Contains(cur.endpoints, e) {
 					lost = append(lost, e)
 				}
 			}
 		}
-		if (gone || len(lost) > 0) && p.deps.Conntrack != nil {
-			flows := conntrack.FlowsOf(old.port)
+		if (gone || len(lost) > 0) && d.deps.Conntrack != nil {
+			flows := conntrack.FlowsOf(k.applied.port)
 			// Lost endpoints: their flows alone (kube-proxy's delete by --dst-nat); deleting
 			// the others would lose the answers they have in flight.
 			flows.Endpoints = lost
-			if err := p.deps.Conntrack.ClearUDP(p.runCtx, flows); err != nil {
-				p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+			if err := d.deps.Conntrack.ClearUDP(d.runCtx, flows); err != nil {
+				d.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 			}
 		}
 	}
-	p.kernelUDP = now
+	for _, k := range current {
+		k.applied = nil
+		if cur, ok := now[k.port.Name]; ok {
+			cur.port = k.port
+			k.applied = &cur
+		}
+	}
 }

@@ -1,15 +1,11 @@
 package proxier
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
-	"sync"
-	"time"
 
 	"github.com/sirupsen/logrus"
-	v1 "k8s.io/api/core/v1"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/debugview"
@@ -24,53 +20,6 @@ var (
 	_ tcp.Observer = (*loadbalancer.Service)(nil)
 	_ udp.Observer = (*loadbalancer.Service)(nil)
 )
-
-// ReasonInvalidAnnotation is the Warning event recorded on a Service whose
-// portal-proxy.kubernetes.io/ annotations do not parse.
-const ReasonInvalidAnnotation = "InvalidAnnotation"
-
-// annotationWarnings remembers what was last reported about each Service's annotations, so that
-// an unchanged bad value (every resync, every unrelated update) is not reported again.
-type annotationWarnings struct {
-	mu   sync.Mutex
-	last map[service.NamespacedName]string
-}
-
-// changed records the Service's annotation errors (nil for none) and reports whether they differ
-// from the last ones.
-func (w *annotationWarnings) changed(name service.NamespacedName, errs []error) (string, bool) {
-	var msgs []string
-	for _, err := range errs {
-		if errors.Is(err, ErrInvalidAnnotation) {
-			msgs = append(msgs, err.Error())
-		}
-	}
-	msg := strings.Join(msgs, "; ")
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.last == nil {
-		w.last = map[service.NamespacedName]string{}
-	}
-	if w.last[name] == msg {
-		return msg, false
-	}
-	if msg == "" {
-		delete(w.last, name)
-	} else {
-		w.last[name] = msg
-	}
-	return msg, true
-}
-
-// warnAnnotations records a Warning event on a Service when its annotation errors change to a
-// new non-empty set. (The errors themselves are logged with the other conversion errors.)
-func (p *Proxier) warnAnnotations(name service.NamespacedName, errs []error) {
-	msg, changed := p.annotations.changed(name, errs)
-	if !changed || msg == "" || p.deps.Event == nil {
-		return
-	}
-	p.deps.Event(service.ServicePortName{Namespace: name.Namespace, Name: name.Name}, ReasonInvalidAnnotation, msg)
-}
 
 // ReasonEndpointEjected is the Warning event recorded on a Service when outlier detection takes
 // one of its endpoints out of rotation.
@@ -113,75 +62,14 @@ func balancingView(b service.Balancing) debugview.BalancingView {
 }
 
 // outliers sums the outlier detection counters of a port's balancers (cluster and external).
-func (p *Proxier) outliers(name service.ServicePortName) (total uint64, ejected int) {
+func (e *endpointApplier) outliers(name service.ServicePortName) (total uint64, ejected int) {
 	for _, key := range []service.ServicePortName{name, externalName(name)} {
-		if b := p.deps.Balancer.Lookup(key); b != nil {
+		if b := e.balancer.Lookup(key); b != nil {
 			t, e := b.Outliers()
 			total, ejected = total+t, ejected+e
 		}
 	}
 	return total, ejected
-}
-
-// Annotations of the connection policies of a Service's TCP ports: what the proxy does with the
-// connection itself rather than with the choice of endpoint.
-const (
-	// AnnotationProxyProtocol makes every connection to an endpoint start with a PROXY protocol
-	// header ("v1" or "v2") carrying the client's address. TCP only: ignored, with a warning, on
-	// UDP ports.
-	AnnotationProxyProtocol = "portal-proxy.kubernetes.io/proxy-protocol"
-	// AnnotationHoldTimeout holds new connections while the port has no endpoint, for up to this
-	// long (a Go duration), instead of refusing them. TCP only; unset: refuse.
-	AnnotationHoldTimeout = "portal-proxy.kubernetes.io/hold-timeout"
-)
-
-// Bounds of the hold timeout: clients give up on a connection that sends nothing after a minute
-// or so anyway, and scaling from zero takes seconds to minutes.
-const (
-	minHoldTimeout = time.Second
-	maxHoldTimeout = time.Hour
-)
-
-// connectionPolicy reads the PROXY protocol and hold annotations of a Service. A value that does
-// not parse is reported (wrapping ErrInvalidAnnotation) and the default used: off.
-func connectionPolicy(svc *v1.Service) (service.ProxyProtocol, time.Duration, []error) {
-	var errs []error
-	bad := func(key, value, why string) {
-		errs = append(errs, fmt.Errorf("service %s/%s: annotation %s=%s: %s: %w", svc.Namespace, svc.Name, key, quoteValue(value), why, ErrInvalidAnnotation))
-	}
-	var pp service.ProxyProtocol
-	if v, ok := svc.Annotations[AnnotationProxyProtocol]; ok {
-		switch s := service.ProxyProtocol(strings.TrimSpace(v)); s {
-		case service.ProxyProtocolV1, service.ProxyProtocolV2:
-			pp = s
-		default:
-			bad(AnnotationProxyProtocol, v, "want v1 or v2; no PROXY header is sent")
-		}
-	}
-	var hold time.Duration
-	if v, ok := svc.Annotations[AnnotationHoldTimeout]; ok {
-		if d, err := time.ParseDuration(strings.TrimSpace(v)); err == nil && d >= minHoldTimeout && d <= maxHoldTimeout {
-			hold = d
-		} else {
-			bad(AnnotationHoldTimeout, v, fmt.Sprintf("want a duration from %s to %s, such as 30s; connections are refused while there is no endpoint", minHoldTimeout, maxHoldTimeout))
-		}
-	}
-	return pp, hold, errs
-}
-
-// setConnectionPolicy gives a TCP port the Service's connection policies. A UDP port takes
-// neither: a PROXY protocol asked of it is reported (the Service's TCP ports still send it), a
-// hold is silently not applied (datagrams without an endpoint are dropped; the client retries).
-func setConnectionPolicy(p *service.Port, pp service.ProxyProtocol, hold time.Duration) error {
-	if p.Protocol == service.TCP {
-		p.ProxyProtocol, p.HoldTimeout = pp, hold
-		return nil
-	}
-	if pp != "" {
-		return fmt.Errorf("service port %s: annotation %s=%q: ignored on a UDP port, the PROXY protocol is TCP only: %w",
-			p.Name, AnnotationProxyProtocol, pp, ErrInvalidAnnotation)
-	}
-	return nil
 }
 
 // proxyProtocolVersion is the tcp package's spelling of a port's PROXY protocol.
@@ -217,20 +105,11 @@ func (m *multiSocket) WakeHeld() {
 
 // wakeHeld tells the socket of a holding port's class of traffic that it has endpoints again, so
 // its held connections are dialed now. Called after the balancer has them.
-func (p *Proxier) wakeHeld(port *service.Port, external bool, usable []netip.AddrPort) {
+func (e *endpointApplier) wakeHeld(port *service.Port, external bool, usable []netip.AddrPort) {
 	if !port.Holds() || len(usable) == 0 {
 		return
 	}
-	p.activeMu.RLock()
-	a := p.active[port.Name]
-	if a != nil && external {
-		a = a.ext
-	}
-	p.activeMu.RUnlock()
-	if a == nil {
-		return
-	}
-	if h, ok := a.sock.(holder); ok {
+	if h, ok := e.socketOf(port.Name, external).(holder); ok {
 		h.WakeHeld()
 	}
 }

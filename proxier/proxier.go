@@ -5,17 +5,13 @@ package proxier
 
 import (
 	"context"
-	"errors"
 	"maps"
 	"net/netip"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
-	v1 "k8s.io/api/core/v1"
-	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/utils/clock"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
@@ -23,7 +19,6 @@ import (
 	flowstream "github.com/kube-portal-proxy/kube-portal-proxy/observe"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/conntrack"
-	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/config"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/metrics"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -158,67 +153,18 @@ type Proxier struct {
 	node            NodeTopology
 
 	annotations annotationWarnings
-	drains      drains
 
-	// epMu orders endpoint updates to the balancer (handlers and sync both apply them).
-	epMu sync.Mutex
-	// inherited is a hand-over predecessor's affinity table until the ports take it (affinity.go).
-	inherited inheritedAffinity
+	// eps applies endpoint changes to the balancer (endpoints.go).
+	eps *endpointApplier
 
-	// selMu guards sels, the endpoint selection of every service port, written by applyEndpoints
-	// and read by the sync (portal refusals) and the debug view.
-	selMu sync.RWMutex
-	sels  map[service.ServicePortName]*portSelection
-	// hcLocal counts, per Service with a health check node port, its ready endpoints on this node.
-	hcLocal map[service.NamespacedName]int
+	// paths is every service port's data path, reconciled by the sync (path.go).
+	paths *dataPaths
 
-	// activeMu guards active for readers outside the sync goroutine (debug view, drains);
-	// only the sync goroutine writes it.
-	activeMu sync.RWMutex
-	active   map[service.ServicePortName]*activePort
-
-	// kflows indexes the kernel-path ports by address for their conntrack flow events.
-	kflows *kernelFlows
-
-	// kernel holds the ports on the kernel data path (no socket; see kernelpath.go). Written by
-	// the sync goroutine under activeMu.
-	kernel map[service.ServicePortName]*service.Port
-
-	// Owned by the sync goroutine.
-	services map[service.NamespacedName][]*service.Port
-	// retiring are the sockets of ports that moved to the kernel path, closed after the next
-	// portal sync that works.
-	retiring []*activePort
-	// kernelUDP are the kernel-path UDP ports as last applied, with their endpoints (see
-	// clearStaleKernelUDP).
-	kernelUDP map[service.ServicePortName]kernelUDPPort
-	// steered: what each UDP port's rules steered at the last sync that worked, and steerGen
-	// that sync's number (clearUntranslatedUDP).
-	steered  map[service.ServicePortName]*steeredUDP
-	steerGen uint64
-	failed   map[service.ServicePortName]*service.Port
-	// extFailed: ports whose external-traffic socket failed to open (logged once).
-	extFailed map[service.ServicePortName]bool
-	// unsynced names the service ports whose portal spec changed (socket opened or closed)
-	// since the last portal sync that worked, so a failed sync can say what it failed to apply.
-	unsynced map[service.ServicePortName]struct{}
-	ports    *portAllocator
-	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
-	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
-	// again (its real port differs) keeps, so the rules need not change.
-	seeds    []Seed
-	seeded   map[service.ServicePortName]bool
-	keepPort map[service.ServicePortName]uint16
-	// listenChanged: a socket stopped or started refusing since the last saved listen state
-	// (bind mode; Config.ListenState is given the state only after a sync that changed it).
-	listenChanged bool
 	// endpointsReady is closed once the initial Services and EndpointSlices are in.
 	endpointsReady chan struct{}
 	readyOnce      sync.Once
 	// firstSynced: the first portal sync worked (its garbage was handed back to the OS).
 	firstSynced bool
-	socketWG    sync.WaitGroup
-	runCtx      context.Context
 	// handOff is set by HandOff (see handoff.go).
 	handOff handOffState
 	// firstSync is closed after the first portal sync that worked (FirstSync).
@@ -226,14 +172,6 @@ type Proxier struct {
 	firstSyncOnce sync.Once
 	// serving is closed once Run has reopened the seeds' sockets (Serving).
 	serving chan struct{}
-	// reopened and reallocated count the seeds reopened on their proxy port, and those that
-	// could not be (the first sync allocates another port): ReopenCounts.
-	reopened, rebound, reallocated atomic.Int64
-	// gate opens reopened UDP sockets (reopenGate).
-	gate     chan struct{}
-	gateOnce sync.Once
-	// restore: the restart snapshot's endpoints, until the initial lists are in (restore.go).
-	restore restoreState
 }
 
 // activePort is a service port with an open proxy socket.
@@ -285,20 +223,18 @@ func New(cfg Config, deps Deps) *Proxier {
 		latest:         make(map[service.NamespacedName][]*service.Port),
 		started:        cfg.Clock.Now(),
 		node:           cfg.Node,
-		sels:           make(map[service.ServicePortName]*portSelection),
-		hcLocal:        make(map[service.NamespacedName]int),
-		active:         make(map[service.ServicePortName]*activePort),
-		kernel:         make(map[service.ServicePortName]*service.Port),
-		services:       make(map[service.NamespacedName][]*service.Port),
-		failed:         make(map[service.ServicePortName]*service.Port),
-		extFailed:      make(map[service.ServicePortName]bool),
-		ports:          newPortAllocator(cfg.PortRange, cfg.KernelPorts),
-		seeded:         make(map[service.ServicePortName]bool),
-		keepPort:       make(map[service.ServicePortName]uint16),
 		endpointsReady: make(chan struct{}),
 		firstSync:      make(chan struct{}),
 		serving:        make(chan struct{}),
 	}
+	p.paths = newDataPaths(&p.cfg, &p.deps, p.endpointsReady)
+	p.eps = &endpointApplier{
+		balancer: deps.Balancer, pods: deps.Pods, health: deps.ServiceHealth, slices: p.slices,
+		clock: cfg.Clock, log: cfg.Logger, drainTCP: cfg.DrainTCP, drainGrace: cfg.DrainGrace,
+		ports: p.portsOf, socketOf: p.paths.openSocket, onKernel: p.cfg.onKernel, runCtx: func() context.Context { return p.paths.runCtx },
+		sels: make(map[service.ServicePortName]*portSelection), hcLocal: make(map[service.NamespacedName]int),
+	}
+	p.paths.eps = p.eps
 	p.runner = newBoundedRunner(p.sync, cfg.MinSyncPeriod, cfg.SyncPeriod, cfg.Clock, cfg.Logger)
 	if deps.Balancer != nil {
 		deps.Balancer.OnEjection(p.onEjection)
@@ -306,19 +242,16 @@ func New(cfg Config, deps Deps) *Proxier {
 	if deps.Pods != nil {
 		deps.Pods.source = p.endpointsOf
 	}
-	if deps.Flows != nil {
-		p.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
-	}
 	return p
 }
 
 // KernelFlows finds the kernel-path port of a conntrack entry by its original destination
 // (observe/conntrack.PortLookup); nil without Deps.Flows.
 func (p *Proxier) KernelFlows() KernelFlowLookup {
-	if p.kflows == nil {
+	if p.paths.kflows == nil {
 		return nil
 	}
-	return p.kflows
+	return p.paths.kflows
 }
 
 // FlowResolver names the pods behind flows' addresses for the live flow stream
@@ -350,9 +283,9 @@ func (p *Proxier) Run(ctx context.Context) {
 	// connections first. Otherwise they end with it, as before.
 	sockets, endSockets := context.WithCancel(context.WithoutCancel(ctx))
 	defer endSockets()
-	p.runCtx = sockets
+	p.paths.runCtx = sockets
 	p.deps.Health.QueuedUpdate()
-	p.reopen()
+	p.paths.reopen()
 	close(p.serving)
 	p.runner.Run(p.syncContext(ctx))
 	p.drain()
@@ -361,22 +294,19 @@ func (p *Proxier) Run(ctx context.Context) {
 }
 
 func (p *Proxier) shutdown() {
-	p.activeMu.Lock()
-	for _, a := range append(slices.Collect(maps.Values(p.active)), p.retiring...) {
-		for _, sock := range []*activePort{a, a.ext} {
-			if sock == nil {
-				continue
-			}
-			if s, ok := sock.sock.(shutdowner); ok {
+	p.paths.mu.Lock()
+	for _, path := range append(slices.Collect(maps.Values(p.paths.byName)), p.paths.retiring...) {
+		for _, sock := range path.sockets() {
+			if s, ok := sock.(shutdowner); ok {
 				s.Shutdown() // the process is going away: end established connections too
 			} else {
-				_ = sock.sock.Close()
+				_ = sock.Close()
 			}
 		}
 	}
-	p.activeMu.Unlock()
-	p.socketWG.Wait()
-	p.drains.wg.Wait() // they stop on the run context
+	p.paths.mu.Unlock()
+	p.paths.socketWG.Wait()
+	p.eps.drains.wg.Wait() // they stop on the run context
 }
 
 // Sync asks for a sync soon (bounded by the minimum sync period).
@@ -386,282 +316,4 @@ func (p *Proxier) initialized() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.servicesSynced && p.endpointsSynced
-}
-
-// The proxier takes its events from a source of package config.
-var _ config.Handler = (*Proxier)(nil)
-
-// OnServiceAdd is called when a Service appears.
-func (p *Proxier) OnServiceAdd(svc *v1.Service) { p.OnServiceUpdate(nil, svc) }
-
-// OnServiceDelete is called when a Service is removed.
-func (p *Proxier) OnServiceDelete(svc *v1.Service) { p.onService(nsName(svc.Namespace, svc.Name), nil) }
-
-// OnServiceUpdate is called when a Service changes (old is nil for an add).
-func (p *Proxier) OnServiceUpdate(_, svc *v1.Service) {
-	ports, errs := convertService(svc)
-	errs = append(errs, p.kernelConflicts(nsName(svc.Namespace, svc.Name), ports)...)
-	for _, err := range errs {
-		p.log.WithField("service", svc.Namespace+"/"+svc.Name).WithError(err).Warn("Ignoring part of a service")
-		if errors.Is(err, ErrUnsupportedProtocol) {
-			p.deps.Metrics.UnsupportedPorts.Inc()
-		}
-	}
-	p.onService(nsName(svc.Namespace, svc.Name), ports)
-	p.warnAnnotations(nsName(svc.Namespace, svc.Name), errs)
-}
-
-// onService records the ports a Service now has; none (deleted, headless, ...) means absent.
-func (p *Proxier) onService(name service.NamespacedName, ports []*service.Port) {
-	p.mu.Lock()
-	previous := p.latest[name]
-	if len(ports) == 0 {
-		delete(p.latest, name)
-		ports = nil
-	} else {
-		p.latest[name] = ports
-	}
-	pending := p.svcChanges.update(name, previous, ports)
-	synced := p.servicesSynced && p.endpointsSynced
-	p.mu.Unlock()
-	p.deps.Metrics.ServiceChanges.Inc()
-	// Endpoints are matched to ports by name and protocol, so a port change may change them.
-	p.applyEndpoints(name)
-	if pending && synced {
-		p.deps.Health.QueuedUpdate()
-		p.runner.Trigger()
-	}
-}
-
-// OnServicesSynced is called once the initial Service list is delivered.
-func (p *Proxier) OnServicesSynced() { p.setSynced(func() { p.servicesSynced = true }) }
-
-// OnEndpointSlicesSynced is called once the initial EndpointSlice list is delivered.
-func (p *Proxier) OnEndpointSlicesSynced() { p.setSynced(func() { p.endpointsSynced = true }) }
-
-func (p *Proxier) setSynced(set func()) {
-	p.mu.Lock()
-	set()
-	ready := p.servicesSynced && p.endpointsSynced
-	p.mu.Unlock()
-	if ready {
-		p.markEndpointsReady()
-		p.runner.Trigger()
-	}
-}
-
-// OnEndpointSliceAdd is called when an EndpointSlice appears.
-func (p *Proxier) OnEndpointSliceAdd(s *discovery.EndpointSlice) { p.onSlice(s, false) }
-
-// OnEndpointSliceUpdate is called when an EndpointSlice changes.
-func (p *Proxier) OnEndpointSliceUpdate(_, s *discovery.EndpointSlice) { p.onSlice(s, false) }
-
-// OnEndpointSliceDelete is called when an EndpointSlice is removed.
-func (p *Proxier) OnEndpointSliceDelete(s *discovery.EndpointSlice) { p.onSlice(s, true) }
-
-func (p *Proxier) onSlice(s *discovery.EndpointSlice, deleted bool) {
-	owner, err := config.SliceOwner(s)
-	if err != nil {
-		p.log.WithError(err).Debug("Ignoring EndpointSlice")
-		return
-	}
-	var slim *slimSlice
-	if !deleted {
-		slim = convertSlice(s)
-	}
-	p.slices.update(owner, s.Name, slim)
-	p.deps.Metrics.EndpointChanges.Inc()
-	// Endpoint changes reach the balancer now, not at the next rules sync.
-	rulesChanged := p.applyEndpoints(owner)
-	// network_programming_duration_seconds as kube-proxy measures it: from the trigger time the
-	// EndpointSlice controller stamps on the slice to the change in force, only for slices that
-	// carry one from after this proxier started (not the initial list's), never for a deletion
-	// (its annotation is of the last update). In force is now (the balancer has the endpoints),
-	// or after the next sync when the change also changed rules (a port's refusal).
-	if deleted {
-		return
-	}
-	if at, ok := triggerTime(s); ok && at.After(p.started) {
-		tr := trigger{family: familyLabel(s.AddressType), at: at}
-		if !rulesChanged {
-			p.deps.Metrics.ObserveProgramming(tr.family, p.cfg.Clock.Now(), tr.at)
-			return
-		}
-		p.mu.Lock()
-		p.pendingTriggers = append(p.pendingTriggers, tr)
-		p.mu.Unlock()
-		// A sync applyEndpoints asked for may have taken the pending list already: ask again, so
-		// this one is observed by the next sync (coalesced, at most a minimum sync period later)
-		// rather than the periodic one.
-		p.runner.Trigger()
-	}
-}
-
-// trigger is an endpoint change's trigger time, waiting for the sync that puts it in force.
-type trigger struct {
-	family string
-	at     time.Time
-}
-
-// familyLabel is kube-proxy's ip_family label value of a slice's address type.
-func familyLabel(t discovery.AddressType) string {
-	if t == discovery.AddressTypeIPv6 {
-		return string(v1.IPv6Protocol)
-	}
-	return string(v1.IPv4Protocol)
-}
-
-// triggerTime is when the change that produced this slice happened, from the annotation the
-// EndpointSlice controller sets (false without one, or when it does not parse).
-func triggerTime(s *discovery.EndpointSlice) (time.Time, bool) {
-	v, ok := s.Annotations[v1.EndpointsLastChangeTriggerTime]
-	if !ok {
-		return time.Time{}, false
-	}
-	t, err := time.Parse(time.RFC3339Nano, v)
-	return t, err == nil
-}
-
-// applyEndpoints recomputes the endpoints of every port of a Service, selects the ones each class
-// of traffic uses on this node (traffic policies, topology hints, terminating fallback) and hands
-// them to the balancer. Connections or sessions on endpoints that disappeared are dropped where that
-// is the policy (UDP always; TCP with DrainTCP). When a port's refusals or socket split change, the
-// portals must change too, so a sync is asked for (and true returned).
-func (p *Proxier) applyEndpoints(name service.NamespacedName) bool {
-	// The Service and its slices arrive on different goroutines, each storing its object and then
-	// applying. Both are read under epMu, so whichever applies last sees both: read before it, an
-	// apply that had read the Service without its slice could run last and leave the port with no
-	// endpoints (seen at 10,000 services: one port rejecting traffic until its next change).
-	p.epMu.Lock()
-	defer p.epMu.Unlock()
-	p.mu.Lock()
-	ports := p.latest[name]
-	node := p.node
-	p.mu.Unlock()
-	sl := p.slices.get(name)
-
-	rulesChanged := false
-	for _, port := range ports {
-		eps := endpointsFor(port, sl)
-		p.deps.Pods.update(port.Name, eps)
-		serving := func(ep netip.AddrPort) bool {
-			i, ok := slices.BinarySearchFunc(eps, ep, func(e service.Endpoint, a netip.AddrPort) int { return e.Addr.Compare(a) })
-			return ok && eps[i].Serving
-		}
-		sel := newPortSelection(port, selectEndpoints(port, eps, node))
-		p.setBalancer(port, port.Name, sel.Internal, false, serving)
-		if sel.split {
-			p.setBalancer(port, externalName(port.Name), sel.External, true, serving)
-		}
-		if old := p.setSelection(port.Name, sel); !sel.rulesEqual(old) || (p.onKernel(port) && !sel.endpointsEqual(old)) {
-			rulesChanged = true
-			if old != nil && old.split && !sel.split {
-				p.deps.Balancer.DeleteService(externalName(port.Name))
-			}
-		}
-	}
-	p.updateLocalCount(name, ports, sl, node.Name)
-	// Read after the selections are in: when the initial lists are reported synced meanwhile,
-	// either this sees it and triggers, or the sync that setSynced triggers reads them. (Read
-	// before, a slice delivered during the first sync could be left out of it and never synced:
-	// its service rejected traffic until an unrelated change.)
-	p.mu.Lock()
-	synced := p.servicesSynced && p.endpointsSynced
-	p.mu.Unlock()
-	if rulesChanged && synced {
-		p.deps.Health.QueuedUpdate()
-		p.runner.Trigger()
-	}
-	return rulesChanged
-}
-
-// updateLocalCount recounts a Service's ready endpoints on this node when it has a health check
-// node port, and tells the health check server when the count changed.
-func (p *Proxier) updateLocalCount(name service.NamespacedName, ports []*service.Port, sl []*slimSlice, node string) {
-	if p.deps.ServiceHealth == nil {
-		return
-	}
-	eps := map[service.ServicePortName][]service.Endpoint{}
-	for _, port := range ports {
-		if port.HealthCheckNodePort != 0 {
-			eps[port.Name] = endpointsFor(port, sl)
-		}
-	}
-	n, has := healthcheck.LocalReadyEndpoints(node, eps)[name]
-	p.selMu.Lock()
-	old, had := p.hcLocal[name]
-	if has {
-		p.hcLocal[name] = n
-	} else {
-		delete(p.hcLocal, name)
-	}
-	var snapshot map[service.NamespacedName]int
-	if old != n || had != has {
-		snapshot = maps.Clone(p.hcLocal)
-	}
-	p.selMu.Unlock()
-	if snapshot != nil {
-		p.deps.ServiceHealth.SyncEndpoints(snapshot)
-	}
-}
-
-// setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
-// traffic) its endpoints, and ends or drains the flows of those that left it (endRemoved).
-func (p *Proxier) setBalancer(port *service.Port, key service.ServicePortName, sel Selection, external bool, serving func(netip.AddrPort) bool) {
-	usable := sel.Endpoints
-	if p.keepRestored(key, usable) {
-		return // the restart snapshot's endpoints serve until the sources know this port's
-	}
-	p.deps.Balancer.SetAffinity(key, port.Affinity)
-	p.deps.Balancer.SetBalancing(key, port.Balancing)
-	p.deps.Balancer.SetPickWhy(key, sel.pickWhy())
-	sock := p.drainable(port, external)
-	var before []netip.AddrPort
-	if sock != nil { // only then is the old list needed
-		before = p.deps.Balancer.Service(key).Endpoints()
-	}
-	p.deps.Balancer.SetEndpoints(key, usable)
-	p.takeInherited(key, len(usable))
-	p.wakeHeld(port, external, usable)
-	if sock != nil {
-		p.endRemoved(sock, port, key, before, usable, serving)
-	}
-}
-
-// drainable returns the open socket of a port whose flows on endpoints leaving the rotation are
-// ended or drained (UDP always, TCP with DrainTCP or a drain-timeout), or nil.
-func (p *Proxier) drainable(port *service.Port, external bool) ProxySocket {
-	if port.Protocol == service.TCP && !p.cfg.DrainTCP && port.DrainTimeout == 0 {
-		return nil
-	}
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	a := p.active[port.Name]
-	if a != nil && external {
-		a = a.ext
-	}
-	if a != nil {
-		return a.sock
-	}
-	return nil
-}
-
-func nsName(ns, name string) service.NamespacedName {
-	return service.NamespacedName{Namespace: ns, Name: name}
-}
-
-// endpointsOf is the current endpoints of a service port (none if it is not known).
-func (p *Proxier) endpointsOf(name service.ServicePortName) []service.Endpoint {
-	p.mu.Lock()
-	var port *service.Port
-	for _, sp := range p.latest[name.ServiceName()] {
-		if sp.Name == name {
-			port = sp
-		}
-	}
-	p.mu.Unlock()
-	if port == nil {
-		return nil
-	}
-	return endpointsFor(port, p.slices.get(name.ServiceName()))
 }

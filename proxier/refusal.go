@@ -36,19 +36,19 @@ func (m *multiSocket) SetRefusing(on bool) error {
 // portal spec stays, so the service addresses stay on the interface. Established TCP connections
 // are kept (only the listener closes). A socket that cannot listen again is retried at the next
 // sync; meanwhile it keeps refusing.
-func (p *Proxier) reconcileRefusals() {
-	if p.cfg.ListenPlan == nil {
+func (d *dataPaths) reconcileRefusals() {
+	if d.cfg.ListenPlan == nil {
 		return // iptables mode: the portal rules refuse
 	}
-	p.activeMu.RLock()
-	p.selMu.RLock()
+	d.mu.RLock()
+	d.eps.selMu.RLock()
 	type change struct {
 		a    *activePort
 		want bool
 	}
 	var todo []change
-	for name, a := range p.active {
-		sel := p.sels[name]
+	for name, a := range d.socketPaths() {
+		sel := d.eps.sels[name]
 		internal, external := false, false
 		if sel != nil {
 			internal, external = sel.rejectInternal, sel.rejectExternal
@@ -60,22 +60,22 @@ func (p *Proxier) reconcileRefusals() {
 			todo = append(todo, change{a.ext, external})
 		}
 	}
-	p.selMu.RUnlock()
-	p.activeMu.RUnlock()
+	d.eps.selMu.RUnlock()
+	d.mu.RUnlock()
 	for _, c := range todo {
 		r, ok := c.a.sock.(refuser)
 		if !ok {
 			continue
 		}
-		log := p.log.WithFields(logrus.Fields{"service": c.a.port.Name.String(), "protocol": string(c.a.port.Protocol)})
+		log := d.log.WithFields(logrus.Fields{"service": c.a.port.Name.String(), "protocol": string(c.a.port.Protocol)})
 		if err := r.SetRefusing(c.want); err != nil {
 			log.WithError(err).Error("Cannot reopen the proxy socket of a service port that has endpoints again; retrying at the next sync")
 			continue
 		}
-		p.activeMu.Lock()
+		d.mu.Lock()
 		c.a.refusing = c.want
-		p.activeMu.Unlock()
-		p.listenChanged = true
+		d.mu.Unlock()
+		d.listenChanged = true
 		log.WithField("refusing", c.want).Debug("Proxy socket refusing changed")
 	}
 }
@@ -120,8 +120,8 @@ func (f *sourceFilter) allow(client netip.Addr) bool {
 
 // allowFor returns the source check for a socket of port listening at addr: the port's filter for
 // a bind-mode socket on a load-balancer IP, nil (every client) for any other.
-func (p *Proxier) allowFor(port *service.Port, at netip.AddrPort, f *sourceFilter) func(netip.Addr) bool {
-	if p.cfg.ListenPlan == nil || f == nil || at.Port() != port.Port || !slices.Contains(port.LoadBalancerIPs, at.Addr()) {
+func (d *dataPaths) allowFor(port *service.Port, at netip.AddrPort, f *sourceFilter) func(netip.Addr) bool {
+	if d.cfg.ListenPlan == nil || f == nil || at.Port() != port.Port || !slices.Contains(port.LoadBalancerIPs, at.Addr()) {
 		return nil
 	}
 	return f.allow
@@ -129,7 +129,7 @@ func (p *Proxier) allowFor(port *service.Port, at netip.AddrPort, f *sourceFilte
 
 // countRefused sets the refused-service-ports gauge from the portal specs (both modes): how many
 // ports refuse their cluster traffic, and how many that take external traffic refuse it.
-func (p *Proxier) countRefused(specs []portal.Spec) {
+func (d *dataPaths) countRefused(specs []portal.Spec) {
 	var internal, external int
 	for _, s := range specs {
 		if s.RejectInternal {
@@ -139,6 +139,6 @@ func (p *Proxier) countRefused(specs []portal.Spec) {
 			external++
 		}
 	}
-	p.deps.Metrics.RefusedPorts.WithLabelValues("cluster").Set(float64(internal))
-	p.deps.Metrics.RefusedPorts.WithLabelValues("external").Set(float64(external))
+	d.deps.Metrics.RefusedPorts.WithLabelValues("cluster").Set(float64(internal))
+	d.deps.Metrics.RefusedPorts.WithLabelValues("external").Set(float64(external))
 }

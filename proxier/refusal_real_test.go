@@ -36,7 +36,7 @@ func TestBindModeWithRealSockets(t *testing.T) {
 		return []netip.AddrPort{cluster, lb}
 	}}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: &recordingPortals{}, Sockets: RealSockets(SocketConfig{})})
 	ctx, cancel := context.WithCancel(context.Background())
-	p.runCtx = ctx
+	p.paths.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
 	collector := metrics.NewTrafficCollector(p)
 	sync := func() {

@@ -13,6 +13,8 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -53,11 +55,30 @@ type Seed struct {
 	SourceRanges     []netip.Prefix
 }
 
+// reopenState is what the paths keep of a restart: the seeds, the sockets reopened from them
+// until the first sync adopts or closes them, and the gate of reopened UDP sockets.
+type reopenState struct {
+	// seeds are the sockets Run reopens first (Reopen); seeded names the open ones until the first
+	// sync adopts or closes them; keepPort is the proxy port a reopened socket that must be opened
+	// again (its real port differs) keeps, so the rules need not change.
+	seeds    []Seed
+	seeded   map[service.ServicePortName]bool
+	keepPort map[service.ServicePortName]uint16
+	// reopened and reallocated count the seeds reopened on their proxy port, and those that
+	// could not be (the first sync allocates another port): ReopenCounts.
+	reopened, rebound, reallocated atomic.Int64
+	// endpointsReady is the Proxier's, closed once the initial Services and EndpointSlices are
+	// in; gate opens reopened UDP sockets (reopenGate).
+	endpointsReady chan struct{}
+	gate           chan struct{}
+	gateOnce       sync.Once
+}
+
 // Reopen asks Run to reopen, before anything else, a socket on each seed's proxy ports (in bind
 // mode, on each seed's addresses), so that the portal rules (the addresses) a previous process
 // left in place lead somewhere again. Call it before Run.
 func (p *Proxier) Reopen(seeds []Seed) {
-	p.seeds = slices.Clone(seeds)
+	p.paths.restart.seeds = slices.Clone(seeds)
 }
 
 // reopen opens the seeds' sockets: on the proxy ports the portal rules point at (iptables mode)
@@ -65,22 +86,22 @@ func (p *Proxier) Reopen(seeds []Seed) {
 // up to reopenInUseFor (the killed predecessor's socket going away); a seed whose sockets still
 // cannot be opened (a port another process took since) is reported and left to the first sync. It runs in the sync
 // goroutine, before the first sync.
-func (p *Proxier) reopen() {
-	if len(p.seeds) == 0 {
+func (d *dataPaths) reopen() {
+	if len(d.restart.seeds) == 0 {
 		return
 	}
-	open, what := p.reopenSteered, "the proxy sockets the portal rules in force point at"
-	if p.cfg.ListenPlan != nil {
-		open, what = p.reopenSeedBound, "the sockets of the bind state file"
+	open, what := d.reopenSteered, "the proxy sockets the portal rules in force point at"
+	if d.cfg.ListenPlan != nil {
+		open, what = d.reopenSeedBound, "the sockets of the bind state file"
 	}
-	start := p.cfg.Clock.Now()
+	start := d.cfg.Clock.Now()
 	opened, rebound, inherited, busy := 0, 0, 0, 0
-	for _, s := range p.seeds {
-		log := p.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
+	for _, s := range d.restart.seeds {
+		log := d.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 		a, err := open(s, log)
 		if errors.Is(err, syscall.EADDRINUSE) {
 			busy++
-			a, err = p.reopenInUse(open, s, log, start)
+			a, err = d.reopenInUse(open, s, log, start)
 		}
 		if errors.Is(err, errOutsideRange) {
 			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
@@ -102,19 +123,19 @@ func (p *Proxier) reopen() {
 				}
 			}
 		}
-		p.activeMu.Lock()
-		p.active[s.Name] = a
-		p.activeMu.Unlock()
-		p.seeded[s.Name] = true
+		d.mu.Lock()
+		d.byName[s.Name] = a
+		d.mu.Unlock()
+		d.restart.seeded[s.Name] = true
 		opened++
 	}
-	p.reopened.Store(int64(opened))
-	p.rebound.Store(int64(rebound))
-	p.reallocated.Store(int64(len(p.seeds) - opened))
-	p.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(p.seeds),
-		"stillInUse": busy, "duration": p.cfg.Clock.Since(start).String()}).
+	d.restart.reopened.Store(int64(opened))
+	d.restart.rebound.Store(int64(rebound))
+	d.restart.reallocated.Store(int64(len(d.restart.seeds) - opened))
+	d.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(d.restart.seeds),
+		"stillInUse": busy, "duration": d.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
-	p.seeds = nil
+	d.restart.seeds = nil
 }
 
 // reopenInUseFor bounds how long reopen tries again a seed whose address is still in use. Just
@@ -125,17 +146,17 @@ const reopenInUseFor = time.Second
 
 // reopenInUse opens a seed whose address was in use again, every 20 ms until reopenInUseFor
 // after the reopen started. It returns the last error when the address stays taken.
-func (p *Proxier) reopenInUse(open func(Seed, logrus.FieldLogger) (*activePort, error), s Seed, log logrus.FieldLogger, start time.Time) (*activePort, error) {
+func (d *dataPaths) reopenInUse(open func(Seed, logrus.FieldLogger) (*activePort, error), s Seed, log logrus.FieldLogger, start time.Time) (*activePort, error) {
 	for {
-		t := p.cfg.Clock.NewTimer(20 * time.Millisecond)
+		t := d.cfg.Clock.NewTimer(20 * time.Millisecond)
 		select {
 		case <-t.C():
-		case <-p.runCtx.Done():
+		case <-d.runCtx.Done():
 			t.Stop()
-			return nil, p.runCtx.Err()
+			return nil, d.runCtx.Err()
 		}
 		a, err := open(s, log)
-		if !errors.Is(err, syscall.EADDRINUSE) || p.cfg.Clock.Since(start) > reopenInUseFor {
+		if !errors.Is(err, syscall.EADDRINUSE) || d.cfg.Clock.Since(start) > reopenInUseFor {
 			return a, err
 		}
 	}
@@ -147,23 +168,23 @@ var errOutsideRange = errors.New("proxy port outside --proxy-port-range")
 // reopenSteered opens, in iptables mode, one seed's proxy port (and its external-traffic one) that
 // the portal rules point at. An external port that cannot be reopened is reported and left to the
 // first sync; the seed's cluster socket serves meanwhile.
-func (p *Proxier) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, error) {
-	if !p.ports.take(s.ProxyPort) {
+func (d *dataPaths) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, error) {
+	if !d.ports.take(s.ProxyPort) {
 		return nil, errOutsideRange
 	}
 	port := s.port()
-	sock, err := p.listenFamilies(port, s.ProxyPort, p.holdingBuild(port, port.Name, nil))
+	sock, err := d.listenFamilies(port, s.ProxyPort, d.holdingBuild(port, port.Name, nil))
 	if err != nil {
-		p.ports.release(s.ProxyPort)
+		d.ports.release(s.ProxyPort)
 		return nil, fmt.Errorf("proxy port %d: %w", s.ProxyPort, err)
 	}
-	a := p.serve(port, sock, s.ProxyPort)
-	if s.ExternalProxyPort != 0 && p.ports.take(s.ExternalProxyPort) {
-		ext, err := p.listenFamilies(port, s.ExternalProxyPort, p.holdingBuild(port, externalName(port.Name), nil))
+	a := d.serve(port, sock, s.ProxyPort)
+	if s.ExternalProxyPort != 0 && d.ports.take(s.ExternalProxyPort) {
+		ext, err := d.listenFamilies(port, s.ExternalProxyPort, d.holdingBuild(port, externalName(port.Name), nil))
 		if err == nil {
-			a.ext = p.serve(port, ext, s.ExternalProxyPort)
+			a.ext = d.serve(port, ext, s.ExternalProxyPort)
 		} else {
-			p.ports.release(s.ExternalProxyPort)
+			d.ports.release(s.ExternalProxyPort)
 			log.WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")
 		}
 	}
@@ -191,26 +212,26 @@ func (s Seed) port() *service.Port {
 // protocol, same families to listen in, and no per-port socket option the seed could not know
 // (the access log, PROXY protocol and hold annotations). Otherwise the socket is reopened on the
 // same proxy port.
-func (p *Proxier) adoptable(a *activePort, port *service.Port) bool {
-	same := p.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
+func (d *dataPaths) adoptable(a *activePort, port *service.Port) bool {
+	same := d.restart.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
 		port.ProxyProtocol == "" && port.HoldTimeout == 0
-	if p.cfg.ListenPlan != nil {
-		return same && p.boundAdoptable(a, port)
+	if d.cfg.ListenPlan != nil {
+		return same && d.boundAdoptable(a, port)
 	}
 	return same && slices.Equal(wildcards(a.port), wildcards(port))
 }
 
 // dropUnwantedSeeds closes, at the first sync, the reopened sockets of service ports that no
 // longer exist. Their rules go with the sync's diff.
-func (p *Proxier) dropUnwantedSeeds() {
-	for name := range p.seeded {
-		wanted := slices.ContainsFunc(p.services[name.ServiceName()], func(port *service.Port) bool { return port.Name == name })
+func (d *dataPaths) dropUnwantedSeeds() {
+	for name := range d.restart.seeded {
+		wanted := slices.ContainsFunc(d.services[name.ServiceName()], func(port *service.Port) bool { return port.Name == name })
 		if !wanted {
-			p.log.WithField("service", name.String()).Debug("Closing a reopened proxy socket: the service port is gone")
-			p.stopPort(name, true)
+			d.log.WithField("service", name.String()).Debug("Closing a reopened proxy socket: the service port is gone")
+			d.stopPort(name, true)
 		}
 	}
-	p.seeded = map[service.ServicePortName]bool{}
+	d.restart.seeded = map[service.ServicePortName]bool{}
 }
 
 // holdingBuild builds a reopened socket: TCP ones hold connections that find no endpoint until
@@ -219,35 +240,35 @@ func (p *Proxier) dropUnwantedSeeds() {
 // socket's queue, or after a hand-over go to the predecessor, which reads the same socket.
 // In bind mode the sockets on load-balancer IPs check their clients against filter (allowFor);
 // in iptables mode the rules check the source ranges.
-func (p *Proxier) holdingBuild(port *service.Port, key service.ServicePortName, filter *sourceFilter) func(netip.AddrPort) ProxySocket {
+func (d *dataPaths) holdingBuild(port *service.Port, key service.ServicePortName, filter *sourceFilter) func(netip.AddrPort) ProxySocket {
 	return func(at netip.AddrPort) ProxySocket {
-		var picker Picker = p.deps.Balancer.Service(key)
+		var picker Picker = d.deps.Balancer.Service(key)
 		if port.Protocol == service.TCP {
-			picker = &holdPicker{next: picker, ready: p.endpointsReady, done: p.runCtx.Done(), clock: p.cfg.Clock, hold: p.cfg.ReopenHold}
+			picker = &holdPicker{next: picker, ready: d.restart.endpointsReady, done: d.runCtx.Done(), clock: d.cfg.Clock, hold: d.cfg.ReopenHold}
 		} else {
-			picker = &gatedPicker{next: picker, ready: p.restoredGate(key)}
+			picker = &gatedPicker{next: picker, ready: d.restoredGate(key)}
 		}
-		return p.deps.Sockets(port, picker, p.allowFor(port, at, filter))
+		return d.deps.Sockets(port, picker, d.allowFor(port, at, filter))
 	}
 }
 
 // reopenGate is closed once the initial endpoints are in, or ReopenHold after the first call, or
 // when Run ends: reopened UDP sockets start reading then.
-func (p *Proxier) reopenGate() <-chan struct{} {
-	p.gateOnce.Do(func() {
-		p.gate = make(chan struct{})
-		t := p.cfg.Clock.NewTimer(p.cfg.ReopenHold)
+func (d *dataPaths) reopenGate() <-chan struct{} {
+	d.restart.gateOnce.Do(func() {
+		d.restart.gate = make(chan struct{})
+		t := d.cfg.Clock.NewTimer(d.cfg.ReopenHold)
 		go func() {
-			defer close(p.gate)
+			defer close(d.restart.gate)
 			defer t.Stop()
 			select {
-			case <-p.endpointsReady:
+			case <-d.restart.endpointsReady:
 			case <-t.C():
-			case <-p.runCtx.Done():
+			case <-d.runCtx.Done():
 			}
 		}()
 	})
-	return p.gate
+	return d.restart.gate
 }
 
 // gatedPicker is a reopened UDP socket's picker: a udp.Gate until the initial endpoints are in.
@@ -351,7 +372,9 @@ func (h *holdPicker) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flo
 // markEndpointsReady releases held connections: the initial Services and EndpointSlices are in.
 func (p *Proxier) markEndpointsReady() {
 	p.readyOnce.Do(func() {
-		p.dropRestored() // before held connections pick again
+		for _, name := range p.eps.dropRestored() { // before held connections pick again
+			p.applyEndpoints(name)
+		}
 		close(p.endpointsReady)
 	})
 }

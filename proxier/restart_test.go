@@ -35,7 +35,7 @@ func TestReopen(t *testing.T) {
 		seed("ns", "gone", "", service.UDP, 34002),
 		seed("ns", "logged", "http", service.TCP, 34003),
 	})
-	e.p.reopen()
+	e.p.paths.reopen()
 
 	// Before any Service is known, each port the rules point at is listened on again.
 	for name, pp := range map[service.ServicePortName]uint16{webHTTP: 34001, gone: 34002, logged: 34003} {
@@ -88,7 +88,7 @@ func TestReopenCounts(t *testing.T) {
 		seed("ns", "dns", "", service.UDP, 34002),
 		seed("ns", "taken", "http", service.TCP, 34003),
 	})
-	e.p.reopen()
+	e.p.paths.reopen()
 	// The fake sockets bind anew (no hand-over): each reopened port's socket is rebound.
 	reopened, rebound, reallocated := e.p.ReopenCounts()
 	if reopened != 2 || rebound != 2 || reallocated != 1 {
@@ -99,11 +99,11 @@ func TestReopenCounts(t *testing.T) {
 func TestReopenKeepsToTheProxyPortRange(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.PortRange = PortRange{Base: 34000, Size: 10} })
 	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001), seed("ns", "other", "", service.TCP, 35000)})
-	e.p.reopen()
+	e.p.paths.reopen()
 	if got := e.openNames(); len(got) != 1 || got[0] != "ns/web:http" {
 		t.Fatalf("reopened %v, want only ns/web:http (35000 is outside 34000-34009)", got)
 	}
-	if pp, err := e.p.ports.allocate(); err != nil || pp == 34001 {
+	if pp, err := e.p.paths.ports.allocate(); err != nil || pp == 34001 {
 		t.Errorf("allocate after reopen = %d, %v; want a port other than the reopened 34001", pp, err)
 	}
 }
@@ -113,7 +113,7 @@ func TestReopenTakenPortLeftToTheFirstSync(t *testing.T) {
 	e.failListen[webHTTP] = fmt.Errorf("listen: %w", os.NewSyscallError("bind", syscall.EADDRINUSE)) // for good: tried for reopenInUseFor
 	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
 	done := make(chan struct{})
-	go func() { defer close(done); e.p.reopen() }()
+	go func() { defer close(done); e.p.paths.reopen() }()
 	// The reopen tries again every 20 ms of the fake clock until reopenInUseFor has passed.
 	deadline := time.Now().Add(testenv.WaitTimeout)
 	for waiting := true; waiting; {

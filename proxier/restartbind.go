@@ -17,24 +17,24 @@ import (
 
 // reopenSeedBound opens, in bind mode, one seed's sockets on the addresses it listened on: the
 // cluster (or only) one, then the external one.
-func (p *Proxier) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, error) {
+func (d *dataPaths) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, error) {
 	port := s.boundPort()
 	filter := newSourceFilter(s.SourceRanges)
-	sock, err := openAll(s.Listen, p.holdingBuild(port, port.Name, filter))
+	sock, err := openAll(s.Listen, d.holdingBuild(port, port.Name, filter))
 	if err != nil {
 		return nil, err
 	}
-	a := p.serve(port, sock, port.Port)
+	a := d.serve(port, sock, port.Port)
 	a.filter, a.listen, a.split = filter, slices.Clone(s.Listen), len(s.External) > 0
 	if !a.split {
 		return a, nil
 	}
-	ext, err := openAll(s.External, p.holdingBuild(port, externalName(port.Name), filter))
+	ext, err := openAll(s.External, d.holdingBuild(port, externalName(port.Name), filter))
 	if err != nil {
-		p.closeSocket(a)
+		d.closeSocket(a)
 		return nil, err
 	}
-	a.ext = p.serve(port, ext, port.Port)
+	a.ext = d.serve(port, ext, port.Port)
 	a.ext.filter, a.ext.listen = filter, slices.Clone(s.External)
 	return a, nil
 }
@@ -54,8 +54,8 @@ func (s Seed) boundPort() *service.Port {
 
 // boundAdoptable reports whether a socket reopened from the bind state listens exactly where the
 // real port's sockets would (same split, same addresses), so the first sync keeps it.
-func (p *Proxier) boundAdoptable(a *activePort, port *service.Port) bool {
-	internal, external := p.boundPlan(port)
+func (d *dataPaths) boundAdoptable(a *activePort, port *service.Port) bool {
+	internal, external := d.boundPlan(port)
 	if a.split != splitsExternal(port) || !sameAddrs(a.listen, internal) {
 		return false
 	}
@@ -67,8 +67,8 @@ func (p *Proxier) boundAdoptable(a *activePort, port *service.Port) bool {
 
 // boundPlan is where a port's sockets listen in bind mode: all of the plan on one socket, or the
 // cluster IPs on one and the rest on the external socket when the port splits its traffic.
-func (p *Proxier) boundPlan(port *service.Port) (internal, external []netip.AddrPort) {
-	plan := p.cfg.ListenPlan(port)
+func (d *dataPaths) boundPlan(port *service.Port) (internal, external []netip.AddrPort) {
+	plan := d.cfg.ListenPlan(port)
 	if splitsExternal(port) {
 		return splitPlan(port, plan)
 	}
@@ -85,17 +85,17 @@ func sameAddrs(a, b []netip.AddrPort) bool {
 // listenState lists, in bind mode, where every open service port listens (in no order), for the
 // state file a restarted process reopens from. A port whose cluster socket refuses (no endpoint) is left out:
 // after a restart nothing should listen there either.
-func (p *Proxier) listenState() []Seed {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	out := make([]Seed, 0, len(p.active))
-	for _, a := range p.active {
+func (d *dataPaths) listenState() []Seed {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	out := make([]Seed, 0, len(d.byName))
+	for _, a := range d.socketPaths() {
 		if a.refusing {
 			continue
 		}
 		s := Seed{Name: a.port.Name, Protocol: a.port.Protocol, ProxyPort: a.port.Port,
 			LoadBalancerIPs: a.port.LoadBalancerIPs, SourceRanges: a.port.LoadBalancerSourceRanges}
-		internal, external := p.boundPlan(a.port)
+		internal, external := d.boundPlan(a.port)
 		if a.split != splitsExternal(a.port) {
 			continue // reopens at the next sync (reconcileSplits); saved then
 		}
@@ -110,10 +110,10 @@ func (p *Proxier) listenState() []Seed {
 
 // saveListenState hands the bind-mode listen state to Config.ListenState after a sync that worked
 // and changed something (the caller checks), so a periodic sync of 10,000 ports costs nothing.
-func (p *Proxier) saveListenState() {
-	p.restore.gen.Add(1) // a sync changed sockets: the restart snapshot's proxy ports may differ
-	if p.cfg.ListenPlan == nil || p.cfg.ListenState == nil {
+func (d *dataPaths) saveListenState() {
+	d.eps.restore.gen.Add(1) // a sync changed sockets: the restart snapshot's proxy ports may differ
+	if d.cfg.ListenPlan == nil || d.cfg.ListenState == nil {
 		return
 	}
-	p.cfg.ListenState(p.listenState())
+	d.cfg.ListenState(d.listenState())
 }

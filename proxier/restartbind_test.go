@@ -39,7 +39,7 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 			ListenState: func(s []Seed) { saved = s },
 		}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: &recordingPortals{}, Sockets: RealSockets(SocketConfig{})})
 		ctx, cancel := context.WithCancel(context.Background())
-		p.runCtx = ctx
+		p.paths.runCtx = ctx
 		return p, func() { cancel(); p.shutdown() }
 	}
 	feed := func(p *Proxier) {
@@ -72,7 +72,7 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 
 	first, stopFirst := start()
 	feed(first)
-	if err := first.sync(first.runCtx); err != nil {
+	if err := first.sync(first.paths.runCtx); err != nil {
 		t.Fatal(err)
 	}
 	t.Run("a_sync_saves_where_each_port_listens", func(t *testing.T) {
@@ -91,8 +91,8 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 	t.Cleanup(stopSecond)
 	second.Reopen(saved)
 	saved = nil
-	second.reopen()
-	reopened := second.active[web]
+	second.paths.reopen()
+	reopened := second.paths.socketOf(web)
 
 	t.Run("reopened_sockets_check_source_ranges_before_the_first_sync", func(t *testing.T) {
 		if got, err := dial("127.0.0.6", lb); !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, io.EOF) {
@@ -112,7 +112,7 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 		t.Fatal(err)
 	}
 	feed(second)
-	if err := second.sync(second.runCtx); err != nil {
+	if err := second.sync(second.paths.runCtx); err != nil {
 		t.Fatal(err)
 	}
 	t.Run("a_connection_made_before_the_first_sync_is_served", func(t *testing.T) {
@@ -123,7 +123,7 @@ func TestBindModeReopenWithRealSockets(t *testing.T) {
 		}
 	})
 	t.Run("the_first_sync_keeps_the_reopened_sockets", func(t *testing.T) {
-		if a := second.active[web]; a == nil || a != reopened {
+		if a := second.paths.socketOf(web); a == nil || a != reopened {
 			t.Errorf("active socket after the first sync = %p, want the reopened %p", a, reopened)
 		}
 		if got, err := dial("127.0.0.5", lb); err != nil || got != "ping" {
@@ -140,7 +140,7 @@ func TestBoundAdoptable(t *testing.T) {
 	plan := []netip.AddrPort{ap("10.96.0.10:80"), ap("0.0.0.0:30080")}
 	p := New(Config{ListenPlan: func(*service.Port) []netip.AddrPort { return plan }}, Deps{})
 	port := &service.Port{Name: webHTTP, Protocol: service.TCP, Port: 80, NodePort: 30080, ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}}
-	p.seeded[webHTTP] = true
+	p.paths.restart.seeded[webHTTP] = true
 	for _, tc := range []struct {
 		name   string
 		a      *activePort
@@ -155,7 +155,7 @@ func TestBoundAdoptable(t *testing.T) {
 			ext: &activePort{listen: plan[1:]}}, service.TCP, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := p.adoptable(tc.a, port); got != tc.want {
+			if got := p.paths.adoptable(tc.a, port); got != tc.want {
 				t.Errorf("adoptable = %v, want %v", got, tc.want)
 			}
 		})

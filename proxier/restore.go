@@ -13,6 +13,7 @@ package proxier
 
 import (
 	"iter"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -42,14 +43,14 @@ func (p *Proxier) Restore(st *snapshot.State) int {
 	if st == nil {
 		return 0
 	}
-	seeded := make(map[service.ServicePortName]service.Protocol, len(p.seeds))
-	for _, s := range p.seeds {
+	seeded := make(map[service.ServicePortName]service.Protocol, len(p.paths.restart.seeds))
+	for _, s := range p.paths.restart.seeds {
 		seeded[s.Name] = s.Protocol
 	}
-	p.restore.mu.Lock()
-	defer p.restore.mu.Unlock()
-	if p.restore.keys == nil {
-		p.restore.keys = make(map[service.ServicePortName]struct{})
+	p.eps.restore.mu.Lock()
+	defer p.eps.restore.mu.Unlock()
+	if p.eps.restore.keys == nil {
+		p.eps.restore.keys = make(map[service.ServicePortName]struct{})
 	}
 	n := 0
 	for i := range st.Ports {
@@ -57,82 +58,80 @@ func (p *Proxier) Restore(st *snapshot.State) int {
 		if proto, ok := seeded[sp.Name]; !ok || proto != sp.Protocol {
 			continue
 		}
-		p.restoreEntry(sp.Name, sp, sp.Internal)
+		p.eps.restoreEntry(sp.Name, sp, sp.Internal)
 		if sp.Split {
-			p.restoreEntry(externalName(sp.Name), sp, sp.External)
+			p.eps.restoreEntry(externalName(sp.Name), sp, sp.External)
 		}
 		n++
 	}
 	return n
 }
 
-func (p *Proxier) restoreEntry(key service.ServicePortName, sp *snapshot.Port, eps []snapshot.Endpoint) {
-	p.deps.Balancer.SetAffinity(key, sp.Affinity)
-	p.deps.Balancer.SetBalancing(key, sp.Balancing)
-	p.deps.Balancer.SetEndpoints(key, snapshot.Addrs(eps))
-	p.restore.keys[key] = struct{}{}
+func (e *endpointApplier) restoreEntry(key service.ServicePortName, sp *snapshot.Port, eps []snapshot.Endpoint) {
+	e.balancer.SetAffinity(key, sp.Affinity)
+	e.balancer.SetBalancing(key, sp.Balancing)
+	e.balancer.SetEndpoints(key, snapshot.Addrs(eps))
+	e.restore.keys[key] = struct{}{}
 }
 
 // keepRestored reports whether a balancer entry keeps its snapshot endpoints rather than take
 // usable: before the initial lists are in, a Service often arrives before its EndpointSlices, so
 // an empty selection then says "not known yet", not "no endpoint". The first update with
 // endpoints replaces the snapshot's.
-func (p *Proxier) keepRestored(key service.ServicePortName, usable []netip.AddrPort) bool {
-	p.restore.mu.Lock()
-	defer p.restore.mu.Unlock()
-	if _, ok := p.restore.keys[key]; !ok {
+func (e *endpointApplier) keepRestored(key service.ServicePortName, usable []netip.AddrPort) bool {
+	e.restore.mu.Lock()
+	defer e.restore.mu.Unlock()
+	if _, ok := e.restore.keys[key]; !ok {
 		return false
 	}
-	if len(usable) == 0 && !p.restore.done {
+	if len(usable) == 0 && !e.restore.done {
 		return true
 	}
-	delete(p.restore.keys, key)
+	delete(e.restore.keys, key)
 	return false
 }
 
 // dropRestored ends the restore once the initial lists are in, before held connections are
 // released: the entries still holding snapshot endpoints (the sources gave their ports none, or
 // dropped the ports) are emptied, then filled from the sources again.
-func (p *Proxier) dropRestored() {
-	p.restore.mu.Lock()
-	left := p.restore.keys
-	p.restore.keys, p.restore.done = nil, true
-	p.restore.mu.Unlock()
+func (e *endpointApplier) dropRestored() []service.NamespacedName {
+	e.restore.mu.Lock()
+	left := e.restore.keys
+	e.restore.keys, e.restore.done = nil, true
+	e.restore.mu.Unlock()
 	if len(left) == 0 {
-		return
+		return nil
 	}
 	services := map[service.NamespacedName]bool{}
-	p.epMu.Lock()
+	e.mu.Lock()
 	for key := range left {
-		p.deps.Balancer.SetEndpoints(key, nil)
-		p.deps.Balancer.SetAffinity(key, service.Affinity{})
-		p.deps.Balancer.SetBalancing(key, service.Balancing{})
+		e.balancer.SetEndpoints(key, nil)
+		e.balancer.SetAffinity(key, service.Affinity{})
+		e.balancer.SetBalancing(key, service.Balancing{})
 		services[key.ServiceName()] = true
 	}
-	p.epMu.Unlock()
-	for name := range services {
-		p.applyEndpoints(name)
-	}
-	p.log.WithField("servicePorts", len(left)).Info("Initial Services and EndpointSlices are in; dropped the restart snapshot's endpoints they did not replace")
+	e.mu.Unlock()
+	e.log.WithField("servicePorts", len(left)).Info("Initial Services and EndpointSlices are in; dropped the restart snapshot's endpoints they did not replace")
+	return slices.Collect(maps.Keys(services))
 }
 
 // restoredGate is the gate of a reopened UDP socket: open at once when its entry has the
 // snapshot's endpoints, otherwise reopenGate.
-func (p *Proxier) restoredGate(key service.ServicePortName) <-chan struct{} {
-	p.restore.mu.Lock()
-	_, ok := p.restore.keys[key]
-	p.restore.mu.Unlock()
+func (d *dataPaths) restoredGate(key service.ServicePortName) <-chan struct{} {
+	d.eps.restore.mu.Lock()
+	_, ok := d.eps.restore.keys[key]
+	d.eps.restore.mu.Unlock()
 	if ok {
 		return closedChan
 	}
-	return p.reopenGate()
+	return d.reopenGate()
 }
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // SnapshotGeneration changes whenever what Snapshot returns may have changed (an endpoint
 // selection, or a sync that changed sockets): the daemon writes a snapshot only then.
-func (p *Proxier) SnapshotGeneration() uint64 { return p.restore.gen.Load() }
+func (p *Proxier) SnapshotGeneration() uint64 { return p.eps.restore.gen.Load() }
 
 // Snapshot is what the proxy serves now through its sockets (SnapshotPorts), as one State.
 func (p *Proxier) Snapshot(node string) *snapshot.State {
@@ -161,11 +160,13 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 		p.mu.Unlock()
 		var sp snapshot.Port
 		for _, port := range ports {
-			p.selMu.RLock()
-			sel := p.sels[port.Name]
-			p.selMu.RUnlock()
-			p.activeMu.RLock()
-			a, kernel := p.active[port.Name], p.kernel[port.Name] != nil
+			p.eps.selMu.RLock()
+			sel := p.eps.sels[port.Name]
+			p.eps.selMu.RUnlock()
+			p.paths.mu.RLock()
+			path := p.paths.byName[port.Name]
+			a := p.paths.socketOf(port.Name)
+			kernel := path != nil && path.dataPath() == service.DataPathKernel
 			var proxyPort, extPort uint16
 			if a != nil {
 				proxyPort = a.proxyPort
@@ -173,7 +174,7 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 					extPort = a.ext.proxyPort
 				}
 			}
-			p.activeMu.RUnlock()
+			p.paths.mu.RUnlock()
 			if sel == nil || kernel {
 				continue
 			}

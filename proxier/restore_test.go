@@ -51,7 +51,7 @@ func TestRestore(t *testing.T) {
 		snapPort(dns, service.UDP, 34003, "10.244.1.4:53"),
 		snapPort(unseeded, service.TCP, 34009, "10.244.1.5:8080"),
 	}})
-	e.p.reopen()
+	e.p.paths.reopen()
 
 	t.Run("only_reopened_ports_of_the_same_protocol_are_restored", func(t *testing.T) {
 		if n != 2 {
@@ -119,7 +119,7 @@ func TestRestoreWithoutSlicesDropsAtSync(t *testing.T) {
 	sp := snapPort(webHTTP, service.TCP, 34001, "10.244.1.1:8080")
 	sp.Affinity = service.Affinity{ClientIP: true}
 	e.p.Restore(&snapshot.State{Ports: []snapshot.Port{sp}})
-	e.p.reopen()
+	e.p.paths.reopen()
 	// The Service is still there, but its endpoints went while no proxy ran.
 	e.p.OnServiceAdd(webService(nil))
 	e.synced()
@@ -196,12 +196,12 @@ func TestRestoredUDPReadsAtOnce(t *testing.T) {
 	e.p.Reopen([]Seed{seed("ns", "dns", "dns", service.UDP, 34001), seed("ns", "other", "dns", service.UDP, 34002)})
 	e.p.Restore(&snapshot.State{Ports: []snapshot.Port{snapPort(dns, service.UDP, 34001, "10.244.1.4:53")}})
 	select {
-	case <-e.p.restoredGate(dns):
+	case <-e.p.paths.restoredGate(dns):
 	default:
 		t.Errorf("the gate of a restored UDP port is closed; want it to read at once")
 	}
 	select {
-	case <-e.p.restoredGate(other):
+	case <-e.p.paths.restoredGate(other):
 		t.Errorf("the gate of a UDP port without snapshot endpoints is open before the initial lists")
 	default:
 	}
@@ -215,7 +215,7 @@ func TestReopenRetriesAnAddressStillInUse(t *testing.T) {
 	e.mu.Unlock()
 	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001)})
 	done := make(chan struct{})
-	go func() { defer close(done); e.p.reopen() }()
+	go func() { defer close(done); e.p.paths.reopen() }()
 	testenv.WaitFor(t, "the reopen to wait and try again", e.clk.HasWaiters)
 	e.mu.Lock()
 	delete(e.failListen, webHTTP) // the old socket is gone

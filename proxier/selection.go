@@ -68,22 +68,22 @@ func splitPlan(p *service.Port, plan []netip.AddrPort) (internal, external []net
 }
 
 // selection returns the current selection of a port, or nil.
-func (p *Proxier) selection(name service.ServicePortName) *portSelection {
-	p.selMu.RLock()
-	defer p.selMu.RUnlock()
-	return p.sels[name]
+func (e *endpointApplier) selection(name service.ServicePortName) *portSelection {
+	e.selMu.RLock()
+	defer e.selMu.RUnlock()
+	return e.sels[name]
 }
 
 // setSelection records a port's selection and returns the previous one.
-func (p *Proxier) setSelection(name service.ServicePortName, s *portSelection) *portSelection {
-	p.restore.gen.Add(1) // the restart snapshot may have changed
-	p.selMu.Lock()
-	defer p.selMu.Unlock()
-	old := p.sels[name]
+func (e *endpointApplier) setSelection(name service.ServicePortName, s *portSelection) *portSelection {
+	e.restore.gen.Add(1) // the restart snapshot may have changed
+	e.selMu.Lock()
+	defer e.selMu.Unlock()
+	old := e.sels[name]
 	if s == nil {
-		delete(p.sels, name)
+		delete(e.sels, name)
 	} else {
-		p.sels[name] = s
+		e.sels[name] = s
 	}
 	return old
 }

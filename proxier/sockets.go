@@ -137,13 +137,13 @@ var _ metrics.TrafficSource = (*Proxier)(nil)
 // read now: the metrics collector calls it at each scrape.
 func (p *Proxier) Traffic() iter.Seq[metrics.PortTraffic] {
 	return func(yield func(metrics.PortTraffic) bool) {
-		for _, a := range p.activeList() {
+		for _, a := range p.paths.activeList() {
 			t := metrics.PortTraffic{Name: a.port.Name, Protocol: a.port.Protocol, Holds: a.port.Holds()}
 			if b := p.deps.Balancer.Lookup(a.port.Name); b != nil {
 				t.Balanced, t.Endpoints = true, len(b.Endpoints())
 			}
 			if t.Outlier = a.port.Balancing.Outlier.On(); t.Outlier {
-				t.Ejections, t.Ejected = p.outliers(a.port.Name)
+				t.Ejections, t.Ejected = p.eps.outliers(a.port.Name)
 			}
 			t.Stats, t.Observed = socketStats(a.observedSocket())
 			if t.Drain = a.port.DrainTimeout > 0; t.Drain && t.Observed {
@@ -162,11 +162,11 @@ func (p *Proxier) Traffic() iter.Seq[metrics.PortTraffic] {
 }
 
 // activeList snapshots the open sockets (copies, so readers need no lock afterwards).
-func (p *Proxier) activeList() []activePort {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	out := make([]activePort, 0, len(p.active))
-	for _, a := range p.active {
+func (d *dataPaths) activeList() []activePort {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	out := make([]activePort, 0, len(d.byName))
+	for _, a := range d.socketPaths() {
 		out = append(out, *a)
 	}
 	return out

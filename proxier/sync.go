@@ -1,7 +1,6 @@
 package proxier
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -37,28 +36,14 @@ func (p *Proxier) sync(ctx context.Context) error {
 	p.pendingTriggers = nil
 	p.mu.Unlock()
 
-	for name, ch := range changes {
-		if ch.current == nil {
-			delete(p.services, name)
-		} else {
-			p.services[name] = ch.current
-		}
-		p.reconcileService(ch.previous, ch.current)
-	}
-	p.dropUnwantedSeeds()
-	p.retryFailed()
-	p.reconcileSplits()
-	p.reconcileRefusals()
-
-	specs := p.specs()
-	p.countRefused(specs)
+	specs := p.paths.reconcile(changes)
 	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
 	m.SyncDuration.Observe(end.Sub(start).Seconds())
 	m.PendingServiceChanges.Set(float64(p.svcChanges.pending()))
-	m.ActivePorts.Set(float64(p.activeCount()))
-	m.FailedPorts.Set(float64(len(p.failed)))
+	m.ActivePorts.Set(float64(socketSpecs(specs)))
+	m.FailedPorts.Set(float64(len(p.paths.failed)))
 	if err != nil {
 		m.SyncFailures.Inc()
 		m.SyncFailing.Set(1)
@@ -67,15 +52,9 @@ func (p *Proxier) sync(ctx context.Context) error {
 		p.pendingTriggers = append(triggers, p.pendingTriggers...)
 		p.mu.Unlock()
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
-			len(specs), p.unsyncedNames(5), err)
+			len(specs), p.paths.unsyncedNames(5), err)
 	}
-	p.closeRetired()
-	p.clearStaleKernelUDP(specs)
-	p.clearUntranslatedUDP(specs)
-	if len(changes) > 0 || len(p.unsynced) > 0 || p.listenChanged || !p.firstSynced {
-		p.saveListenState()
-	}
-	p.unsynced, p.listenChanged = nil, false
+	p.paths.synced(specs, len(changes) > 0 || !p.firstSynced)
 	if !p.firstSynced {
 		// The first sync after a start built every socket and rule at once: its garbage (the
 		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
@@ -85,7 +64,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 			p.cfg.AfterFirstSync()
 		}
 		debug.FreeOSMemory()
-		p.endInherited()
+		p.eps.endInherited()
 		p.markFirstSync()
 	}
 	m.LastSync.Set(float64(end.UnixNano()) / 1e9)
@@ -95,7 +74,7 @@ func (p *Proxier) sync(ctx context.Context) error {
 	}
 	p.deps.Health.Updated()
 	if p.deps.ServiceHealth != nil {
-		p.deps.ServiceHealth.SyncServices(p.healthCheckPorts())
+		p.deps.ServiceHealth.SyncServices(p.paths.healthCheckPorts())
 	}
 	if n := p.deps.Balancer.CleanupStaleAffinity(); n > 0 {
 		p.log.WithField("count", n).Debug("Removed expired affinity entries")
@@ -103,113 +82,145 @@ func (p *Proxier) sync(ctx context.Context) error {
 	return nil
 }
 
+// reconcile applies the coalesced Service changes to the ports' paths, retries the sockets that
+// failed to open, reconciles split sockets and (bind mode) refusals, and returns the portal specs
+// of every path.
+func (d *dataPaths) reconcile(changes map[service.NamespacedName]*serviceChange) []portal.Spec {
+	for name, ch := range changes {
+		if ch.current == nil {
+			delete(d.services, name)
+		} else {
+			d.services[name] = ch.current
+		}
+		d.reconcileService(ch.previous, ch.current)
+	}
+	d.dropUnwantedSeeds()
+	d.retryFailed()
+	d.reconcileSplits()
+	d.reconcileRefusals()
+	specs := d.specs()
+	d.countRefused(specs)
+	return specs
+}
+
+// synced ends what the portal sync that worked has replaced (retired paths, stale conntrack
+// entries) and saves the bind-mode listen state when sockets changed (or changed is true).
+func (d *dataPaths) synced(specs []portal.Spec, changed bool) {
+	d.retirePaths(specs)
+	d.clearUntranslatedUDP(specs)
+	if changed || len(d.unsynced) > 0 || d.listenChanged {
+		d.saveListenState()
+	}
+	d.unsynced, d.listenChanged = nil, false
+}
+
 // reconcileService brings the sockets of one Service from its previous ports to its current ones.
-func (p *Proxier) reconcileService(previous, current []*service.Port) {
+func (d *dataPaths) reconcileService(previous, current []*service.Port) {
 	want := make(map[service.ServicePortName]*service.Port, len(current))
 	for _, port := range current {
 		want[port.Name] = port
 	}
 	for _, old := range previous {
 		if _, still := want[old.Name]; !still {
-			p.stopPort(old.Name, true)
-			p.leaveKernel(old.Name)
-			delete(p.failed, old.Name)
+			d.stopPort(old.Name, true)
+			d.leaveKernel(old.Name)
+			delete(d.failed, old.Name)
 		}
 	}
 	for _, port := range current {
-		if p.onKernel(port) {
-			p.toKernel(port)
+		if d.cfg.onKernel(port) {
+			d.toKernel(port)
 			continue
 		}
-		p.leaveKernel(port.Name)
-		p.activeMu.RLock()
-		a := p.active[port.Name]
-		p.activeMu.RUnlock()
+		d.leaveKernel(port.Name)
+		d.mu.RLock()
+		a := d.socketOf(port.Name)
+		d.mu.RUnlock()
 		switch {
-		case a != nil && (a.port.SocketEqual(port) || p.adoptable(a, port)):
-			p.activeMu.Lock()
+		case a != nil && (a.port.SocketEqual(port) || d.adoptable(a, port)):
+			d.mu.Lock()
 			a.port = port
 			if a.ext != nil {
 				a.ext.port = port
 			}
-			p.activeMu.Unlock()
+			d.mu.Unlock()
 			a.filter.set(port.LoadBalancerSourceRanges)
 		case a != nil:
-			if p.seeded[port.Name] && p.cfg.ListenPlan == nil { // reopened at start: open again where the rules point
-				p.keepPort[port.Name] = a.proxyPort
+			if d.restart.seeded[port.Name] && d.cfg.ListenPlan == nil { // reopened at start: open again where the rules point
+				d.restart.keepPort[port.Name] = a.proxyPort
 			}
 			// The port or an address changed: the legacy proxy reopened the socket too.
-			p.stopPort(port.Name, false)
-			p.startPort(port)
+			d.stopPort(port.Name, false)
+			d.startPort(port)
 		default:
-			p.startPort(port)
+			d.startPort(port)
 		}
 	}
 }
 
 // retryFailed tries again to open the sockets that could not open before.
-func (p *Proxier) retryFailed() {
-	for _, port := range p.failed {
-		p.startPort(port)
+func (d *dataPaths) retryFailed() {
+	for _, port := range d.failed {
+		d.startPort(port)
 	}
 }
 
 // startPort opens a proxy socket for a service port and starts serving it.
-func (p *Proxier) startPort(port *service.Port) {
+func (d *dataPaths) startPort(port *service.Port) {
 	filter := newSourceFilter(port.LoadBalancerSourceRanges)
-	sock, proxyPort, err := p.open(port, false, filter)
+	sock, proxyPort, err := d.open(port, false, filter)
 	if err != nil {
-		if _, already := p.failed[port.Name]; !already {
-			p.portLog(port).WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
-			if p.deps.Event != nil {
+		if _, already := d.failed[port.Name]; !already {
+			d.portLog(port).WithError(err).Error("Cannot open proxy socket; the service port gets no portal until it can")
+			if d.deps.Event != nil {
 				reason := "ProxySocketFailed"
 				if errors.Is(err, ErrPortsExhausted) {
 					reason = "ProxyPortRangeExhausted"
 				}
-				p.deps.Event(port.Name, reason, err.Error())
+				d.deps.Event(port.Name, reason, err.Error())
 			}
 		}
-		p.failed[port.Name] = port
-		p.deps.Metrics.SocketFailures.Inc()
+		d.failed[port.Name] = port
+		d.deps.Metrics.SocketFailures.Inc()
 		return
 	}
-	delete(p.failed, port.Name)
-	p.markUnsynced(port.Name)
-	a := p.serve(port, sock, proxyPort)
+	delete(d.failed, port.Name)
+	d.markUnsynced(port.Name)
+	a := d.serve(port, sock, proxyPort)
 	a.filter, a.split = filter, splitsExternal(port)
-	p.activeMu.Lock()
-	p.active[port.Name] = a
-	p.activeMu.Unlock()
-	p.portLog(port).WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
-	p.reconcileSplit(a)
+	d.mu.Lock()
+	d.byName[port.Name] = a
+	d.mu.Unlock()
+	d.portLog(port).WithField("proxyPort", proxyPort).Debug("Opened proxy socket")
+	d.reconcileSplit(a)
 }
 
 // portLog is the logger of one service port's socket, built only when there is something to log
 // (at 10,000 ports a logger kept per socket held 3.5 MB).
-func (p *Proxier) portLog(port *service.Port) logrus.FieldLogger {
-	return p.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
+func (d *dataPaths) portLog(port *service.Port) logrus.FieldLogger {
+	return d.log.WithFields(logrus.Fields{"service": port.Name.String(), "protocol": string(port.Protocol)})
 }
 
 // serve runs an opened socket in a goroutine the socket WaitGroup tracks. Every socket runs on the
 // run context itself: closeSocket and shutdown stop one with Close, so a context of its own per
 // socket (with the parent's entry for it, and the socket's AfterFunc registered on it) was 10,000
 // contexts and maps, about 8 MB, at 10,000 service ports.
-func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16) *activePort {
-	ctx := p.runCtx
+func (d *dataPaths) serve(port *service.Port, sock ProxySocket, proxyPort uint16) *activePort {
+	ctx := d.runCtx
 	a := &activePort{port: port, sock: sock, proxyPort: proxyPort}
 	if st, ok := sock.(starter); ok {
 		if started, err := st.Start(); started {
 			if err != nil {
-				p.portLog(port).WithError(err).Error("Proxy socket stopped")
+				d.portLog(port).WithError(err).Error("Proxy socket stopped")
 			}
 			return a
 		}
 	}
-	p.socketWG.Add(1)
+	d.socketWG.Add(1)
 	go func() {
-		defer p.socketWG.Done()
+		defer d.socketWG.Done()
 		if err := sock.Run(ctx); err != nil && ctx.Err() == nil {
-			p.portLog(port).WithError(err).Error("Proxy socket stopped")
+			d.portLog(port).WithError(err).Error("Proxy socket stopped")
 		}
 	}()
 	return a
@@ -218,75 +229,75 @@ func (p *Proxier) serve(port *service.Port, sock ProxySocket, proxyPort uint16) 
 // reconcileSplits gives every open port whose external traffic needs its own socket that socket,
 // and closes the ones no longer needed (a policy changed under a live port). A socket that failed
 // to open is tried again here at every sync.
-func (p *Proxier) reconcileSplits() {
-	p.activeMu.RLock()
+func (d *dataPaths) reconcileSplits() {
+	d.mu.RLock()
 	var todo []*activePort
-	for _, a := range p.active {
-		if splitsExternal(a.port) != (a.ext != nil) || (p.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split) {
+	for _, a := range d.socketPaths() {
+		if splitsExternal(a.port) != (a.ext != nil) || (d.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split) {
 			todo = append(todo, a)
 		}
 	}
-	p.activeMu.RUnlock()
+	d.mu.RUnlock()
 	for _, a := range todo {
-		if p.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split {
+		if d.cfg.ListenPlan != nil && splitsExternal(a.port) != a.split {
 			// Bind mode: unsplit, the port's one socket listens on the external addresses too, so
 			// a split (or its end) changes that socket's addresses, and the port reopens.
-			p.stopPort(a.port.Name, false)
-			p.startPort(a.port)
+			d.stopPort(a.port.Name, false)
+			d.startPort(a.port)
 			continue
 		}
-		p.reconcileSplit(a)
+		d.reconcileSplit(a)
 	}
 }
 
 // reconcileSplit opens or closes the external socket of one open port as its policies need.
-func (p *Proxier) reconcileSplit(a *activePort) {
+func (d *dataPaths) reconcileSplit(a *activePort) {
 	want := splitsExternal(a.port)
 	if want == (a.ext != nil) {
 		return
 	}
-	log := p.portLog(a.port)
-	p.markUnsynced(a.port.Name)
+	log := d.portLog(a.port)
+	d.markUnsynced(a.port.Name)
 	if !want {
-		p.activeMu.Lock()
+		d.mu.Lock()
 		ext := a.ext
 		a.ext = nil
-		p.activeMu.Unlock()
-		p.closeSocket(ext)
-		p.deps.Balancer.DeleteService(externalName(a.port.Name))
+		d.mu.Unlock()
+		d.closeSocket(ext)
+		d.deps.Balancer.DeleteService(externalName(a.port.Name))
 		return
 	}
-	sock, proxyPort, err := p.open(a.port, true, a.filter)
+	sock, proxyPort, err := d.open(a.port, true, a.filter)
 	if err != nil {
-		if !p.extFailed[a.port.Name] {
+		if !d.extFailed[a.port.Name] {
 			log.WithError(err).Error("Cannot open the external-traffic socket; external traffic is refused until it can")
-			p.extFailed[a.port.Name] = true
+			d.extFailed[a.port.Name] = true
 		}
-		p.deps.Metrics.SocketFailures.Inc()
+		d.deps.Metrics.SocketFailures.Inc()
 		return
 	}
-	delete(p.extFailed, a.port.Name)
-	ext := p.serve(a.port, sock, proxyPort)
+	delete(d.extFailed, a.port.Name)
+	ext := d.serve(a.port, sock, proxyPort)
 	ext.filter = a.filter
-	p.activeMu.Lock()
+	d.mu.Lock()
 	a.ext = ext
-	p.activeMu.Unlock()
+	d.mu.Unlock()
 	log.WithField("proxyPort", proxyPort).Debug("Opened external-traffic socket")
 }
 
 // open allocates a proxy port and opens the socket on it, for the port's cluster traffic or, when
 // external is true, for its external traffic. With a port range, a port that another process holds
 // is skipped. In bind mode, the sockets on load-balancer IPs check clients against filter.
-func (p *Proxier) open(port *service.Port, external bool, filter *sourceFilter) (ProxySocket, uint16, error) {
+func (d *dataPaths) open(port *service.Port, external bool, filter *sourceFilter) (ProxySocket, uint16, error) {
 	key := port.Name
 	if external {
 		key = externalName(port.Name)
 	}
 	build := func(at netip.AddrPort) ProxySocket {
-		return p.deps.Sockets(port, p.deps.Balancer.Service(key), p.allowFor(port, at, filter))
+		return d.deps.Sockets(port, d.deps.Balancer.Service(key), d.allowFor(port, at, filter))
 	}
-	if p.cfg.ListenPlan != nil {
-		plan := p.cfg.ListenPlan(port)
+	if d.cfg.ListenPlan != nil {
+		plan := d.cfg.ListenPlan(port)
 		if splitsExternal(port) {
 			internal, ext := splitPlan(port, plan)
 			plan = internal
@@ -303,29 +314,29 @@ func (p *Proxier) open(port *service.Port, external bool, filter *sourceFilter) 
 		}
 		return m, port.Port, nil
 	}
-	if pp, ok := p.keepPort[key]; ok {
-		delete(p.keepPort, key)
-		if p.ports.take(pp) {
-			sock, err := p.listenFamilies(port, pp, build)
+	if pp, ok := d.restart.keepPort[key]; ok {
+		delete(d.restart.keepPort, key)
+		if d.ports.take(pp) {
+			sock, err := d.listenFamilies(port, pp, build)
 			if err == nil {
 				return sock, pp, nil
 			}
-			p.ports.release(pp)
+			d.ports.release(pp)
 		}
 	}
 	var lastErr error
 	for range maxListenTries {
-		pp, err := p.ports.allocate()
+		pp, err := d.ports.allocate()
 		if err != nil {
 			return nil, 0, fmt.Errorf("service port %s: %w", port.Name, err)
 		}
-		sock, err := p.listenFamilies(port, pp, build)
+		sock, err := d.listenFamilies(port, pp, build)
 		if err == nil {
 			return sock, sock.Addr().Port(), nil
 		}
-		p.ports.release(pp)
+		d.ports.release(pp)
 		lastErr = fmt.Errorf("service port %s: %w", port.Name, err)
-		if !p.ports.retries() || !errors.Is(err, syscall.EADDRINUSE) {
+		if !d.ports.retries() || !errors.Is(err, syscall.EADDRINUSE) {
 			break
 		}
 	}
@@ -335,9 +346,9 @@ func (p *Proxier) open(port *service.Port, external bool, filter *sourceFilter) 
 // listenFamilies opens the proxy socket on --bind-address, or, when that is unspecified, on the
 // wildcard of each family the port's portals use (the sockets are single-family), all on one port
 // number so one set of portal rules per family leads to them.
-func (p *Proxier) listenFamilies(port *service.Port, pp uint16, build func(netip.AddrPort) ProxySocket) (ProxySocket, error) {
-	ips := []netip.Addr{p.cfg.ListenIP}
-	if p.cfg.ListenIP.IsUnspecified() {
+func (d *dataPaths) listenFamilies(port *service.Port, pp uint16, build func(netip.AddrPort) ProxySocket) (ProxySocket, error) {
+	ips := []netip.Addr{d.cfg.ListenIP}
+	if d.cfg.ListenIP.IsUnspecified() {
 		ips = wildcards(port)
 	}
 	first := build(netip.AddrPortFrom(ips[0], pp))
@@ -380,98 +391,133 @@ func wildcards(port *service.Port) []netip.Addr {
 // stopPort closes a service port's sockets. gone means the port no longer exists at all, so its
 // balancer state and endpoint selection go too; a changed port keeps them (endpoints and affinity
 // survive, as in legacy).
-func (p *Proxier) stopPort(name service.ServicePortName, gone bool) {
-	p.activeMu.Lock()
-	a := p.active[name]
-	delete(p.active, name)
-	p.activeMu.Unlock()
-	delete(p.extFailed, name)
+func (d *dataPaths) stopPort(name service.ServicePortName, gone bool) {
+	d.mu.Lock()
+	a := d.socketOf(name)
+	if a != nil {
+		delete(d.byName, name)
+	}
+	d.mu.Unlock()
+	delete(d.extFailed, name)
 	if gone {
-		p.deps.Balancer.DeleteService(name)
-		p.deps.Balancer.DeleteService(externalName(name))
-		p.setSelection(name, nil)
+		d.deps.Balancer.DeleteService(name)
+		d.deps.Balancer.DeleteService(externalName(name))
+		d.eps.setSelection(name, nil)
 	}
 	if a == nil {
 		return
 	}
-	p.markUnsynced(name)
-	p.closeSocket(a)
+	d.markUnsynced(name)
+	d.closeSocket(a)
 	if a.ext != nil {
-		p.closeSocket(a.ext)
+		d.closeSocket(a.ext)
 	}
-	if a.port.Protocol == service.UDP && p.deps.Conntrack != nil {
+	if a.port.Protocol == service.UDP && d.deps.Conntrack != nil {
 		// Conntrack would keep steering a chatty client (a resolver) to the closed proxy port.
-		if err := p.deps.Conntrack.ClearUDP(p.runCtx, conntrack.FlowsOf(a.port)); err != nil {
-			p.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+		if err := d.deps.Conntrack.ClearUDP(d.runCtx, conntrack.FlowsOf(a.port)); err != nil {
+			d.log.WithField("service", name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
 		}
 	}
 }
 
 // closeSocket stops one socket and gives its proxy port back.
-func (p *Proxier) closeSocket(a *activePort) {
+func (d *dataPaths) closeSocket(a *activePort) {
 	if err := a.sock.Close(); err != nil {
-		p.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Closing proxy socket")
+		d.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Closing proxy socket")
 	}
-	if p.cfg.ListenPlan == nil {
-		p.ports.release(a.proxyPort)
+	if d.cfg.ListenPlan == nil {
+		d.ports.release(a.proxyPort)
 	}
 }
 
-// specs lists the portal specs of every open socket, sorted by name for stable rule output. A port
-// refuses the traffic it has no endpoint for; a split port whose external socket is not open
-// refuses external traffic rather than send it to the cluster socket's endpoints.
-func (p *Proxier) specs() []portal.Spec {
-	p.activeMu.RLock()
-	p.selMu.RLock()
-	out := make([]portal.Spec, 0, len(p.active))
-	for _, a := range p.active {
-		s := portal.Spec{
-			Name: a.port.Name, Protocol: a.port.Protocol, Port: a.port.Port, NodePort: a.port.NodePort,
-			ClusterIPs: a.port.ClusterIPs, ExternalIPs: a.port.ExternalIPs, LoadBalancerIPs: a.port.LoadBalancerIPs,
-			ProxyPort: a.proxyPort, SourceRanges: a.port.LoadBalancerSourceRanges,
-		}
-		if sel := p.sels[a.port.Name]; sel != nil {
-			s.RejectInternal, s.RejectExternal = sel.rejectInternal, sel.rejectExternal
-		}
+// The proxy-socket path: portal rules redirect the port's traffic to a proxy socket (and a
+// split port's external traffic to a second one), which picks an endpoint per connection.
+
+func (a *activePort) svcPort() *service.Port     { return a.port }
+func (a *activePort) dataPath() service.DataPath { return service.DataPathProxy }
+
+// spec points the port's portals at its proxy ports. A port refuses the traffic it has no
+// endpoint for; a split port whose external socket is not open refuses external traffic rather
+// than send it to the cluster socket's endpoints.
+func (a *activePort) spec(sel *portSelection) portal.Spec {
+	s := portal.Spec{
+		Name: a.port.Name, Protocol: a.port.Protocol, Port: a.port.Port, NodePort: a.port.NodePort,
+		ClusterIPs: a.port.ClusterIPs, ExternalIPs: a.port.ExternalIPs, LoadBalancerIPs: a.port.LoadBalancerIPs,
+		ProxyPort: a.proxyPort, SourceRanges: a.port.LoadBalancerSourceRanges,
+	}
+	if sel != nil {
+		s.RejectInternal, s.RejectExternal = sel.rejectInternal, sel.rejectExternal
+	}
+	if a.ext != nil {
+		s.ExternalProxyPort = a.ext.proxyPort
+	} else if splitsExternal(a.port) {
+		s.RejectExternal = true
+	}
+	return s
+}
+
+func (a *activePort) sockets() []ProxySocket {
+	if a.ext == nil {
+		return []ProxySocket{a.sock}
+	}
+	return []ProxySocket{a.sock, a.ext.sock}
+}
+
+// retire closes the sockets of a port that moved to the kernel path, after the sync that applied
+// its chains. A UDP port's conntrack entries redirected to its proxy socket go first, the socket
+// after: a client whose new datagram reuses the source port of an entry not yet deleted (UDP
+// entries live 30 s; a resolver opens a new port per query, so some do) is still answered by the
+// socket, where a closed one would answer port unreachable (the chaos soak saw it while the
+// delete walked the table, 80 ms; TestDataPathUDPSwitchesLive saw one refusal per switch).
+func (a *activePort) retire(d *dataPaths) {
+	if a.port.Protocol == service.UDP && d.deps.Conntrack != nil {
+		// Only those entries: the kernel chains are in force by now, and an entry their DNAT
+		// made for a datagram in flight must stay, or the endpoint's answer is lost.
+		flows := conntrack.FlowsOf(a.port)
+		flows.ProxyPorts = []uint16{a.proxyPort}
 		if a.ext != nil {
-			s.ExternalProxyPort = a.ext.proxyPort
-		} else if splitsExternal(a.port) {
-			s.RejectExternal = true
+			flows.ProxyPorts = append(flows.ProxyPorts, a.ext.proxyPort)
 		}
-		out = append(out, s)
+		start := d.cfg.Clock.Now()
+		if err := d.deps.Conntrack.ClearUDP(d.runCtx, flows); err != nil {
+			d.log.WithField("service", a.port.Name.String()).WithError(err).Warn("Clearing UDP conntrack entries")
+		}
+		d.log.WithField("service", a.port.Name.String()).WithField("duration", d.cfg.Clock.Since(start)).
+			Debug("Cleared the UDP conntrack entries redirected to the proxy socket the kernel path replaced")
 	}
-	out = p.kernelSpecs(out)
-	p.selMu.RUnlock()
-	p.activeMu.RUnlock()
-	slices.SortFunc(out, func(a, b portal.Spec) int {
-		return cmp.Or(cmp.Compare(a.Name.Namespace, b.Name.Namespace), cmp.Compare(a.Name.Name, b.Name.Name),
-			cmp.Compare(a.Name.Port, b.Name.Port))
-	})
-	return out
+	d.closeSocket(a)
+	if a.ext != nil {
+		d.closeSocket(a.ext)
+	}
 }
 
-func (p *Proxier) activeCount() int {
-	p.activeMu.RLock()
-	defer p.activeMu.RUnlock()
-	return len(p.active)
+// socketSpecs counts the specs of the proxy-socket path (the active-ports gauge).
+func socketSpecs(specs []portal.Spec) int {
+	n := 0
+	for i := range specs {
+		if specs[i].Kernel == nil {
+			n++
+		}
+	}
+	return n
 }
 
 // markUnsynced records that a service port's portal spec changed.
-func (p *Proxier) markUnsynced(name service.ServicePortName) {
-	if p.unsynced == nil {
-		p.unsynced = make(map[service.ServicePortName]struct{})
+func (d *dataPaths) markUnsynced(name service.ServicePortName) {
+	if d.unsynced == nil {
+		d.unsynced = make(map[service.ServicePortName]struct{})
 	}
-	p.unsynced[name] = struct{}{}
+	d.unsynced[name] = struct{}{}
 }
 
 // unsyncedNames lists the service ports changed since the last good portal sync, sorted, at most
 // limit of them and how many more.
-func (p *Proxier) unsyncedNames(limit int) string {
-	if len(p.unsynced) == 0 {
+func (d *dataPaths) unsyncedNames(limit int) string {
+	if len(d.unsynced) == 0 {
 		return "none"
 	}
-	names := make([]string, 0, len(p.unsynced))
-	for n := range p.unsynced {
+	names := make([]string, 0, len(d.unsynced))
+	for n := range d.unsynced {
 		names = append(names, n.String())
 	}
 	slices.Sort(names)
@@ -482,9 +528,9 @@ func (p *Proxier) unsyncedNames(limit int) string {
 }
 
 // healthCheckPorts lists the health check node port of every Service that has one.
-func (p *Proxier) healthCheckPorts() map[service.NamespacedName]uint16 {
+func (d *dataPaths) healthCheckPorts() map[service.NamespacedName]uint16 {
 	out := map[service.NamespacedName]uint16{}
-	for name, ports := range p.services {
+	for name, ports := range d.services {
 		for _, port := range ports {
 			if port.HealthCheckNodePort != 0 {
 				out[name] = port.HealthCheckNodePort

@@ -150,7 +150,7 @@ func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
 		},
 	})
 	ctx, cancel := context.WithCancel(context.Background())
-	e.p.runCtx = ctx
+	e.p.paths.runCtx = ctx
 	t.Cleanup(func() {
 		cancel()
 		e.p.shutdown()
@@ -398,9 +398,9 @@ func TestSyncPortalFailureNamesTheServicePorts(t *testing.T) {
 	}
 
 	for i := range 7 {
-		e.p.markUnsynced(service.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("svc-%d", i), Port: "http"})
+		e.p.paths.markUnsynced(service.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("svc-%d", i), Port: "http"})
 	}
-	if got, want := e.p.unsyncedNames(5), "ns/svc-0:http, ns/svc-1:http, ns/svc-2:http, ns/svc-3:http, ns/svc-4:http and 2 more"; got != want {
+	if got, want := e.p.paths.unsyncedNames(5), "ns/svc-0:http, ns/svc-1:http, ns/svc-2:http, ns/svc-3:http, ns/svc-4:http and 2 more"; got != want {
 		t.Errorf("unsyncedNames(5) = %q, want %q", got, want)
 	}
 }

@@ -62,15 +62,15 @@ func steersOf(s *portal.Spec) steerBits {
 // untranslated conntrack entries of the UDP ports that steer a class of traffic they did not
 // steer at the last sync (new ports included), in one ClearUntranslated. Per sync it costs a map
 // lookup per UDP port, and a walk of the conntrack table only when some port began to steer.
-func (p *Proxier) clearUntranslatedUDP(specs []portal.Spec) {
-	if p.deps.Conntrack == nil {
+func (d *dataPaths) clearUntranslatedUDP(specs []portal.Spec) {
+	if d.deps.Conntrack == nil {
 		return // bind mode: no NAT, every entry is untranslated and right
 	}
-	if p.steered == nil {
-		p.steered = make(map[service.ServicePortName]*steeredUDP)
+	if d.steered == nil {
+		d.steered = make(map[service.ServicePortName]*steeredUDP)
 	}
-	p.steerGen++
-	gen := p.steerGen
+	d.steerGen++
+	gen := d.steerGen
 	var flows []conntrack.Flows
 	seen := 0
 	for i := range specs {
@@ -80,27 +80,27 @@ func (p *Proxier) clearUntranslatedUDP(specs []portal.Spec) {
 		}
 		seen++
 		bits := steersOf(s)
-		st := p.steered[s.Name] // one map lookup per port
+		st := d.steered[s.Name] // one map lookup per port
 		if st == nil {
 			st = &steeredUDP{}
-			p.steered[s.Name] = st
+			d.steered[s.Name] = st
 		}
 		if bits&^st.bits != 0 {
 			flows = append(flows, conntrack.FlowsOfSpec(s))
 		}
 		st.bits, st.gen = bits, gen
 	}
-	if len(p.steered) > seen {
-		for name, st := range p.steered {
+	if len(d.steered) > seen {
+		for name, st := range d.steered {
 			if st.gen != gen {
-				delete(p.steered, name)
+				delete(d.steered, name)
 			}
 		}
 	}
 	if len(flows) == 0 {
 		return
 	}
-	if err := p.deps.Conntrack.ClearUntranslated(p.runCtx, flows); err != nil {
-		p.log.WithField("count", len(flows)).WithError(err).Warn("Clearing the untranslated UDP conntrack entries of service ports that began to steer traffic")
+	if err := d.deps.Conntrack.ClearUntranslated(d.runCtx, flows); err != nil {
+		d.log.WithField("count", len(flows)).WithError(err).Warn("Clearing the untranslated UDP conntrack entries of service ports that began to steer traffic")
 	}
 }

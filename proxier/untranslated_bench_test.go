@@ -68,9 +68,9 @@ func BenchmarkClearUntranslatedUDPBookkeeping(b *testing.B) {
 		e.p.OnServiceAdd(makeService("ns", fmt.Sprintf("u%d", i), fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), nil, udpPort("", 53)))
 	}
 	e.sync()
-	specs := e.p.specs()
+	specs := e.p.paths.specs()
 	b.ReportAllocs()
 	for b.Loop() {
-		e.p.clearUntranslatedUDP(specs)
+		e.p.paths.clearUntranslatedUDP(specs)
 	}
 }

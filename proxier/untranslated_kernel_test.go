@@ -71,7 +71,7 @@ func TestKernelNodePortUDPClientFromBeforeTheRules(t *testing.T) {
 			p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: portals,
 				Conntrack: &conntrack.Netlink{Do: node.Do}, Sockets: RealSockets(SocketConfig{})})
 			ctx, cancel := context.WithCancel(t.Context())
-			p.runCtx = ctx
+			p.paths.runCtx = ctx
 			t.Cleanup(func() { cancel(); p.shutdown(); _ = rules.Cleanup(context.Background()) })
 			sync := func() {
 				t.Helper()

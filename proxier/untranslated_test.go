@@ -49,8 +49,8 @@ func TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer(t *testing.T) {
 			t.Fatalf("%s: ClearUntranslated calls (-want +got):\n-%q\n+%q", s.name, s.want, got)
 		}
 	}
-	if _, tcp := e.p.steered[webHTTP]; tcp || len(e.p.steered) != 1 {
-		t.Errorf("tracked UDP ports = %v, want only kube-system/dns:dns", e.p.steered)
+	if _, tcp := e.p.paths.steered[webHTTP]; tcp || len(e.p.paths.steered) != 1 {
+		t.Errorf("tracked UDP ports = %v, want only kube-system/dns:dns", e.p.paths.steered)
 	}
 }
 

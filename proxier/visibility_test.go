@@ -60,7 +60,7 @@ func newRealEnv(t *testing.T) *realEnv {
 		Deps{Balancer: lb, Portals: portals, Sockets: RealSockets(AccessLog{Log: logger}.SocketConfigs(SocketConfig{}))})
 	e.p = p
 	ctx, cancel := context.WithCancel(context.Background())
-	p.runCtx = ctx
+	p.paths.runCtx = ctx
 	t.Cleanup(func() { cancel(); p.shutdown() })
 	e.reg = prometheus.NewRegistry()
 	e.reg.MustRegister(metrics.NewTrafficCollector(p))

@@ -131,7 +131,6 @@ func decodeKnown(js []byte, apiVersion, kind string) (apiruntime.Object, error) 
 // appendJSON writes a value of the YAML parser as JSON, map keys converted to strings as
 // sigs.k8s.io/yaml converts them.
 func appendJSON(b []byte, v any) ([]byte, error) {
-	var err error
 	switch v := v.(type) {
 	case nil:
 		return append(b, "null"...), nil
@@ -151,73 +150,11 @@ func appendJSON(b []byte, v any) ([]byte, error) {
 		}
 		return strconv.AppendFloat(b, v, 'g', -1, 64), nil
 	case []any:
-		b = append(b, '[')
-		for i, e := range v {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			if b, err = appendJSON(b, e); err != nil {
-				return nil, err
-			}
-		}
-		return append(b, ']'), nil
+		return appendJSONArray(b, v)
 	case yaml.MapSlice:
-		// A key twice in a mapping: the API machinery's maps keep the last value, where a JSON
-		// object with the key twice is read differently by its decoders (kind sniffing kept the
-		// first): errDuplicateKey sends the document down the old path.
-		var small [16]string
-		var seen map[string]struct{}
-		b = append(b, '{')
-		for i, it := range v {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			key, err := jsonKey(it.Key, it.Value)
-			if err != nil {
-				return nil, err
-			}
-			if i < len(small) {
-				for _, k := range small[:i] {
-					if k == key {
-						return nil, errDuplicateKey
-					}
-				}
-				small[i] = key
-			} else {
-				if seen == nil {
-					seen = make(map[string]struct{}, len(v))
-					for _, k := range small {
-						seen[k] = struct{}{}
-					}
-				}
-				if _, dup := seen[key]; dup {
-					return nil, errDuplicateKey
-				}
-				seen[key] = struct{}{}
-			}
-			b = append(appendJSONString(b, key), ':')
-			if b, err = appendJSON(b, it.Value); err != nil {
-				return nil, err
-			}
-		}
-		return append(b, '}'), nil
+		return appendJSONObject(b, v)
 	case map[any]any: // not made when parsing into a MapSlice; sorted, as json.Marshal sorts
-		keys := make([]string, 0, len(v))
-		byKey := make(map[string]any, len(v))
-		for k, e := range v {
-			key, err := jsonKey(k, e)
-			if err != nil {
-				return nil, err
-			}
-			keys = append(keys, key)
-			byKey[key] = e
-		}
-		slices.Sort(keys)
-		ms := make(yaml.MapSlice, len(keys))
-		for i, k := range keys {
-			ms[i] = yaml.MapItem{Key: k, Value: byKey[k]}
-		}
-		return appendJSON(b, ms)
+		return appendJSONMap(b, v)
 	default: // whatever else the parser makes, as encoding/json writes it
 		js, err := json.Marshal(v)
 		if err != nil {
@@ -253,6 +190,83 @@ func jsonKey(k, v any) (string, error) {
 	default:
 		return "", fmt.Errorf("unsupported map key of type: %s, key: %+#v, value: %+#v", reflect.TypeOf(k), k, v)
 	}
+}
+
+// appendJSONArray writes a sequence.
+func appendJSONArray(b []byte, v []any) ([]byte, error) {
+	var err error
+	b = append(b, '[')
+	for i, e := range v {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		if b, err = appendJSON(b, e); err != nil {
+			return nil, err
+		}
+	}
+	return append(b, ']'), nil
+}
+
+// appendJSONObject writes a mapping in its order. A key twice in a mapping: the API machinery's
+// maps keep the last value, where a JSON object with the key twice is read differently by its
+// decoders (kind sniffing kept the first): errDuplicateKey sends the document down the old path.
+func appendJSONObject(b []byte, v yaml.MapSlice) ([]byte, error) {
+	var small [16]string
+	var seen map[string]struct{}
+	b = append(b, '{')
+	for i, it := range v {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		key, err := jsonKey(it.Key, it.Value)
+		if err != nil {
+			return nil, err
+		}
+		if i < len(small) {
+			for _, k := range small[:i] {
+				if k == key {
+					return nil, errDuplicateKey
+				}
+			}
+			small[i] = key
+		} else {
+			if seen == nil {
+				seen = make(map[string]struct{}, len(v))
+				for _, k := range small {
+					seen[k] = struct{}{}
+				}
+			}
+			if _, dup := seen[key]; dup {
+				return nil, errDuplicateKey
+			}
+			seen[key] = struct{}{}
+		}
+		b = append(appendJSONString(b, key), ':')
+		if b, err = appendJSON(b, it.Value); err != nil {
+			return nil, err
+		}
+	}
+	return append(b, '}'), nil
+}
+
+// appendJSONMap writes a map sorted by key, as json.Marshal sorts.
+func appendJSONMap(b []byte, v map[any]any) ([]byte, error) {
+	keys := make([]string, 0, len(v))
+	byKey := make(map[string]any, len(v))
+	for k, e := range v {
+		key, err := jsonKey(k, e)
+		if err != nil {
+			return nil, err
+		}
+		keys = append(keys, key)
+		byKey[key] = e
+	}
+	slices.Sort(keys)
+	ms := make(yaml.MapSlice, len(keys))
+	for i, k := range keys {
+		ms[i] = yaml.MapItem{Key: k, Value: byKey[k]}
+	}
+	return appendJSONObject(b, ms)
 }
 
 // appendJSONString quotes s as encoding/json does, invalid UTF-8 replaced by U+FFFD (HTML

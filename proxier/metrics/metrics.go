@@ -30,7 +30,7 @@ type Metrics struct {
 
 // New creates the series; Register adds them to a registry.
 func New() *Metrics {
-	return &Metrics{
+	m := &Metrics{
 		SyncDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_duration_seconds",
 			Help:    "SyncProxyRules latency in seconds",
@@ -59,37 +59,43 @@ func New() *Metrics {
 			Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_pending",
 			Help: "Pending proxy rules Service changes",
 		}),
-		SyncFailures: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kube_portal_proxy_sync_failures_total",
-			Help: "Syncs whose portal programming failed (retried on the next sync).",
-		}),
-		// The counter says failures happened; the gauge says whether they still do, so an alert
-		// clears with the first good sync instead of when a rate window has passed.
-		SyncFailing: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kube_portal_proxy_sync_failing",
-			Help: "1 while the last sync failed (its portal programming; retried), 0 once one succeeds.",
-		}),
-		ActivePorts: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kube_portal_proxy_proxy_ports",
-			Help: "Service ports with an open proxy socket.",
-		}),
-		FailedPorts: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kube_portal_proxy_proxy_ports_failed",
-			Help: "Service ports whose proxy socket could not open (they have no portal).",
-		}),
-		SocketFailures: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kube_portal_proxy_proxy_socket_open_failures_total",
-			Help: "Failed attempts to open a proxy socket.",
-		}),
-		UnsupportedPorts: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kube_portal_proxy_unsupported_service_ports_total",
-			Help: "Service ports skipped because their protocol (SCTP) cannot be proxied in userspace.",
-		}),
-		RefusedPorts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kube_portal_proxy_refused_service_ports",
-			Help: "Service ports whose traffic class (cluster: cluster IPs; external: node port, external and load-balancer IPs) has no usable endpoint and is refused by the kernel (TCP reset, ICMP port unreachable); the refused connections themselves are not counted.",
-		}, []string{"traffic"}),
 	}
+	m.addPortalSeries()
+	return m
+}
+
+// addPortalSeries adds the series of this proxy's own (the others are kube-proxy's, same names).
+func (m *Metrics) addPortalSeries() {
+	m.SyncFailures = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kube_portal_proxy_sync_failures_total",
+		Help: "Syncs whose portal programming failed (retried on the next sync).",
+	})
+	// The counter says failures happened; the gauge says whether they still do, so an alert
+	// clears with the first good sync instead of when a rate window has passed.
+	m.SyncFailing = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_portal_proxy_sync_failing",
+		Help: "1 while the last sync failed (its portal programming; retried), 0 once one succeeds.",
+	})
+	m.ActivePorts = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_portal_proxy_proxy_ports",
+		Help: "Service ports with an open proxy socket.",
+	})
+	m.FailedPorts = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_portal_proxy_proxy_ports_failed",
+		Help: "Service ports whose proxy socket could not open (they have no portal).",
+	})
+	m.SocketFailures = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kube_portal_proxy_proxy_socket_open_failures_total",
+		Help: "Failed attempts to open a proxy socket.",
+	})
+	m.UnsupportedPorts = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kube_portal_proxy_unsupported_service_ports_total",
+		Help: "Service ports skipped because their protocol (SCTP) cannot be proxied in userspace.",
+	})
+	m.RefusedPorts = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_portal_proxy_refused_service_ports",
+		Help: "Service ports whose traffic class (cluster: cluster IPs; external: node port, external and load-balancer IPs) has no usable endpoint and is refused by the kernel (TCP reset, ICMP port unreachable); the refused connections themselves are not counted.",
+	}, []string{"traffic"})
 }
 
 // Register adds every series to r.
