@@ -168,11 +168,7 @@ func (d *Daemon) healthChecks(events *serviceEvents, inh *handover.Inherited) (*
 // portal mode gives (hooks) and the sockets of the chosen engine.
 func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.Metrics, events *serviceEvents, inh *handover.Inherited, settle func()) *proxier.Proxier {
 	o, log := d.o, d.log
-	pods := proxier.NewPodIndex()    // the access log and the flow stream name the pod behind each endpoint
-	var kernelFlows proxier.FlowSink // kernel-path flows come from conntrack (iptables mode only)
-	if o.portalMode == "iptables" {
-		kernelFlows = flowSink(w.hub)
-	}
+	pods := proxier.NewPodIndex() // the access log and the flow stream name the pod behind each endpoint
 	return proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: d.kernelPorts(hooks), MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: hooks.plan, ListenState: hooks.listenState, Clock: d.deps.clock, Logger: log,
@@ -181,7 +177,7 @@ func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.
 	}, proxier.Deps{
 		Balancer: w.balancer, Portals: hooks.portals, Conntrack: hooks.conntrack,
 		Metrics: syncMetrics, Health: w.health, ServiceHealth: w.svcHealth, Event: events.Warning, Pods: pods,
-		KernelCounters: hooks.kernelCounters, Flows: kernelFlows,
+		KernelCounters: hooks.kernelCounters, Flows: flowSink(w.hub), // kernel-path flows only with KernelPath
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
 			Flows: flowSink(w.hub), Node: nodeName(o),
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},

@@ -527,10 +527,10 @@ func ovVerdicts(t *testing.T, engine string) {
 		n.setPods(t, eject, ready(2)) // pod1 leaves the Service
 		ovFind(t, "TCP ejected", ovFlowsOf(n, eject, "phase", "end", "protocol", "tcp"),
 			ovMatch(ns, "eject", ovWant{verdict: "ejected", endReason: "endpoint-removed", client: local,
-				endpoint: pod1ep, pod: "", node: "", dials: 1, toEndpoint: int64(len("before\n"))}))
+				endpoint: pod1ep, pod: pod1, node: n.name, dials: 1, toEndpoint: int64(len("before\n"))}))
 		ovFind(t, "UDP ejected", ovFlowsOf(n, eject, "phase", "end", "protocol", "udp"),
 			ovMatch(ns, "eject", ovWant{verdict: "ejected", endReason: "endpoint-removed", client: u.LocalAddr().String(),
-				endpoint: pod1udp, toEndpoint: -1, toClient: -1}))
+				endpoint: pod1udp, pod: pod1, node: n.name, toEndpoint: -1, toClient: -1}))
 	})
 
 	t.Run("drained", func(t *testing.T) {
@@ -576,10 +576,9 @@ func ovVerdicts(t *testing.T, engine string) {
 			t.Fatal(err)
 		}
 		ovFind(t, "closed with its proxy socket", ovFlowsOf(n, gone, "phase", "end", "protocol", "udp"),
-			// The stream names pods when it sends an event, from the Services it knows then: the
-			// deleted Service's pod is no longer named (nor is an ejected endpoint's).
+			// The balancer named the pod at the pick: still named after its Service is gone.
 			ovMatch(ns, "gone", ovWant{verdict: "closed", endReason: "shutdown", client: u.LocalAddr().String(),
-				endpoint: pod1udp, toEndpoint: -1}))
+				endpoint: pod1udp, pod: pod1, node: n.name, toEndpoint: -1}))
 	})
 
 	t.Run("kernel", func(t *testing.T) {

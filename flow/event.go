@@ -230,6 +230,15 @@ func (w PickWhy) Names() []string {
 type Pick struct {
 	Algorithm Algorithm
 	Why       PickWhy
+	// Ref names the chosen endpoint's pod and node as the balancer knew them at the pick, so the
+	// stream still names them after the endpoint or its Service is gone; nil if not known.
+	Ref *EndpointRef
+}
+
+// EndpointRef names the pod behind an endpoint (namespace/name) and its node. One is built per
+// endpoint when the proxier hands the balancer its endpoints, and shared, read only.
+type EndpointRef struct {
+	Pod, Node string
 }
 
 // Event is one phase of one flow. The data path fills one on its own stack and hands a pointer to
@@ -283,8 +292,9 @@ type Recorder interface {
 }
 
 // Observed is implemented by a Recorder that knows whether anyone watches now. The data path
-// reads what costs a system call per flow (the original destination, its own address on the
-// endpoint leg) only while Observed says true: events recorded unwatched, for later, go without.
+// reads what costs a system call per flow and matters only to a live observer or a capture (its
+// own address on the endpoint leg, Event.Source) only while Observed says true: events recorded
+// unwatched, for later, go without.
 type Observed interface {
 	Observed() bool
 }

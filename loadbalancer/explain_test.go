@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"k8s.io/utils/clock"
+
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -81,4 +83,56 @@ func TestNextWhy(t *testing.T) {
 			t.Fatal("NextWhy without endpoints did not fail")
 		}
 	})
+}
+
+// TestEndpointRefs: a pick names the chosen endpoint's pod and node as set, an endpoint that
+// stays keeps its name across endpoint updates, a renamed one gets its new name, and one the
+// proxier cannot name has none.
+func TestEndpointRefs(t *testing.T) {
+	lb := New(clock.RealClock{})
+	client := netip.MustParseAddr("192.168.0.1")
+	names := map[netip.AddrPort]*flow.EndpointRef{
+		ep(1, 80): {Pod: "ns/web-1", Node: "node-a"},
+		ep(2, 80): {Pod: "ns/web-2", Node: "node-b"},
+	}
+	refOf := func(a netip.AddrPort) *flow.EndpointRef {
+		if r := names[a]; r != nil {
+			c := *r
+			return &c
+		}
+		return nil
+	}
+	pickRefs := func(n int) map[netip.AddrPort]*flow.EndpointRef {
+		got := map[netip.AddrPort]*flow.EndpointRef{}
+		for range n {
+			a, pick, err := lb.Service(foo).NextWhy(client, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got[a] = pick.Ref
+		}
+		return got
+	}
+	lb.SetEndpoints(foo, []netip.AddrPort{ep(1, 80), ep(2, 80), ep(3, 80)})
+	lb.SetEndpointRefs(foo, refOf)
+	got := pickRefs(3)
+	for a, want := range map[netip.AddrPort]string{ep(1, 80): "ns/web-1@node-a", ep(2, 80): "ns/web-2@node-b", ep(3, 80): ""} {
+		r := got[a]
+		if (r == nil) != (want == "") || (r != nil && r.Pod+"@"+r.Node != want) {
+			t.Errorf("pick of %v named %+v, want %q", a, r, want)
+		}
+	}
+	first := got[ep(1, 80)]
+
+	// web-2 moves to another node; web-1 stays as it was and keeps the very same ref.
+	names[ep(2, 80)] = &flow.EndpointRef{Pod: "ns/web-2", Node: "node-c"}
+	lb.SetEndpoints(foo, []netip.AddrPort{ep(1, 80), ep(2, 80)})
+	lb.SetEndpointRefs(foo, refOf)
+	got = pickRefs(2)
+	if got[ep(1, 80)] != first {
+		t.Errorf("web-1's ref changed across an update that kept it: %p, then %p", first, got[ep(1, 80)])
+	}
+	if r := got[ep(2, 80)]; r == nil || r.Node != "node-c" {
+		t.Errorf("web-2 named %+v after its move, want node-c", r)
+	}
 }

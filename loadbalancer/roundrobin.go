@@ -156,6 +156,8 @@ type endpoint struct {
 	// warmFrom is when its slow-start window began (unix nanoseconds): when it joined a service
 	// port that had endpoints already, or came back from an ejection (slowstart.go).
 	warmFrom atomic.Int64
+	// ref names its pod and node for the flow stream (SetEndpointRefs; nil if not known).
+	ref atomic.Pointer[flow.EndpointRef]
 }
 
 // release ends one counted flow. A flow picked before its endpoint was removed and re-added
@@ -326,7 +328,21 @@ func (s *Service) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.P
 		why |= flow.Retry
 	}
 	why |= flow.PickWhy(s.setWhy.Load())
-	return s.take(e), flow.Pick{Algorithm: flowAlgorithm(s.algo.Load()), Why: why}, nil
+	return s.take(e), flow.Pick{Algorithm: flowAlgorithm(s.algo.Load()), Why: why, Ref: e.ref.Load()}, nil
+}
+
+// SetEndpointRefs names the pods and nodes of a service port's current endpoints (ref returns
+// nil for one it cannot name), for the picks NextWhy explains. Call it after SetEndpoints; an
+// endpoint keeps its ref while it stays in the set.
+func (lb *LoadBalancer) SetEndpointRefs(name service.ServicePortName, ref func(netip.AddrPort) *flow.EndpointRef) {
+	s := lb.Service(name)
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	for _, e := range s.eps.Load().eps {
+		if r := ref(e.addr); r == nil || e.ref.Load() == nil || *e.ref.Load() != *r {
+			e.ref.Store(r)
+		}
+	}
 }
 
 // SetPickWhy records why the endpoint set is what it is (Topology, Local, Terminating:

@@ -115,10 +115,13 @@ func (v *view) resolve() {
 		return
 	}
 	v.resolved = true
+	if ref := v.e.Pick.Ref; ref != nil { // named by the balancer at the pick: still right after the pod left
+		v.endpointPod, v.endpointNode = ref.Pod, ref.Node
+	}
 	if v.r == nil {
 		return
 	}
-	if v.e.Endpoint.IsValid() {
+	if v.e.Endpoint.IsValid() && v.e.Pick.Ref == nil {
 		v.endpointPod, v.endpointNode = v.r.Endpoint(v.e.Port, v.e.Endpoint)
 	}
 	if v.e.Client.IsValid() {

@@ -131,8 +131,11 @@ func NewFlow(e *flow.Event, r Resolver) *Flow {
 	if e.Endpoint.IsValid() && (e.Port == nil || e.Port.Path == flow.PathSocket) {
 		f.Pick = &Pick{Algorithm: e.Pick.Algorithm.String(), Why: e.Pick.Why.Names()}
 	}
+	if ref := e.Pick.Ref; ref != nil { // named by the balancer at the pick: still right after the pod left
+		f.EndpointPod, f.EndpointNode = ref.Pod, ref.Node
+	}
 	if r != nil {
-		if e.Endpoint.IsValid() {
+		if e.Endpoint.IsValid() && e.Pick.Ref == nil {
 			f.EndpointPod, f.EndpointNode = r.Endpoint(e.Port, e.Endpoint)
 		}
 		if e.Client.IsValid() {

@@ -19,6 +19,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
@@ -36,6 +37,8 @@ type endpointApplier struct {
 	// drainTCP and drainGrace are Config.DrainTCP and Config.DrainGrace.
 	drainTCP   bool
 	drainGrace time.Duration
+	// refs: name each endpoint's pod and node in the balancer, for the flow stream's picks.
+	refs bool
 
 	// What the applier asks the proxier: a Service's ports and the node's topology as the
 	// handlers last recorded them; the open socket of a port's class of traffic (nil when
@@ -85,9 +88,13 @@ func (e *endpointApplier) apply(name service.NamespacedName) bool {
 			return ok && eps[i].Serving
 		}
 		sel := newPortSelection(port, selectEndpoints(port, eps, node))
-		e.setBalancer(port, port.Name, sel.Internal, false, serving)
+		var refOf func(netip.AddrPort) *flow.EndpointRef
+		if e.refs {
+			refOf = endpointRefs(eps)
+		}
+		e.setBalancer(port, port.Name, sel.Internal, false, serving, refOf)
 		if sel.split {
-			e.setBalancer(port, externalName(port.Name), sel.External, true, serving)
+			e.setBalancer(port, externalName(port.Name), sel.External, true, serving, refOf)
 		}
 		if old := e.setSelection(port.Name, sel); !sel.rulesEqual(old) || (e.onKernel(port) && !sel.endpointsEqual(old)) {
 			rulesChanged = true
@@ -132,7 +139,8 @@ func (e *endpointApplier) updateLocalCount(name service.NamespacedName, ports []
 
 // setBalancer gives one balancer entry (a port's cluster traffic, or a split port's external
 // traffic) its endpoints, and ends or drains the flows of those that left it (endRemoved).
-func (e *endpointApplier) setBalancer(port *service.Port, key service.ServicePortName, sel Selection, external bool, serving func(netip.AddrPort) bool) {
+func (e *endpointApplier) setBalancer(port *service.Port, key service.ServicePortName, sel Selection, external bool, serving func(netip.AddrPort) bool,
+	refOf func(netip.AddrPort) *flow.EndpointRef) {
 	usable := sel.Endpoints
 	if e.keepRestored(key, usable) {
 		return // the restart snapshot's endpoints serve until the sources know this port's
@@ -146,10 +154,29 @@ func (e *endpointApplier) setBalancer(port *service.Port, key service.ServicePor
 		before = e.balancer.Service(key).Endpoints()
 	}
 	e.balancer.SetEndpoints(key, usable)
+	if refOf != nil {
+		e.balancer.SetEndpointRefs(key, refOf)
+	}
 	e.takeInherited(key, len(usable))
 	e.wakeHeld(port, external, usable)
 	if sock != nil {
 		e.endRemoved(sock, port, key, before, usable, serving)
+	}
+}
+
+// endpointRefs names the pod and node of each of a port's endpoints (eps sorted by address, as
+// endpointsFor gives them), for the balancer's picks.
+func endpointRefs(eps []service.Endpoint) func(netip.AddrPort) *flow.EndpointRef {
+	return func(ep netip.AddrPort) *flow.EndpointRef {
+		i, ok := slices.BinarySearchFunc(eps, ep, func(e service.Endpoint, a netip.AddrPort) int { return e.Addr.Compare(a) })
+		if !ok || (eps[i].TargetRef.Name == "" && eps[i].NodeName == "") {
+			return nil
+		}
+		r := &flow.EndpointRef{Node: eps[i].NodeName}
+		if eps[i].TargetRef.Name != "" {
+			r.Pod = eps[i].TargetRef.String()
+		}
+		return r
 	}
 }
 

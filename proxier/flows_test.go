@@ -163,12 +163,15 @@ func TestPickWhyFromSelection(t *testing.T) {
 // balancer after a restart pass them on.
 func TestPicksExplainThemselves(t *testing.T) {
 	e := newFakeEnv(t, func(c *Config) { c.Node = NodeTopology{Name: "node-a", Zone: "zone-a"} })
+	e.p.eps.refs = true // as with Deps.Flows: the balancer names the endpoints' pods
 	e.synced()
 	slice := webSlice("a", 8080, "10.244.1.1", "10.244.1.2")
 	for i := range slice.Endpoints {
 		zone := []string{"zone-a", "zone-b"}[i]
 		slice.Endpoints[i].Zone = ptrTo(zone)
 		slice.Endpoints[i].Hints = &discovery.EndpointHints{ForZones: []discovery.ForZone{{Name: zone}}}
+		slice.Endpoints[i].TargetRef = &v1.ObjectReference{Kind: "Pod", Namespace: "ns", Name: []string{"web-1", "web-2"}[i]}
+		slice.Endpoints[i].NodeName = ptrTo([]string{"node-a", "node-b"}[i])
 	}
 	e.p.OnEndpointSliceAdd(slice)
 	e.p.OnServiceAdd(webService(nil))
@@ -190,6 +193,9 @@ func TestPicksExplainThemselves(t *testing.T) {
 		}
 		if why.Algorithm != flow.RoundRobin || why.Why != flow.Topology {
 			t.Errorf("%s: pick %s %v, want round-robin [topology]", name, why.Algorithm, why.Why.Names())
+		}
+		if why.Ref == nil || *why.Ref != (flow.EndpointRef{Pod: "ns/web-1", Node: "node-a"}) {
+			t.Errorf("%s: pick names %+v, want ns/web-1 on node-a", name, why.Ref)
 		}
 	}
 }

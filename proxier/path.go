@@ -78,7 +78,7 @@ func newDataPaths(cfg *Config, deps *Deps, endpointsReady chan struct{}) *dataPa
 			keepPort: make(map[service.ServicePortName]uint16),
 		},
 	}
-	if deps.Flows != nil {
+	if deps.Flows != nil && cfg.KernelPath {
 		d.kflows = newKernelFlows(deps.Flows, cfg.Node.Name)
 	}
 	return d

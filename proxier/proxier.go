@@ -113,8 +113,10 @@ type Deps struct {
 	// Event, if set, reports what an operator must act on, against the Service (a Kubernetes
 	// Warning event in cluster mode). Called once per new failure, not on every sync.
 	Event func(name service.ServicePortName, reason, message string)
-	// Flows, if set, takes the flow events of the kernel-path ports (from conntrack, through
-	// KernelFlows); the proxy sockets get theirs through SocketConfig.Flows.
+	// Flows, if set, is the live flow stream: it takes the flow events of the kernel-path ports
+	// (from conntrack, through KernelFlows, when Config.KernelPath), and the balancer names each
+	// endpoint's pod for the picks (the proxy sockets get their Recorders through
+	// SocketConfig.Flows).
 	Flows FlowSink
 }
 
@@ -230,7 +232,7 @@ func New(cfg Config, deps Deps) *Proxier {
 	p.paths = newDataPaths(&p.cfg, &p.deps, p.endpointsReady)
 	p.eps = &endpointApplier{
 		balancer: deps.Balancer, pods: deps.Pods, health: deps.ServiceHealth, slices: p.slices,
-		clock: cfg.Clock, log: cfg.Logger, drainTCP: cfg.DrainTCP, drainGrace: cfg.DrainGrace,
+		clock: cfg.Clock, log: cfg.Logger, drainTCP: cfg.DrainTCP, drainGrace: cfg.DrainGrace, refs: deps.Flows != nil,
 		ports: p.portsOf, socketOf: p.paths.openSocket, onKernel: p.cfg.onKernel, runCtx: func() context.Context { return p.paths.runCtx },
 		sels: make(map[service.ServicePortName]*portSelection), hcLocal: make(map[service.NamespacedName]int),
 	}

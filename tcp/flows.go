@@ -70,24 +70,21 @@ func sockName(fd int) netip.AddrPort {
 }
 
 // startFlow gives a new connection on the accepted socket fd its flow state, when the proxy
-// records flows. Local is where the client was going: while someone watches, the service address
-// when conntrack knows it (the portal redirected the connection), else the proxy socket's own
-// address; unwatched, the listening address (two system calls fewer per connection).
+// records flows. Local is where the client was going: the service address when conntrack knows
+// it (the portal redirected the connection), else the proxy socket's own address. It is read
+// whether or not anyone watches (one getsockopt), so `observe --last` says it after the fact.
 func (c *conn) startFlow(fd int) {
 	p := c.p
 	if p.cfg.Flows == nil {
 		return
 	}
 	c.fl = newFlowState()
-	if p.watched() {
-		c.fl.ev.Local = p.localAddr(fd, c.clientAddr)
-	} else {
-		c.fl.ev.Local = p.addr
-	}
+	c.fl.ev.Local = p.localAddr(fd, c.clientAddr)
 }
 
-// watched reports whether the flow stream has an observer now (or cannot say): the addresses
-// that cost a system call per flow are read only then.
+// watched reports whether the flow stream has an observer now (or cannot say): the proxy's own
+// address on the endpoint leg, a system call per flow that only a capture or a live observer
+// needs, is read only then.
 func (p *Proxy) watched() bool { return p.observed == nil || p.observed.Observed() }
 
 func (p *Proxy) localAddr(fd int, client netip.AddrPort) netip.AddrPort {
