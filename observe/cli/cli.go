@@ -41,6 +41,20 @@ type Env struct {
 	ReorderWindow time.Duration
 }
 
+func (e *Env) clock() clock.Clock {
+	if e.Clock != nil {
+		return e.Clock
+	}
+	return clock.RealClock{}
+}
+
+func (e *Env) reorderWindow() time.Duration {
+	if e.ReorderWindow != 0 {
+		return e.ReorderWindow
+	}
+	return 250 * time.Millisecond
+}
+
 func (e *Env) newClientset(cfg *rest.Config) (kubernetes.Interface, error) {
 	if e.NewClientset != nil {
 		return e.NewClientset(cfg)
@@ -173,25 +187,9 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
-	events := make(chan event, 64)
-	for i, t := range ts {
-		wg.Go(func() {
-			err := readStream(ctx, i, t, events)
-			select {
-			case events <- event{item: item{src: i}, done: true, err: err}:
-			case <-ctx.Done():
-			}
-		})
-	}
-	clk := env.Clock
-	if clk == nil {
-		clk = clock.RealClock{}
-	}
-	window := env.ReorderWindow
-	if window == 0 {
-		window = 250 * time.Millisecond
-	}
-	m := newMerger(len(ts), window)
+	events := readAll(ctx, &wg, ts)
+	clk := env.clock()
+	m := newMerger(len(ts), env.reorderWindow())
 	var collected []item
 	var timer clock.Timer
 	defer func() {
@@ -244,6 +242,27 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 			timer = clk.NewTimer(wait)
 		}
 	}
+	return failed, writeCollected(o, collected, w)
+}
+
+// readAll starts a reader of each target's stream, in goroutines that wg owns and ctx ends. Each
+// sends its stream's items to the channel returned, then an event with done set.
+func readAll(ctx context.Context, wg *sync.WaitGroup, ts []target) <-chan event {
+	events := make(chan event, 64)
+	for i, t := range ts {
+		wg.Go(func() {
+			err := readStream(ctx, i, t, events)
+			select {
+			case events <- event{item: item{src: i}, done: true, err: err}:
+			case <-ctx.Done():
+			}
+		})
+	}
+	return events
+}
+
+// writeCollected writes the items of several streams that were not followed, sorted by time.
+func writeCollected(o *Options, collected []item, w *output) error {
 	sort.SliceStable(collected, func(i, j int) bool { return collected[i].time().Before(collected[j].time()) })
 	if o.Last >= 0 && len(collected) > o.Last {
 		// Each node sent its last N: the merged stream keeps the last N of all.
@@ -251,10 +270,10 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 	}
 	for i := range collected {
 		if err := w.item(&collected[i]); err != nil {
-			return failed, err
+			return err
 		}
 	}
-	return failed, nil
+	return nil
 }
 
 // useColor decides --color: auto colours a terminal only.
