@@ -191,22 +191,13 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 	clk := env.clock()
 	m := newMerger(len(ts), env.reorderWindow())
 	var collected []item
-	var timer clock.Timer
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
+	wake := alarm{clk: clk}
+	defer wake.set(0)
 	for open := len(ts); open > 0; {
-		var fire <-chan time.Time
-		if timer != nil {
-			fire = timer.C()
-		}
 		select {
 		case <-ctx.Done():
 			return failed, nil
-		case <-fire:
-			timer = nil
+		case <-wake.c():
 		case e := <-events:
 			switch {
 			case e.done:
@@ -234,15 +225,33 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 				return failed, err
 			}
 		}
-		if timer != nil {
-			timer.Stop()
-			timer = nil
-		}
-		if wait > 0 {
-			timer = clk.NewTimer(wait)
-		}
+		wake.set(wait)
 	}
 	return failed, writeCollected(o, collected, w)
+}
+
+// alarm is a timer that may be unset, its channel nil.
+type alarm struct {
+	clk clock.Clock
+	t   clock.Timer
+}
+
+func (a *alarm) c() <-chan time.Time {
+	if a.t == nil {
+		return nil
+	}
+	return a.t.C()
+}
+
+// set stops the timer and, for d > 0, starts one that fires after d.
+func (a *alarm) set(d time.Duration) {
+	if a.t != nil {
+		a.t.Stop()
+		a.t = nil
+	}
+	if d > 0 {
+		a.t = a.clk.NewTimer(d)
+	}
 }
 
 // readAll starts a reader of each target's stream, in goroutines that wg owns and ctx ends. Each
