@@ -28,24 +28,17 @@
 #   KPP_GOCACHE        a build cache shared with hack/cluster/build.sh and hack/conformance/build.sh
 #                      (kept; .ci/run uses one so that the three cold builds compile k8s.io once)
 set -euo pipefail
+# The cache layout, log and die, the build environment; build_kubernetes and its steps.
+# shellcheck source=hack/lib/kube-build.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib/kube-build.sh"
+kube_build_init controlplane-build
 
 kube_version=${KPP_KUBE_VERSION:-v1.36.3}
 etcd_version=${KPP_ETCD_VERSION:-v3.6.16}
-cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
-bin_dir=$cache/bin
-work_dir=$cache/build
 
 apiserver=$bin_dir/kube-apiserver-$kube_version
 kubectl=$bin_dir/kubectl-$kube_version
 etcd=$bin_dir/etcd-$etcd_version
-
-log() { printf 'controlplane-build: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-# GOWORK, GOFLAGS, GOTOOLCHAIN for the build; staging_replaces, build_kubernetes, build_cache_*.
-# shellcheck source=hack/lib/kube-build.sh
-. "$(dirname "${BASH_SOURCE[0]}")/lib/kube-build.sh"
-kube_build_env
 
 check_go() {
   command -v go >/dev/null 2>&1 || die "go not found in PATH (need Go >= 1.26)"

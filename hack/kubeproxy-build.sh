@@ -21,20 +21,13 @@
 #                      the control plane's cache this build takes ~1-2 min instead of ~5
 #   KPP_KEEP_GOCACHE   set to 1 to keep the private build cache (when KPP_GOCACHE is unset)
 set -euo pipefail
-
-kube_version=${KPP_KUBE_VERSION:-v1.36.3}
-cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
-bin_dir=$cache/bin
-work_dir=$cache/build
-proxy=$bin_dir/kube-proxy-$kube_version
-
-log() { printf 'kubeproxy-build: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-# GOWORK, GOFLAGS, GOTOOLCHAIN for the build; build_kubernetes, build_cache_*.
+# The cache layout, log and die, the build environment; build_kubernetes and its steps.
 # shellcheck source=hack/lib/kube-build.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib/kube-build.sh"
-kube_build_env
+kube_build_init kubeproxy-build
+
+kube_version=${KPP_KUBE_VERSION:-v1.36.3}
+proxy=$bin_dir/kube-proxy-$kube_version
 
 main() {
   build_cache_open .kubeproxy.lock gocache-kubeproxy

@@ -28,21 +28,15 @@
 # Cost here (2 shared cores): 2-5 minutes with a cold build cache, ~40 MB binary. The module proxy
 # does not serve every staging module at v0.25.16; those come at the newest served patch (logged).
 set -euo pipefail
+# The cache layout, log and die, the build environment; build_kubernetes and its steps.
+# shellcheck source=hack/lib/kube-build.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib/kube-build.sh"
 
 kube_version=${KPP_LEGACY_VERSION:-v1.25.16}
 toolchain=${KPP_LEGACY_TOOLCHAIN:-local}
-cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
-bin_dir=$cache/bin
-work_dir=$cache/build
+kube_build_init legacy-build "$toolchain"
 proxy=$bin_dir/kube-proxy-$kube_version
 
-log() { printf 'legacy-build: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-# GOWORK, GOFLAGS, GOTOOLCHAIN for the build; the kube_* steps, build_cache_*.
-# shellcheck source=hack/lib/kube-build.sh
-. "$(dirname "${BASH_SOURCE[0]}")/lib/kube-build.sh"
-kube_build_env "$toolchain"
 # Its own build cache, never the one KPP_GOCACHE shares: an old toolchain's objects serve no other build.
 unset KPP_GOCACHE
 

@@ -17,11 +17,12 @@
 # private build cache, KPP_GOCACHE a
 # build cache shared with the other builds of k8s.io/kubernetes (kept; see controlplane-build.sh).
 set -euo pipefail
+# The cache layout, log and die, the build environment; build_kubernetes and its steps.
+# shellcheck source=hack/lib/kube-build.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/kube-build.sh"
+kube_build_init cluster-build
 
 kube_version=${KPP_KUBE_VERSION:-v1.36.3}
-cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
-bin_dir=$cache/bin
-work_dir=$cache/build
 
 kubelet=$bin_dir/kubelet-$kube_version
 kcm=$bin_dir/kube-controller-manager-$kube_version
@@ -29,14 +30,6 @@ scheduler=$bin_dir/kube-scheduler-$kube_version
 # CoreDNS: the version kubeadm v1.36 deploys (cmd/kubeadm/app/constants CoreDNSVersion).
 coredns_version=${KPP_COREDNS_VERSION:-v1.14.2}
 coredns=$bin_dir/coredns-$coredns_version
-
-log() { printf 'cluster-build: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-# GOWORK, GOFLAGS, GOTOOLCHAIN for the build; build_kubernetes, build_cache_*.
-# shellcheck source=hack/lib/kube-build.sh
-. "$(dirname "${BASH_SOURCE[0]}")/../lib/kube-build.sh"
-kube_build_env
 
 build_coredns() {
   local dir=$work_dir/coredns-$coredns_version

@@ -19,27 +19,20 @@
 # private build cache, KPP_GOCACHE a
 # build cache shared with the other builds of k8s.io/kubernetes (kept; see controlplane-build.sh).
 set -euo pipefail
+# The cache layout, log and die, the build environment; build_kubernetes and its steps.
+# shellcheck source=hack/lib/kube-build.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/kube-build.sh"
+kube_build_init conformance-build
 
 here=$(cd "$(dirname "$0")" && pwd)
 kube_version=${KPP_KUBE_VERSION:-v1.36.3}
 # The agnhost tag test/utils/image/manifest.go of that version names.
 agnhost_version=${KPP_AGNHOST_VERSION:-2.63.0}
-cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
-bin_dir=$cache/bin
-work_dir=$cache/build
 # The ginkgo CLI runs a compiled suite only when its name ends in .test.
 e2e=$bin_dir/e2e-$kube_version.test
 agnhost=$bin_dir/agnhost-$agnhost_version
 ginkgo=$bin_dir/ginkgo-$kube_version
 regression=$bin_dir/regression-issue-74839-$kube_version
-
-log() { printf 'conformance-build: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-# GOWORK, GOFLAGS, GOTOOLCHAIN for the build; the kube_* steps, build_cache_*.
-# shellcheck source=hack/lib/kube-build.sh
-. "$(dirname "${BASH_SOURCE[0]}")/../lib/kube-build.sh"
-kube_build_env
 
 # build is build_kubernetes's sequence around a copied module (e2e.test is a test binary of ours,
 # not a main package of k8s.io/kubernetes) whose test tools are built without version stamps.

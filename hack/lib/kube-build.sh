@@ -1,6 +1,6 @@
 # kube-build.sh: sourced by the scripts that build Kubernetes components from the Go module proxy
 # (controlplane-build.sh, kubeproxy-build.sh, legacy-build.sh, cluster/build.sh,
-# conformance/build.sh). Each of them defines log, die, kube_version and work_dir before calling.
+# conformance/build.sh). Each calls kube_build_init first and sets kube_version before building.
 #
 # Why a throwaway module: `go install pkg@version` refuses k8s.io/kubernetes (its go.mod carries
 # replace directives), and importing it into this project's go.mod would drag in its staging
@@ -11,6 +11,21 @@
 # build_kubernetes does the whole sequence; the steps (kube_module_new, kube_module_require,
 # kube_ldflags, kube_install) are there for the builds that need something in between (a copied
 # go.mod, a patched vendor tree, an older toolchain).
+
+# kube_build_init NAME [TOOLCHAIN] starts a build script: log and die prefix their messages with
+# NAME; cache (KPP_CACHE, default ~/.cache/kube-portal-proxy), bin_dir (its bin/, where the
+# binaries go, named with their versions) and work_dir (its build/: throwaway modules, locks,
+# private build caches) are the layout every build shares; kube_build_env with TOOLCHAIN.
+kube_build_init() {
+  build_name=$1
+  cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
+  bin_dir=$cache/bin
+  work_dir=$cache/build
+  kube_build_env "${2:-local}"
+}
+
+log() { printf '%s: %s\n' "$build_name" "$*" >&2; }
+die() { log "$*"; exit 1; }
 
 # kube_build_env sets what every build here runs under: not influenced by the caller's module
 # setup (a go.work, -mod=vendor, VCS stamping, a cross-compile target), and failing clearly rather
