@@ -181,14 +181,30 @@ func showTraffic(ctx context.Context, out io.Writer, bed *testbed.Bed, mode stri
 	// Each request has its own timeout; this bounds the commands run in the node namespace too.
 	ctx, cancel := context.WithTimeout(ctx, trafficTimeout)
 	defer cancel()
-	checks := []struct {
-		title string
-		from  *netns.NS
-		addr  string
-		udp   bool
-		n     int
-		want  func(map[string]int) error
-	}{
+	for _, c := range trafficChecks(bed) {
+		if err := c.run(out); err != nil {
+			return err
+		}
+	}
+	if err := showRefusal(out, bed); err != nil {
+		return err
+	}
+	return showPortals(ctx, out, bed, mode)
+}
+
+// trafficCheck is n requests from one namespace to one service address; want judges which pods
+// answered how often.
+type trafficCheck struct {
+	title string
+	from  *netns.NS
+	addr  string
+	udp   bool
+	n     int
+	want  func(map[string]int) error
+}
+
+func trafficChecks(bed *testbed.Bed) []trafficCheck {
+	return []trafficCheck{
 		{"Round robin: client pod -> cluster IP 10.96.0.10:80 (REDIRECT, KUBE-PORTALS-CONTAINER)", bed.Client, "10.96.0.10:80", false, 6, both},
 		{"ClientIP affinity: client pod -> 10.96.0.11:80 (sessionAffinity: ClientIP)", bed.Client, "10.96.0.11:80", false, 6, one},
 		{"The node itself -> 10.96.0.10:80 (DNAT to the node IP, KUBE-PORTALS-HOST)", bed.Node, "10.96.0.10:80", false, 4, both},
@@ -196,33 +212,36 @@ func showTraffic(ctx context.Context, out io.Writer, bed *testbed.Bed, mode stri
 		{"External IP: external host -> 203.0.113.10:80", bed.External, "203.0.113.10:80", false, 4, both},
 		{"UDP: client pod -> 10.96.0.53:53, a new session per query", bed.Client, "10.96.0.53:53", true, 4, both},
 	}
-	for _, c := range checks {
-		fmt.Fprintf(out, "\n%s\n", c.title)
-		seen := map[string]int{}
-		for i := range c.n {
-			addr := netip.MustParseAddrPort(c.addr)
-			var who string
-			var err error
-			if c.udp {
-				who, err = testbed.WhoUDP(c.from, addr, 2*time.Second)
-			} else {
-				who, err = testbed.Who(c.from, addr, 2*time.Second)
-			}
-			if err != nil {
-				return fmt.Errorf("%s: request %d: %w", c.title, i+1, err)
-			}
-			seen[who]++
-			fmt.Fprintf(out, "  request %d answered by %s\n", i+1, who)
-		}
-		if err := c.want(seen); err != nil {
-			return fmt.Errorf("%s: %w", c.title, err)
-		}
-	}
+}
 
-	if err := showRefusal(out, bed); err != nil {
-		return err
+// run sends the check's requests, printing which pod answered each.
+func (c *trafficCheck) run(out io.Writer) error {
+	fmt.Fprintf(out, "\n%s\n", c.title)
+	seen := map[string]int{}
+	addr := netip.MustParseAddrPort(c.addr)
+	for i := range c.n {
+		var who string
+		var err error
+		if c.udp {
+			who, err = testbed.WhoUDP(c.from, addr, 2*time.Second)
+		} else {
+			who, err = testbed.Who(c.from, addr, 2*time.Second)
+		}
+		if err != nil {
+			return fmt.Errorf("%s: request %d: %w", c.title, i+1, err)
+		}
+		seen[who]++
+		fmt.Fprintf(out, "  request %d answered by %s\n", i+1, who)
 	}
+	if err := c.want(seen); err != nil {
+		return fmt.Errorf("%s: %w", c.title, err)
+	}
+	return nil
+}
 
+// showPortals shows how the portals are made in the node namespace: the service IPs on
+// kube-portal0 and an empty nat table in bind mode, else the portal rules.
+func showPortals(ctx context.Context, out io.Writer, bed *testbed.Bed, mode string) error {
 	if mode == "bind" {
 		addrs, _ := bed.Node.Exec(ctx, "ip", "-o", "addr", "show", "dev", "kube-portal0")
 		fmt.Fprintf(out, "\nBind mode: the service IPs on kube-portal0 in the node namespace:\n%s", addrs)

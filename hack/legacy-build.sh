@@ -7,7 +7,8 @@
 # The bench suite (bench/suite, target "legacy") runs it beside kube-portal-proxy. An existing
 # binary is not rebuilt. It prints KPP_LEGACY_PROXY=path, so `eval "$(hack/legacy-build.sh)"` works.
 #
-# It builds the way hack/controlplane-build.sh builds kube-apiserver: a throwaway module that
+# It builds the way hack/controlplane-build.sh builds kube-apiserver (the steps of
+# hack/lib/kube-build.sh): a throwaway module that
 # requires k8s.io/kubernetes@<version> and replaces every staging module by its published
 # v0.<minor>.<patch> release. Go 1.26 is tried first (KPP_LEGACY_TOOLCHAIN=local); a Kubernetes
 # release this old may need the toolchain of its day, which the module proxy serves as
@@ -27,23 +28,17 @@
 # Cost here (2 shared cores): 2-5 minutes with a cold build cache, ~40 MB binary. The module proxy
 # does not serve every staging module at v0.25.16; those come at the newest served patch (logged).
 set -euo pipefail
+# The cache layout, log and die, the build environment; build_kubernetes and its steps.
+# shellcheck source=hack/lib/kube-build.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib/kube-build.sh"
 
 kube_version=${KPP_LEGACY_VERSION:-v1.25.16}
 toolchain=${KPP_LEGACY_TOOLCHAIN:-local}
-cache=${KPP_CACHE:-${HOME:?HOME or KPP_CACHE must be set}/.cache/kube-portal-proxy}
-bin_dir=$cache/bin
-work_dir=$cache/build
+kube_build_init legacy-build "$toolchain"
 proxy=$bin_dir/kube-proxy-$kube_version
 
-log() { printf 'legacy-build: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-export GOWORK=off GOFLAGS=-buildvcs=false GOTOOLCHAIN=$toolchain
-unset GOOS GOARCH
-
-# staging_replaces (k8s.io/kubernetes's ./staging replaces, paired with their releases).
-# shellcheck source=hack/lib/staging.sh
-. "$(dirname "${BASH_SOURCE[0]}")/lib/staging.sh"
+# Its own build cache, never the one KPP_GOCACHE shares: an old toolchain's objects serve no other build.
+unset KPP_GOCACHE
 
 # served_patch prints the newest patch release of module $1 at or below version $2 whose source the
 # module proxy serves (and the checksum database vouches for). proxy.golang.org answers "403 not available" for the zips of a few staging
@@ -101,53 +96,27 @@ func setRLimit(limit uint64) error {
 GO
 }
 
+# build is build_kubernetes's sequence with two differences: a blank import where older go
+# commands have no -tool edit, and a vendor tree to patch before the build.
 build() {
   local dir=$work_dir/kube-proxy-$kube_version
   log "building kube-proxy $kube_version with GOTOOLCHAIN=$toolchain"
-  rm -rf "$dir"
-  mkdir -p "$dir"
-  cd "$dir"
-  go mod init kpp.invalid/legacy-build/kube-proxy >/dev/null 2>&1
-  # Older go commands have no -tool edit: a blank import pins the main package's dependencies.
-  printf '//go:build tools\n\npackage tools\n\nimport _ "k8s.io/kubernetes/cmd/kube-proxy"\n' >tools.go
-  local edits=() mod ver served count=0
-  while read -r mod ver; do
-    served=$(served_patch "$mod" "$ver")
-    [ "$served" = "$ver" ] || log "$mod@$ver is not served by the module proxy; using $served"
-    edits+=("-replace=$mod=$mod@$served")
-    count=$((count + 1))
-  done < <(staging_replaces)
-  log "replaced $count staging modules by their v0.${kube_version#v1.} releases (or the newest served patch)"
-  go mod edit "${edits[@]}" -require="k8s.io/kubernetes@$kube_version"
-  go mod tidy
-  local minor=${kube_version#v1.}
-  minor=${minor%%.*}
-  local ldflags="-s -w" pkg
-  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X $pkg.gitVersion=$kube_version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
-    ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
-  done
-  go mod vendor
+  kube_module_new "$dir" kpp.invalid/legacy-build/kube-proxy
+  # A blank import pins the main package's dependencies.
+  printf '//go:build tools\n\npackage tools\n\nimport _ "k8s.io/kubernetes/cmd/kube-proxy"\n' >"$dir/tools.go"
+  kube_module_require --pin served_patch "$dir"
+  (cd "$dir" && go mod vendor)
   patch_rlimit "$dir/vendor/k8s.io/kubernetes/pkg/proxy/userspace/rlimit.go"
-  CGO_ENABLED=0 go build -mod=vendor -trimpath -ldflags "$ldflags" -o "$proxy.tmp" k8s.io/kubernetes/cmd/kube-proxy
-  mv -f "$proxy.tmp" "$proxy"
-  cd /
+  kube_install "$dir" "$(kube_ldflags)" "$proxy" k8s.io/kubernetes/cmd/kube-proxy -mod=vendor
   rm -rf "$dir"
 }
 
 main() {
-  mkdir -p "$bin_dir" "$work_dir"
-  exec 9>"$work_dir/.legacy.lock"
-  if command -v flock >/dev/null 2>&1; then
-    flock 9
-  fi
+  build_cache_open .legacy.lock gocache-legacy
   if [ ! -x "$proxy" ]; then
     command -v go >/dev/null 2>&1 || die "go not found in PATH"
-    export GOCACHE=$work_dir/gocache-legacy
     build
-    if [ "${KPP_KEEP_GOCACHE:-}" != 1 ]; then
-      rm -rf "$GOCACHE"
-    fi
+    build_cache_close
   fi
   printf 'KPP_LEGACY_PROXY=%s\n' "$proxy"
 }

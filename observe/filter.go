@@ -12,11 +12,15 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 )
 
-var filterKeys = []string{"namespace", "service", "pod", "client", "port", "protocol", "verdict", "phase", "node", "path"}
-
 // FilterKeys lists the allow filters /debug/flows takes; each also exists as a deny filter,
 // prefixed DenyPrefix.
-func FilterKeys() []string { return slices.Clone(filterKeys) }
+func FilterKeys() []string {
+	keys := make([]string, len(termParsers))
+	for i, t := range termParsers {
+		keys[i] = t.key
+	}
+	return keys
+}
 
 // DenyPrefix turns an allow filter's key into the deny filter's.
 const DenyPrefix = "not-"
@@ -47,7 +51,7 @@ func ParseFilter(q url.Values) (*Filter, error) {
 	f := &Filter{}
 	for _, k := range keys {
 		base, deny := strings.CutPrefix(k, DenyPrefix)
-		if !slices.Contains(filterKeys, base) {
+		if !slices.Contains(FilterKeys(), base) {
 			return nil, fmt.Errorf("unknown parameter %q", k)
 		}
 		var values []string
@@ -131,6 +135,24 @@ func (v *view) resolve() {
 
 var errEmpty = errors.New("empty value")
 
+// termParsers are the filter keys, in the order FilterKeys lists them, each with the parser
+// that builds the matcher of its values (none empty).
+var termParsers = []struct {
+	key   string
+	parse func(values []string) (func(*view) bool, error)
+}{
+	{"namespace", namespaceTerm},
+	{"service", serviceTerm},
+	{"pod", podTerm},
+	{"client", clientTerm},
+	{"port", portTerm},
+	{"protocol", protocolTerm},
+	{"verdict", verdictTerm},
+	{"phase", phaseTerm},
+	{"node", nodeTerm},
+	{"path", pathTerm},
+}
+
 // parseTerm builds the matcher of one key's values.
 func parseTerm(key string, values []string) (func(*view) bool, error) {
 	for _, s := range values {
@@ -138,149 +160,177 @@ func parseTerm(key string, values []string) (func(*view) bool, error) {
 			return nil, errEmpty
 		}
 	}
-	switch key {
-	case "namespace":
-		return func(v *view) bool {
-			return v.e.Port != nil && slices.Contains(values, v.e.Port.Namespace)
-		}, nil
-	case "service":
-		type name struct{ ns, name string } // ns "": any namespace
-		names := make([]name, len(values))
-		for i, s := range values {
-			ns, n, ok := strings.Cut(s, "/")
-			if !ok {
-				ns, n = "", s
-			}
-			if (ok && ns == "") || n == "" || strings.Contains(n, "/") {
-				return nil, fmt.Errorf("%q: want namespace/name or name", s)
-			}
-			names[i] = name{ns, n}
+	for _, t := range termParsers {
+		if t.key == key {
+			return t.parse(values)
 		}
-		return func(v *view) bool {
-			p := v.e.Port
-			if p == nil {
-				return false
-			}
-			for _, n := range names {
-				if n.name == p.Service && (n.ns == "" || n.ns == p.Namespace) {
-					return true
-				}
-			}
-			return false
-		}, nil
-	case "pod":
-		return func(v *view) bool {
-			v.resolve()
-			for _, s := range values {
-				if (v.endpointPod != "" && strings.HasPrefix(v.endpointPod, s)) ||
-					(v.clientPod != "" && strings.HasPrefix(v.clientPod, s)) {
-					return true
-				}
-			}
-			return false
-		}, nil
-	case "client":
-		prefixes := make([]netip.Prefix, len(values))
-		for i, s := range values {
-			p, err := parsePrefix(s)
-			if err != nil {
-				return nil, err
-			}
-			prefixes[i] = p
-		}
-		return func(v *view) bool {
-			if !v.e.Client.IsValid() {
-				return false
-			}
-			a := v.e.Client.Addr().Unmap()
-			for _, p := range prefixes {
-				if p.Contains(a) {
-					return true
-				}
-			}
-			return false
-		}, nil
-	case "port":
-		var numbers []uint16
-		var names []string
-		for _, s := range values {
-			if n, err := strconv.ParseUint(s, 10, 16); err == nil && n > 0 {
-				numbers = append(numbers, uint16(n))
-			} else if s[0] >= '0' && s[0] <= '9' {
-				return nil, fmt.Errorf("%q: want a port number (1-65535) or a port name", s)
-			} else {
-				names = append(names, s)
-			}
-		}
-		return func(v *view) bool {
-			e := v.e
-			for _, n := range numbers {
-				if (e.Local.IsValid() && e.Local.Port() == n) || (e.Endpoint.IsValid() && e.Endpoint.Port() == n) {
-					return true
-				}
-			}
-			return e.Port != nil && e.Port.Port != "" && slices.Contains(names, e.Port.Port)
-		}, nil
-	case "protocol":
-		var set [2]bool
-		for _, s := range values {
-			switch strings.ToLower(s) {
-			case "tcp":
-				set[flow.TCP] = true
-			case "udp":
-				set[flow.UDP] = true
-			default:
-				return nil, fmt.Errorf("%q: want tcp or udp", s)
-			}
-		}
-		return func(v *view) bool {
-			return v.e.Port != nil && int(v.e.Port.Protocol) < len(set) && set[v.e.Port.Protocol]
-		}, nil
-	case "verdict":
-		var set [flow.NumVerdicts]bool
-		for _, s := range values {
-			x, err := flow.ParseVerdict(s)
-			if err != nil {
-				return nil, err
-			}
-			set[x] = true
-		}
-		return func(v *view) bool { x := v.e.Verdict(); return x < flow.NumVerdicts && set[x] }, nil
-	case "phase":
-		var set [flow.NumPhases]bool
-		for _, s := range values {
-			x, err := flow.ParsePhase(s)
-			if err != nil {
-				return nil, err
-			}
-			set[x] = true
-		}
-		return func(v *view) bool { return v.e.Phase < flow.NumPhases && set[v.e.Phase] }, nil
-	case "node":
-		// Either node: the proxy's (useful when merging nodes) or the endpoint's (which pods on
-		// a node a proxy sends to), as pod matches either pod.
-		return func(v *view) bool {
-			if v.e.Port != nil && slices.Contains(values, v.e.Port.Node) {
-				return true
-			}
-			v.resolve()
-			return v.endpointNode != "" && slices.Contains(values, v.endpointNode)
-		}, nil
-	case "path":
-		var set [2]bool
-		for _, s := range values {
-			switch strings.ToLower(s) {
-			case "socket":
-				set[flow.PathSocket] = true
-			case "kernel":
-				set[flow.PathKernel] = true
-			default:
-				return nil, fmt.Errorf("%q: want socket or kernel", s)
-			}
-		}
-		return func(v *view) bool { return v.e.Port != nil && int(v.e.Port.Path) < len(set) && set[v.e.Port.Path] }, nil
 	}
 	return nil, fmt.Errorf("unknown filter %q", key)
+}
+
+func namespaceTerm(values []string) (func(*view) bool, error) {
+	return func(v *view) bool {
+		return v.e.Port != nil && slices.Contains(values, v.e.Port.Namespace)
+	}, nil
+}
+
+func serviceTerm(values []string) (func(*view) bool, error) {
+	type name struct{ ns, name string } // ns "": any namespace
+	names := make([]name, len(values))
+	for i, s := range values {
+		ns, n, ok := strings.Cut(s, "/")
+		if !ok {
+			ns, n = "", s
+		}
+		if (ok && ns == "") || n == "" || strings.Contains(n, "/") {
+			return nil, fmt.Errorf("%q: want namespace/name or name", s)
+		}
+		names[i] = name{ns, n}
+	}
+	return func(v *view) bool {
+		p := v.e.Port
+		if p == nil {
+			return false
+		}
+		for _, n := range names {
+			if n.name == p.Service && (n.ns == "" || n.ns == p.Namespace) {
+				return true
+			}
+		}
+		return false
+	}, nil
+}
+
+// podTerm matches a prefix of either pod, the endpoint's or the client's.
+func podTerm(values []string) (func(*view) bool, error) {
+	return func(v *view) bool {
+		v.resolve()
+		for _, s := range values {
+			if (v.endpointPod != "" && strings.HasPrefix(v.endpointPod, s)) ||
+				(v.clientPod != "" && strings.HasPrefix(v.clientPod, s)) {
+				return true
+			}
+		}
+		return false
+	}, nil
+}
+
+func clientTerm(values []string) (func(*view) bool, error) {
+	prefixes := make([]netip.Prefix, len(values))
+	for i, s := range values {
+		p, err := parsePrefix(s)
+		if err != nil {
+			return nil, err
+		}
+		prefixes[i] = p
+	}
+	return func(v *view) bool {
+		if !v.e.Client.IsValid() {
+			return false
+		}
+		a := v.e.Client.Addr().Unmap()
+		for _, p := range prefixes {
+			if p.Contains(a) {
+				return true
+			}
+		}
+		return false
+	}, nil
+}
+
+// portTerm matches a number against the service port and the endpoint's port, a name against
+// the service port's name.
+func portTerm(values []string) (func(*view) bool, error) {
+	var numbers []uint16
+	var names []string
+	for _, s := range values {
+		if n, err := strconv.ParseUint(s, 10, 16); err == nil && n > 0 {
+			numbers = append(numbers, uint16(n))
+		} else if s[0] >= '0' && s[0] <= '9' {
+			return nil, fmt.Errorf("%q: want a port number (1-65535) or a port name", s)
+		} else {
+			names = append(names, s)
+		}
+	}
+	return func(v *view) bool {
+		e := v.e
+		for _, n := range numbers {
+			if (e.Local.IsValid() && e.Local.Port() == n) || (e.Endpoint.IsValid() && e.Endpoint.Port() == n) {
+				return true
+			}
+		}
+		return e.Port != nil && e.Port.Port != "" && slices.Contains(names, e.Port.Port)
+	}, nil
+}
+
+func protocolTerm(values []string) (func(*view) bool, error) {
+	set, err := nameSet(values, map[string]int{"tcp": int(flow.TCP), "udp": int(flow.UDP)}, "want tcp or udp")
+	if err != nil {
+		return nil, err
+	}
+	return func(v *view) bool {
+		return v.e.Port != nil && int(v.e.Port.Protocol) < len(set) && set[v.e.Port.Protocol]
+	}, nil
+}
+
+func pathTerm(values []string) (func(*view) bool, error) {
+	set, err := nameSet(values, map[string]int{"socket": int(flow.PathSocket), "kernel": int(flow.PathKernel)}, "want socket or kernel")
+	if err != nil {
+		return nil, err
+	}
+	return func(v *view) bool {
+		return v.e.Port != nil && int(v.e.Port.Path) < len(set) && set[v.e.Port.Path]
+	}, nil
+}
+
+// nameSet reads case-insensitive names of two values (numbers 0 and 1) into a set; an unknown
+// name is an error that says want.
+func nameSet(values []string, names map[string]int, want string) ([2]bool, error) {
+	var set [2]bool
+	for _, s := range values {
+		x, ok := names[strings.ToLower(s)]
+		if !ok {
+			return set, fmt.Errorf("%q: %s", s, want)
+		}
+		set[x] = true
+	}
+	return set, nil
+}
+
+func verdictTerm(values []string) (func(*view) bool, error) {
+	var set [flow.NumVerdicts]bool
+	for _, s := range values {
+		x, err := flow.ParseVerdict(s)
+		if err != nil {
+			return nil, err
+		}
+		set[x] = true
+	}
+	return func(v *view) bool { x := v.e.Verdict(); return x < flow.NumVerdicts && set[x] }, nil
+}
+
+func phaseTerm(values []string) (func(*view) bool, error) {
+	var set [flow.NumPhases]bool
+	for _, s := range values {
+		x, err := flow.ParsePhase(s)
+		if err != nil {
+			return nil, err
+		}
+		set[x] = true
+	}
+	return func(v *view) bool { return v.e.Phase < flow.NumPhases && set[v.e.Phase] }, nil
+}
+
+// nodeTerm matches either node: the proxy's (useful when merging nodes) or the endpoint's (which
+// pods on a node a proxy sends to), as pod matches either pod.
+func nodeTerm(values []string) (func(*view) bool, error) {
+	return func(v *view) bool {
+		if v.e.Port != nil && slices.Contains(values, v.e.Port.Node) {
+			return true
+		}
+		v.resolve()
+		return v.endpointNode != "" && slices.Contains(values, v.endpointNode)
+	}, nil
 }
 
 // parsePrefix reads a CIDR or a single address.

@@ -61,7 +61,48 @@ const (
 // parseRequest reads the query of a /debug/flows request; an error names the bad parameter.
 func (h *Hub) parseRequest(r *http.Request) (*request, error) {
 	q := r.URL.Query()
+	filters, err := filterParams(q)
+	if err != nil {
+		return nil, err
+	}
 	req := &request{last: -1, captureFlow: h.cfg.CaptureFlowBytes}
+	if req.filter, err = ParseFilter(filters); err != nil {
+		return nil, err
+	}
+	if req.follow, err = boolParam(q, paramFollow); err != nil {
+		return nil, err
+	}
+	if n, ok, err := countParam(q, paramLast, 0, "a count of events (0 or more)"); err != nil {
+		return nil, err
+	} else if ok {
+		req.last = n
+	}
+	if req.since, err = h.sinceParam(q); err != nil {
+		return nil, err
+	}
+	if req.rate, _, err = countParam(q, paramRate, 1, "events per second (1 or more)"); err != nil {
+		return nil, err
+	}
+	if max := h.cfg.MaxRate; max > 0 && (req.rate == 0 || req.rate > max) {
+		req.rate = max
+	}
+	if req.capture, err = boolParam(q, paramCapture); err != nil {
+		return nil, err
+	}
+	if n, ok, err := countParam(q, paramCaptureBytes, 1, "bytes per flow (1 or more)"); err != nil {
+		return nil, err
+	} else if ok {
+		req.captureFlow = min(n, h.cfg.CaptureFlowBytes)
+	}
+	if req.sse, err = formatParam(q.Get(paramFormat), r.Header.Values("Accept")); err != nil {
+		return nil, err
+	}
+	return req, nil
+}
+
+// filterParams returns the filter parameters of q, after checking that none of the others is
+// given more than once.
+func filterParams(q url.Values) (url.Values, error) {
 	filters := url.Values{}
 	for k, vs := range q {
 		switch k {
@@ -73,59 +114,63 @@ func (h *Hub) parseRequest(r *http.Request) (*request, error) {
 			filters[k] = vs
 		}
 	}
-	var err error
-	if req.filter, err = ParseFilter(filters); err != nil {
-		return nil, err
+	return filters, nil
+}
+
+// boolParam reads parameter name of q, false when not given.
+func boolParam(q url.Values, name string) (bool, error) {
+	s := q.Get(name)
+	if s == "" {
+		return false, nil
 	}
-	if s := q.Get(paramFollow); s != "" {
-		if req.follow, err = strconv.ParseBool(s); err != nil {
-			return nil, fmt.Errorf("parameter %s=%q: want 1 or 0", paramFollow, s)
-		}
+	b, err := strconv.ParseBool(s)
+	if err != nil {
+		return false, fmt.Errorf("parameter %s=%q: want 1 or 0", name, s)
 	}
-	if s := q.Get(paramLast); s != "" {
-		if req.last, err = strconv.Atoi(s); err != nil || req.last < 0 {
-			return nil, fmt.Errorf("parameter %s=%q: want a count of events (0 or more)", paramLast, s)
-		}
+	return b, nil
+}
+
+// countParam reads parameter name of q, a whole number of at least least (want says what it
+// counts); ok is false when it is not given.
+func countParam(q url.Values, name string, least int, want string) (n int, ok bool, err error) {
+	s := q.Get(name)
+	if s == "" {
+		return 0, false, nil
 	}
-	if s := q.Get(paramSince); s != "" {
-		if req.since, err = time.Parse(time.RFC3339Nano, s); err != nil {
-			d, derr := time.ParseDuration(s)
-			if derr != nil || d < 0 {
-				return nil, fmt.Errorf("parameter %s=%q: want an RFC 3339 time (2006-01-02T15:04:05Z) or a duration (5m)", paramSince, s)
-			}
-			req.since = h.cfg.Clock().Add(-d)
-		}
+	if n, err = strconv.Atoi(s); err != nil || n < least {
+		return 0, false, fmt.Errorf("parameter %s=%q: want %s", name, s, want)
 	}
-	if s := q.Get(paramRate); s != "" {
-		if req.rate, err = strconv.Atoi(s); err != nil || req.rate <= 0 {
-			return nil, fmt.Errorf("parameter %s=%q: want events per second (1 or more)", paramRate, s)
-		}
+	return n, true, nil
+}
+
+// sinceParam reads the since parameter: a time, or a duration before now.
+func (h *Hub) sinceParam(q url.Values) (time.Time, error) {
+	s := q.Get(paramSince)
+	if s == "" {
+		return time.Time{}, nil
 	}
-	if max := h.cfg.MaxRate; max > 0 && (req.rate == 0 || req.rate > max) {
-		req.rate = max
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
 	}
-	if s := q.Get(paramCapture); s != "" {
-		if req.capture, err = strconv.ParseBool(s); err != nil {
-			return nil, fmt.Errorf("parameter %s=%q: want 1 or 0", paramCapture, s)
-		}
+	d, err := time.ParseDuration(s)
+	if err != nil || d < 0 {
+		return time.Time{}, fmt.Errorf("parameter %s=%q: want an RFC 3339 time (2006-01-02T15:04:05Z) or a duration (5m)", paramSince, s)
 	}
-	if s := q.Get(paramCaptureBytes); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n <= 0 {
-			return nil, fmt.Errorf("parameter %s=%q: want bytes per flow (1 or more)", paramCaptureBytes, s)
-		}
-		req.captureFlow = min(n, h.cfg.CaptureFlowBytes)
-	}
-	switch f := q.Get(paramFormat); f {
+	return h.cfg.Clock().Add(-d), nil
+}
+
+// formatParam reports whether the stream is server-sent events: format=sse, or no format and an
+// Accept header that asks for them.
+func formatParam(format string, accept []string) (sse bool, err error) {
+	switch format {
 	case "":
-		req.sse = acceptsSSE(r.Header.Values("Accept"))
+		return acceptsSSE(accept), nil
 	case "sse":
-		req.sse = true
+		return true, nil
 	case "ndjson", "json":
-	default:
-		return nil, fmt.Errorf("parameter %s=%q: want ndjson or sse", paramFormat, f)
+		return false, nil
 	}
-	return req, nil
+	return false, fmt.Errorf("parameter %s=%q: want ndjson or sse", paramFormat, format)
 }
 
 // acceptsSSE reports whether an Accept header asks for server-sent events.

@@ -55,6 +55,15 @@ node_exec() {
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
+
+# need_cluster TARGET: what make TARGET needs before it works on the running cluster - root, the
+# cluster - and the control plane's binaries (KPP_APISERVER, KPP_KUBECTL, KPP_ETCD; kc runs the
+# kubectl).
+need_cluster() {
+  [ "$(id -u)" = 0 ] || die "make $1 needs root"
+  [ -e "/run/netns/$NS" ] || die "no cluster (make cluster first)"
+  eval "$("$(dirname "${BASH_SOURCE[0]}")/../controlplane-build.sh")"
+}
 ns() { nsenter --net="/run/netns/$NS" "$@"; }
 # kc runs kubectl as the cluster admin inside the cluster namespace.
 kc() { ns "$KPP_KUBECTL" --kubeconfig="$KUBECONFIG_ADMIN" "$@"; }

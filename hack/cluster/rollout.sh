@@ -15,12 +15,9 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/../.." && pwd)
 # shellcheck source=common.sh
 . "$here/common.sh"
-[ "$(id -u)" = 0 ] || die "make cluster-rollout needs root"
-[ -e "/run/netns/$NS" ] || die "no cluster (make cluster first)"
-eval "$("$repo/hack/controlplane-build.sh")"
+need_cluster cluster-rollout
 
 PROXY_LABEL=app.kubernetes.io/name=kube-portal-proxy
 work=$(mktemp -d)

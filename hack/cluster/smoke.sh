@@ -9,12 +9,9 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/../.." && pwd)
 # shellcheck source=common.sh
 . "$here/common.sh"
-[ "$(id -u)" = 0 ] || die "make cluster-smoke needs root"
-[ -e "/run/netns/$NS" ] || die "no cluster (make cluster first)"
-eval "$("$repo/hack/controlplane-build.sh")"
+need_cluster cluster-smoke
 
 fail() { log "FAIL: $*"; exit 1; }
 trap 'kc delete namespace smoke --wait=false >/dev/null 2>&1 || true' EXIT

@@ -13,9 +13,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 # shellcheck source=common.sh
 . "$here/common.sh"
-[ "$(id -u)" = 0 ] || die "make cluster-swap needs root"
-[ -e "/run/netns/$NS" ] || die "no cluster (make cluster first)"
-eval "$("$repo/hack/controlplane-build.sh")"
+need_cluster cluster-swap
 
 fail() { log "FAIL: $*"; exit 1; }
 cleanup() {

@@ -113,7 +113,18 @@ func decodeRendered(out []byte) (*Rendered, error) {
 	if r.DaemonSet == nil {
 		return nil, errors.New("the chart rendered no DaemonSet")
 	}
-	// The proxy's ConfigMap is the one its pod mounts; others (the dashboard) are extra.
+	if err := r.addConfigMaps(configMaps); err != nil {
+		return nil, err
+	}
+	if r.ServiceAccount == nil || r.ClusterRoleBinding == nil || r.ConfigMap == nil {
+		return nil, errors.New("the chart rendered no ServiceAccount, ClusterRoleBinding or ConfigMap")
+	}
+	return r, nil
+}
+
+// addConfigMaps files the proxy's ConfigMap, the one its pod mounts, among the rendered
+// ConfigMaps; others (the dashboard) are extra.
+func (r *Rendered) addConfigMaps(configMaps []*unstructured.Unstructured) error {
 	mounted := map[string]bool{}
 	for _, v := range r.DaemonSet.Spec.Template.Spec.Volumes {
 		if v.ConfigMap != nil {
@@ -127,16 +138,13 @@ func decodeRendered(out []byte) (*Rendered, error) {
 		}
 		doc, err := yaml.Marshal(u.Object)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if err := r.add("rendered ConfigMap "+u.GetName(), doc); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	if r.ServiceAccount == nil || r.ClusterRoleBinding == nil || r.ConfigMap == nil {
-		return nil, errors.New("the chart rendered no ServiceAccount, ClusterRoleBinding or ConfigMap")
-	}
-	return r, nil
+	return nil
 }
 
 // add decodes one document strictly into its field, as Load does for a file.

@@ -107,13 +107,9 @@ var dashboardVar = regexp.MustCompile(`\$\{(\w+)(?::\w+)?\}|\$(\w+)`)
 // own, such as __rate_interval, included). A reference to a variable missing from vars is an
 // error, so a query that Grafana would fill in and the test would not is caught.
 func DashboardQueries(file string, vars map[string]string) ([]PanelQuery, error) {
-	data, err := os.ReadFile(file)
+	d, err := loadDashboard(file)
 	if err != nil {
 		return nil, err
-	}
-	var d dashboard
-	if err := json.Unmarshal(data, &d); err != nil {
-		return nil, fmt.Errorf("%s: %w", file, err)
 	}
 	var out []PanelQuery
 	for _, p := range d.Panels {
@@ -144,8 +140,7 @@ func DashboardQueries(file string, vars map[string]string) ([]PanelQuery, error)
 	return out, nil
 }
 
-// DashboardVariables are the names of the dashboard's template variables.
-func DashboardVariables(file string) ([]string, error) {
+func loadDashboard(file string) (*dashboard, error) {
 	data, err := os.ReadFile(file)
 	if err != nil {
 		return nil, err
@@ -153,6 +148,15 @@ func DashboardVariables(file string) ([]string, error) {
 	var d dashboard
 	if err := json.Unmarshal(data, &d); err != nil {
 		return nil, fmt.Errorf("%s: %w", file, err)
+	}
+	return &d, nil
+}
+
+// DashboardVariables are the names of the dashboard's template variables.
+func DashboardVariables(file string) ([]string, error) {
+	d, err := loadDashboard(file)
+	if err != nil {
+		return nil, err
 	}
 	var out []string
 	for _, v := range d.Templating.List {

@@ -53,13 +53,27 @@ type Pod struct {
 // New creates the namespaces and links; pods is how many backend pods.
 func New(ctx context.Context, lab *netns.Lab, pods int) (*Bed, error) {
 	b := &Bed{Lab: lab}
+	if err := b.addNamespaces(ctx, pods); err != nil {
+		return nil, err
+	}
+	if err := b.linkHosts(ctx); err != nil {
+		return nil, err
+	}
+	if err := b.linkPods(ctx); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// addNamespaces adds the node, client, external host and pods namespaces to the lab.
+func (b *Bed) addNamespaces(ctx context.Context, pods int) error {
 	var err error
 	add := func(role string) *netns.NS {
 		if err != nil {
 			return nil
 		}
 		var ns *netns.NS
-		ns, err = lab.Add(ctx, role)
+		ns, err = b.Lab.Add(ctx, role)
 		return ns
 	}
 	b.Node, b.Client, b.External = add("node"), add("client"), add("ext")
@@ -68,9 +82,12 @@ func New(ctx context.Context, lab *netns.Lab, pods int) (*Bed, error) {
 			b.Pods = append(b.Pods, &Pod{NS: ns, Name: fmt.Sprintf("pod%d", i), IP: PodIP(i)})
 		}
 	}
-	if err != nil {
-		return nil, err
-	}
+	return err
+}
+
+// linkHosts links the client and the external host to the node, routes the service ranges to the
+// node and makes the node forward.
+func (b *Bed) linkHosts(ctx context.Context) error {
 	steps := []func() error{
 		func() error {
 			return netns.Link(ctx, netns.End{NS: b.Node, Dev: "to-client", Addr: netip.PrefixFrom(NodeClientIP, 24)},
@@ -99,21 +116,28 @@ func New(ctx context.Context, lab *netns.Lab, pods int) (*Bed, error) {
 			return err
 		},
 	}
-	for i, p := range b.Pods {
-		i, p := i+1, p
-		steps = append(steps,
-			func() error {
-				return netns.Link(ctx, netns.End{NS: b.Node, Dev: fmt.Sprintf("to-pod%d", i), Addr: netip.PrefixFrom(nodePodIP(i), 24)},
-					netns.End{NS: p.NS, Dev: "eth0", Addr: netip.PrefixFrom(p.IP, 24)})
-			},
-			func() error { return p.NS.AddRoute(ctx, netip.MustParsePrefix("0.0.0.0/0"), nodePodIP(i), "eth0") })
-	}
 	for _, step := range steps {
 		if err := step(); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	return b, nil
+	return nil
+}
+
+// linkPods links each pod to the node, its default route via the node.
+func (b *Bed) linkPods(ctx context.Context) error {
+	for i, p := range b.Pods {
+		i := i + 1
+		err := netns.Link(ctx, netns.End{NS: b.Node, Dev: fmt.Sprintf("to-pod%d", i), Addr: netip.PrefixFrom(nodePodIP(i), 24)},
+			netns.End{NS: p.NS, Dev: "eth0", Addr: netip.PrefixFrom(p.IP, 24)})
+		if err != nil {
+			return err
+		}
+		if err := p.NS.AddRoute(ctx, netip.MustParsePrefix("0.0.0.0/0"), nodePodIP(i), "eth0"); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Serve starts the pod's backends until ctx is done: on TCP port tcpPort each connection is

@@ -41,7 +41,35 @@ func StartNginxProxyProtocol(t testing.TB, listen netip.AddrPort, prefix []strin
 	t.Helper()
 	bin := FindNginx(t)
 	dir := t.TempDir()
-	conf := fmt.Sprintf(`daemon off;
+	path := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(path, []byte(fmt.Sprintf(nginxConf, dir, listen, nginxBody)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := append(append([]string{}, prefix...), bin, "-p", dir, "-c", path, "-e", filepath.Join(dir, "error.log"))
+	exited := runNginx(t, dir, args)
+	if dial == nil {
+		dial = func(a netip.AddrPort) (net.Conn, error) { return net.DialTimeout("tcp", a.String(), time.Second) }
+	}
+	WaitFor(t, "nginx to listen on "+listen.String(), func() bool {
+		select {
+		case err := <-exited:
+			exited <- err
+			log, _ := os.ReadFile(filepath.Join(dir, "stderr"))
+			t.Fatalf("nginx exited: %v\n%s", err, log)
+		default:
+		}
+		c, err := dial(listen)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		return true
+	})
+}
+
+// nginxConf is StartNginxProxyProtocol's nginx.conf: %[1]s its directory, %[2]s the address it
+// listens on, %[3]s the body it answers with.
+const nginxConf = `daemon off;
 master_process off;
 worker_processes 1;
 pid %[1]s/nginx.pid;
@@ -62,22 +90,25 @@ http {
         }
     }
 }
-`, dir, listen, nginxBody)
-	path := filepath.Join(dir, "nginx.conf")
-	if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	args := append(append([]string{}, prefix...), bin, "-p", dir, "-c", path, "-e", filepath.Join(dir, "error.log"))
+`
+
+// runNginx starts the command args, nginx in the foreground with its files in dir and its output
+// in dir/stderr, until the test's cleanup kills it (logging its error log if the test failed).
+// The channel returned receives its exit.
+func runNginx(t testing.TB, dir string, args []string) chan error {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cmd := exec.CommandContext(ctx, args[0], args[1:]...)
 	out, err := os.Create(filepath.Join(dir, "stderr"))
 	if err != nil {
+		cancel()
 		t.Fatal(err)
 	}
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Start(); err != nil {
 		cancel()
+		out.Close()
 		t.Fatalf("start nginx: %v", err)
 	}
 	exited := make(chan error, 1)
@@ -91,22 +122,5 @@ http {
 			t.Logf("nginx error log:\n%s", log)
 		}
 	})
-	if dial == nil {
-		dial = func(a netip.AddrPort) (net.Conn, error) { return net.DialTimeout("tcp", a.String(), time.Second) }
-	}
-	WaitFor(t, "nginx to listen on "+listen.String(), func() bool {
-		select {
-		case err := <-exited:
-			exited <- err
-			log, _ := os.ReadFile(filepath.Join(dir, "stderr"))
-			t.Fatalf("nginx exited: %v\n%s", err, log)
-		default:
-		}
-		c, err := dial(listen)
-		if err != nil {
-			return false
-		}
-		c.Close()
-		return true
-	})
+	return exited
 }

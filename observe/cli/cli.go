@@ -41,6 +41,20 @@ type Env struct {
 	ReorderWindow time.Duration
 }
 
+func (e *Env) clock() clock.Clock {
+	if e.Clock != nil {
+		return e.Clock
+	}
+	return clock.RealClock{}
+}
+
+func (e *Env) reorderWindow() time.Duration {
+	if e.ReorderWindow != 0 {
+		return e.ReorderWindow
+	}
+	return 250 * time.Millisecond
+}
+
 func (e *Env) newClientset(cfg *rest.Config) (kubernetes.Interface, error) {
 	if e.NewClientset != nil {
 		return e.NewClientset(cfg)
@@ -173,42 +187,17 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
-	events := make(chan event, 64)
-	for i, t := range ts {
-		wg.Go(func() {
-			err := readStream(ctx, i, t, events)
-			select {
-			case events <- event{item: item{src: i}, done: true, err: err}:
-			case <-ctx.Done():
-			}
-		})
-	}
-	clk := env.Clock
-	if clk == nil {
-		clk = clock.RealClock{}
-	}
-	window := env.ReorderWindow
-	if window == 0 {
-		window = 250 * time.Millisecond
-	}
-	m := newMerger(len(ts), window)
+	events := readAll(ctx, &wg, ts)
+	clk := env.clock()
+	m := newMerger(len(ts), env.reorderWindow())
 	var collected []item
-	var timer clock.Timer
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
+	wake := alarm{clk: clk}
+	defer wake.set(0)
 	for open := len(ts); open > 0; {
-		var fire <-chan time.Time
-		if timer != nil {
-			fire = timer.C()
-		}
 		select {
 		case <-ctx.Done():
 			return failed, nil
-		case <-fire:
-			timer = nil
+		case <-wake.c():
 		case e := <-events:
 			switch {
 			case e.done:
@@ -236,14 +225,53 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 				return failed, err
 			}
 		}
-		if timer != nil {
-			timer.Stop()
-			timer = nil
-		}
-		if wait > 0 {
-			timer = clk.NewTimer(wait)
-		}
+		wake.set(wait)
 	}
+	return failed, writeCollected(o, collected, w)
+}
+
+// alarm is a timer that may be unset, its channel nil.
+type alarm struct {
+	clk clock.Clock
+	t   clock.Timer
+}
+
+func (a *alarm) c() <-chan time.Time {
+	if a.t == nil {
+		return nil
+	}
+	return a.t.C()
+}
+
+// set stops the timer and, for d > 0, starts one that fires after d.
+func (a *alarm) set(d time.Duration) {
+	if a.t != nil {
+		a.t.Stop()
+		a.t = nil
+	}
+	if d > 0 {
+		a.t = a.clk.NewTimer(d)
+	}
+}
+
+// readAll starts a reader of each target's stream, in goroutines that wg owns and ctx ends. Each
+// sends its stream's items to the channel returned, then an event with done set.
+func readAll(ctx context.Context, wg *sync.WaitGroup, ts []target) <-chan event {
+	events := make(chan event, 64)
+	for i, t := range ts {
+		wg.Go(func() {
+			err := readStream(ctx, i, t, events)
+			select {
+			case events <- event{item: item{src: i}, done: true, err: err}:
+			case <-ctx.Done():
+			}
+		})
+	}
+	return events
+}
+
+// writeCollected writes the items of several streams that were not followed, sorted by time.
+func writeCollected(o *Options, collected []item, w *output) error {
 	sort.SliceStable(collected, func(i, j int) bool { return collected[i].time().Before(collected[j].time()) })
 	if o.Last >= 0 && len(collected) > o.Last {
 		// Each node sent its last N: the merged stream keeps the last N of all.
@@ -251,10 +279,10 @@ func pump(ctx context.Context, o *Options, env *Env, ts []target, w *output) (fa
 	}
 	for i := range collected {
 		if err := w.item(&collected[i]); err != nil {
-			return failed, err
+			return err
 		}
 	}
-	return failed, nil
+	return nil
 }
 
 // useColor decides --color: auto colours a terminal only.

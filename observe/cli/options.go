@@ -77,6 +77,37 @@ func Parse(args []string, out io.Writer) (*Options, error) {
 	fs.SetOutput(out)
 	fs.SortFlags = false
 	o := &Options{}
+	filters := o.addFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if !fs.Changed("last") {
+		o.Last = -1
+	}
+	if err := o.check(fs); err != nil {
+		return nil, err
+	}
+	q, err := filters.query()
+	if err != nil {
+		return nil, err
+	}
+	o.addStreamParams(q)
+	o.Query = q
+	return o, nil
+}
+
+// filterValues are what the filter flags hold once parsed.
+type filterValues struct {
+	byFlag            map[string]*[]string // by flag name, the not- forms included
+	phases, notPhases *[]string
+}
+
+// addFlags defines the flags on fs, in the order the usage lists them: those of o, and the
+// filters, whose values it returns.
+func (o *Options) addFlags(fs *pflag.FlagSet) *filterValues {
 	fs.StringVar(&o.Address, "address", "127.0.0.1:10249", "the local proxy's flows address (its metrics address), host:port")
 	fs.StringVar(&o.Node, "node", "", "watch this node's proxy: its InternalIP and --port, authenticated with the kubeconfig's credentials")
 	fs.BoolVar(&o.AllNodes, "all-nodes", false, "watch every node's proxy, merged into one stream ordered by time")
@@ -91,54 +122,44 @@ func Parse(args []string, out io.Writer) (*Options, error) {
 	fs.StringVar(&o.Since, "since", "", "only events at or after this time: a duration (5m) or an RFC3339 time")
 	fs.IntVar(&o.MaxRPS, "max-rps", 0, "at most this many events per second (the proxy drops the rest and says how many); 0: the proxy's limit")
 
-	filters := map[string]*[]string{}
-	for _, f := range filterFlags {
+	f := &filterValues{byFlag: map[string]*[]string{}}
+	for _, ff := range filterFlags {
 		allow, deny := new([]string), new([]string)
-		fs.StringSliceVarP(allow, f.flag, f.short, nil, f.usage+"; repeat or comma-separate to allow several")
-		fs.StringSliceVar(deny, "not-"+f.flag, nil, "drop flows that match, as --"+f.flag)
-		filters[f.flag], filters["not-"+f.flag] = allow, deny
+		fs.StringSliceVarP(allow, ff.flag, ff.short, nil, ff.usage+"; repeat or comma-separate to allow several")
+		fs.StringSliceVar(deny, "not-"+ff.flag, nil, "drop flows that match, as --"+ff.flag)
+		f.byFlag[ff.flag], f.byFlag["not-"+ff.flag] = allow, deny
 	}
-	phases := fs.StringSlice("phase", []string{"end"}, "events of these phases (start, held, dial, first-byte, end), or all; the default prints one line per flow, when it ends")
-	notPhases := fs.StringSlice("not-phase", nil, "drop events of these phases")
+	f.phases = fs.StringSlice("phase", []string{"end"}, "events of these phases (start, held, dial, first-byte, end), or all; the default prints one line per flow, when it ends")
+	f.notPhases = fs.StringSlice("not-phase", nil, "drop events of these phases")
 
 	fs.StringVarP(&o.Output, "output", "o", "table", "table, wide (adds pick, dials, latencies, end reason, error) or json (the stream's items, one per line)")
 	fs.StringVar(&o.Color, "color", "auto", "colour the verdict: auto (when stdout is a terminal), always or never")
 	fs.StringVar(&o.PCAP, "pcap", "", "also capture the flows' payload (the proxy must allow capture) into this pcapng file")
 	fs.IntVar(&o.CaptureBytes, "capture-bytes", 0, "with --pcap: capture at most this many bytes per flow (default the proxy's, 64 KiB)")
+	return f
+}
 
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
-	}
-	if !fs.Changed("last") {
-		o.Last = -1
-	}
-	if err := o.check(fs); err != nil {
-		return nil, err
-	}
+// query checks the filters' values and turns them into /debug/flows query parameters.
+func (f *filterValues) query() (url.Values, error) {
 	q := url.Values{}
-	for _, f := range filterFlags {
+	for _, ff := range filterFlags {
 		for _, prefix := range []string{"", "not-"} {
-			for _, v := range *filters[prefix+f.flag] {
-				v, err := f.check(strings.TrimSpace(v))
+			for _, v := range *f.byFlag[prefix+ff.flag] {
+				v, err := ff.check(strings.TrimSpace(v))
 				if err != nil {
-					return nil, fmt.Errorf("--%s%s: %w", prefix, f.flag, err)
+					return nil, fmt.Errorf("--%s%s: %w", prefix, ff.flag, err)
 				}
-				q.Add(prefix+f.key, v)
+				q.Add(prefix+ff.key, v)
 			}
 		}
 	}
-	if err := addPhases(q, "phase", *phases, true); err != nil {
+	if err := addPhases(q, "phase", *f.phases, true); err != nil {
 		return nil, err
 	}
-	if err := addPhases(q, "not-phase", *notPhases, false); err != nil {
+	if err := addPhases(q, "not-phase", *f.notPhases, false); err != nil {
 		return nil, err
 	}
-	o.addStreamParams(q)
-	o.Query = q
-	return o, nil
+	return q, nil
 }
 
 // check validates the flags that are not filters.
