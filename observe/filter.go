@@ -29,6 +29,9 @@ const DenyPrefix = "not-"
 // key's values, and it matches no deny value at all. The zero Filter passes everything.
 type Filter struct {
 	allow, deny []term
+	// phases has bit 1<<p set for each phase p the filter may pass: the ring skips the others
+	// without copying them out (most observers ask for the end of each flow only).
+	phases uint8
 }
 
 // term is one key's values: match reports whether the event matches any of them.
@@ -37,6 +40,21 @@ type term struct {
 	match func(v *view) bool
 	// phase: the term picks which of a flow's events to send, not which flows (matchFlow).
 	phase bool
+}
+
+// phaseMask is the phases a phase term lets through: the values named (or all but those, for a
+// deny term). The values were checked by parseTerm.
+func phaseMask(values []string, deny bool) uint8 {
+	var m uint8
+	for _, v := range values {
+		if p, err := flow.ParsePhase(v); err == nil {
+			m |= 1 << p
+		}
+	}
+	if deny {
+		return ^m
+	}
+	return m
 }
 
 // ParseFilter reads the filter parameters of q (FilterKeys and their DenyPrefix forms). Values of
@@ -48,7 +66,7 @@ func ParseFilter(q url.Values) (*Filter, error) {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys) // the first bad parameter named is the same each time
-	f := &Filter{}
+	f := &Filter{phases: 1<<flow.NumPhases - 1}
 	for _, k := range keys {
 		base, deny := strings.CutPrefix(k, DenyPrefix)
 		if !slices.Contains(FilterKeys(), base) {
@@ -65,6 +83,9 @@ func ParseFilter(q url.Values) (*Filter, error) {
 			return nil, fmt.Errorf("parameter %s: %w", k, err)
 		}
 		t := term{key: k, match: m, phase: base == "phase"}
+		if t.phase {
+			f.phases &= phaseMask(values, deny)
+		}
 		if deny {
 			f.deny = append(f.deny, t)
 		} else {

@@ -177,14 +177,17 @@ const (
 	readOK      readState = iota
 	readPending           // the event was numbered but its writer has not finished: wait
 	readGone              // overwritten by a newer event: the reader was overtaken
+	readSkipped           // there, but of a phase the reader does not want: not copied
 )
 
 // read copies the event numbered seq into e.
-func (h *Hub) read(seq uint64, e *flow.Event) readState {
+func (h *Hub) read(seq uint64, e *flow.Event, phases uint8) readState {
 	s := &h.slots[seq%uint64(len(h.slots))]
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	switch {
+	case s.seq == seq+1 && phases&(1<<s.ev.Phase) == 0:
+		return readSkipped // a phase the reader does not want: not worth the copy
 	case s.seq == seq+1:
 		*e = s.ev
 		return readOK

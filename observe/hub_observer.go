@@ -14,6 +14,8 @@ type observer struct {
 	filter *Filter
 	res    Resolver
 	since  time.Time // zero: no bound
+	// phases are the phases the filter may pass (Filter.phases; all without a filter).
+	phases uint8
 
 	// wake (capacity 1) is poked by a writer only while the observer sleeps, so a writer pays a
 	// channel send only when it has something to say.
@@ -35,7 +37,11 @@ type observer struct {
 const payloadQueue = 1024
 
 func newObserver(h *Hub, f *Filter, r Resolver, since time.Time) *observer {
-	return &observer{hub: h, filter: f, res: r, since: since, wake: make(chan struct{}, 1)}
+	phases := uint8(1<<flow.NumPhases - 1)
+	if f != nil {
+		phases = f.phases
+	}
+	return &observer{hub: h, filter: f, res: r, since: since, phases: phases, wake: make(chan struct{}, 1)}
 }
 
 // poke wakes the observer if it sleeps. It never blocks.
@@ -51,7 +57,7 @@ func (o *observer) poke() {
 // next copies the event at *cursor into e and advances the cursor. ok is false when there is
 // nothing to read yet: the cursor is at the head, or the event there is still being written.
 // lost counts the events skipped because writers overtook the cursor.
-func (h *Hub) next(cursor *uint64, e *flow.Event) (ok bool, lost uint64) {
+func (h *Hub) next(cursor *uint64, e *flow.Event, phases uint8) (ok bool, lost uint64) {
 	for {
 		head := h.head.Load()
 		if *cursor >= head {
@@ -61,12 +67,15 @@ func (h *Hub) next(cursor *uint64, e *flow.Event) (ok bool, lost uint64) {
 			lost += old - *cursor
 			*cursor = old
 		}
-		switch h.read(*cursor, e) {
+		switch h.read(*cursor, e, phases) {
 		case readOK:
 			*cursor++
 			return true, lost
 		case readPending:
 			return false, lost
+		case readSkipped:
+			*cursor++
+			continue
 		}
 		// readGone: overwritten since head was loaded; the next head is far enough on to skip it.
 	}
@@ -99,10 +108,10 @@ func (o *observer) startLast(head uint64, n int) uint64 {
 			return seq
 		}
 		seq--
-		switch h.read(seq, &e) {
+		switch h.read(seq, &e, o.phases) {
 		case readGone:
 			return seq + 1 // the older ones are gone too
-		case readPending:
+		case readPending, readSkipped:
 			continue
 		}
 		if o.pass(&view{e: &e, r: o.res}) {

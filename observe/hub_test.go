@@ -41,16 +41,16 @@ func TestRingOverwriteCountsLost(t *testing.T) {
 	}
 	var cursor uint64
 	var e flow.Event
-	ok, lost := h.next(&cursor, &e)
+	ok, lost := h.next(&cursor, &e, 0xff)
 	if !ok || lost != 6 || e.ID != 7 || e.Port != webPort {
 		t.Fatalf("next from 0 = ok %v, lost %d, event %d port %v; want true, 6, 7, web", ok, lost, e.ID, e.Port)
 	}
 	for want := uint64(8); want <= 10; want++ {
-		if ok, lost := h.next(&cursor, &e); !ok || lost != 0 || e.ID != want {
+		if ok, lost := h.next(&cursor, &e, 0xff); !ok || lost != 0 || e.ID != want {
 			t.Fatalf("next = %v, lost %d, event %d; want event %d", ok, lost, e.ID, want)
 		}
 	}
-	if ok, _ := h.next(&cursor, &e); ok {
+	if ok, _ := h.next(&cursor, &e, 0xff); ok {
 		t.Fatalf("next at the head found event %d", e.ID)
 	}
 	if got := h.Stats().Events; got != 10 {
@@ -72,10 +72,10 @@ func TestRingStaleWriterDropped(t *testing.T) {
 	// The stalled writer finishes now.
 	h.put(2, webEvent(3), webPort)
 	var e flow.Event
-	if st := h.read(4, &e); st != readOK || e.ID != 5 {
+	if st := h.read(4, &e, 0xff); st != readOK || e.ID != 5 {
 		t.Fatalf("read(4) = %v, event %d; want the newest event", st, e.ID)
 	}
-	if st := h.read(2, &e); st != readGone {
+	if st := h.read(2, &e, 0xff); st != readGone {
 		t.Fatalf("read(2) = %v, want readGone", st)
 	}
 }

@@ -278,7 +278,7 @@ func (o *observer) run(ctx context.Context, st *stream, cursor, end uint64) {
 		}
 		n := 0
 		for ; n < batchMax && cursor < end; n++ {
-			ok, lost := h.next(&cursor, &e)
+			ok, lost := h.next(&cursor, &e, o.phases)
 			st.lose(lostSlow, lost)
 			if !ok {
 				break
@@ -368,9 +368,14 @@ type stream struct {
 	limiter *rate.Limiter
 	// pending counts, by reason, the events lost since the last Lost item.
 	pending [numLostReasons]uint64
-	buf     []byte // reused for each item
-	err     error
+	// buf holds the items written since the last flush: a batch goes out in one write, so
+	// the observer pays one system call (and one chunk) per batch, not one per few items.
+	buf []byte
+	err error
 }
+
+// flushAt is how much a batch may gather before it is written anyway.
+const flushAt = 64 << 10
 
 // lose counts n events lost: they are said (one Lost item per reason) before the next item and
 // at the end of the batch.
@@ -419,15 +424,15 @@ func (s *stream) flow(v *view) {
 	s.send(appendFlowItem(s.begin(), v))
 }
 
-// begin starts an item in the stream's reused buffer.
+// begin starts an item at the end of the batch's buffer.
 func (s *stream) begin() []byte {
 	if s.sse {
-		return append(s.buf[:0], "data: "...)
+		return append(s.buf, "data: "...)
 	}
-	return s.buf[:0]
+	return s.buf
 }
 
-// send ends the item in b and writes it.
+// send ends the item that b appended to the batch, and writes the batch when it is large.
 func (s *stream) send(b []byte) {
 	if s.sse {
 		b = append(b, '\n', '\n')
@@ -435,12 +440,24 @@ func (s *stream) send(b []byte) {
 		b = append(b, '\n')
 	}
 	s.buf = b
-	if _, err := s.w.Write(b); err != nil {
-		s.err = fmt.Errorf("flows: write: %w", err)
+	if len(s.buf) >= flushAt {
+		s.writeOut()
 	}
 }
 
+// writeOut writes the batch gathered so far.
+func (s *stream) writeOut() {
+	if len(s.buf) == 0 || s.err != nil {
+		return
+	}
+	if _, err := s.w.Write(s.buf); err != nil {
+		s.err = fmt.Errorf("flows: write: %w", err)
+	}
+	s.buf = s.buf[:0]
+}
+
 func (s *stream) flush() error {
+	s.writeOut()
 	if s.err != nil {
 		return s.err
 	}

@@ -62,7 +62,7 @@ var echoVIP = netip.AddrPortFrom(netip.MustParseAddr("10.96.0.10"), 80)
 const (
 	echoPort    = 8080
 	metricsAddr = "127.0.0.1:10249"
-	// observeQuery is what each observer asks for: a filter that passes the load's flows' End
+	// observeQuery is what each observer asks for by default (-observe): a filter that passes the load's flows' End
 	// events, so every connection of the conn load is one event to each observer.
 	observeQuery = "follow=1&service=bench/echo&phase=end"
 )
@@ -73,6 +73,7 @@ type config struct {
 	dur, warmup    time.Duration
 	conc           int
 	observers      int
+	observe        string // the observers' query
 	maxOps         int64
 	tests          []string
 	extra          []string
@@ -91,6 +92,7 @@ func main() {
 	flag.IntVar(&cfg.observers, "observers", 10, "observers of target new+N obs; 0 drops the target")
 	flag.Int64Var(&cfg.maxOps, "max-ops", 20_000_000, "most operations of one load, whatever -dur")
 	tests := flag.String("tests", "keepalive,conn", "the loads, comma-separated")
+	flag.StringVar(&cfg.observe, "observe", observeQuery, "the observers' /debug/flows query: the default passes every flow's end; e.g. follow=1&verdict=reset passes none of the load's")
 	extra := flag.String("proxy-args", "", "more flags for both proxies, space-separated (e.g. --io-engine=epoll)")
 	flag.DurationVar(&cfg.timeout, "timeout", 20*time.Minute, "hard limit of the whole run")
 	// The children's flags.
@@ -459,7 +461,7 @@ func measureTarget(ctx context.Context, cfg config, t target) (_ sample, err err
 	}
 	var obs *child
 	if t.observers > 0 {
-		url := "http://" + metricsAddr + "/debug/flows?" + observeQuery
+		url := "http://" + metricsAddr + "/debug/flows?" + cfg.observe
 		if obs, err = startSelf(ctx, tb.Node, "observers", "-addr", url, "-n", strconv.Itoa(t.observers)); err != nil {
 			return fail(err)
 		}
