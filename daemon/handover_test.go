@@ -69,9 +69,17 @@ func TestDaemonHandsOver(t *testing.T) {
 		if code, body := get(t, "http://"+healthz+"/healthz"); code != http.StatusOK {
 			t.Errorf("GET /healthz = %d %q", code, body)
 		}
-		_, m := get(t, "http://"+metrics+"/metrics")
-		for _, want := range []string{`kube_portal_proxy_restart_sockets{origin="inherited"} 2`, `kube_portal_proxy_restart_sockets{origin="rebound"} 0`,
-			`kube_portal_proxy_restart_service_ports{result="reallocated"} 0`, "kube_portal_proxy_handed_over 0"} {
+		// The predecessor's servers close their copy of the shared listener just after it logs
+		// the hand-over (their shutdown runs on its own goroutine): a request in between may
+		// still reach it. The successor's answer comes once they have.
+		wants := []string{`kube_portal_proxy_restart_sockets{origin="inherited"} 2`, `kube_portal_proxy_restart_sockets{origin="rebound"} 0`,
+			`kube_portal_proxy_restart_service_ports{result="reallocated"} 0`, "kube_portal_proxy_handed_over 0"}
+		var m string
+		testenv.WaitFor(t, "the successor's restart series on /metrics", func() bool {
+			_, m = get(t, "http://"+metrics+"/metrics")
+			return strings.Contains(m, wants[0])
+		})
+		for _, want := range wants {
 			if !strings.Contains(m, want) {
 				t.Errorf("the successor's /metrics lacks %q", want)
 			}
