@@ -224,6 +224,23 @@ func TestFlowEventsOfRefusedAndFailedFlows(t *testing.T) {
 			t.Errorf("end: bytes to endpoint %d, err %v, pick %+v; want 4, an error, round robin (no explainer)", e.BytesToEndpoint, e.Err, e.Pick)
 		}
 	})
+	t.Run("shutdown", func(t *testing.T) {
+		// The proxy stopping ends its established connections: verdict closed.
+		ep := serve(t, "127.0.0.3", echo)
+		log := &flowLog{}
+		p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Flows: log})
+		c := dial(t, p)
+		roundTrip(t, c, "live")
+		p.Shutdown()
+		if _, err := io.ReadAll(c); err != nil && !isReset(err) {
+			t.Fatalf("client read after Shutdown: %v, want EOF or a reset", err)
+		}
+		evs := log.ended(t, 1)
+		checkFlow(t, evs, "start dial first-byte end", flow.Shutdown, flow.Closed)
+		if e := evs[3]; e.BytesToEndpoint != 4 || e.BytesToClient != 4 {
+			t.Errorf("end: bytes %d/%d, want 4/4", e.BytesToEndpoint, e.BytesToClient)
+		}
+	})
 	t.Run("idle_timeout", func(t *testing.T) {
 		clk := clocktesting.NewFakeClock(time.Unix(1000, 0))
 		ep := serve(t, "127.0.0.3", echo)
