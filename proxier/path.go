@@ -11,8 +11,10 @@ package proxier
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"iter"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/sirupsen/logrus"
@@ -183,4 +185,29 @@ func (d *dataPaths) openSocket(name service.ServicePortName, external bool) Prox
 		return nil
 	}
 	return a.sock
+}
+
+// markUnsynced records that a service port's portal spec changed.
+func (d *dataPaths) markUnsynced(name service.ServicePortName) {
+	if d.unsynced == nil {
+		d.unsynced = make(map[service.ServicePortName]struct{})
+	}
+	d.unsynced[name] = struct{}{}
+}
+
+// unsyncedNames lists the service ports changed since the last good portal sync, sorted, at most
+// limit of them and how many more.
+func (d *dataPaths) unsyncedNames(limit int) string {
+	if len(d.unsynced) == 0 {
+		return "none"
+	}
+	names := make([]string, 0, len(d.unsynced))
+	for n := range d.unsynced {
+		names = append(names, n.String())
+	}
+	slices.Sort(names)
+	if len(names) <= limit {
+		return strings.Join(names, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:limit], ", "), len(names)-limit)
 }

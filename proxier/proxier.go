@@ -176,26 +176,6 @@ type Proxier struct {
 	serving chan struct{}
 }
 
-// activePort is a service port with an open proxy socket.
-type activePort struct {
-	port      *service.Port
-	sock      ProxySocket
-	proxyPort uint16
-	// ext is the socket of the port's external traffic when it has its own (splitsExternal).
-	ext *activePort
-	// split: the socket was opened for the port's cluster traffic only (splitsExternal then); in
-	// bind mode that decides its addresses.
-	split bool
-	// refusing: bind mode closed the socket's listener because its traffic has no endpoint.
-	refusing bool
-	// filter checks clients of the port's load-balancer IPs against its source ranges (bind mode;
-	// shared by the port's sockets).
-	filter *sourceFilter
-	// listen is where a socket reopened from the bind state listens, until the first sync
-	// decides whether it keeps it (boundAdoptable).
-	listen []netip.AddrPort
-}
-
 // New builds a proxier. It opens nothing and starts nothing: call Run.
 func New(cfg Config, deps Deps) *Proxier {
 	if cfg.Clock == nil {
