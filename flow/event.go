@@ -241,6 +241,13 @@ type EndpointRef struct {
 	Pod, Node string
 }
 
+// Explainer is implemented by a picker that says how it chose (the balancer): the proxies ask
+// it, when they record flows, so the stream shows why each endpoint was picked. A picker without
+// it is reported as round robin with no reason.
+type Explainer interface {
+	NextWhy(client netip.Addr, reset bool) (netip.AddrPort, Pick, error)
+}
+
 // Event is one phase of one flow. The data path fills one on its own stack and hands a pointer to
 // its Recorder, which copies what it keeps: an Event holds no pointer the data path allocated per
 // flow (Port is the port's, Err is nil on a clean end).

@@ -10,7 +10,6 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
-	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
 // portSink hands out one recorder per ForPort call and remembers the ports.
@@ -182,7 +181,7 @@ func TestPicksExplainThemselves(t *testing.T) {
 		"gated":    &gatedPicker{next: svc},
 		"hold":     &holdPicker{next: svc, clock: e.clk},
 	} {
-		x, ok := picker.(tcp.Explainer)
+		x, ok := picker.(flow.Explainer)
 		if !ok {
 			t.Errorf("%s picker does not explain its picks", name)
 			continue

@@ -282,8 +282,8 @@ var (
 	_ udp.Observer = (*gatedPicker)(nil)
 	_ tcp.Observer = (*holdPicker)(nil)
 
-	_ tcp.Explainer = (*holdPicker)(nil)
-	_ udp.Explainer = (*gatedPicker)(nil)
+	_ flow.Explainer = (*holdPicker)(nil)
+	_ flow.Explainer = (*gatedPicker)(nil)
 )
 
 func (g *gatedPicker) Ready() <-chan struct{} { return g.ready }
@@ -299,7 +299,7 @@ func (g *gatedPicker) NextWhy(client netip.Addr, reset bool) (netip.AddrPort, fl
 
 // nextWhy asks p for a pick and why, when it explains itself (the balancer does).
 func nextWhy(p Picker, client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
-	if x, ok := p.(tcp.Explainer); ok {
+	if x, ok := p.(flow.Explainer); ok {
 		return x.NextWhy(client, reset)
 	}
 	ep, err := p.Next(client, reset)

@@ -8,19 +8,10 @@ import (
 	"net/netip"
 	"sync"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
-
-// Explainer is implemented by a Picker that says how it chose (the balancer): the live flow
-// stream shows it. A Picker without it is reported as round robin with no reason.
-type Explainer interface {
-	NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error)
-}
 
 // flowState is what a connection keeps for its flow events while Config.Flows is set. Its Event
 // is filled in place and handed to the Recorder by pointer: an Event on the stack would escape
@@ -55,19 +46,7 @@ func (fs *flowState) free() {
 	flowStates.Put(fs)
 }
 
-func (fs *flowState) sourceFn(fd uintptr) { fs.ev.Source = sockName(int(fd)) }
-
-// sockName is getsockname(2) without package unix's allocation of a Sockaddr.
-func sockName(fd int) netip.AddrPort {
-	var rsa unix.RawSockaddrInet6 // the larger of the two families
-	n := uint32(unsafe.Sizeof(rsa))
-	_, _, e := unix.RawSyscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
-	if e != 0 {
-		return netip.AddrPort{}
-	}
-	a, _ := sockopt.ParseRaw(&rsa)
-	return a
-}
+func (fs *flowState) sourceFn(fd uintptr) { fs.ev.Source = sockopt.SockName(int(fd)) }
 
 // startFlow gives a new connection on the accepted socket fd its flow state, when the proxy
 // records flows. Local is where the client was going: the service address when conntrack knows
@@ -92,7 +71,7 @@ func (p *Proxy) localAddr(fd int, client netip.AddrPort) netip.AddrPort {
 		return a
 	}
 	if p.addr.Addr().IsUnspecified() {
-		return sockName(fd)
+		return sockopt.SockName(fd)
 	}
 	return p.addr
 }

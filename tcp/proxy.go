@@ -124,7 +124,7 @@ type Proxy struct {
 	picker Picker
 	cfg    Config
 	// explain is picker's Explainer and capturer cfg.Flows' Capturer, if they are (flows.go).
-	explain  Explainer
+	explain  flow.Explainer
 	capturer flow.Capturer
 	observed flow.Observed // cfg.Flows', if it says whether anyone watches (flows.go)
 	// realClock: cfg.Clock is the real clock, so the io_uring engine may stamp activity with the
@@ -172,7 +172,7 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	cfg = cfg.withDefaults()
 	_, realClock := cfg.Clock.(clock.RealClock)
 	ctx, cancel := context.WithCancel(context.Background())
-	explain, _ := picker.(Explainer)
+	explain, _ := picker.(flow.Explainer)
 	capturer, _ := cfg.Flows.(flow.Capturer)
 	observed, _ := cfg.Flows.(flow.Observed)
 	return &Proxy{

@@ -431,7 +431,7 @@ func (u *uconn) established() {
 	c := u.c
 	if c.fl != nil {
 		if c.p.watched() {
-			c.fl.ev.Source = sockName(int(u.fd[1]))
+			c.fl.ev.Source = sockopt.SockName(int(u.fd[1]))
 		}
 		c.dialRecorded()
 	}

@@ -7,24 +7,15 @@ package udp
 import (
 	"net/netip"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
 
-// Explainer is implemented by a Picker that says how it chose (the balancer): the live flow
-// stream shows it. A Picker without it is reported as round robin with no reason.
-type Explainer interface {
-	NextWhy(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error)
-}
-
 // next asks the picker for an endpoint, with its reasons when flows are recorded.
 func (p *shard) next(client netip.Addr, reset bool) (netip.AddrPort, flow.Pick, error) {
 	if p.cfg.Flows != nil {
-		if e, ok := p.picker.(Explainer); ok {
+		if e, ok := p.picker.(flow.Explainer); ok {
 			return e.NextWhy(client, reset)
 		}
 	}
@@ -50,7 +41,7 @@ func (p *shard) record(ph flow.Phase, s *session, info flow.Info, now time.Time)
 func (p *shard) started(s *session, local netip.Addr, now time.Time) {
 	s.id = flow.NextID()
 	if o, ok := p.cfg.Flows.(flow.Observed); !ok || o.Observed() {
-		s.source = sockName(s.fd) // a system call per session: only while someone watches
+		s.source = sockopt.SockName(s.fd) // a system call per session: only while someone watches
 	}
 	s.setLocal(local)
 	p.record(flow.PhaseStart, s, s.info(now, flow.Unknown), now)
@@ -84,19 +75,7 @@ func (p *shard) listenAddr() netip.AddrPort {
 		return netip.AddrPort{}
 	}
 	if !p.laddr.IsValid() {
-		p.laddr = sockName(p.lfd)
+		p.laddr = sockopt.SockName(p.lfd)
 	}
 	return p.laddr
-}
-
-// sockName is getsockname(2) without package unix's allocation of a Sockaddr.
-func sockName(fd int) netip.AddrPort {
-	var rsa unix.RawSockaddrInet6 // the larger of the two families
-	n := uint32(unsafe.Sizeof(rsa))
-	_, _, e := unix.RawSyscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
-	if e != 0 {
-		return netip.AddrPort{}
-	}
-	a, _ := sockopt.ParseRaw(&rsa)
-	return a
 }

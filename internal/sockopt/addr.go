@@ -64,3 +64,16 @@ func Ntohs(raw uint16) uint16 {
 	b := (*[2]byte)(unsafe.Pointer(&raw))
 	return uint16(b[0])<<8 | uint16(b[1])
 }
+
+// SockName is getsockname(2) without package unix's allocation of a Sockaddr (the flow stream
+// reads it per flow); the zero AddrPort on an error.
+func SockName(fd int) netip.AddrPort {
+	var rsa unix.RawSockaddrInet6 // the larger of the two families
+	n := uint32(unsafe.Sizeof(rsa))
+	_, _, e := unix.RawSyscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
+	if e != 0 {
+		return netip.AddrPort{}
+	}
+	a, _ := ParseRaw(&rsa)
+	return a
+}
