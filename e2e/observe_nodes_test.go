@@ -22,7 +22,6 @@ import (
 	"io"
 	"net/http"
 	"net/netip"
-	"net/url"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -199,63 +198,18 @@ type onCluster struct {
 }
 
 // onNewCluster is newTwoNodes with each proxy also serving /debug/flows on <node IP>:onFlowsPort
-// behind token auth (newTwoNodes takes no extra flags).
+// behind token auth, and the watcher's kubeconfig through node A's relay.
 func onNewCluster(t *testing.T) *onCluster {
 	t.Helper()
-	requireControlPlane(t)
-	lab := netns.NewTestLab(t)
-	cluster, err := testbed.NewCluster(t.Context(), lab, 2)
-	if err != nil {
-		t.Fatalf("test namespaces: %v", err)
-	}
-	stop, err := cluster.ServePods(context.Background(), 8080, 5353)
-	if err != nil {
-		t.Fatalf("backends: %v", err)
-	}
-	t.Cleanup(stop)
-
-	c := &onCluster{twoNodes: &twoNodes{cluster: cluster, namespace: uniqueName(t), admin: adminClient(t)}}
-	ctx := t.Context()
-	if _, err := c.admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: c.namespace}}, metav1.CreateOptions{}); err != nil {
-		t.Fatalf("create namespace %s: %v", c.namespace, err)
-	}
-	var names []string
-	for i, tn := range cluster.Nodes {
-		n := &node{Node: tn, name: fmt.Sprintf("%s-%c", c.namespace, 'a'+i), zone: fmt.Sprintf("zone-%c", 'a'+i)}
-		c.nodes = append(c.nodes, n)
-		names = append(names, n.name)
-	}
-	t.Cleanup(func() { deleteTestObjects(t, c.admin, c.namespace, names...) })
-	c.access = onGrant(t, c.admin, c.namespace)
-
-	server, err := url.Parse(controlPlane.Server)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, n := range c.nodes {
-		obj := &corev1.Node{
-			ObjectMeta: metav1.ObjectMeta{Name: n.name, Labels: map[string]string{corev1.LabelHostname: n.name, corev1.LabelTopologyZone: n.zone}},
-			Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{
-				{Type: corev1.NodeInternalIP, Address: n.IP.String()},
-				{Type: corev1.NodeHostName, Address: n.name},
-			}},
-		}
-		if _, err := c.admin.CoreV1().Nodes().Create(ctx, obj, metav1.CreateOptions{}); err != nil {
-			t.Fatalf("create node %s: %v", n.name, err)
-		}
-		dir := t.TempDir()
-		relay := startRelay(t, n.NS, server.Host)
-		kubeconfig := filepath.Join(dir, "kube-proxy.kubeconfig")
-		if err := framework.WriteRelayedKubeconfig(controlPlane.ProxyKubeconfig, kubeconfig, "https://"+relay.Addr()); err != nil {
-			t.Fatal(err)
-		}
+	c := &onCluster{}
+	c.twoNodes = newTwoNodesWith(t, func(tn *twoNodes, i int, n *node, relay, dir string) []string {
 		if i == 0 {
+			c.access = onGrant(t, tn.admin, tn.namespace)
 			c.kubeconfig = filepath.Join(dir, "watcher.kubeconfig")
-			onWriteKubeconfig(t, c.kubeconfig, "https://"+relay.Addr(), c.access.watcher)
+			onWriteKubeconfig(t, c.kubeconfig, "https://"+relay, c.access.watcher)
 		}
-		n.proxy = startProxy(t, n.NS, dir, proxyArgs("--kubeconfig="+kubeconfig, "--hostname-override="+n.name,
-			"--iptables-sync-period=1s", fmt.Sprintf("--flows-bind-address=%s:%d", n.IP, onFlowsPort))...)
-	}
+		return []string{fmt.Sprintf("--flows-bind-address=%s:%d", n.IP, onFlowsPort)}
+	})
 	return c
 }
 

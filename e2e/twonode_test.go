@@ -73,6 +73,14 @@ func (n *node) client() *testbed.Pod  { return n.Pods[1] }
 // newTwoNodes builds the cluster and starts both proxies; everything is removed when t ends.
 func newTwoNodes(t *testing.T) *twoNodes {
 	t.Helper()
+	return newTwoNodesWith(t, nil)
+}
+
+// newTwoNodesWith is newTwoNodes with a hook: perNode, if set, is called for each node before
+// its proxy starts, with the cluster so far, the address of the node's API relay and the node's
+// directory, and returns more flags for its proxy.
+func newTwoNodesWith(t *testing.T, perNode func(c *twoNodes, i int, n *node, relay, dir string) []string) *twoNodes {
+	t.Helper()
 	requireControlPlane(t)
 	lab := netns.NewTestLab(t)
 	cluster, err := testbed.NewCluster(t.Context(), lab, 2)
@@ -102,7 +110,7 @@ func newTwoNodes(t *testing.T) *twoNodes {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, n := range c.nodes {
+	for i, n := range c.nodes {
 		obj := &corev1.Node{
 			ObjectMeta: metav1.ObjectMeta{Name: n.name, Labels: map[string]string{
 				corev1.LabelHostname:     n.name,
@@ -123,8 +131,11 @@ func newTwoNodes(t *testing.T) *twoNodes {
 			t.Fatal(err)
 		}
 		// A one-second sync period bounds how long waitSynced waits for a sync after a change.
-		n.proxy = startProxy(t, n.NS, dir, proxyArgs("--kubeconfig="+kubeconfig, "--hostname-override="+n.name,
-			"--iptables-sync-period=1s")...)
+		args := []string{"--kubeconfig=" + kubeconfig, "--hostname-override=" + n.name, "--iptables-sync-period=1s"}
+		if perNode != nil {
+			args = append(args, perNode(c, i, n, relay.Addr(), dir)...)
+		}
+		n.proxy = startProxy(t, n.NS, dir, proxyArgs(args...)...)
 	}
 	return c
 }
