@@ -357,13 +357,7 @@ func (r *Ring) NewBufRing(bgid uint16, n, size int) (*BufRing, error) {
 		unix.Munmap(entries)
 		return nil, os.NewSyscallError("mmap buffers", err)
 	}
-	reg := struct {
-		ringAddr    uint64
-		ringEntries uint32
-		bgid        uint16
-		flags       uint16
-		_           [3]uint64
-	}{ringAddr: uint64(uintptr(unsafe.Pointer(&entries[0]))), ringEntries: uint32(n), bgid: bgid}
+	reg := bufRingReg{ringAddr: uint64(uintptr(unsafe.Pointer(&entries[0]))), ringEntries: uint32(n), bgid: bgid}
 	if err := r.register(registerPbufRing, unsafe.Pointer(&reg), 1); err != nil {
 		unix.Munmap(mem)
 		unix.Munmap(entries)
@@ -412,16 +406,19 @@ func (b *BufRing) publish() {
 	}
 }
 
+// bufRingReg is struct io_uring_buf_reg, the argument of IORING_(UN)REGISTER_PBUF_RING.
+type bufRingReg struct {
+	ringAddr    uint64
+	ringEntries uint32
+	bgid        uint16
+	flags       uint16
+	_           [3]uint64
+}
+
 // Close unregisters the buffer ring and frees its memory. Requests that may still select a
 // buffer must be finished first.
 func (b *BufRing) Close() {
-	reg := struct {
-		ringAddr    uint64
-		ringEntries uint32
-		bgid        uint16
-		flags       uint16
-		_           [3]uint64
-	}{bgid: b.bgid}
+	reg := bufRingReg{bgid: b.bgid}
 	_ = b.r.register(unregisterPbuf, unsafe.Pointer(&reg), 1)
 	unix.Munmap(b.mem)
 	unix.Munmap(b.entries)
