@@ -65,18 +65,27 @@ func flowsMux(stream http.Handler, authz func(http.Handler) http.Handler) http.H
 // kernelFlowsTask reads conntrack events for the kernel-path ports' flows, only while some port
 // is on the kernel path: every NAT'ed flow of the node is an event, a cost worth paying only for
 // flows the stream shows. A watcher that fails (no ctnetlink in this kernel or sandbox) is said
-// once and started again at the next change of the kernel-path ports.
+// once and started again only at the next change of the kernel-path ports, not in a loop.
 func kernelFlowsTask(look proxier.KernelFlowLookup, log logrus.FieldLogger) func(context.Context) {
+	return kernelFlowsLoop(look, func(ctx context.Context) error {
+		return conntrack.NewWatcher(look, conntrack.Options{Logger: log}).Run(ctx)
+	}, log)
+}
+
+// kernelFlowsLoop runs watch while the lookup has ports (kernelFlowsTask, with watch a
+// conntrack watcher's Run).
+func kernelFlowsLoop(look proxier.KernelFlowLookup, watch func(context.Context) error, log logrus.FieldLogger) func(context.Context) {
 	return func(ctx context.Context) {
 		var cur *watcherRun
 		defer func() { cur.halt() }()
+		failed := false // the last watcher failed: wait for a change before the next
 		for {
 			if cur.failed() {
-				cur = nil // started again at the next change
+				cur, failed = nil, true
 			}
 			switch n := look.Ports(); {
-			case n > 0 && cur == nil:
-				cur = startWatcher(ctx, look, log)
+			case n > 0 && cur == nil && !failed:
+				cur = startWatcher(ctx, watch, log)
 			case n == 0:
 				cur.halt()
 				cur = nil
@@ -85,6 +94,7 @@ func kernelFlowsTask(look proxier.KernelFlowLookup, log logrus.FieldLogger) func
 			case <-ctx.Done():
 				return
 			case <-look.Changed():
+				failed = false
 			case <-cur.ended():
 			}
 		}
@@ -97,14 +107,13 @@ type watcherRun struct {
 	done chan struct{}
 }
 
-func startWatcher(ctx context.Context, look proxier.KernelFlowLookup, log logrus.FieldLogger) *watcherRun {
+func startWatcher(ctx context.Context, watch func(context.Context) error, log logrus.FieldLogger) *watcherRun {
 	wctx, stop := context.WithCancel(ctx)
 	r := &watcherRun{stop: stop, done: make(chan struct{})}
-	w := conntrack.NewWatcher(look, conntrack.Options{Logger: log})
 	go func() {
 		defer close(r.done)
-		if err := w.Run(wctx); err != nil {
-			log.WithError(err).Warn("Cannot read conntrack events: kernel-path flows are not in the flow stream")
+		if err := watch(wctx); err != nil {
+			log.WithError(err).Warn("Cannot read conntrack events: kernel-path flows are not in the flow stream until the kernel-path Services change")
 		}
 	}()
 	return r
