@@ -109,7 +109,7 @@ type flowOptions struct {
 // Defaults and bounds of the flow stream's options.
 const (
 	defaultFlowRingSize     = 8192
-	maxFlowRingSize         = 1 << 22 // ~800 MB of events: beyond any use
+	maxFlowRingSize         = 1 << 22 // ~1.4 GB of events: beyond any use
 	defaultFlowMaxObservers = 16
 	defaultFlowMaxRate      = 10000
 	defaultFlowCaptureBytes = 64 << 10
@@ -174,7 +174,7 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "127.0.0.1:10249", "ip:port of /metrics and the debug pages (client addresses, live connections, the rules; pprof with --profiling); empty disables. Keep it on loopback: for a scraper off the node, use --metrics-only-bind-address.")
 	fs.StringVar(&o.metricsOnlyBindAddress, "metrics-only-bind-address", "", "ip:port that serves /metrics and nothing else, within the health address's limits: the address to open to Prometheus (e.g. 0.0.0.0:10251) while --metrics-bind-address stays on loopback. Empty disables.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve Go's profiler (pprof) under /debug/pprof/ on --metrics-bind-address (kube-proxy's --profiling, the file's enableProfiling).")
-	fs.IntVar(&o.flows.ringSize, "flow-ring-size", defaultFlowRingSize, "Flow events kept for `observe --last` and /debug/flows, in fixed memory (~200 bytes each); 0 turns the flow stream off.")
+	fs.IntVar(&o.flows.ringSize, "flow-ring-size", defaultFlowRingSize, "Flow events kept for `observe --last` and /debug/flows, in fixed memory (~350 bytes each: 2.8 MB at the default); 0 turns the flow stream off.")
 	fs.IntVar(&o.flows.maxObservers, "flow-max-observers", defaultFlowMaxObservers, "Most observers of /debug/flows at once; more are answered 429.")
 	fs.IntVar(&o.flows.maxRate, "flow-max-rate", defaultFlowMaxRate, "Most flow events per second one observer is sent (its rate= asks for less); the rest are dropped and counted in its stream. 0 means no cap.")
 	fs.BoolVar(&o.flows.capture, "flow-capture", false, "Let observers capture payload (observe --pcap): the first --flow-capture-bytes of each matching flow, both ways. Off by default: a capture carries the traffic's bytes.")
