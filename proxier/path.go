@@ -16,6 +16,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -150,11 +151,46 @@ func (d *dataPaths) specs() []portal.Spec {
 // entries, then the socket), then the conntrack entries of kernel-path UDP ports that lost
 // endpoints or left (clearStaleKernelUDP).
 func (d *dataPaths) retirePaths(specs []portal.Spec) {
+	if d.retiresUDPSocket() {
+		// A datagram that took the old portal just before the sync is being answered through
+		// the proxy socket now; deleting its conntrack entry mid-exchange would turn the answer
+		// into one from the proxy's own address, which the client drops (the 30-minute soak
+		// lost one answer in about 200 switches). Answers take milliseconds: let them finish.
+		// New clients meanwhile take the kernel chains.
+		var stop <-chan struct{}
+		if d.runCtx != nil {
+			stop = d.runCtx.Done()
+		}
+		t := time.NewTimer(udpRetireGrace)
+		select {
+		case <-t.C:
+		case <-stop:
+			t.Stop()
+		}
+	}
 	for _, path := range d.retiring {
 		path.retire(d)
 	}
 	d.clearStaleKernelUDP(specs)
 	d.retiring = nil
+}
+
+// udpRetireGrace is how long a UDP proxy socket the kernel path replaced keeps its conntrack
+// entries after the portal sync that put the kernel chains in force (retirePaths).
+const udpRetireGrace = 150 * time.Millisecond
+
+// retiresUDPSocket reports whether a UDP proxy socket is among the paths to retire, whose
+// redirected conntrack entries are cleared.
+func (d *dataPaths) retiresUDPSocket() bool {
+	if d.deps.Conntrack == nil {
+		return false
+	}
+	for _, path := range d.retiring {
+		if a, ok := path.(*activePort); ok && a.port.Protocol == service.UDP {
+			return true
+		}
+	}
+	return false
 }
 
 // DataPathOf reports the data path a service port is on right now (for the debug views):
