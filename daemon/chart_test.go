@@ -69,19 +69,19 @@ func TestChartValuesReachTheProxy(t *testing.T) {
 		t.Errorf("the rendered ConfigMap sets ignored fields %q / warns %q", o.configIgnored, o.configWarnings)
 	}
 	type view struct {
-		PortalMode, PortalInterface, ProxyPortRange, ClusterCIDR, Healthz, Metrics, MetricsOnly, LogLevel, LogFormat, IptablesVariant string
-		NodePorts                                                                                                                     []string
-		Sync, MinSync, ConfigSync, UDP, TCPIdle, Shutdown, Established, CloseWait                                                     time.Duration
-		UDPMax, Burst                                                                                                                 int
-		QPS                                                                                                                           float32
-		OOM, MaxPerCore, ConntrackMin                                                                                                 int32
-		AccessLog, Protect, Drain, Profiling                                                                                          bool
-		Flows                                                                                                                         flowOptions
+		PortalMode, PortalInterface, ProxyPortRange, ClusterCIDR, Healthz, Metrics, MetricsOnly, LogLevel, LogFormat, IptablesVariant, SourceMode, NodePodCIDR string
+		NodePorts                                                                                                                                              []string
+		Sync, MinSync, ConfigSync, UDP, TCPIdle, Shutdown, Established, CloseWait                                                                              time.Duration
+		UDPMax, Burst                                                                                                                                          int
+		QPS                                                                                                                                                    float32
+		OOM, MaxPerCore, ConntrackMin                                                                                                                          int32
+		AccessLog, Protect, Drain, Profiling                                                                                                                   bool
+		Flows                                                                                                                                                  flowOptions
 	}
-	got := view{o.portalMode, o.portalInterface, o.proxyPortRange, o.clusterCIDR, o.healthzBindAddress, o.metricsBindAddress, o.metricsOnlyBindAddress, o.logLevel, o.logFormat, o.iptablesVariant,
+	got := view{o.portalMode, o.portalInterface, o.proxyPortRange, o.clusterCIDR, o.healthzBindAddress, o.metricsBindAddress, o.metricsOnlyBindAddress, o.logLevel, o.logFormat, o.iptablesVariant, o.sourceMode, o.nodePodCIDR,
 		o.nodePortAddresses, o.syncPeriod, o.minSyncPeriod, o.configSyncPeriod, o.udpTimeout, o.tcpIdleTimeout, o.shutdownTimeout, o.conntrackTCPEstablished, o.conntrackTCPCloseWait,
 		o.udpMaxSessions, o.apiBurst, o.apiQPS, o.oomScoreAdj, o.conntrackMaxPerCore, o.conntrackMin, o.accessLog, o.protectProxyPorts, o.drainEndpoints, o.profiling, o.flows}
-	want := view{"bind", "kpp0", "40000-40999", "10.244.0.0/16,fd00:10:244::/56", "0.0.0.0:10266", "127.0.0.1:10259", "0.0.0.0:10251", "debug", "json", "nft",
+	want := view{"bind", "kpp0", "40000-40999", "10.244.0.0/16,fd00:10:244::/56", "0.0.0.0:10266", "127.0.0.1:10259", "0.0.0.0:10251", "debug", "json", "nft", "transparent", "10.244.0.0/24",
 		[]string{"192.0.2.0/24", "2001:db8::/64"}, time.Minute, 2 * time.Second, 30 * time.Minute, 30 * time.Second, time.Hour, 20 * time.Second, 12 * time.Hour, 30 * time.Minute,
 		2048, 40, 25 /* extraArgs override the file's 20 */, -500, 65536, 262144, true, false, true, true,
 		flowOptions{ringSize: 1024, maxObservers: 4, maxRate: 500, captureBytes: 4096, capture: true, bindAddress: "0.0.0.0:10262"}}

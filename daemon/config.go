@@ -27,6 +27,7 @@ import (
 	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 )
 
@@ -46,6 +47,11 @@ const (
 	// fieldDefaultDataPath is --default-data-path in the file: this proxy's own field beside
 	// kube-proxy's type (kernel or proxy), read from the raw document like udpIdleTimeout.
 	fieldDefaultDataPath = "defaultDataPath"
+
+	// fieldSourceMode and fieldNodePodCIDR are --source-mode and --node-pod-cidr: this proxy's
+	// own fields, read from the raw document like udpIdleTimeout.
+	fieldSourceMode  = "sourceMode"
+	fieldNodePodCIDR = "nodePodCIDR"
 
 	// fieldMetricsOnlyBindAddress is --metrics-only-bind-address: this proxy's own field, read
 	// from the raw document like udpIdleTimeout.
@@ -75,6 +81,8 @@ type proxyConfig struct {
 	ioEngine string
 	// defaultDataPath is the defaultDataPath field; "" when absent.
 	defaultDataPath string
+	// sourceMode and nodePodCIDR are fieldSourceMode and fieldNodePodCIDR; "" when absent.
+	sourceMode, nodePodCIDR string
 	// metricsOnlyBindAddress is fieldMetricsOnlyBindAddress; "" when absent.
 	metricsOnlyBindAddress string
 	// flows is fieldFlows; its nil fields are absent.
@@ -130,6 +138,8 @@ func (c *proxyConfig) settings() []fileSetting {
 		{fieldUDPIdleTimeout, "udp-timeout", c.udpIdleTimeout != 0, func(o *Options) { o.udpTimeout = c.udpIdleTimeout }},
 		{fieldIOEngine, "io-engine", c.ioEngine != "", func(o *Options) { o.ioEngine = c.ioEngine }},
 		{fieldDefaultDataPath, "default-data-path", c.defaultDataPath != "", func(o *Options) { o.defaultDataPath = c.defaultDataPath }},
+		{fieldSourceMode, "source-mode", c.sourceMode != "", func(o *Options) { o.sourceMode = c.sourceMode }},
+		{fieldNodePodCIDR, "node-pod-cidr", c.nodePodCIDR != "", func(o *Options) { o.nodePodCIDR = c.nodePodCIDR }},
 		{fieldMetricsOnlyBindAddress, "metrics-only-bind-address", c.metricsOnlyBindAddress != "", func(o *Options) { o.metricsOnlyBindAddress = c.metricsOnlyBindAddress }},
 		{fieldFlows + ".ringSize", "flow-ring-size", f.RingSize != nil, func(o *Options) { o.flows.ringSize = *f.RingSize }},
 		{fieldFlows + ".maxObservers", "flow-max-observers", f.MaxObservers != nil, func(o *Options) { o.flows.maxObservers = *f.MaxObservers }},
@@ -271,6 +281,22 @@ func (c *proxyConfig) takeOwnFields(raw map[string]any) error {
 				return fmt.Errorf("%s: want kernel or proxy, got %v", fieldDefaultDataPath, v)
 			}
 			c.defaultDataPath = s
+			return nil
+		}},
+		{fieldSourceMode, func(v any) error {
+			s, _ := v.(string)
+			if s != string(service.SourceAuto) && s != string(service.SourceProxy) && s != string(service.SourceTransparent) {
+				return fmt.Errorf("%s: want auto, proxy or transparent, got %v", fieldSourceMode, v)
+			}
+			c.sourceMode = s
+			return nil
+		}},
+		{fieldNodePodCIDR, func(v any) error {
+			s, isString := v.(string)
+			if !isString {
+				return fmt.Errorf("%s: want a string of comma-separated CIDRs, got %v", fieldNodePodCIDR, v)
+			}
+			c.nodePodCIDR = s
 			return nil
 		}},
 		{fieldMetricsOnlyBindAddress, func(v any) error {
@@ -565,6 +591,12 @@ func marshalConfig(o *Options) ([]byte, error) {
 	doc[fieldIOEngine] = o.ioEngine
 	if o.defaultDataPath != "" && o.defaultDataPath != "proxy" {
 		doc[fieldDefaultDataPath] = o.defaultDataPath
+	}
+	if o.sourceMode != "" && o.sourceMode != string(service.SourceAuto) {
+		doc[fieldSourceMode] = o.sourceMode
+	}
+	if o.nodePodCIDR != "" {
+		doc[fieldNodePodCIDR] = o.nodePodCIDR
 	}
 	if o.metricsOnlyBindAddress != "" {
 		doc[fieldMetricsOnlyBindAddress] = o.metricsOnlyBindAddress

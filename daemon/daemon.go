@@ -74,15 +74,16 @@ func (d *Daemon) Run(ctx context.Context) error {
 	r := &run{d: d, o: d.o, log: d.log}
 	defer r.exit()
 	for _, step := range []func(context.Context) error{
-		r.prepareHost,  // log the start, tune the process and node, check tools and privileges
-		r.takeHandover, // receive a running predecessor's sockets (--handover-socket)
-		r.connect,      // the API client, unless --services-file
-		r.findNodeIPs,  // from the interfaces (or, without any, the Node object)
-		r.buildPortals, // the event recorder and --portal-mode
-		r.pickEngine,   // --io-engine
-		r.wire,         // balancer, proxier, source, metrics and HTTP handlers
-		r.reopen,       // the ports the rules in force point at; the NAT probe of a fresh start
-		r.restore,      // the restart snapshot or the predecessor's affinity; the Node so far
+		r.prepareHost,   // log the start, tune the process and node, check tools and privileges
+		r.takeHandover,  // receive a running predecessor's sockets (--handover-socket)
+		r.connect,       // the API client, unless --services-file
+		r.findNodeIPs,   // from the interfaces (or, without any, the Node object)
+		r.buildPortals,  // the event recorder and --portal-mode
+		r.resolveSource, // --source-mode: the transparent plumbing, or why not
+		r.pickEngine,    // --io-engine
+		r.wire,          // balancer, proxier, source, metrics and HTTP handlers
+		r.reopen,        // the ports the rules in force point at; the NAT probe of a fresh start
+		r.restore,       // the restart snapshot or the predecessor's affinity; the Node so far
 	} {
 		if err := step(ctx); err != nil {
 			return err
@@ -132,15 +133,15 @@ type wiring struct {
 }
 
 // wire builds the balancer, proxier, source, metrics and HTTP handlers. It starts nothing.
-func (d *Daemon) wire(client kubernetes.Interface, pm portalMode, events *serviceEvents, inh *handover.Inherited, settle func()) (*wiring, error) {
+func (d *Daemon) wire(client kubernetes.Interface, pm portalMode, events *serviceEvents, inh *handover.Inherited, settle func(), src *sourceSetup) (*wiring, error) {
 	o := d.o
 	syncMetrics := metrics.New()
 	w := &wiring{balancer: loadbalancer.New(d.deps.clock), hub: newFlowHub(o, nodeName(o)), snapshot: newSnapshotStats()}
 	w.health, w.svcHealth = d.healthChecks(events, inh)
-	w.proxier = d.newProxier(hooksOf(pm), w, syncMetrics, events, inh, settle)
+	w.proxier = d.newProxier(hooksOf(pm), w, syncMetrics, events, inh, settle, src)
 	events.uid = w.proxier.ServiceUID
 	w.restart = &restartStats{reopened: w.proxier.ReopenCounts, failed: &d.handoverFailed}
-	reg, err := d.registry(w, syncMetrics, pm)
+	reg, err := d.registry(w, syncMetrics, pm, src)
 	if err != nil {
 		return nil, err
 	}
@@ -166,20 +167,25 @@ func (d *Daemon) healthChecks(events *serviceEvents, inh *handover.Inherited) (*
 
 // newProxier builds the proxier over w's balancer, health checks and flow hub, with what the
 // portal mode gives (hooks) and the sockets of the chosen engine.
-func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.Metrics, events *serviceEvents, inh *handover.Inherited, settle func()) *proxier.Proxier {
+func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.Metrics, events *serviceEvents, inh *handover.Inherited, settle func(), src *sourceSetup) *proxier.Proxier {
 	o, log := d.o, d.log
+	var transparentPolicy proxier.SourcePolicy // nil interface, not a nil *Policy
+	if src.policy != nil {
+		transparentPolicy = src.policy
+	}
 	pods := proxier.NewPodIndex() // the access log and the flow stream name the pod behind each endpoint
 	return proxier.New(proxier.Config{
 		ListenIP: o.bind, PortRange: o.portRange, KernelPorts: d.kernelPorts(hooks), MinSyncPeriod: o.minSyncPeriod, SyncPeriod: o.syncPeriod,
 		DrainTCP: o.drainEndpoints, ListenPlan: hooks.plan, ListenState: hooks.listenState, Clock: d.deps.clock, Logger: log,
 		Node: proxier.NodeTopology{Name: nodeName(o)}, AfterFirstSync: settle,
 		KernelPath: o.portalMode == "iptables", DefaultDataPath: service.DataPath(o.defaultDataPath),
+		SourceMode: src.mode, SourceWhy: src.why,
 	}, proxier.Deps{
 		Balancer: w.balancer, Portals: hooks.portals, Conntrack: hooks.conntrack,
 		Metrics: syncMetrics, Health: w.health, ServiceHealth: w.svcHealth, Event: events.Warning, Pods: pods,
 		KernelCounters: hooks.kernelCounters, Flows: flowSink(w.hub), // kernel-path flows only with KernelPath
 		Sockets: proxier.RealSockets(proxier.AccessLog{All: o.accessLog, Log: log, Pods: pods}.SocketConfigs(proxier.SocketConfig{
-			Flows: flowSink(w.hub), Node: nodeName(o),
+			Flows: flowSink(w.hub), Node: nodeName(o), Transparent: transparentPolicy,
 			TCP: tcp.Config{IdleTimeout: o.tcpIdleTimeout, Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "tcp"), Engine: d.engine},
 			UDP: udp.Config{IdleTimeout: o.udpTimeout, MaxSessions: o.udpMaxSessions, Loops: udpLoops(o.udpLoops, o.portalMode, runtime.GOMAXPROCS(0)), Logger: log, FreeBind: hooks.freeBind, Adopt: adoptFrom(inh, "udp")},
 		})),
@@ -202,13 +208,13 @@ func (d *Daemon) kernelPorts(hooks proxierHooks) proxier.KernelPorts {
 
 // registry holds every metric: the sync's, the process's, the traffic's, the restarts', the
 // snapshot's, the engine's, the portal mode's and the flow stream's.
-func (d *Daemon) registry(w *wiring, syncMetrics *metrics.Metrics, pm portalMode) (*prometheus.Registry, error) {
+func (d *Daemon) registry(w *wiring, syncMetrics *metrics.Metrics, pm portalMode, src *sourceSetup) (*prometheus.Registry, error) {
 	reg := prometheus.NewRegistry()
 	if err := syncMetrics.Register(reg); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	cs := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(w.proxier), w.restart.collector(), w.snapshot.collector(), engineCollector(d.engine)}
+		metrics.NewTrafficCollector(w.proxier), w.restart.collector(), w.snapshot.collector(), engineCollector(d.engine), src.collector()}
 	if mc, ok := pm.(metricsCollector); ok {
 		cs = append(cs, mc.Collector())
 	}

@@ -20,7 +20,8 @@ import (
 type nodeTarget struct {
 	health  *healthcheck.ProxyHealth
 	proxier interface{ SetNodeTopology(proxier.NodeTopology) }
-	ips     *nodeIPs // nil: the node IPs do not follow the Node (tests)
+	ips     *nodeIPs     // nil: the node IPs do not follow the Node (tests)
+	source  *sourceSetup // the transparent source mode's pod CIDRs; nil: no transparent mode
 }
 
 // apply tells the health check whether the node is going away (deleted, or tainted by the cluster
@@ -39,6 +40,7 @@ func (t nodeTarget) apply(name string, n *v1.Node) {
 	if t.ips != nil {
 		t.ips.update(n)
 	}
+	t.source.setNode(n)
 }
 
 // watchNode follows this node's Node object (one object: a field selector on its name) until ctx

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 	"github.com/kube-portal-proxy/kube-portal-proxy/tcp"
 	"github.com/kube-portal-proxy/kube-portal-proxy/udp"
 )
@@ -58,6 +59,8 @@ type Options struct {
 	readyFile          string
 	bindStateFile      string
 	restartSnapshot    string
+	sourceMode         string
+	nodePodCIDR        string
 
 	// What the metrics side shows beyond loopback: metricsOnlyBindAddress serves /metrics
 	// alone, for a scraper off the node; profiling adds pprof to metricsBindAddress.
@@ -93,6 +96,9 @@ type Options struct {
 	// podCIDRs is --cluster-cidr parsed: sources that are pods, whose traffic to an external
 	// portal is cluster traffic.
 	podCIDRs []netip.Prefix
+	// nodePodCIDRs is --node-pod-cidr parsed: this node's own pods (the transparent source
+	// mode); empty: the Node object's spec.podCIDRs.
+	nodePodCIDRs []netip.Prefix
 
 	// flags is the command line they came from: --write-config-to and the startup line need
 	// to know which flags were given.
@@ -182,6 +188,8 @@ func newFlagSet(o *Options) *pflag.FlagSet {
 	fs.StringVar(&o.flows.bindAddress, "flows-bind-address", "", "ip:port that serves /debug/flows beyond loopback, for `observe --node`: every request needs a bearer token that the API server authenticates (TokenReview) and authorizes (SubjectAccessReview: get nodes/flows, nodes/capture for a capture). Needs an API server. Empty disables.")
 	fs.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", nil, "CIDRs of the node addresses that accept NodePort traffic; empty means all.")
 	fs.StringVar(&o.clusterCIDR, "cluster-cidr", "", "The pods' CIDR range(s), comma-separated (one per family): traffic from them to a node port, external or load-balancer IP of an externalTrafficPolicy: Local service is cluster traffic, as in kube-proxy. Empty: such pod traffic is external traffic.")
+	fs.StringVar(&o.sourceMode, "source-mode", string(service.SourceAuto), "The address endpoints see a proxied connection or UDP session come from: transparent (the client's address and port: the proxy binds its socket to it, and policy routing brings the replies back; see docs/transparent.md), proxy (the node's, as kube-proxy's userspace mode did), or auto: transparent where the node supports it (probed at start), else proxy, saying why in the log. A Service can choose with the portal-proxy.kubernetes.io/source-mode annotation.")
+	fs.StringVar(&o.nodePodCIDR, "node-pod-cidr", "", "This node's pod CIDR(s), comma-separated (one per family), for the transparent source mode: a client in them is a pod of this node, whose replies come back through it. Empty: the Node object's spec.podCIDRs.")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every rule and chain this proxy installs (IPv4 and IPv6), then exit.")
 	fs.StringVar(&o.servicesFile, "services-file", "", "Standalone mode: read Service and EndpointSlice manifests from this YAML file or directory instead of an API server.")
 	fs.DurationVar(&o.fileCheckPeriod, "services-file-check-period", time.Second, "How often --services-file is checked for changes (SIGHUP reloads at once).")
@@ -288,6 +296,16 @@ func (o *Options) parseNetworks() error {
 		}
 		o.podCIDRs = append(o.podCIDRs, p.Masked())
 	}
+	for _, c := range strings.Split(o.nodePodCIDR, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(c)
+		if err != nil {
+			return fmt.Errorf("%s %q: %w", o.setting("--node-pod-cidr"), c, err)
+		}
+		o.nodePodCIDRs = append(o.nodePodCIDRs, p.Masked())
+	}
 	return nil
 }
 
@@ -319,6 +337,7 @@ func (o *Options) checks() []optionCheck {
 		{o.portalMode == "iptables" || o.portalMode == "bind", "--portal-mode", "must be iptables or bind"},
 		{o.defaultDataPath == "proxy" || o.defaultDataPath == "kernel", "--default-data-path", "must be proxy or kernel"},
 		{o.defaultDataPath != "kernel" || o.portalMode == "iptables", "--default-data-path", "kernel needs --portal-mode=iptables (bind mode has no NAT)"},
+		{slices.Contains([]string{string(service.SourceAuto), string(service.SourceProxy), string(service.SourceTransparent)}, o.sourceMode), "--source-mode", "must be auto, proxy or transparent"},
 		{o.portalInterface != "" && len(o.portalInterface) < 16, "--portal-interface", "must be a valid interface name (1-15 characters)"},
 		{o.oomScoreAdj >= -1000 && o.oomScoreAdj <= 1000, "--oom-score-adj", "must be within [-1000, 1000]"},
 		{o.conntrackMaxPerCore >= 0, "--conntrack-max-per-core", "must be >= 0"},

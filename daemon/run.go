@@ -42,6 +42,7 @@ type run struct {
 
 	events     *serviceEvents
 	pm         portalMode
+	source     *sourceSetup
 	w          *wiring
 	prober     natProber // nil: the mode does not NAT
 	probeLater bool      // the --random-fully probe runs once the sockets serve
@@ -134,6 +135,22 @@ func (r *run) buildPortals(ctx context.Context) error {
 	return nil
 }
 
+// resolveSource resolves --source-mode: the transparent plumbing installed (or repaired, after a
+// restart) and its policy, or why endpoints see this node's address.
+func (r *run) resolveSource(ctx context.Context) error {
+	var node sourceNode
+	if r.d.deps.sourceNode != nil {
+		node = r.d.deps.sourceNode(r.o, r.log)
+	}
+	s, err := resolveSource(ctx, r.o, node, interfaceAddrs, r.log)
+	if err != nil {
+		return err
+	}
+	r.source = s
+	r.steps.done("source mode")
+	return nil
+}
+
 // pickEngine resolves --io-engine; the engine closes once runAll has shut the proxy sockets down.
 func (r *run) pickEngine(context.Context) error {
 	e, err := r.d.chooseEngine()
@@ -147,7 +164,7 @@ func (r *run) pickEngine(context.Context) error {
 
 // wire connects the balancer, proxier, source, metrics and HTTP handlers (starting nothing).
 func (r *run) wire(context.Context) error {
-	w, err := r.d.wire(r.client, r.pm, r.events, r.inh, r.settle)
+	w, err := r.d.wire(r.client, r.pm, r.events, r.inh, r.settle, r.source)
 	if err != nil {
 		return err
 	}
@@ -188,7 +205,7 @@ func (r *run) restore(context.Context) error {
 	if s, ok := r.pm.(hostIPSetter); ok {
 		setHostIPs = s.SetHostIPs
 	}
-	r.target = nodeTarget{health: w.health, proxier: w.proxier,
+	r.target = nodeTarget{health: w.health, proxier: w.proxier, source: r.source,
 		ips: &nodeIPs{bind: r.o.bind, exclude: r.notNode, set: setHostIPs, sync: syncAfterFirst(w.proxier), log: r.log, cur: r.hostIPs}}
 	r.target.apply(r.node, r.nodeObj) // a Node read above: the zone is known before the first sync
 	return nil
@@ -239,6 +256,9 @@ func (r *run) servingTasks() ([]func(context.Context), error) {
 	}
 	if look := w.proxier.KernelFlows(); look != nil {
 		tasks = append(tasks, kernelFlowsTask(look, r.log))
+	}
+	if r.source.node != nil {
+		tasks = append(tasks, func(ctx context.Context) { r.source.run(ctx, interfaceAddrs) })
 	}
 	if o.restartSnapshot != "" {
 		sw := &snapshotWriter{path: o.restartSnapshot, node: r.node, src: w.proxier, clock: r.d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: r.log}

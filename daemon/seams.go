@@ -45,7 +45,10 @@ type deps struct {
 	// probeIOUring says whether the io_uring TCP engine can run here (--io-engine=auto); nil
 	// means tcp.ProbeIOUring.
 	probeIOUring func() error
-	clock        clock.Clock
+	// sourceNode builds the transparent source mode's node plumbing; nil means none (the mode
+	// resolves to proxy).
+	sourceNode func(o *Options, log logrus.FieldLogger) sourceNode
+	clock      clock.Clock
 }
 
 // systemDeps are the real process, node, API server and network.

@@ -66,7 +66,56 @@ func (c *Config) servicePorts(svc *v1.Service) ([]*service.Port, []error) {
 	if svc == nil {
 		return ports, errs
 	}
-	return ports, append(errs, c.kernelConflicts(service.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}, ports)...)
+	name := service.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
+	errs = append(errs, c.kernelConflicts(name, ports)...)
+	return ports, append(errs, c.resolveSourceModes(name, ports)...)
+}
+
+// defaultSourceMode is the source mode of a port that does not ask for one.
+func (c *Config) defaultSourceMode() service.SourceMode {
+	if c.SourceMode == service.SourceTransparent {
+		return service.SourceTransparent
+	}
+	return service.SourceProxy
+}
+
+// resolveSourceModes sets each port's SourceMode to the one it gets, transparent or proxy: the
+// annotation's, else the node's. A port asking for transparent gets proxy, reported, where the node
+// has no transparent plumbing or the port sends a PROXY protocol header (its endpoint reads the
+// client's address there and expects the header); by the node's default alone such a port takes
+// proxy silently.
+func (c *Config) resolveSourceModes(name service.NamespacedName, ports []*service.Port) []error {
+	var errs []error
+	nodeTransparent := c.SourceMode == service.SourceTransparent
+	reported := false // a node that cannot: one error per Service
+	for _, port := range ports {
+		asked := port.SourceMode
+		mode := asked
+		if mode == "" {
+			mode = c.defaultSourceMode()
+		}
+		if mode == service.SourceTransparent {
+			switch {
+			case !nodeTransparent:
+				mode = service.SourceProxy
+				if asked != "" && !reported {
+					why := c.SourceWhy
+					if why == "" {
+						why = "the node runs with --source-mode=proxy"
+					}
+					errs = append(errs, fmt.Errorf("service %s: source mode transparent: %s; endpoints see the node's address: %w", name, why, ErrInvalidAnnotation))
+					reported = true
+				}
+			case port.ProxyProtocol != "":
+				mode = service.SourceProxy
+				if asked != "" {
+					errs = append(errs, fmt.Errorf("service port %s: source mode transparent and a PROXY protocol header: the header is sent, from the node's address: %w", port.Name, ErrInvalidAnnotation))
+				}
+			}
+		}
+		port.SourceMode = mode
+	}
+	return errs
 }
 
 // kernelConflicts reports, for a Service whose ports would take the kernel path, why some cannot:
@@ -169,6 +218,9 @@ func readAnnotations(svc *v1.Service, common *service.Port) (service.ProxyProtoc
 	if common.DrainTimeout, err = drainTimeout(svc); err != nil {
 		errs = append(errs, err)
 	}
+	if common.SourceMode, err = sourceMode(svc); err != nil {
+		errs = append(errs, err)
+	}
 	if common.HealthCheckNodePort, err = healthCheckNodePort(svc); err != nil {
 		errs = append(errs, err)
 	}
@@ -244,6 +296,26 @@ func dataPath(svc *v1.Service) (service.DataPath, error) {
 	}
 	return "", fmt.Errorf("service %s/%s: annotation %s=%s: want kernel or proxy; the node's --default-data-path applies: %w",
 		svc.Namespace, svc.Name, AnnotationDataPath, quoteValue(v), ErrInvalidAnnotation)
+}
+
+// AnnotationSourceMode picks the address a Service's endpoints see: "transparent" (the client's,
+// where the node supports it: portal/transparent) or "proxy" (the node's). Unset: the node's
+// --source-mode.
+const AnnotationSourceMode = "portal-proxy.kubernetes.io/source-mode"
+
+// sourceMode reads the source-mode annotation; a value that does not parse is reported (wrapping
+// ErrInvalidAnnotation) and the node default used.
+func sourceMode(svc *v1.Service) (service.SourceMode, error) {
+	v, ok := svc.Annotations[AnnotationSourceMode]
+	if !ok {
+		return "", nil
+	}
+	switch m := service.SourceMode(strings.TrimSpace(v)); m {
+	case service.SourceProxy, service.SourceTransparent:
+		return m, nil
+	}
+	return "", fmt.Errorf("service %s/%s: annotation %s=%s: want transparent or proxy; the node's --source-mode applies: %w",
+		svc.Namespace, svc.Name, AnnotationSourceMode, quoteValue(v), ErrInvalidAnnotation)
 }
 
 // Annotations of the connection policies of a Service's TCP ports: what the proxy does with the

@@ -84,6 +84,12 @@ type Config struct {
 	// data-path annotation ("" means proxy).
 	KernelPath      bool
 	DefaultDataPath service.DataPath
+	// SourceMode is the address endpoints see by default: service.SourceTransparent where the
+	// node's transparent plumbing is in place (portal/transparent), else the proxy's own ("" or
+	// service.SourceProxy). SourceWhy says why not transparent, for the events of Services that
+	// ask for it.
+	SourceMode service.SourceMode
+	SourceWhy  string
 	// Node is this node's name and zone, for traffic policies and topology hints.
 	Node   NodeTopology
 	Clock  clock.Clock

@@ -173,6 +173,7 @@ func (d *dataPaths) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, 
 		return nil, errOutsideRange
 	}
 	port := s.port()
+	port.SourceMode = d.cfg.defaultSourceMode() // the port's own, if it differs, comes with the first sync
 	sock, err := d.listenFamilies(port, s.ProxyPort, d.holdingBuild(port, port.Name, nil))
 	if err != nil {
 		d.ports.release(s.ProxyPort)
@@ -210,11 +211,11 @@ func (s Seed) port() *service.Port {
 
 // adoptable reports whether the first sync can keep a reopened socket for the real port: same
 // protocol, same families to listen in, and no per-port socket option the seed could not know
-// (the access log, PROXY protocol and hold annotations). Otherwise the socket is reopened on the
+// (the access log, PROXY protocol and hold annotations, a source mode other than the node's). Otherwise the socket is reopened on the
 // same proxy port.
 func (d *dataPaths) adoptable(a *activePort, port *service.Port) bool {
 	same := d.restart.seeded[port.Name] && a.port.Protocol == port.Protocol && !port.AccessLog &&
-		port.ProxyProtocol == "" && port.HoldTimeout == 0
+		port.ProxyProtocol == "" && port.HoldTimeout == 0 && a.port.SourceMode == port.SourceMode
 	if d.cfg.ListenPlan != nil {
 		return same && d.boundAdoptable(a, port)
 	}

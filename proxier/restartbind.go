@@ -19,6 +19,7 @@ import (
 // cluster (or only) one, then the external one.
 func (d *dataPaths) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, error) {
 	port := s.boundPort()
+	port.SourceMode = d.cfg.defaultSourceMode() // the port's own, if it differs, comes with the first sync
 	filter := newSourceFilter(s.SourceRanges)
 	sock, err := openAll(s.Listen, d.holdingBuild(port, port.Name, filter))
 	if err != nil {

@@ -25,6 +25,15 @@ type SocketConfig struct {
 	// node in them.
 	Flows FlowSink
 	Node  string
+	// Transparent, if set, says per connection or session whether a port whose SourceMode is
+	// transparent dials from the client's address (portal/transparent.Policy).
+	Transparent SourcePolicy
+}
+
+// SourcePolicy decides per connection whether the dial to the endpoint leaves from the client's
+// address (tcp.SourcePolicy, udp.SourcePolicy).
+type SourcePolicy interface {
+	Transparent(client, endpoint netip.Addr) bool
 }
 
 // RealSockets returns the SocketFactory that opens real TCP and UDP proxy sockets.
@@ -39,6 +48,9 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 			if cfg.Flows != nil {
 				c.Flows = cfg.Flows.ForPort(flowPort(p, cfg.Node, flow.PathSocket))
 			}
+			if cfg.Transparent != nil && p.SourceMode == service.SourceTransparent {
+				c.Source = cfg.Transparent
+			}
 			return udp.New(p.Name, picker, c)
 		}
 		c := cfg.TCP
@@ -50,6 +62,9 @@ func RealSockets(cfg SocketConfig) SocketFactory {
 			c.Flows = cfg.Flows.ForPort(flowPort(p, cfg.Node, flow.PathSocket))
 		}
 		c.ProxyProtocol, c.HoldTimeout = proxyProtocolVersion(p.ProxyProtocol), p.HoldTimeout
+		if cfg.Transparent != nil && p.SourceMode == service.SourceTransparent {
+			c.Source = cfg.Transparent
+		}
 		return tcp.New(p.Name, picker, c)
 	}
 }

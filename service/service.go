@@ -121,7 +121,25 @@ type Port struct {
 	// removed) may continue before what is left is closed (FIN, then reset); 0 means unset: the
 	// node's --drain-removed-endpoints decides (an annotation).
 	DrainTimeout time.Duration
+	// SourceMode is the address the endpoints see (an annotation); "" means the node's
+	// --source-mode.
+	SourceMode SourceMode
 }
+
+// SourceMode is the address a proxied connection or UDP session reaches its endpoint from,
+// spelled as the portal-proxy.kubernetes.io/source-mode annotation and --source-mode take it.
+type SourceMode string
+
+// The source modes.
+const (
+	// SourceProxy: the proxy dials from the node's own address (kube-proxy's userspace mode).
+	SourceProxy SourceMode = "proxy"
+	// SourceTransparent: the proxy dials from the client's address and port where the node's
+	// routing brings the endpoint's replies back to it (portal/transparent), else from its own.
+	SourceTransparent SourceMode = "transparent"
+	// SourceAuto, for the node only: transparent where the node supports it, else proxy.
+	SourceAuto SourceMode = "auto"
+)
 
 // DataPath is how a service port's traffic reaches its endpoints, spelled as the
 // portal-proxy.kubernetes.io/data-path annotation and --default-data-path take it.
@@ -209,14 +227,14 @@ func (p *Port) Equal(o *Port) bool {
 }
 
 // SocketEqual reports whether a proxy socket opened for p can serve o unchanged: protocol, the
-// portal addresses, the access log (a socket hook), the PROXY protocol and the hold timeout
-// (socket settings) match. Affinity, traffic policies and
+// portal addresses, the access log (a socket hook), the PROXY protocol, the hold timeout and the
+// source mode (socket settings) match. Affinity, traffic policies and
 // distribution (they change which endpoints are picked), the health check node port (served
 // elsewhere) and the source ranges (a filter in front of the socket) can change under a live
 // socket.
 func (p *Port) SocketEqual(o *Port) bool {
 	return p.Protocol == o.Protocol && p.Port == o.Port && p.NodePort == o.NodePort && p.AccessLog == o.AccessLog &&
-		p.ProxyProtocol == o.ProxyProtocol && p.HoldTimeout == o.HoldTimeout &&
+		p.ProxyProtocol == o.ProxyProtocol && p.HoldTimeout == o.HoldTimeout && p.SourceMode == o.SourceMode &&
 		slices.Equal(p.ClusterIPs, o.ClusterIPs) && slices.Equal(p.ExternalIPs, o.ExternalIPs) &&
 		slices.Equal(p.LoadBalancerIPs, o.LoadBalancerIPs)
 }

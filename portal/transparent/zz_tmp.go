@@ -1,0 +1,6 @@
+package transparent
+
+type Support struct {
+	Bridge bool
+	Reason string
+}

@@ -1,0 +1,7 @@
+package udp
+
+import "net/netip"
+
+type SourcePolicy interface {
+	Transparent(client, endpoint netip.Addr) bool
+}
