@@ -39,7 +39,6 @@ const (
 
 // Config tunes a Proxy. The zero value is the legacy behaviour plus keepalive.
 type Config struct {
-	Source SourcePolicy // TMP
 	// DialTimeouts is one timeout per dial attempt; nil means DefaultDialTimeouts.
 	DialTimeouts []time.Duration
 	// KeepAlive is the TCP keepalive idle time on both legs; 0 means DefaultKeepAlive, <0 disables.

@@ -56,7 +56,6 @@ type Gate interface {
 
 // Config tunes a Proxy. The zero value is usable.
 type Config struct {
-	Source SourcePolicy // TMP
 	// IdleTimeout (--udp-timeout) ends a session after this long without traffic either way.
 	// 0 means DefaultIdleTimeout.
 	IdleTimeout time.Duration
