@@ -242,7 +242,7 @@ func BenchmarkDial(b *testing.B) {
 	b.Run("dialSock", func(b *testing.B) {
 		defer reportCPU(b)()
 		for b.Loop() {
-			s, err := dialSock(ep, time.Now().Add(time.Second), DefaultKeepAlive, noAbort{})
+			s, err := dialSock(ep, netip.AddrPort{}, time.Now().Add(time.Second), DefaultKeepAlive, noAbort{})
 			if err != nil {
 				b.Fatal(err)
 			}
