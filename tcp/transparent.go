@@ -69,7 +69,12 @@ func (c *conn) dialSource(ep netip.AddrPort) netip.AddrPort {
 	if client.Is4() != epa.Is4() || !pol.Transparent(client, epa) {
 		return netip.AddrPort{}
 	}
-	return netip.AddrPortFrom(client, c.clientAddr.Port())
+	return c.transparentSource()
+}
+
+// transparentSource is the client's address and port as a dial's source.
+func (c *conn) transparentSource() netip.AddrPort {
+	return netip.AddrPortFrom(c.clientAddr.Addr().Unmap(), c.clientAddr.Port())
 }
 
 // sourceFailed records that a dial from src, the client's address, failed locally with err: the

@@ -38,8 +38,10 @@ type uconn struct {
 	sa       unix.RawSockaddrInet6
 	salen    uint32
 	ts       unix.Timespec
-	optv     [2]int32       // setsockopt values the kernel reads at submission (queueLegOptions)
-	src      netip.AddrPort // the attempt's transparent source (dialSource), if any
+	optv     [2]int32 // setsockopt values the kernel reads at submission (queueLegOptions)
+	// transparent: the attempt's socket is bound to the client's address (dialSource). A bool,
+	// not the address: the client's is in c (transparentSource), and uconn stays in its size class.
+	transparent bool
 
 	hdr []byte // the PROXY header while it is sent
 
@@ -281,7 +283,8 @@ func (u *uconn) dial(ep netip.AddrPort) {
 func (u *uconn) open(ep netip.AddrPort) {
 	c := u.c
 	timeout := c.p.cfg.DialTimeouts[u.attempt]
-	u.src = c.dialSource(ep)
+	src := c.dialSource(ep)
+	u.transparent = src.IsValid()
 	fd, err := sysSocket(sockopt.Family(ep.Addr()))
 	if err != nil {
 		err = os.NewSyscallError("socket", err)
@@ -290,10 +293,10 @@ func (u *uconn) open(ep netip.AddrPort) {
 			sysClose(fd)
 		}
 	}
-	if err == nil && u.src.IsValid() {
-		if err = bindSource(fd, u.src); err != nil {
+	if err == nil && u.transparent {
+		if err = bindSource(fd, src); err != nil {
 			sysClose(fd)
-			c.sourceFailed(u.src, ep, err)
+			c.sourceFailed(src, ep, err)
 			u.open(ep) // from the proxy's address: dialSource says so now
 			return
 		}
@@ -408,9 +411,9 @@ func (u *uconn) connected(res int32) {
 		if res == -int32(unix.ECANCELED) { // the linked timeout fired
 			err = fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
 		}
-		if res == -int32(unix.EADDRNOTAVAIL) && u.src.IsValid() {
+		if res == -int32(unix.EADDRNOTAVAIL) && u.transparent {
 			// The client's address and port already have a connection to ep (see dialSock).
-			u.c.sourceFailed(u.src, u.ep, err)
+			u.c.sourceFailed(u.c.transparentSource(), u.ep, err)
 			u.open(u.ep)
 			return
 		}
@@ -421,7 +424,7 @@ func (u *uconn) connected(res int32) {
 		u.failed(c.p.cfg.DialTimeouts[u.attempt], err)
 		return
 	}
-	if u.src.IsValid() {
+	if u.transparent {
 		c.p.stats.transparentDials.Add(1)
 	}
 	if c.fl != nil {
