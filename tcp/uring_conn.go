@@ -27,6 +27,9 @@ type uconn struct {
 	fd       [2]int32 // client, endpoint; -1 none
 	inflight int      // requests in the kernel, plus a hold or back-off under way
 	closing  bool     // terminate reached the loop: requests cancelled, nothing new starts
+	// transparent: the attempt's socket is bound to the client's address (dialSource). A bool
+	// beside closing, not the address (c has it: transparentSource): uconn keeps its size.
+	transparent bool
 
 	// the dial ladder
 	attempt  int
@@ -39,9 +42,6 @@ type uconn struct {
 	salen    uint32
 	ts       unix.Timespec
 	optv     [2]int32 // setsockopt values the kernel reads at submission (queueLegOptions)
-	// transparent: the attempt's socket is bound to the client's address (dialSource). A bool,
-	// not the address: the client's is in c (transparentSource), and uconn stays in its size class.
-	transparent bool
 
 	hdr []byte // the PROXY header while it is sent
 
