@@ -15,6 +15,7 @@ type counters struct {
 	pktsTo, bytesTo, pktsFrom, bytesFrom                  atomic.Uint64
 	noEndpoint, sessionSetup, toEndpoint, toClient, trunc atomic.Uint64
 	sourceDenied                                          atomic.Uint64
+	transparentDials, transparentFallbacks                atomic.Uint64 // Config.Source
 }
 
 func (c *counters) snapshot() flow.Stats {
