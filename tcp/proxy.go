@@ -508,6 +508,7 @@ func (c *counters) snapshot() flow.Stats {
 		DialAttempts: uint64(c.dialAttempts.Load()), DialFailures: uint64(c.dialFailures.Load()),
 		DialRetries: uint64(c.dialRetries.Load()), NoEndpoint: uint64(c.noEndpoints.Load()),
 		SourceDenied: c.sourceDenied.Load(), Held: c.held.Load(),
+		TransparentDials: c.transparentDials.Load(), TransparentFallbacks: c.transparentFallbacks.Load(),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()

@@ -32,6 +32,9 @@ func (c *counters) snapshot() flow.Stats {
 		DropsToEndpoint:   c.toEndpoint.Load(),
 		DropsToClient:     c.toClient.Load(),
 		DropsTruncated:    c.trunc.Load(),
+
+		TransparentDials:     c.transparentDials.Load(),
+		TransparentFallbacks: c.transparentFallbacks.Load(),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()
