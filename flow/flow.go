@@ -61,9 +61,12 @@ type Info struct {
 	BytesToEndpoint, BytesToClient uint64
 	// PacketsToEndpoint and PacketsToClient count UDP datagrams (0 for TCP).
 	PacketsToEndpoint, PacketsToClient uint64
-	DialAttempts                       int       // TCP dials (0 for UDP)
-	End                                EndReason // Unknown while live
-	Err                                error     // TCP: the error that ended it, naming the direction; nil for a clean end
+	DialAttempts                       int // TCP dials (0 for UDP)
+	// Transparent: the endpoint leg left from the client's own address and port (the
+	// transparent source mode), so the endpoint saw Client; else it saw this node's address.
+	Transparent bool
+	End         EndReason // Unknown while live
+	Err         error     // TCP: the error that ended it, naming the direction; nil for a clean end
 }
 
 // Stats are the counters of one proxy socket since it was built. Fields that one protocol never

@@ -53,6 +53,9 @@ func (a AccessLog) OnEnd(p *service.Port) func(flow.Info) {
 		if f.Err != nil {
 			fields["error"] = f.Err.Error()
 		}
+		if f.Transparent { // the endpoint saw the client's own address (else the node's)
+			fields["source"] = "client"
+		}
 		if f.Endpoint.IsValid() {
 			if r := a.Pods.lookup(p.Name, f.Endpoint); r != (podRef{}) {
 				fields["pod"], fields["node"] = orNone(r.pod), orNone(r.node)

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -25,6 +26,11 @@ import (
 // pipelines parse, against lines the access log writes with the JSON formatter --log-format=json
 // uses, for real connections through real loopback proxies: a TCP connection to a known pod, a
 // TCP connection whose every dial fails, and a UDP session that idles out.
+// everyDialTransparent is a source policy that dials every endpoint from the client's address.
+type everyDialTransparent struct{}
+
+func (everyDialTransparent) Transparent(_, _ netip.Addr) bool { return true }
+
 func TestAccessLogLinesMatchSchema(t *testing.T) {
 	schema, err := testenv.LoadJSONSchema("accesslog.schema.json")
 	if err != nil {
@@ -48,8 +54,16 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	pods.watch(web.Name)
 	pods.update(web.Name, []service.Endpoint{{Addr: echo, NodeName: "node-1", TargetRef: service.NamespacedName{Namespace: "default", Name: "web-0"}}})
 
+	// The web port dials transparently (a policy that always says so): on loopback the echo's
+	// replies to the client's address and port reach the proxy's socket without any plumbing, the
+	// 4-tuple picks it over the client's own; the client sets SO_REUSEADDR so the proxy's bind
+	// may share its port.
 	startTCP := func(port *service.Port, ep netip.AddrPort) netip.AddrPort {
-		p := tcp.New(port.Name, onePicker{ep}, tcp.Config{OnEnd: al.OnEnd(port), Logger: quiet})
+		cfg := tcp.Config{OnEnd: al.OnEnd(port), Logger: quiet}
+		if port == web {
+			cfg.Source = everyDialTransparent{}
+		}
+		p := tcp.New(port.Name, onePicker{ep}, cfg)
 		if err := p.Listen(netip.MustParseAddrPort("127.0.0.1:0")); err != nil {
 			t.Fatal(err)
 		}
@@ -73,7 +87,14 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 	t.Cleanup(u.Shutdown)
 
 	// TCP: one exchange, then the client closes.
-	c, err := net.Dial("tcp4", webAddr.String())
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		if err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1) }); err != nil {
+			return err
+		}
+		return serr
+	}}
+	c, err := d.Dial("tcp4", webAddr.String())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,13 +133,13 @@ func TestAccessLogLinesMatchSchema(t *testing.T) {
 		if err := schema.Validate([]byte(line)); err != nil {
 			t.Errorf("access log line does not match the schema: %v", err)
 		}
-		for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`} {
+		for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`, `"source":"client"`} {
 			if strings.Contains(line, want) {
 				seen[want] = true
 			}
 		}
 	}
-	for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`} {
+	for _, want := range []string{`"reason":"client-closed"`, `"reason":"dial-failed"`, `"reason":"idle-timeout"`, `"pod":"default/web-0"`, `"error":`, `"source":"client"`} {
 		if !seen[want] {
 			t.Errorf("no line has %s: %q", want, out.Lines())
 		}

@@ -49,6 +49,8 @@ type conn struct {
 	eofs     int  // directions that saw FIN
 	counted  bool // endpoint connected and reported to the Observer: finish reports the end
 	drained  bool // drain deadline passed: both legs were sent FIN (see drain)
+	// transparentLeg: the endpoint connection was dialed from the client's address (Info).
+	transparentLeg bool
 
 	// noTransparent: a dial from the client's address failed locally, later attempts dial from
 	// the proxy's (dialSource). The dialer's own, not under mu.
@@ -388,8 +390,17 @@ func (c *conn) info() flow.Info {
 		Client: c.clientAddr, Endpoint: c.endpoint,
 		BytesToEndpoint: uint64(c.bytesUp.Load()), BytesToClient: uint64(c.bytesDown.Load()),
 		Start: start, LastActive: time.Unix(0, c.last.Load()), Duration: now.Sub(start),
-		DialAttempts: c.attempts, End: c.endIfClosed(), Err: c.err,
+		DialAttempts: c.attempts, End: c.endIfClosed(), Err: c.err, Transparent: c.transparentLeg,
 	}
+}
+
+// dialedTransparently records a dial from the client's address that connected: counted, and
+// shown in the flow's Info (the access log says what the endpoint saw).
+func (c *conn) dialedTransparently() {
+	c.p.stats.transparentDials.Add(1)
+	c.mu.Lock()
+	c.transparentLeg = true
+	c.mu.Unlock()
 }
 
 func (c *conn) endIfClosed() flow.EndReason {

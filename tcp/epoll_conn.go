@@ -190,7 +190,7 @@ func (e *epollConn) dialFrom(ep netip.AddrPort, deadline time.Time) (*sock, erro
 		return dialSock(ep, netip.AddrPort{}, deadline, c.p.cfg.KeepAlive, e)
 	}
 	if err == nil {
-		c.p.stats.transparentDials.Add(1)
+		c.dialedTransparently()
 	}
 	return s, err
 }

@@ -425,7 +425,7 @@ func (u *uconn) connected(res int32) {
 		return
 	}
 	if u.transparent {
-		c.p.stats.transparentDials.Add(1)
+		c.dialedTransparently()
 	}
 	if c.fl != nil {
 		c.connectedNow()

@@ -173,10 +173,11 @@ func (p *shard) open(client netip.AddrPort, local netip.Addr, name *sockaddr, na
 		p.end(p.lru.back, flow.Evicted)
 	}
 	var fd int
+	var transparent bool
 	if p.cfg.Source == nil {
 		fd, err = dialUDP(ep, netip.AddrPort{})
 	} else {
-		fd, err = p.dialFrom(ep, p.dialSource(client, ep))
+		fd, transparent, err = p.dialFrom(ep, p.dialSource(client, ep))
 	}
 	if err == nil {
 		if err = p.io.add(fd); err != nil {
@@ -198,7 +199,7 @@ func (p *shard) open(client netip.AddrPort, local netip.Addr, name *sockaddr, na
 	s := &session{
 		client: client, endpoint: ep, fd: fd,
 		clientAddr: *name, clientAddrLen: namelen,
-		started: now, lastActive: now, pick: pick,
+		started: now, lastActive: now, pick: pick, transparent: transparent,
 	}
 	p.sessions[client] = s
 	p.byFD[int32(fd)] = s

@@ -39,6 +39,8 @@ type session struct {
 	pick   flow.Pick
 	source netip.AddrPort // the session socket's own address
 	tap    flow.Tap
+	// transparent: the session's socket is bound to the client's address (Info).
+	transparent bool
 }
 
 // setLocal records the address the client's latest datagram was delivered to. A client that sends
@@ -62,6 +64,7 @@ func (s *session) info(end time.Time, reason flow.EndReason) flow.Info {
 		BytesToEndpoint:   s.bytesTo,
 		PacketsToClient:   s.pktsFrom,
 		BytesToClient:     s.bytesFrom,
+		Transparent:       s.transparent,
 		End:               reason,
 	}
 }

@@ -61,10 +61,10 @@ func (p *shard) dialSource(client, ep netip.AddrPort) netip.AddrPort {
 
 // dialFrom opens the session socket to ep from src if valid, else, or if src cannot be taken,
 // from the proxy's address; it counts both outcomes.
-func (p *shard) dialFrom(ep, src netip.AddrPort) (int, error) {
-	fd, err := dialUDP(ep, src)
+func (p *shard) dialFrom(ep, src netip.AddrPort) (fd int, transparent bool, err error) {
+	fd, err = dialUDP(ep, src)
 	if !src.IsValid() {
-		return fd, err
+		return fd, false, err
 	}
 	if errors.Is(err, errSourceTaken) {
 		p.stats.transparentFallbacks.Add(1)
@@ -72,12 +72,13 @@ func (p *shard) dialFrom(ep, src netip.AddrPort) (int, error) {
 			p.log.WithFields(logrus.Fields{"endpoint": ep, "source": src}).WithError(err).
 				Debug("transparent session: the client's address is not available, dialing from the proxy's")
 		}
-		return dialUDP(ep, netip.AddrPort{})
+		fd, err = dialUDP(ep, netip.AddrPort{})
+		return fd, false, err
 	}
 	if err == nil {
 		p.stats.transparentDials.Add(1)
 	}
-	return fd, err
+	return fd, err == nil, err
 }
 
 // bindSource prepares fd, a new UDP socket of src's family, to send from src, an address of
