@@ -85,14 +85,18 @@ func resolveSource(ctx context.Context, o *Options, node sourceNode, localAddrs 
 	s.mode, s.node, s.policy = service.SourceTransparent, node, transparent.NewPolicy()
 	s.policy.SetPodCIDRs(o.nodePodCIDRs)
 	s.apply(sup, localAddrs())
-	log.WithFields(logrus.Fields{"podCIDRs": fmt.Sprint(o.nodePodCIDRs), "bridge": sup.Bridge, "why not bridged pairs": sup.Reason}).
+	podCIDRs := "the Node's spec.podCIDRs"
+	if len(o.nodePodCIDRs) > 0 {
+		podCIDRs = fmt.Sprint(o.nodePodCIDRs)
+	}
+	log.WithFields(logrus.Fields{"podCIDRs": podCIDRs, "bridge": sup.Bridge, "bridges": !sup.NoBridges, "why not bridged pairs": sup.Reason}).
 		Info("Transparent source mode: endpoints see the client's address where the replies pass this node")
 	return s, nil
 }
 
 // apply hands the policy what the last Sync found and the node's addresses.
 func (s *sourceSetup) apply(sup transparent.Support, local []netip.Addr) {
-	s.policy.SetBridge(sup.Bridge)
+	s.policy.SetBridge(sup.Bridge || sup.NoBridges)
 	s.policy.SetLocalAddrs(local)
 }
 

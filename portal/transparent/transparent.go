@@ -91,6 +91,9 @@ type Support struct {
 	// packets of that family to ip(6)tables (bridge-nf-call-iptables / -ip6tables is 1).
 	Bridge         bool
 	BridgeFamilies []portal.Family
+	// NoBridges: the node has no bridge device at all, so no reply is bridged between two of its
+	// pods (a routed CNI, a veth per pod): the bridge part is not needed, whatever Bridge says.
+	NoBridges bool
 	// Reason says why something is not supported, for the log line and a metric label: "no
 	// xt_socket", "no policy routing", "no CAP_NET_ADMIN", "no nft", "no nft bridge family",
 	// "br_netfilter off", "br_netfilter not loaded", joined by ", " when several; "" when all is.
@@ -153,6 +156,9 @@ func (n *Node) Sync(ctx context.Context) (Support, error) {
 	}
 	n.probed = true
 	sup := Support{Socket: true, PolicyRouting: true, Families: slices.Clone(n.cfg.Families)}
+	if brs, err := n.cfg.Netlink.Bridges(ctx, n.cfg.BridgeMAC); err == nil && len(brs) == 0 {
+		sup.NoBridges = true
+	}
 	if err := n.syncBridge(ctx); err != nil {
 		n.cfg.Logger.WithError(err).Debug("Transparent bridge part not installed")
 		reasons = append(reasons, reasonFor(err, "no nft bridge family"))
