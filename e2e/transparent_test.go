@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -149,38 +151,47 @@ func tpExpectTransparent(t *testing.T, node string, ns *netns.NS) {
 	}
 }
 
-// tpFlowSource returns the source of the endpoint leg of the flow of client in the flow ring of
-// the proxy in ns (its End event), waiting for the event.
-func tpFlowSource(t *testing.T, ns *netns.NS, service string, client netip.AddrPort) string {
+// tpFlowSource follows the flow stream of the proxy in ns (the data path records a flow's source
+// only while someone watches: flow.Observed), makes one connection with connect, and returns the
+// connection's client address and the source of its endpoint leg in its End event.
+func tpFlowSource(t *testing.T, ns *netns.NS, service string, connect func() netip.AddrPort) (client netip.AddrPort, source string) {
 	t.Helper()
-	var source string
-	eventually(t, 10*time.Second, fmt.Sprintf("the End of %s's flow in /debug/flows", client), func() error {
-		q := url.Values{"service": {service}, "phase": {"end"}}
-		code, body, err := httpGet(ns, "http://"+metricsAddr+"/debug/flows?"+q.Encode())
-		if err != nil || code != http.StatusOK {
-			return fmt.Errorf("GET /debug/flows: %d %q, %v", code, body, err)
+	ctx, cancel := context.WithTimeout(t.Context(), 3*requestTimeout+10*time.Second)
+	defer cancel()
+	q := url.Values{"service": {service}, "phase": {"end"}, "follow": {"1"}}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+metricsAddr+"/debug/flows?"+q.Encode(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hc := nodeHTTP(ns)
+	hc.Timeout = 0 // the context bounds the stream
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatalf("follow /debug/flows: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("follow /debug/flows: %s", resp.Status)
+	}
+	// The headers come after the observer subscribed: every flow from now on is in the stream.
+	client = connect()
+	var ends []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		var it observe.Item
+		if err := json.Unmarshal(sc.Bytes(), &it); err != nil {
+			t.Fatalf("/debug/flows line %q: %v", sc.Text(), err)
 		}
-		var seen []string
-		for line := range strings.Lines(body) {
-			if strings.TrimSpace(line) == "" {
-				continue
-			}
-			var it observe.Item
-			if err := json.Unmarshal([]byte(line), &it); err != nil {
-				return fmt.Errorf("/debug/flows line %q: %w", line, err)
-			}
-			if it.Flow == nil {
-				continue
-			}
-			if it.Flow.Client == client.String() {
-				source = it.Flow.Source
-				return nil
-			}
-			seen = append(seen, it.Flow.Client)
+		if it.Flow == nil {
+			continue
 		}
-		return fmt.Errorf("no End of %s; ends of %v", client, seen)
-	})
-	return source
+		if it.Flow.Client == client.String() {
+			return client, it.Flow.Source
+		}
+		ends = append(ends, it.Flow.Client)
+	}
+	t.Fatalf("no End of %s's flow in /debug/flows (ends of %v): %v", client, ends, sc.Err())
+	return client, ""
 }
 
 // TestTransparentSourceTwoNodes runs both proxies of the two-node cluster in the transparent
@@ -284,8 +295,11 @@ func tpTwoNodes(t *testing.T, engine string) {
 	}
 
 	t.Run("flow_source_is_the_client", func(t *testing.T) {
-		local, seen := tpAsk(t, b.client().NS, corev1.ProtocolTCP, clusterIP(on, 0), syncTimeout)
-		src := tpFlowSource(t, b.NS, on.Namespace+"/"+on.Name, local)
+		var seen netip.AddrPort
+		local, src := tpFlowSource(t, b.NS, on.Namespace+"/"+on.Name, func() (local netip.AddrPort) {
+			local, seen = tpAsk(t, b.client().NS, corev1.ProtocolTCP, clusterIP(on, 0), syncTimeout)
+			return local
+		})
 		if src != local.String() {
 			t.Errorf("flow of %s on %s: endpoint leg's source %q; want the client's %q (the backend saw %v)", local, b.name, src, local, seen)
 		}
@@ -338,12 +352,20 @@ endpoints:
 
 // TestTransparentSourceIPv6: on IPv6, with the endpoint a pod of the node, the backend sees a
 // routed client's own address and port over TCP and UDP, on each TCP engine; a Service annotated
-// source-mode: proxy sees the node's address on the pod's link (fd00:244:1::1).
+// source-mode: proxy sees the node's address on the pod's link (fd00:244:1::1). With the mode off
+// on the node (--source-mode=proxy) both Services see the node's address, as before the mode
+// existed, and the metric says proxy and why.
 func TestTransparentSourceIPv6(t *testing.T) {
 	t.Parallel()
-	for _, engine := range []string{tcp.EngineIOUring, tcp.EngineEpoll} {
-		t.Run(engine, func(t *testing.T) {
-			if engine == tcp.EngineIOUring {
+	for _, tt := range []struct {
+		name, engine, sourceMode string
+	}{
+		{"io_uring", tcp.EngineIOUring, ""},
+		{"epoll", tcp.EngineEpoll, ""},
+		{"node_source_mode_proxy", tcp.EngineEpoll, "proxy"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.engine == tcp.EngineIOUring {
 				if err := tcp.ProbeIOUring(); err != nil {
 					testenv.Unavailable(t, "io_uring unavailable: %v", err)
 				}
@@ -352,8 +374,11 @@ func TestTransparentSourceIPv6(t *testing.T) {
 			tpStartBackends(t, b.pod, v6Pod, b.node)
 			dir, write := servicesDir(t)
 			write(tpV6Manifest())
-			proxy := startProxy(t, b.node, t.TempDir(), proxyArgs("--services-file="+dir, "--io-engine="+engine,
-				"--node-pod-cidr="+tpV6CIDR.String())...)
+			args := []string{"--services-file=" + dir, "--io-engine=" + tt.engine, "--node-pod-cidr=" + tpV6CIDR.String()}
+			if tt.sourceMode != "" {
+				args = append(args, "--source-mode="+tt.sourceMode)
+			}
+			proxy := startProxy(t, b.node, t.TempDir(), proxyArgs(args...)...)
 			eventually(t, syncTimeout, "the proxy to serve", func() error {
 				if err := proxy.exited(); err != nil {
 					return err
@@ -361,7 +386,12 @@ func TestTransparentSourceIPv6(t *testing.T) {
 				_, _, err := testenv.AskNginxPeer(tpDialer(b.client, "tcp"), netip.AddrPortFrom(tpV6Off, 80), requestTimeout)
 				return err
 			})
-			tpExpectTransparent(t, "the node", b.node)
+			transparent := tt.sourceMode == ""
+			if transparent {
+				tpExpectTransparent(t, "the node", b.node)
+			} else if mode, reason, err := tpSourceMode(b.node); err != nil || mode != "proxy" || reason != "the node runs with --source-mode=proxy" {
+				t.Errorf("kube_portal_proxy_source_mode: mode %q, reason %q, %v; want proxy because of the flag", mode, reason, err)
+			}
 			for i, proto := range []corev1.Protocol{corev1.ProtocolTCP, corev1.ProtocolUDP} {
 				port := []uint16{80, 53}[i]
 				t.Run(string(proto), func(t *testing.T) {
@@ -370,8 +400,12 @@ func TestTransparentSourceIPv6(t *testing.T) {
 						t.Errorf("%s client -> %s (source-mode proxy): backend saw %v; want the node's %v, not the client's %v", proto, off, seen, v6NodePod, local)
 					}
 					on := netip.AddrPortFrom(tpV6On, port)
-					if local, seen := tpAsk(t, b.client, proto, on, syncTimeout); seen != local {
+					local, seen := tpAsk(t, b.client, proto, on, syncTimeout)
+					switch {
+					case transparent && seen != local:
 						t.Errorf("%s client -> %s: backend saw %v; want the client's own %v", proto, on, seen, local)
+					case !transparent && (seen.Addr() != v6NodePod || seen == local):
+						t.Errorf("%s client -> %s (node --source-mode=proxy): backend saw %v; want the node's %v, not the client's %v", proto, on, seen, v6NodePod, local)
 					}
 				})
 			}
