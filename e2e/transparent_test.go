@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -110,6 +111,9 @@ func tpStartBackends(t *testing.T, pod *netns.NS, ip netip.Addr, via *netns.NS) 
 	testenv.StartSocatPeer(t, netip.AddrPortFrom(ip, tpUDPPort), prefix, tpDialer(via, "udp"))
 }
 
+// tpLabel is one label of a series in the text exposition: name="value" (value escaped).
+var tpLabel = regexp.MustCompile(`(\w+)="((?:[^"\\]|\\.)*)"`)
+
 // tpSourceMode reads kube_portal_proxy_source_mode from the proxy in ns: the mode whose series is
 // 1, and its reason label.
 func tpSourceMode(ns *netns.NS) (mode, reason string, err error) {
@@ -127,10 +131,9 @@ func tpSourceMode(ns *netns.NS) (mode, reason string, err error) {
 		if v, err := strconv.ParseFloat(value, 64); err != nil || v != 1 {
 			continue
 		}
-		for _, l := range strings.Split(labels, ",") {
-			k, v, _ := strings.Cut(l, "=")
-			v, _ = strconv.Unquote(v)
-			switch k {
+		for _, m := range tpLabel.FindAllStringSubmatch(labels, -1) {
+			v, _ := strconv.Unquote(`"` + m[2] + `"`)
+			switch m[1] {
 			case "mode":
 				mode = v
 			case "reason":
