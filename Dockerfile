@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 #
 # kube-portal-proxy container image: the static binary on Debian slim with the only tools it
-# execs, iptables and ip6tables (both nft and legacy backends). Links, addresses and conntrack
+# execs, iptables and ip6tables (both nft and legacy backends), and nft (the transparent source
+# mode's bridge table). Links, addresses and conntrack
 # entries go over netlink, so unlike kube-proxy's image it ships neither conntrack nor iproute2.
 #
 #   docker build --build-arg VERSION=$(git describe --tags --always --dirty) \
@@ -26,7 +27,7 @@ FROM debian:bookworm-slim
 # variants); the alternatives choose nft, the backend of current distributions. On a node whose
 # rules are in the legacy backend, run the proxy with --iptables-variant=legacy.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends iptables \
+ && apt-get install -y --no-install-recommends iptables nftables \
  && rm -rf /var/lib/apt/lists/* \
  && update-alternatives --set iptables /usr/sbin/iptables-nft \
  && update-alternatives --set ip6tables /usr/sbin/ip6tables-nft

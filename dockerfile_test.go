@@ -211,12 +211,13 @@ func aptPackages(t *testing.T) []string {
 
 // TestImagePackagesProvideTheTools checks, on a Debian bookworm host (the runtime base), that
 // the packages the Dockerfile installs own every binary the proxy execs, and that the
-// alternatives it selects exist. The proxy execs only the iptables tools: conntrack entries,
-// links and addresses go over netlink (portal/conntrack, portal/bind), so the image needs
-// neither conntrack nor iproute2 and installs only iptables.
+// alternatives it selects exist. The proxy execs only the iptables tools and nft (the
+// transparent source mode's bridge table): conntrack entries, links, addresses, rules and routes
+// go over netlink (portal/conntrack, portal/bind, portal/transparent), so the image needs
+// neither conntrack nor iproute2 and installs only iptables and nftables.
 func TestImagePackagesProvideTheTools(t *testing.T) {
 	pkgs := aptPackages(t)
-	if want := []string{"iptables"}; !slices.Equal(pkgs, want) {
+	if want := []string{"iptables", "nftables"}; !slices.Equal(pkgs, want) {
 		t.Errorf("apt-get install %v, want %v (the packages of the binaries the proxy execs)", pkgs, want)
 	}
 	osr, _ := os.ReadFile("/etc/os-release")
@@ -234,6 +235,7 @@ func TestImagePackagesProvideTheTools(t *testing.T) {
 			}
 		}
 	}
+	tools = append(tools, "/usr/sbin/nft") // transparent.ExecRunner's
 	for _, tool := range tools {
 		out, err := exec.Command("dpkg", "-S", tool).Output()
 		if err != nil {

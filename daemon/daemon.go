@@ -420,6 +420,9 @@ func Cleanup(ctx context.Context, o *Options, log logrus.FieldLogger) error {
 	if _, err := exec.LookPath(iptablesTool(o, "iptables-restore")); err == nil {
 		rules := iptables.New(iptables.Config{Logger: log}, &iptables.ExecRunner{Variant: o.iptablesVariant})
 		errs = append(errs, rules.Cleanup(ctx))
+		src := newSourceNode(o, log).(closingSourceNode)
+		errs = append(errs, src.Cleanup(ctx)) // the transparent source mode's rules, routes, nft table
+		_ = src.Close()
 	} else {
 		log.Info("No iptables on this node: no portal rules to remove")
 	}

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // run is one Run of the daemon: what its steps have built so far.
@@ -139,8 +141,11 @@ func (r *run) buildPortals(ctx context.Context) error {
 // restart) and its policy, or why endpoints see this node's address.
 func (r *run) resolveSource(ctx context.Context) error {
 	var node sourceNode
-	if r.d.deps.sourceNode != nil {
+	if r.d.deps.sourceNode != nil && r.o.sourceMode != string(service.SourceProxy) {
 		node = r.d.deps.sourceNode(r.o, r.log)
+		if c, ok := node.(io.Closer); ok {
+			r.onExit(func() { _ = c.Close() })
+		}
 	}
 	s, err := resolveSource(ctx, r.o, node, interfaceAddrs, r.log)
 	if err != nil {

@@ -63,6 +63,7 @@ func systemDeps() deps {
 			return func() { signal.Stop(c) }
 		},
 		kernelPorts: readKernelPorts,
+		sourceNode:  newSourceNode,
 		clock:       clock.RealClock{},
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/transparent"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
@@ -24,6 +25,23 @@ import (
 type sourceNode interface {
 	Sync(ctx context.Context) (transparent.Support, error)
 }
+
+// newSourceNode is the node's real plumbing: the iptables binaries --iptables-variant picks, nft
+// and netlink.
+func newSourceNode(o *Options, log logrus.FieldLogger) sourceNode {
+	nl := &transparent.KernelNetlink{}
+	return closingSourceNode{transparent.New(transparent.Config{Logger: log,
+		Runner:  &transparent.ExecRunner{ExecRunner: iptables.ExecRunner{Variant: o.iptablesVariant}},
+		Netlink: nl}), nl}
+}
+
+// closingSourceNode is a Node whose netlink handle closes with the run (Close).
+type closingSourceNode struct {
+	*transparent.Node
+	nl *transparent.KernelNetlink
+}
+
+func (c closingSourceNode) Close() error { return c.nl.Close() }
 
 // sourceSetup is the resolved --source-mode: transparent with its policy and plumbing, or proxy
 // and why.

@@ -161,7 +161,9 @@ var ownedChains = []string{"KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-
 	"KUBE-NODEPORT-HOST", "KUBE-NODEPORT-NON-LOCAL", "KUBE-PORTALS-GUARD",
 	// The kernel data path's (portal/kernel): top-level chains and the per-port prefixes.
 	"KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ",
-	"KUBE-FORWARD", "KUBE-PROXY-FIREWALL", "KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"}
+	"KUBE-FORWARD", "KUBE-PROXY-FIREWALL", "KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-",
+	// The transparent source mode's mark (portal/transparent).
+	"KUBE-PORTALS-TRANSPARENT"}
 
 // ruleSet is the output of iptables-save (or ip6tables-save) -c: the "-A" rule lines, each with
 // its table and packet counter.

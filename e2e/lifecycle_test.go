@@ -217,8 +217,11 @@ func TestCleanupLeavesNothing(t *testing.T) {
 		t.Fatalf("stop the proxy: %v", err)
 	}
 	_, saved := saveRules(t, n.bed.Node, "iptables-save")
-	if left := ownedLines(saved); len(left) == 0 || !strings.Contains(saved, "KUBE-SEP-") {
-		t.Fatalf("no proxy chain (or no kernel-path chain) in the node namespace after a clean stop; want the rules kept:\n%s", saved)
+	if left := ownedLines(saved); len(left) == 0 || !strings.Contains(saved, "KUBE-SEP-") || !strings.Contains(saved, "KUBE-PORTALS-TRANSPARENT") {
+		t.Fatalf("no proxy chain (or no kernel-path or transparent chain) in the node namespace after a clean stop; want the rules kept:\n%s", saved)
+	}
+	if left := transparentPlumbing(t, n.bed.Node); len(left) != 5 {
+		t.Fatalf("the transparent source mode's plumbing after a clean stop: %q, want its rule, route and nft table in both families", left)
 	}
 
 	for i := 1; i <= 2; i++ {
@@ -232,10 +235,33 @@ func TestCleanupLeavesNothing(t *testing.T) {
 				t.Errorf("%s after --cleanup run %d still has:\n%s", tool, i, strings.Join(left, "\n"))
 			}
 		}
+		if left := transparentPlumbing(t, n.bed.Node); len(left) > 0 {
+			t.Errorf("after --cleanup run %d the transparent source mode left: %q", i, left)
+		}
 	}
 	if who, err := whoTCP(n.bed.Client, tg.clusterTCP); err == nil {
 		t.Errorf("%s answered (by %s) after --cleanup", tg.clusterTCP, who)
 	}
+}
+
+// transparentPlumbing lists what of the transparent source mode's policy routing and nft table is
+// in ns: each ip rule to its table and each route in it (both families), and the nft table.
+func transparentPlumbing(t *testing.T, ns *netns.NS) []string {
+	t.Helper()
+	var out []string
+	for _, cmd := range [][]string{{"ip", "-4", "rule"}, {"ip", "-6", "rule"}, {"ip", "-4", "route", "show", "table", "all"},
+		{"ip", "-6", "route", "show", "table", "all"}, {"nft", "list", "tables"}} {
+		b, err := ns.Exec(t.Context(), cmd...)
+		if err != nil {
+			t.Fatalf("%v in %s: %v", cmd, ns.Name, err)
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if strings.Contains(line, "27504") || strings.Contains(line, "bridge kube-portal-proxy") {
+				out = append(out, strings.Join(cmd, " ")+": "+strings.TrimSpace(line))
+			}
+		}
+	}
+	return out
 }
 
 // ownedLines returns the lines of an iptables-save output that mention a chain of the proxy.

@@ -87,6 +87,11 @@ type Stats struct {
 	// TCP only.
 	DialAttempts, DialFailures, DialRetries uint64
 
+	// The transparent source mode: endpoint connections or sessions dialed from the client's
+	// address, and those the policy wanted so that went from the proxy's own (the client's
+	// address could not be taken).
+	TransparentDials, TransparentFallbacks uint64
+
 	// TCP only, a service port that holds connections while it has no endpoint: Held is how many
 	// wait now; Holds counts the holds by outcome.
 	Held  int64
@@ -115,6 +120,8 @@ func (s *Stats) Add(b Stats) {
 	s.DialAttempts += b.DialAttempts
 	s.DialFailures += b.DialFailures
 	s.DialRetries += b.DialRetries
+	s.TransparentDials += b.TransparentDials
+	s.TransparentFallbacks += b.TransparentFallbacks
 	s.Held += b.Held
 	for i := range s.Holds {
 		s.Holds[i] += b.Holds[i]

@@ -169,6 +169,15 @@ func (p *Proxier) Traffic() iter.Seq[metrics.PortTraffic] {
 					}
 				}
 			}
+			if t.Transparent = a.port.SourceMode == service.SourceTransparent; t.Transparent && t.Observed {
+				t.TransparentDials, t.TransparentFallbacks = t.Stats.TransparentDials, t.Stats.TransparentFallbacks
+				if a.ext != nil {
+					if ext, ok := socketStats(a.ext.observedSocket()); ok {
+						t.TransparentDials += ext.TransparentDials
+						t.TransparentFallbacks += ext.TransparentFallbacks
+					}
+				}
+			}
 			if !yield(t) {
 				return
 			}

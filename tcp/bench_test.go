@@ -6,8 +6,12 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 )
@@ -242,7 +246,7 @@ func BenchmarkDial(b *testing.B) {
 	b.Run("dialSock", func(b *testing.B) {
 		defer reportCPU(b)()
 		for b.Loop() {
-			s, err := dialSock(ep, time.Now().Add(time.Second), DefaultKeepAlive, noAbort{})
+			s, err := dialSock(ep, netip.AddrPort{}, time.Now().Add(time.Second), DefaultKeepAlive, noAbort{})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -267,3 +271,60 @@ type noAbort struct{}
 
 func (noAbort) startDial(*sock) bool { return true }
 func (noAbort) endDial()             {}
+
+// BenchmarkConnRateTransparent is BenchmarkConnRate on each engine with Config.Source nil and
+// saying transparent, side by side: the cost of the transparent dial (IP_TRANSPARENT,
+// SO_REUSEADDR and bind before the connect) per new connection. On loopback the client's
+// address is local, so no reply steering is needed; the clients bind with SO_REUSEADDR so the
+// proxy's bind can share their port (the fallbacks metric counts those that could not).
+func BenchmarkConnRateTransparent(b *testing.B) {
+	ep := serve(b, "127.0.0.3", echo)
+	// Clients bind before the connect: a port that connect() took for itself cannot be shared
+	// by a later bind (EADDRINUSE), reuse or not. Each takes the next port of a range, so the
+	// bind does not search (a bind to port 0 would, and that search dominated the profile).
+	// Every run of a sub-benchmark takes a client address of its own, 127.0.1.k, so no
+	// connection meets one of an earlier run in TIME_WAIT.
+	var next atomic.Uint32
+	var host atomic.Uint32
+	dial := func(addr string) (net.Conn, error) {
+		port := 20000 + next.Add(1)%40000
+		h := host.Load()
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, byte(1+h/250), byte(1+h%250)), Port: int(port)}, Control: func(_, _ string, c syscall.RawConn) error {
+			var err error
+			c.Control(func(fd uintptr) { err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) })
+			return err
+		}}
+		return d.Dial("tcp4", addr)
+	}
+	for _, e := range benchEngines(b) {
+		for _, tc := range []struct {
+			name   string
+			source SourcePolicy
+		}{{"nil", nil}, {"transparent", alwaysTransparent{}}} {
+			p := benchProxy(b, ep, Config{Engine: e, Source: tc.source})
+			b.Run(e.Name()+"/"+tc.name, func(b *testing.B) {
+				host.Add(1)
+				next.Store(0)
+				defer reportCPU(b)()
+				b.RunParallel(func(pb *testing.PB) {
+					buf := make([]byte, 4)
+					for pb.Next() {
+						c, err := dial(p.Addr().String())
+						if err != nil {
+							b.Error(err)
+							return
+						}
+						c.Write([]byte("ping"))
+						if _, err := io.ReadFull(c, buf); err != nil {
+							b.Error(err)
+						}
+						c.Close()
+					}
+				})
+				st := p.TransparentStats()
+				b.ReportMetric(float64(st.Fallbacks), "fallbacks")
+				b.ReportMetric(float64(st.Dials), "transparent-dials")
+			})
+		}
+	}
+}

@@ -50,6 +50,10 @@ type conn struct {
 	counted  bool // endpoint connected and reported to the Observer: finish reports the end
 	drained  bool // drain deadline passed: both legs were sent FIN (see drain)
 
+	// noTransparent: a dial from the client's address failed locally, later attempts dial from
+	// the proxy's (dialSource). The dialer's own, not under mu.
+	noTransparent bool
+
 	fl *flowState // the flow's events, while Config.Flows is set (flows.go); nil otherwise
 }
 

@@ -5,6 +5,7 @@ package tcp
 // direction moves the bytes (splice.go) until it parks (park.go).
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -126,9 +127,9 @@ func (e *epollConn) dial() (*sock, flow.EndReason, error) {
 		c.attempt(ep, i)
 		// No bind before connect: bind(0.0.0.0:0)'s ephemeral port search dominated the profile
 		// (86% of CPU at 3000 connections/s with many sockets in TIME_WAIT); connect() picks a
-		// port far more cheaply.
+		// port far more cheaply. (A transparent dial binds the client's port: no search.)
 		deadline := time.Now().Add(timeout) // the runtime poller's deadlines are on the real clock
-		s, err := dialSock(ep, deadline, p.cfg.KeepAlive, e)
+		s, err := e.dialFrom(ep, deadline)
 		if err != nil && outOfResources(err) {
 			s, err = e.dialBackingOff(ep, deadline, err)
 		}
@@ -168,11 +169,30 @@ func (e *epollConn) dialBackingOff(ep netip.AddrPort, deadline time.Time, err er
 			break
 		}
 		var s *sock
-		if s, err = dialSock(ep, deadline, c.p.cfg.KeepAlive, e); err == nil {
+		if s, err = e.dialFrom(ep, deadline); err == nil {
 			return s, nil
 		}
 	}
 	return nil, err
+}
+
+// dialFrom dials ep from the client's address if the policy says so (dialSource), else, or if
+// that address cannot be taken, from the proxy's.
+func (e *epollConn) dialFrom(ep netip.AddrPort, deadline time.Time) (*sock, error) {
+	c := e.c
+	src := c.dialSource(ep)
+	s, err := dialSock(ep, src, deadline, c.p.cfg.KeepAlive, e)
+	if !src.IsValid() {
+		return s, err
+	}
+	if errors.Is(err, errSourceTaken) {
+		c.sourceFailed(src, ep, err)
+		return dialSock(ep, netip.AddrPort{}, deadline, c.p.cfg.KeepAlive, e)
+	}
+	if err == nil {
+		c.p.stats.transparentDials.Add(1)
+	}
+	return s, err
 }
 
 // startDial records the socket being connected so that terminate can abort the dial; false if the

@@ -39,7 +39,6 @@ const (
 
 // Config tunes a Proxy. The zero value is the legacy behaviour plus keepalive.
 type Config struct {
-	Source SourcePolicy // TMP
 	// DialTimeouts is one timeout per dial attempt; nil means DefaultDialTimeouts.
 	DialTimeouts []time.Duration
 	// KeepAlive is the TCP keepalive idle time on both legs; 0 means DefaultKeepAlive, <0 disables.
@@ -69,6 +68,13 @@ type Config struct {
 	// protocol header of that version (the client's address and the service address it
 	// connected to), written before any client byte.
 	ProxyProtocol proxyprotocol.Version
+	// Source, if set, is asked for each dial whether the endpoint leg takes the client's address
+	// and port instead of the proxy's (transparent.go; the node must steer the endpoint's replies
+	// back to the proxy). A dial that cannot take the client's address falls back to the proxy's
+	// (TransparentStats). Ignored while ProxyProtocol is on: the header carries the client's
+	// address, and an endpoint that expects it must get the connection from the proxy. Nil
+	// dials from the proxy's address and costs nothing.
+	Source SourcePolicy
 	// HoldTimeout, if positive, holds a connection whose first pick finds no endpoint for up to
 	// this long instead of resetting it: it is dialed once WakeHeld signals endpoints and a pick
 	// succeeds, and reset with the reason flow.HoldTimeout when the time is up.
@@ -131,6 +137,8 @@ type Proxy struct {
 	// realClock: cfg.Clock is the real clock, so the io_uring engine may stamp activity with the
 	// time its loop read once per round (loop.now) instead of reading the clock per send.
 	realClock bool
+	// source is cfg.Source, nil while cfg.ProxyProtocol is on (the PROXY header wins: see New).
+	source SourcePolicy
 
 	// lnMu guards ln, which SetRefusing closes and reopens under a running accept loop, and
 	// lnChanged, closed (and replaced) whenever ln changes so a loop waiting for a listener wakes.
@@ -176,7 +184,16 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	explain, _ := picker.(flow.Explainer)
 	capturer, _ := cfg.Flows.(flow.Capturer)
 	observed, _ := cfg.Flows.(flow.Observed)
+	source := cfg.Source
+	if cfg.ProxyProtocol != proxyprotocol.Off {
+		// An endpoint that speaks the PROXY protocol reads the client's address from the
+		// header, and expects the connection to come from a proxy it trusts: a connection
+		// from the client's own address would be taken for a client's, and refused or
+		// misread. The header tells the endpoint what a transparent dial would.
+		source = nil
+	}
 	return &Proxy{
+		source:    source,
 		explain:   explain,
 		capturer:  capturer,
 		observed:  observed,
@@ -481,6 +498,7 @@ type counters struct {
 	ended                                                [flow.NumEndReasons]atomic.Uint64
 	held                                                 atomic.Int64
 	holds                                                [flow.NumHoldOutcomes]atomic.Uint64
+	transparentDials, transparentFallbacks               atomic.Uint64 // Config.Source
 }
 
 func (c *counters) snapshot() flow.Stats {
@@ -490,6 +508,7 @@ func (c *counters) snapshot() flow.Stats {
 		DialAttempts: uint64(c.dialAttempts.Load()), DialFailures: uint64(c.dialFailures.Load()),
 		DialRetries: uint64(c.dialRetries.Load()), NoEndpoint: uint64(c.noEndpoints.Load()),
 		SourceDenied: c.sourceDenied.Load(), Held: c.held.Load(),
+		TransparentDials: c.transparentDials.Load(), TransparentFallbacks: c.transparentFallbacks.Load(),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()

@@ -65,10 +65,13 @@ type dialer interface {
 }
 
 // dialSock connects a new socket to ep, giving up at deadline. The socket gets TCP_NODELAY and,
-// when keepAlive > 0, keepalive before the SYN leaves. d.startDial is called with the socket once
-// the connect is under way, so that the dial can be aborted by closing it (if it returns false,
-// the dial is abandoned at once), and d.endDial when the wait is over.
-func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d dialer) (*sock, error) {
+// when keepAlive > 0, keepalive before the SYN leaves. If src is valid (a transparent dial), the
+// socket connects from src (bindSource); a failure to take it wraps errSourceTaken, as does
+// EADDRNOTAVAIL from the connect, which then says that src already has a connection to ep.
+// d.startDial is called with the socket once the connect is under way, so that the dial can be
+// aborted by closing it (if it returns false, the dial is abandoned at once), and d.endDial when
+// the wait is over.
+func dialSock(ep, src netip.AddrPort, deadline time.Time, keepAlive time.Duration, d dialer) (*sock, error) {
 	fd, err := unix.Socket(sockopt.Family(ep.Addr()), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
@@ -77,10 +80,19 @@ func dialSock(ep netip.AddrPort, deadline time.Time, keepAlive time.Duration, d 
 		unix.Close(fd)
 		return nil, err
 	}
+	if src.IsValid() {
+		if err := bindSource(fd, src); err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+	}
 	switch err := sysConnect(fd, ep); err {
 	case nil, unix.EINPROGRESS, unix.EINTR: // EINTR: the connect goes on in the background
 	default:
 		unix.Close(fd)
+		if err == unix.EADDRNOTAVAIL && src.IsValid() {
+			return nil, sourceError("connect from "+src.String(), err)
+		}
 		return nil, os.NewSyscallError("connect", err)
 	}
 	s := newSock(fd)

@@ -27,6 +27,9 @@ type uconn struct {
 	fd       [2]int32 // client, endpoint; -1 none
 	inflight int      // requests in the kernel, plus a hold or back-off under way
 	closing  bool     // terminate reached the loop: requests cancelled, nothing new starts
+	// transparent: the attempt's socket is bound to the client's address (dialSource). A bool
+	// beside closing, not the address (c has it: transparentSource): uconn keeps its size.
+	transparent bool
 
 	// the dial ladder
 	attempt  int
@@ -263,17 +266,39 @@ func (u *uconn) held(ep netip.AddrPort, reason flow.EndReason, err error) {
 // dial starts an attempt to ep: a non-blocking socket, then the connect with its timeout.
 func (u *uconn) dial(ep netip.AddrPort) {
 	c := u.c
-	timeout := c.p.cfg.DialTimeouts[u.attempt]
 	if u.backoff == 0 {
 		c.attempt(ep, u.attempt)
-		u.ep, u.deadline = ep, time.Now().Add(timeout)
+		u.ep, u.deadline = ep, time.Now().Add(c.p.cfg.DialTimeouts[u.attempt])
 	}
+	u.open(ep)
+}
+
+// open opens the attempt's socket and queues its connect.
+//
+// A transparent dial's IP_TRANSPARENT, SO_REUSEADDR and bind are plain system calls, not ring
+// requests like the leg options: the bind must follow IP_TRANSPARENT, and its result decides,
+// before the connect is queued, whether the dial falls back to the proxy's address on a new
+// socket. As linked requests a failure would cancel the connect and come back as completions to
+// untangle; and the ring's bind (IORING_OP_BIND) needs Linux 6.11.
+func (u *uconn) open(ep netip.AddrPort) {
+	c := u.c
+	timeout := c.p.cfg.DialTimeouts[u.attempt]
+	src := c.dialSource(ep)
+	u.transparent = src.IsValid()
 	fd, err := sysSocket(sockopt.Family(ep.Addr()))
 	if err != nil {
 		err = os.NewSyscallError("socket", err)
 	} else if !u.l.sockCmds {
 		if err = setLegOptions(fd, c.p.cfg.KeepAlive); err != nil {
 			sysClose(fd)
+		}
+	}
+	if err == nil && u.transparent {
+		if err = bindSource(fd, src); err != nil {
+			sysClose(fd)
+			c.sourceFailed(src, ep, err)
+			u.open(ep) // from the proxy's address: dialSource says so now
+			return
 		}
 	}
 	if err != nil {
@@ -386,12 +411,21 @@ func (u *uconn) connected(res int32) {
 		if res == -int32(unix.ECANCELED) { // the linked timeout fired
 			err = fmt.Errorf("connect: %w", os.ErrDeadlineExceeded)
 		}
+		if res == -int32(unix.EADDRNOTAVAIL) && u.transparent {
+			// The client's address and port already have a connection to ep (see dialSock).
+			u.c.sourceFailed(u.c.transparentSource(), u.ep, err)
+			u.open(u.ep)
+			return
+		}
 		if outOfResources(err) && u.backOff(err) { // as the epoll engine's dialSock: same endpoint, later
 			return
 		}
 		u.backoff = 0
 		u.failed(c.p.cfg.DialTimeouts[u.attempt], err)
 		return
+	}
+	if u.transparent {
+		c.p.stats.transparentDials.Add(1)
 	}
 	if c.fl != nil {
 		c.connectedNow()

@@ -172,7 +172,12 @@ func (p *shard) open(client netip.AddrPort, local netip.Addr, name *sockaddr, na
 	for len(p.sessions) >= p.cfg.MaxSessions && p.lru.back != nil {
 		p.end(p.lru.back, flow.Evicted)
 	}
-	fd, err := dialUDP(ep)
+	var fd int
+	if p.cfg.Source == nil {
+		fd, err = dialUDP(ep, netip.AddrPort{})
+	} else {
+		fd, err = p.dialFrom(ep, p.dialSource(client, ep))
+	}
 	if err == nil {
 		if err = p.io.add(fd); err != nil {
 			closeFD(fd)

@@ -56,7 +56,6 @@ type Gate interface {
 
 // Config tunes a Proxy. The zero value is usable.
 type Config struct {
-	Source SourcePolicy // TMP
 	// IdleTimeout (--udp-timeout) ends a session after this long without traffic either way.
 	// 0 means DefaultIdleTimeout.
 	IdleTimeout time.Duration
@@ -97,6 +96,11 @@ type Config struct {
 	// held and must not block. If it implements flow.Capturer, a session it captures hands
 	// every datagram to the Tap. Nil costs nothing.
 	Flows flow.Recorder
+	// Source, if set, is asked when a session opens whether its socket takes the client's
+	// address and port instead of the proxy's (transparent.go; the node must steer the
+	// endpoint's replies back to the proxy). A socket that cannot take the client's address
+	// falls back to the proxy's (TransparentStats). Nil costs nothing.
+	Source SourcePolicy
 }
 
 func (c Config) withDefaults() Config {

@@ -15,6 +15,7 @@ type counters struct {
 	pktsTo, bytesTo, pktsFrom, bytesFrom                  atomic.Uint64
 	noEndpoint, sessionSetup, toEndpoint, toClient, trunc atomic.Uint64
 	sourceDenied                                          atomic.Uint64
+	transparentDials, transparentFallbacks                atomic.Uint64 // Config.Source
 }
 
 func (c *counters) snapshot() flow.Stats {
@@ -31,6 +32,9 @@ func (c *counters) snapshot() flow.Stats {
 		DropsToEndpoint:   c.toEndpoint.Load(),
 		DropsToClient:     c.toClient.Load(),
 		DropsTruncated:    c.trunc.Load(),
+
+		TransparentDials:     c.transparentDials.Load(),
+		TransparentFallbacks: c.transparentFallbacks.Load(),
 	}
 	for i := range c.ended {
 		s.Ended[i] = c.ended[i].Load()

@@ -102,11 +102,19 @@ func setBuffer(fd, force, capped int) {
 }
 
 // dialUDP opens a non-blocking socket connected to a backend. Connecting makes the kernel filter
-// replies to that endpoint and report its ICMP port unreachable as ECONNREFUSED.
-func dialUDP(ep netip.AddrPort) (int, error) {
+// replies to that endpoint and report its ICMP port unreachable as ECONNREFUSED. If src is valid
+// (a transparent session) the socket is bound to it first (bindSource); that failing wraps
+// errSourceTaken.
+func dialUDP(ep, src netip.AddrPort) (int, error) {
 	fd, err := unix.Socket(sockopt.Family(ep.Addr()), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
+	}
+	if src.IsValid() {
+		if err := bindSource(fd, src); err != nil {
+			unix.Close(fd)
+			return -1, err
+		}
 	}
 	if err := unix.Connect(fd, sockopt.ToSockaddr(ep)); err != nil {
 		unix.Close(fd)

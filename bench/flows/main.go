@@ -77,7 +77,10 @@ type config struct {
 	maxOps         int64
 	tests          []string
 	extra          []string
-	timeout        time.Duration
+	// oldExtra and newExtra are more flags for one target's proxy only (e.g. the same build
+	// with --source-mode=proxy as old and =transparent as new).
+	oldExtra, newExtra []string
+	timeout            time.Duration
 }
 
 func main() {
@@ -94,6 +97,8 @@ func main() {
 	tests := flag.String("tests", "keepalive,conn", "the loads, comma-separated")
 	flag.StringVar(&cfg.observe, "observe", observeQuery, "the observers' /debug/flows query: the default passes every flow's end; e.g. follow=1&verdict=reset passes none of the load's")
 	extra := flag.String("proxy-args", "", "more flags for both proxies, space-separated (e.g. --io-engine=epoll)")
+	oldExtra := flag.String("old-args", "", "more flags for the old target's proxy only, after -proxy-args")
+	newExtra := flag.String("new-args", "", "more flags for the new targets' proxies only, after -proxy-args")
 	flag.DurationVar(&cfg.timeout, "timeout", 20*time.Minute, "hard limit of the whole run")
 	// The children's flags.
 	test := flag.String("test", "", "load: keepalive or conn")
@@ -103,6 +108,7 @@ func main() {
 	flag.Parse()
 	cfg.tests = strings.Split(*tests, ",")
 	cfg.extra = strings.Fields(*extra)
+	cfg.oldExtra, cfg.newExtra = strings.Fields(*oldExtra), strings.Fields(*newExtra)
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -333,6 +339,7 @@ type target struct {
 	name      string
 	bin       string
 	observers int
+	args      []string // the target's own flags (-old-args, -new-args)
 }
 
 // sample is one target's figures in one round, by metric.
@@ -369,11 +376,11 @@ func runBench(ctx context.Context, cfg config) error {
 		*b = abs
 	}
 	if cfg.oldBin != "" {
-		targets = append(targets, target{name: "old", bin: cfg.oldBin})
+		targets = append(targets, target{name: "old", bin: cfg.oldBin, args: cfg.oldExtra})
 	}
-	targets = append(targets, target{name: "new", bin: cfg.newBin})
+	targets = append(targets, target{name: "new", bin: cfg.newBin, args: cfg.newExtra})
 	if cfg.observers > 0 {
-		targets = append(targets, target{name: fmt.Sprintf("new+%d obs", cfg.observers), bin: cfg.newBin, observers: cfg.observers})
+		targets = append(targets, target{name: fmt.Sprintf("new+%d obs", cfg.observers), bin: cfg.newBin, observers: cfg.observers, args: cfg.newExtra})
 	}
 	fmt.Printf("bench/flows: %d rounds of %s, %v each after %v warm-up, %d clients; new=%s old=%s\n",
 		cfg.rounds, strings.Join(cfg.tests, ","), cfg.dur, cfg.warmup, cfg.conc, cfg.newBin, orNone(cfg.oldBin))
@@ -544,6 +551,7 @@ endpoints:
 		// Leave conntrack sysctls alone: nf_conntrack_max is not the bed's to set.
 		"--conntrack-max-per-core", "0", "--conntrack-tcp-timeout-established", "0",
 		"--conntrack-tcp-timeout-close-wait", "0"}, cfg.extra...)
+	args = append(args, t.args...)
 	c, err := startChild(ctx, tb.Node, "kube-portal-proxy", log, args...)
 	return c, logPath, err
 }

@@ -379,6 +379,11 @@ for ((i = 0; i < nodes; i++)); do
   n=$(node_name "$i")
   wait_for "node $n to register" 120 kc get node "$n"
   kc wait --for=condition=Ready "node/$n" --timeout=120s >/dev/null || die "node $n not Ready; see $STATE/logs/kubelet*.log"
+  # The node's pod CIDR in its spec, as the controller manager's node IPAM (--allocate-node-cidrs)
+  # would set it: the range its host-local CNI config hands out. The proxy's transparent source
+  # mode reads it (a client in it is a pod of this node).
+  kc patch node "$n" --type=merge -p "{\"spec\":{\"podCIDR\":\"$(node_pod_cidr "$i")\",\"podCIDRs\":[\"$(node_pod_cidr "$i")\"]}}" >/dev/null ||
+    die "cannot set node $n's podCIDR"
   log "node $n Ready $((SECONDS - kubelet_started))s after the first containerd started"
 done
 alive kube-controller-manager

@@ -13,7 +13,7 @@ out=${1:?usage: rootfs.sh OUT.tar}
 mirror=${KPP_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 security=${KPP_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 
-PACKAGES="iptables"
+PACKAGES="iptables nftables"
 ALTERNATIVES="iptables=/usr/sbin/iptables-nft ip6tables=/usr/sbin/ip6tables-nft"
 
 command -v mmdebstrap >/dev/null 2>&1 || {

@@ -30,6 +30,10 @@ type PortTraffic struct {
 	Drained uint64
 	// Holds: the port holds connections while it has no endpoint (TCP).
 	Holds bool
+	// Transparent: the port is in the transparent source mode; TransparentDials and
+	// TransparentFallbacks then count over all of the port's sockets.
+	Transparent                            bool
+	TransparentDials, TransparentFallbacks uint64
 }
 
 // TrafficSource lists the open service ports at a scrape: the proxier implements it.
@@ -51,6 +55,7 @@ type trafficCollector struct {
 	ejections, ejected                               *prometheus.Desc
 	held, holds                                      *prometheus.Desc
 	drained                                          *prometheus.Desc
+	transparent                                      *prometheus.Desc
 }
 
 // NewTrafficCollector returns the per-service-port traffic collector of src.
@@ -79,6 +84,7 @@ func NewTrafficCollector(src TrafficSource) prometheus.Collector {
 		ejected:      d("outlier_ejected_endpoints", "Endpoints out of rotation now by outlier detection (service ports with it on)."),
 		held:         d("tcp_held_connections", "TCP connections held now for want of an endpoint (service ports with a hold-timeout)."),
 		holds:        d("tcp_holds_total", "TCP connections that found no endpoint on a service port with a hold-timeout, by outcome: served (an endpoint appeared), timeout (reset at the hold timeout), full (not held: the hold limit was reached; reset), aborted (the proxy socket closed first), client-gone (the client reset, or closed without sending a byte, while held).", "outcome"),
+		transparent:  d("transparent_dials_total", "Endpoint connections or UDP sessions of service ports in the transparent source mode, by result: transparent (dialed from the client's address and port) or fallback (the policy wanted it, the client's address could not be taken: dialed from the node's). Flows the policy keeps on the node's address (the replies would not pass this node, a host-network client or endpoint, hairpin) are not counted.", "protocol", "result"),
 		drained:      d("drain_closed_total", "TCP connections or UDP sessions closed by their endpoint's drain deadline (service ports with a drain-timeout).", "protocol"),
 	}
 }
@@ -86,7 +92,7 @@ func NewTrafficCollector(src TrafficSource) prometheus.Collector {
 func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tcpActive, c.tcpTotal, c.tcpBytes, c.dialAttempts, c.dialFailures,
 		c.dialRetries, c.rejects, c.udpActive, c.udpSessions, c.udpPackets, c.udpBytes, c.udpDrops, c.sourceDrops, c.endpoints,
-		c.ejections, c.ejected, c.held, c.holds, c.drained} {
+		c.ejections, c.ejected, c.held, c.holds, c.drained, c.transparent} {
 		ch <- d
 	}
 }
@@ -110,6 +116,11 @@ func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
 		st, ok := t.Stats, t.Observed
 		if ok && t.Drain {
 			counter(c.drained, float64(t.Drained), strings.ToLower(string(t.Protocol)))
+		}
+		if ok && t.Transparent {
+			proto := strings.ToLower(string(t.Protocol))
+			counter(c.transparent, float64(t.TransparentDials), proto, "transparent")
+			counter(c.transparent, float64(t.TransparentFallbacks), proto, "fallback")
 		}
 		switch {
 		case !ok:

@@ -95,6 +95,20 @@ kube_portal_proxy_tcp_held_connections{service_port="ns/web:on"} 2
 `,
 		},
 		{
+			name: "transparent_dials_only_where_the_port_is_transparent",
+			ports: ports{
+				{Name: webPort("on"), Protocol: service.UDP, Observed: true, Transparent: true, TransparentDials: 5, TransparentFallbacks: 1},
+				{Name: webPort("off"), Protocol: service.TCP, Observed: true},
+			},
+			names: []string{"kube_portal_proxy_transparent_dials_total"},
+			want: `
+# HELP kube_portal_proxy_transparent_dials_total Endpoint connections or UDP sessions of service ports in the transparent source mode, by result: transparent (dialed from the client's address and port) or fallback (the policy wanted it, the client's address could not be taken: dialed from the node's). Flows the policy keeps on the node's address (the replies would not pass this node, a host-network client or endpoint, hairpin) are not counted.
+# TYPE kube_portal_proxy_transparent_dials_total counter
+kube_portal_proxy_transparent_dials_total{protocol="udp",result="fallback",service_port="ns/web:on"} 1
+kube_portal_proxy_transparent_dials_total{protocol="udp",result="transparent",service_port="ns/web:on"} 5
+`,
+		},
+		{
 			name:  "a_socket_without_counters_has_no_traffic_series",
 			ports: ports{{Name: webPort("http"), Protocol: service.TCP, Drain: true}},
 			want:  "",

@@ -1,6 +1,0 @@
-package transparent
-
-type Support struct {
-	Bridge bool
-	Reason string
-}

@@ -1,7 +1,0 @@
-package tcp
-
-import "net/netip"
-
-type SourcePolicy interface {
-	Transparent(client, endpoint netip.Addr) bool
-}

@@ -1,7 +1,0 @@
-package udp
-
-import "net/netip"
-
-type SourcePolicy interface {
-	Transparent(client, endpoint netip.Addr) bool
-}
