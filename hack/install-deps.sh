@@ -11,6 +11,7 @@
 #   test  the demo's, plus conntrack (the conntrack cleanup benchmark fills and lists the table
 #         with it; the proxy itself clears entries over netlink), openssl, make, chromium and
 #         nginx (nginx-light: the PROXY protocol tests run a real nginx with proxy_protocol),
+#         socat (the transparent source mode's UDP backend answers with the peer it saw),
 #         tshark (the capture tests read the pcapng files `observe --pcap` writes), and the
 #         monitoring group's
 #   monitoring  the chart and monitoring tests: prometheus and promtool (Debian's prometheus,
@@ -41,7 +42,7 @@ usage() {
 group_tools() {
   case "$1" in
     demo) echo "ip:iproute2 iptables:iptables iptables-save:iptables iptables-restore:iptables" ;;
-    test) echo "$(group_tools demo) $(group_tools monitoring) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light tshark:tshark" ;;
+    test) echo "$(group_tools demo) $(group_tools monitoring) conntrack:conntrack openssl:openssl make:make chromium:chromium nginx:nginx-light socat:socat tshark:tshark" ;;
     monitoring) echo "prometheus:prometheus promtool:prometheus helm:go:helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ;;
     cluster) echo "$(group_tools demo) $(group_tools image) containerd:containerd containerd-shim-runc-v2:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins nsenter:util-linux setsid:util-linux unshare:util-linux openssl:openssl curl:curl" ;;
     image) echo "mmdebstrap:mmdebstrap" ;;
