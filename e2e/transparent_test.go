@@ -237,6 +237,16 @@ func tpTwoNodes(t *testing.T, engine string) {
 		if _, err := c.admin.CoreV1().Nodes().Update(t.Context(), obj, metav1.UpdateOptions{}); err != nil {
 			t.Fatalf("set node %s's pod CIDR: %v", n.name, err)
 		}
+		// Node A routes its pods (a link each, no bridge) and has br_netfilter off, as a node
+		// of a routed CNI may: no reply between two of its pods is bridged, so its same-node
+		// client keeps its address without the bridge part. The sysctl is the node namespace's
+		// own; a host without br_netfilter has no such file and is in that state already.
+		for _, f := range []string{"bridge-nf-call-iptables", "bridge-nf-call-ip6tables"} {
+			path := "/proc/sys/net/bridge/" + f
+			if _, err := n.NS.Exec(t.Context(), "sh", "-c", "[ ! -e "+path+" ] || echo 0 > "+path); err != nil {
+				t.Fatalf("node %s: %s off: %v", n.name, f, err)
+			}
+		}
 		return args
 	})
 	a, b := c.nodes[0], c.nodes[1]
