@@ -209,21 +209,27 @@ func tpFlowSource(t *testing.T, ns *netns.NS, service string, connect func() net
 // the client's address as the endpoint leg's source.
 func TestTransparentSourceTwoNodes(t *testing.T) {
 	t.Parallel()
-	for _, engine := range []string{tcp.EngineIOUring, tcp.EngineEpoll} {
-		t.Run(engine, func(t *testing.T) {
-			if engine == tcp.EngineIOUring {
+	for _, v := range []struct{ name, engine, portals string }{
+		{tcp.EngineIOUring, tcp.EngineIOUring, "iptables"},
+		{tcp.EngineEpoll, tcp.EngineEpoll, "iptables"},
+		// Bind mode: the service IPs are local addresses of the node, the sockets listen on them;
+		// the dial and the reply steering are the same.
+		{"bind", tcp.EngineIOUring, "bind"},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			if v.engine == tcp.EngineIOUring {
 				if err := tcp.ProbeIOUring(); err != nil {
 					testenv.Unavailable(t, "io_uring unavailable: %v", err)
 				}
 			}
-			tpTwoNodes(t, engine)
+			tpTwoNodes(t, v.engine, v.portals)
 		})
 	}
 }
 
-func tpTwoNodes(t *testing.T, engine string) {
+func tpTwoNodes(t *testing.T, engine, portals string) {
 	c := newTwoNodesWith(t, func(c *twoNodes, i int, n *node, _, _ string) []string {
-		args := []string{"--io-engine=" + engine}
+		args := []string{"--io-engine=" + engine, "--portal-mode=" + portals}
 		if i == 1 {
 			return append(args, "--node-pod-cidr="+tpPodCIDRB.String())
 		}

@@ -42,6 +42,9 @@ type Bridge struct {
 	Name   string
 	Index  int
 	HasMAC bool
+	// Ports counts the links enslaved to it (a bridge without ports bridges nothing: bind mode's
+	// kube-portal0 where the kernel has no dummy links).
+	Ports int
 }
 
 // nlTimeout bounds each netlink request; the kernel answers at once, it only bounds a broken
@@ -210,11 +213,17 @@ func (k *KernelNetlink) Bridges(ctx context.Context, mac net.HardwareAddr) ([]Br
 		if err != nil {
 			return err
 		}
+		ports := map[int]int{} // bridge index -> links enslaved to it
+		for _, l := range links {
+			if m := l.Attrs().MasterIndex; m != 0 {
+				ports[m]++
+			}
+		}
 		for _, l := range links {
 			if l.Type() != "bridge" {
 				continue
 			}
-			br := Bridge{Name: l.Attrs().Name, Index: l.Attrs().Index}
+			br := Bridge{Name: l.Attrs().Name, Index: l.Attrs().Index, Ports: ports[l.Attrs().Index]}
 			neighs, err := h.NeighList(br.Index, unix.AF_BRIDGE)
 			if err != nil {
 				return fmt.Errorf("bridge %s: list fdb: %w", br.Name, err)

@@ -91,7 +91,7 @@ type Support struct {
 	// packets of that family to ip(6)tables (bridge-nf-call-iptables / -ip6tables is 1).
 	Bridge         bool
 	BridgeFamilies []portal.Family
-	// NoBridges: the node has no bridge device at all, so no reply is bridged between two of its
+	// NoBridges: the node has no bridge with a port, so no reply is bridged between two of its
 	// pods (a routed CNI, a veth per pod): the bridge part is not needed, whatever Bridge says.
 	NoBridges bool
 	// Reason says why something is not supported, for the log line and a metric label: "no
@@ -156,8 +156,8 @@ func (n *Node) Sync(ctx context.Context) (Support, error) {
 	}
 	n.probed = true
 	sup := Support{Socket: true, PolicyRouting: true, Families: slices.Clone(n.cfg.Families)}
-	if brs, err := n.cfg.Netlink.Bridges(ctx, n.cfg.BridgeMAC); err == nil && len(brs) == 0 {
-		sup.NoBridges = true
+	if brs, err := n.cfg.Netlink.Bridges(ctx, n.cfg.BridgeMAC); err == nil {
+		sup.NoBridges = !slices.ContainsFunc(brs, func(b Bridge) bool { return b.Ports > 0 })
 	}
 	if err := n.syncBridge(ctx); err != nil {
 		n.cfg.Logger.WithError(err).Debug("Transparent bridge part not installed")

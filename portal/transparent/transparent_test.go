@@ -62,6 +62,8 @@ type fakeNetlink struct {
 	rules  map[portal.Family][]Rule
 	routes map[portal.Family][]netip.Prefix
 	fdb    bool
+	// ports of the one bridge, cni0 (1 unless set: -1 means none).
+	ports int
 }
 
 func (f *fakeNetlink) Rules(_ context.Context, fam portal.Family) ([]Rule, error) {
@@ -87,7 +89,11 @@ func (f *fakeNetlink) DeleteLocalRoute(_ context.Context, fam portal.Family, _ i
 	return nil
 }
 func (f *fakeNetlink) Bridges(context.Context, net.HardwareAddr) ([]Bridge, error) {
-	return []Bridge{{Name: "cni0", Index: 3, HasMAC: f.fdb}}, nil
+	ports := 1
+	if f.ports != 0 {
+		ports = max(f.ports, 0)
+	}
+	return []Bridge{{Name: "cni0", Index: 3, HasMAC: f.fdb, Ports: ports}}, nil
 }
 func (f *fakeNetlink) AddFDB(context.Context, int, net.HardwareAddr) error { f.fdb = true; return nil }
 func (f *fakeNetlink) DeleteFDB(context.Context, int, net.HardwareAddr) error {
@@ -146,4 +152,23 @@ func (f *familyFailRunner) Restore(ctx context.Context, fam portal.Family, data 
 		defer func() { f.failRule = "" }()
 	}
 	return f.fakeRunner.Restore(ctx, fam, data)
+}
+
+// TestSyncNoBridgesWithPorts: a node whose only bridge has no port (bind mode's kube-portal0 on a
+// kernel without dummy links) bridges no reply between its pods: NoBridges, whatever Bridge says.
+func TestSyncNoBridgesWithPorts(t *testing.T) {
+	for _, tc := range []struct {
+		ports int
+		want  bool
+	}{{-1, true}, {2, false}} {
+		r, nl := newFakes()
+		nl.ports = tc.ports
+		sup, err := New(Config{Runner: r, Netlink: nl, Families: []portal.Family{portal.IPv4}}).Sync(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sup.NoBridges != tc.want {
+			t.Errorf("a bridge with %d ports: NoBridges = %v, want %v", max(tc.ports, 0), sup.NoBridges, tc.want)
+		}
+	}
 }
