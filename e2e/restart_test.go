@@ -14,10 +14,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -372,7 +374,10 @@ func TestRestartByHandOver(t *testing.T) {
 
 func testRestartByHandOver(t *testing.T, mode string, modeFlags []string) {
 	n, targets, udpTargets := restartNode(t)
-	flags := append([]string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s"}, modeFlags...)
+	// The pods are this node's (--node-pod-cidr): every connection and session is dialed from
+	// the client's address (the transparent source mode), through the hand-over too.
+	flags := append([]string{"--handover-socket=" + filepath.Join(n.dir, "run", "handover.sock"), "--shutdown-timeout=10s",
+		"--node-pod-cidr=10.244.0.0/16"}, modeFlags...)
 	first := n.startProxy(t, flags...)
 	waitAllAnswer(t, first, n, targets, "the service never answered")
 	// Other tests' Services come and go on the shared API server, so the portal interface is
@@ -477,6 +482,28 @@ func testRestartByHandOver(t *testing.T, mode string, modeFlags []string) {
 		t.Errorf("the new process bound proxy sockets anew or inherited none: %s", line)
 	}
 	waitAllAnswer(t, second, n, targets, "the new proxy stopped serving after the old one exited")
+	// The successor dialed from the clients' addresses, and never had to fall back: a UDP client
+	// whose session the old process still held got its own beside it (SO_REUSEADDR).
+	code, body, err := httpGet(n.bed.Node, "http://"+metricsAddr+"/metrics")
+	if err != nil || code != http.StatusOK {
+		t.Fatalf("GET /metrics of the new process: %d %v", code, err)
+	}
+	var dials, fallbacks float64
+	for _, line := range strings.Split(body, "\n") {
+		if !strings.HasPrefix(line, "kube_portal_proxy_transparent_dials_total{") {
+			continue
+		}
+		v, _ := strconv.ParseFloat(line[strings.LastIndex(line, " ")+1:], 64)
+		if strings.Contains(line, `result="fallback"`) {
+			fallbacks += v
+		} else {
+			dials += v
+		}
+	}
+	t.Logf("the new process's transparent dials: %v, fallbacks: %v", dials, fallbacks)
+	if dials == 0 || fallbacks != 0 {
+		t.Errorf("the new process dialed %v times from the clients' addresses and fell back %v times; want > 0 and 0", dials, fallbacks)
+	}
 }
 
 // lineWith returns the first line of s containing sub.
