@@ -274,6 +274,30 @@ func tpTwoNodes(t *testing.T, engine, portals string) {
 	for _, n := range c.nodes {
 		tpExpectTransparent(t, n.name, n.NS)
 	}
+	// /debug/services says which ports dial from the client's address: the annotated one does not.
+	code, body, err := httpGet(a.NS, "http://"+metricsAddr+"/debug/services?format=json")
+	if err != nil || code != http.StatusOK {
+		t.Fatalf("GET /debug/services: %d %v", code, err)
+	}
+	var views []struct{ Name, SourceMode string }
+	if err := json.Unmarshal([]byte(body), &views); err != nil {
+		t.Fatal(err)
+	}
+	modes := map[string]string{}
+	for _, v := range views {
+		modes[v.Name] = v.SourceMode
+	}
+	for _, svc := range []*corev1.Service{on, off} {
+		want := "transparent"
+		if svc == off {
+			want = ""
+		}
+		for _, p := range svc.Spec.Ports {
+			if name := svc.Namespace + "/" + svc.Name + ":" + p.Name; modes[name] != want {
+				t.Errorf("/debug/services: %s sourceMode %q, want %q", name, modes[name], want)
+			}
+		}
+	}
 
 	// Today's behaviour first: it also proves both paths serve before the cases that may not.
 	t.Run("source_mode_proxy_annotation", func(t *testing.T) {

@@ -118,6 +118,9 @@ func (e *endpointApplier) wakeHeld(port *service.Port, external bool, usable []n
 // sockets when it holds.
 func connectionPolicyView(v *debugview.ServiceView, port *service.Port, open map[service.ServicePortName]activePort) {
 	v.ProxyProtocol = string(port.ProxyProtocol)
+	if port.SourceMode == service.SourceTransparent {
+		v.SourceMode = string(port.SourceMode)
+	}
 	if !port.Holds() {
 		return
 	}

@@ -197,6 +197,9 @@ func connectionPolicyText(v ServiceView) string {
 	if v.ProxyProtocol != "" {
 		parts = append(parts, "proxy-protocol "+v.ProxyProtocol)
 	}
+	if v.SourceMode != "" {
+		parts = append(parts, "source "+v.SourceMode)
+	}
 	if h := v.Hold; h != nil {
 		parts = append(parts, fmt.Sprintf("hold[%s, %d held, max %d]", h.Timeout, h.Held, h.Limit))
 	}

@@ -19,6 +19,7 @@ func TestServicesTextShowsEachPortAndItsPolicyLines(t *testing.T) {
 		"cluster traffic: 127.0.0.1:8080 [policy=Cluster]",
 		"balancing: round-robin active[127.0.0.1:8080=1]",
 		"connections: proxy-protocol v2 hold[1m0s, 1 held, max 1024]",
+		"connections: source transparent",
 		"cluster traffic: HELD (no endpoint; new connections wait for one) [policy=Cluster]",
 		"path kernel: 10.244.1.5:8080 KUBE-SEP-AFGSLHOD2HFNCBX4 12 connections (720 B first packets)",
 	} {

@@ -44,8 +44,9 @@ func sampleSource() *fixedSource {
 				Name: "ns/echo:tcp", Protocol: "TCP", Port: 80, ClusterIPs: []string{"10.96.0.7"}, ProxyPort: 40001,
 				InternalTrafficPolicy: "Cluster", Internal: &TrafficView{Endpoints: []string{"127.0.0.1:8080"}, Reason: "policy=Cluster"},
 				Listen: []string{"127.0.0.1:40001"}, Open: true, Affinity: "None", Balancing: BalancingView{Algorithm: "round-robin"},
-				Endpoints: []EndpointView{{Address: "127.0.0.1:8080", Ready: true, Serving: true, InUse: true, Active: 1}},
-				Active:    1, Total: 1, BytesToEndpoint: 5, BytesToClient: 5,
+				SourceMode: "transparent",
+				Endpoints:  []EndpointView{{Address: "127.0.0.1:8080", Ready: true, Serving: true, InUse: true, Active: 1}},
+				Active:     1, Total: 1, BytesToEndpoint: 5, BytesToClient: 5,
 			},
 			{
 				Name: "ns/held:tcp", Protocol: "TCP", Port: 80, ClusterIPs: []string{"10.96.0.8"}, ProxyPort: 40002,

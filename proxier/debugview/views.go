@@ -37,6 +37,9 @@ type ServiceView struct {
 	Balancing BalancingView `json:"balancing"`
 	// ProxyProtocol is the PROXY protocol header the port's endpoints get ("v1", "v2"; TCP).
 	ProxyProtocol string `json:"proxyProtocol,omitempty"`
+	// SourceMode is the address the port's endpoints see: "transparent" (the client's, where
+	// the replies pass this node) or "proxy" (this node's).
+	SourceMode string `json:"sourceMode,omitempty"`
 	// Hold is the port's hold while it has no endpoint, when it has one (hold-timeout; TCP).
 	Hold *HoldView `json:"hold,omitempty"`
 	// DrainTimeout is the drain-timeout annotation ("" when unset: --drain-removed-endpoints).
