@@ -137,8 +137,8 @@ func (r *run) buildPortals(ctx context.Context) error {
 	return nil
 }
 
-// resolveSource resolves --source-mode: the transparent plumbing installed (or repaired, after a
-// restart) and its policy, or why endpoints see this node's address.
+// resolveSource resolves --source-mode: the policy, on at once where a predecessor's plumbing is
+// in place; the plumbing itself is installed and repaired by a serving task (sourceSetup.run).
 func (r *run) resolveSource(ctx context.Context) error {
 	var node sourceNode
 	if r.d.deps.sourceNode != nil && r.o.sourceMode != string(service.SourceProxy) {
@@ -147,11 +147,7 @@ func (r *run) resolveSource(ctx context.Context) error {
 			r.onExit(func() { _ = c.Close() })
 		}
 	}
-	s, err := resolveSource(ctx, r.o, node, interfaceAddrs, r.log)
-	if err != nil {
-		return err
-	}
-	r.source = s
+	r.source = resolveSource(ctx, r.o, node, interfaceAddrs, r.log)
 	r.steps.done("source mode")
 	return nil
 }

@@ -23,6 +23,8 @@ import (
 
 // sourceNode installs and repairs the transparent plumbing (portal/transparent.Node).
 type sourceNode interface {
+	// Installed says, cheaply (netlink only), whether a predecessor left the plumbing in place.
+	Installed(ctx context.Context) bool
 	Sync(ctx context.Context) (transparent.Support, error)
 }
 
@@ -43,61 +45,113 @@ type closingSourceNode struct {
 
 func (c closingSourceNode) Close() error { return c.nl.Close() }
 
-// sourceSetup is the resolved --source-mode: transparent with its policy and plumbing, or proxy
-// and why.
+// sourceSetup is the resolved --source-mode: what the node asks for (transparent, unless
+// --source-mode=proxy) and, once the plumbing is in place, the policy that says yes.
 type sourceSetup struct {
-	mode   service.SourceMode // SourceTransparent or SourceProxy
-	why    string             // why not transparent ("" when it is)
-	policy *transparent.Policy
-	node   sourceNode
+	mode     service.SourceMode // SourceTransparent (asked for) or SourceProxy
+	explicit bool               // --source-mode=transparent: a node that cannot is an error
+	why      string             // why the ports take proxy (mode proxy)
+	policy   *transparent.Policy
+	node     sourceNode
 	// podCIDRsFixed: --node-pod-cidr was given, the Node object's spec.podCIDRs do not apply.
 	podCIDRsFixed bool
 	period        time.Duration
 	log           logrus.FieldLogger
 
 	mu       sync.Mutex
-	lastErr  string // the last repair error logged, so a lasting failure is logged once
-	failures int    // repairs that failed (metric)
+	on       bool   // the policy is enabled: the plumbing is in place
+	notOn    string // why it is not ("" while on): the metric's reason
+	lastErr  string // the last Sync error logged, so a lasting failure is logged once
+	failures int    // periodic Syncs that failed (metric)
 }
 
-// resolveSource probes the node for the transparent source mode (--source-mode auto or
-// transparent): one Sync of the plumbing, which installs it or says why it cannot. Transparent
-// asked for and impossible is an error; auto falls back to proxy with one log line.
-func resolveSource(ctx context.Context, o *Options, node sourceNode, localAddrs func() []netip.Addr, log logrus.FieldLogger) (*sourceSetup, error) {
-	s := &sourceSetup{mode: service.SourceProxy, period: o.syncPeriod, log: log, podCIDRsFixed: len(o.nodePodCIDRs) > 0}
-	if o.sourceMode == string(service.SourceProxy) {
-		s.why = "the node runs with --source-mode=proxy"
-		return s, nil
-	}
-	if node == nil {
-		s.why = "no transparent plumbing on this node"
-		return s, nil
-	}
-	sup, err := node.Sync(ctx)
-	if err != nil {
-		if o.sourceMode == string(service.SourceTransparent) {
-			return nil, fmt.Errorf("--source-mode=transparent: %w", err)
-		}
-		s.why = "the node cannot: " + err.Error()
-		log.WithError(err).Warn("Transparent source mode unavailable: endpoints see this node's address (--source-mode=auto)")
-		return s, nil
+// resolveSource resolves --source-mode without delaying the start: the plumbing's first Sync
+// (iptables-save and -restore of both families, nft, netlink: 15 ms on a quiet node, 600 ms at
+// load 18) runs in run, after the sockets serve. Until it has worked the policy says no and every
+// dial leaves from this node's address, unless a predecessor's plumbing is already in place
+// (Installed: netlink only), as after a restart or a hand-over: then the policy says yes at once
+// and run repairs whatever else is missing. Service ports resolve to transparent from the start
+// (the node asks for it); a node that turns out to lack what the mode needs stays on the node's
+// address, says why (log, kube_portal_proxy_source_mode) and keeps trying every sync period.
+func resolveSource(ctx context.Context, o *Options, node sourceNode, localAddrs func() []netip.Addr, log logrus.FieldLogger) *sourceSetup {
+	s := &sourceSetup{mode: service.SourceProxy, period: o.syncPeriod, log: log, podCIDRsFixed: len(o.nodePodCIDRs) > 0,
+		explicit: o.sourceMode == string(service.SourceTransparent)}
+	switch {
+	case o.sourceMode == string(service.SourceProxy):
+		s.why, s.notOn = "the node runs with --source-mode=proxy", "the node runs with --source-mode=proxy"
+		return s
+	case node == nil:
+		s.why, s.notOn = "no transparent plumbing on this node", "no transparent plumbing on this node"
+		return s
 	}
 	s.mode, s.node, s.policy = service.SourceTransparent, node, transparent.NewPolicy()
 	s.policy.SetPodCIDRs(o.nodePodCIDRs)
-	s.apply(sup, localAddrs())
-	podCIDRs := "the Node's spec.podCIDRs"
-	if len(o.nodePodCIDRs) > 0 {
-		podCIDRs = fmt.Sprint(o.nodePodCIDRs)
+	s.policy.SetLocalAddrs(localAddrs())
+	if node.Installed(ctx) {
+		s.on = true
+	} else {
+		s.notOn = "not installed yet"
 	}
-	log.WithFields(logrus.Fields{"podCIDRs": podCIDRs, "bridge": sup.Bridge, "bridges": !sup.NoBridges, "why not bridged pairs": sup.Reason}).
-		Info("Transparent source mode: endpoints see the client's address where the replies pass this node")
-	return s, nil
+	s.policy.SetEnabled(s.on)
+	return s
 }
 
-// apply hands the policy what the last Sync found and the node's addresses.
-func (s *sourceSetup) apply(sup transparent.Support, local []netip.Addr) {
-	s.policy.SetBridge(sup.Bridge || sup.NoBridges)
-	s.policy.SetLocalAddrs(local)
+// run installs the plumbing at once, then repairs it every sync period until ctx is done, keeping
+// the policy's view of the node (bridges, addresses) current. While the plumbing is not in place
+// the policy says no: a transparent dial whose replies do not come back would hang.
+func (s *sourceSetup) run(ctx context.Context, localAddrs func() []netip.Addr) {
+	t := time.NewTicker(s.period)
+	defer t.Stop()
+	for first := true; ; first = false {
+		if !first {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+		sup, err := s.node.Sync(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		s.mu.Lock()
+		wasOn := s.on
+		if err != nil {
+			s.failures++
+			s.on, s.notOn = false, "the node cannot: "+err.Error()
+			if msg := err.Error(); msg != s.lastErr {
+				s.lastErr = msg
+				l := s.log.WithError(err)
+				switch {
+				case wasOn:
+					l.Error("Cannot repair the transparent source mode's plumbing: new connections come from this node's address until it is back")
+				case s.explicit:
+					l.Error("Transparent source mode unavailable (--source-mode=transparent): endpoints see this node's address; retrying every sync period")
+				default:
+					l.Warn("Transparent source mode unavailable: endpoints see this node's address (--source-mode=auto)")
+				}
+			}
+		} else {
+			s.policy.SetBridge(sup.Bridge || sup.NoBridges)
+			s.policy.SetLocalAddrs(localAddrs())
+			s.on, s.notOn = true, ""
+			if first || s.lastErr != "" {
+				s.log.WithFields(logrus.Fields{"podCIDRs": s.podCIDRsText(), "bridge": sup.Bridge, "bridges": !sup.NoBridges, "why not bridged pairs": sup.Reason}).
+					Info("Transparent source mode: endpoints see the client's address where the replies pass this node")
+			}
+			s.lastErr = ""
+		}
+		s.policy.SetEnabled(s.on)
+		s.mu.Unlock()
+	}
+}
+
+// podCIDRsText is the pod CIDRs for the log: the flag's, or where they come from.
+func (s *sourceSetup) podCIDRsText() string {
+	if s.podCIDRsFixed {
+		return fmt.Sprint(s.policy.PodCIDRs())
+	}
+	return "the Node's spec.podCIDRs"
 }
 
 // setNode takes this node's pod CIDRs from its Node object, unless --node-pod-cidr fixed them.
@@ -118,48 +172,18 @@ func (s *sourceSetup) setNode(n *v1.Node) {
 	s.policy.SetPodCIDRs(out)
 }
 
-// run repairs the plumbing every sync period until ctx is done, and keeps the policy's view of
-// the node (bridges, addresses) current. While the plumbing cannot be repaired the policy says
-// no: a transparent dial whose replies do not come back would hang.
-func (s *sourceSetup) run(ctx context.Context, localAddrs func() []netip.Addr) {
-	t := time.NewTicker(s.period)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		sup, err := s.node.Sync(ctx)
-		s.mu.Lock()
-		if err != nil {
-			s.failures++
-			if msg := err.Error(); msg != s.lastErr && ctx.Err() == nil {
-				s.log.WithError(err).Error("Cannot repair the transparent source mode's plumbing: new connections come from this node's address until it is back")
-				s.lastErr = msg
-			}
-			s.policy.SetEnabled(false)
-		} else {
-			if s.lastErr != "" {
-				s.log.Info("Transparent source mode's plumbing repaired")
-				s.lastErr = ""
-			}
-			s.apply(sup, localAddrs())
-			s.policy.SetEnabled(true)
-		}
-		s.mu.Unlock()
-	}
-}
-
 // collector exports the source mode: 1 for the mode in use, with why not transparent.
 func (s *sourceSetup) collector() prometheus.Collector {
-	mode := prometheus.NewDesc("kube_portal_proxy_source_mode", "The address endpoints see by default: 1 for the mode in use (transparent: the client's; proxy: this node's), with why not transparent.", []string{"mode", "reason"}, nil)
-	fails := prometheus.NewDesc("kube_portal_proxy_transparent_repair_failures_total", "Periodic repairs of the transparent source mode's plumbing that failed (new connections dialed from the node's address meanwhile).", nil, nil)
+	mode := prometheus.NewDesc("kube_portal_proxy_source_mode", "The address endpoints see by default: 1 for the mode in force (transparent: the client's, where the replies pass this node; proxy: this node's), with why not transparent.", []string{"mode", "reason"}, nil)
+	fails := prometheus.NewDesc("kube_portal_proxy_transparent_repair_failures_total", "Syncs of the transparent source mode's plumbing that failed (new connections dialed from the node's address meanwhile).", nil, nil)
 	return collectorFunc{descs: []*prometheus.Desc{mode, fails}, collect: func(ch chan<- prometheus.Metric) {
 		s.mu.Lock()
-		why, failures := s.why, s.failures
+		m, why, failures := service.SourceProxy, s.notOn, s.failures
+		if s.on {
+			m = service.SourceTransparent
+		}
 		s.mu.Unlock()
-		ch <- prometheus.MustNewConstMetric(mode, prometheus.GaugeValue, 1, string(s.mode), why)
+		ch <- prometheus.MustNewConstMetric(mode, prometheus.GaugeValue, 1, string(m), why)
 		ch <- prometheus.MustNewConstMetric(fails, prometheus.CounterValue, float64(failures))
 	}}
 }

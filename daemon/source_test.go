@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
@@ -18,94 +20,19 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// fakeSourceNode answers Sync from a queue of results (the last one repeats) and counts calls.
-type fakeSourceNode struct {
-	mu      sync.Mutex
-	results []error
-	calls   int
-	bridge  bool
-}
-
-func (f *fakeSourceNode) Sync(context.Context) (transparent.Support, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls++
-	err := f.results[min(f.calls, len(f.results))-1]
-	return transparent.Support{Bridge: f.bridge}, err
-}
-
-func (f *fakeSourceNode) count() int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.calls
-}
-
-var (
-	podClient   = netip.MustParseAddr("10.244.1.10")
-	remotePod   = netip.MustParseAddr("10.244.2.20")
-	noLocalAddr = func() []netip.Addr { return []netip.Addr{netip.MustParseAddr("10.244.1.1")} }
-)
-
-func TestResolveSource(t *testing.T) {
-	errNoSocket := errors.New("mangle KUBE-PORTALS-TRANSPARENT: -m socket: no xt_socket")
-	t.Run("proxy installs nothing", func(t *testing.T) {
-		node := &fakeSourceNode{results: []error{nil}}
-		s, err := resolveSource(t.Context(), &Options{sourceMode: "proxy"}, node, noLocalAddr, logrus.New())
-		if err != nil || s.mode != service.SourceProxy || s.policy != nil || node.count() != 0 {
-			t.Fatalf("mode %q policy %v calls %d err %v, want proxy, no policy, no Sync", s.mode, s.policy, node.count(), err)
-		}
-	})
-	t.Run("auto on a node that cannot: proxy, one warning saying why", func(t *testing.T) {
-		log, hook := logtest.NewNullLogger()
-		s, err := resolveSource(t.Context(), &Options{sourceMode: "auto"}, &fakeSourceNode{results: []error{errNoSocket}}, noLocalAddr, log)
-		if err != nil || s.mode != service.SourceProxy || !strings.Contains(s.why, "no xt_socket") {
-			t.Fatalf("mode %q why %q err %v, want proxy because of xt_socket", s.mode, s.why, err)
-		}
-		if len(hook.Entries) != 1 || hook.LastEntry().Level != logrus.WarnLevel {
-			t.Errorf("log %v, want one warning", hook.Entries)
-		}
-	})
-	t.Run("transparent on a node that cannot: the start fails", func(t *testing.T) {
-		_, err := resolveSource(t.Context(), &Options{sourceMode: "transparent"}, &fakeSourceNode{results: []error{errNoSocket}}, noLocalAddr, logrus.New())
-		if !errors.Is(err, errNoSocket) || !strings.Contains(err.Error(), "--source-mode=transparent") {
-			t.Fatalf("err %v, want the probe's error under --source-mode=transparent", err)
-		}
-	})
-	t.Run("auto on a node that can: the policy follows --node-pod-cidr", func(t *testing.T) {
-		o := &Options{sourceMode: "auto", nodePodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24")}}
-		s, err := resolveSource(t.Context(), o, &fakeSourceNode{results: []error{nil}}, noLocalAddr, logrus.New())
-		if err != nil || s.mode != service.SourceTransparent || s.policy == nil {
-			t.Fatalf("mode %q err %v, want transparent", s.mode, err)
-		}
-		if !s.policy.Transparent(podClient, remotePod) {
-			t.Error("a pod of this node to a pod of another: not transparent")
-		}
-		s.setNode(&v1.Node{Spec: v1.NodeSpec{PodCIDRs: []string{"10.244.9.0/24"}}})
-		if !s.policy.Transparent(podClient, remotePod) {
-			t.Error("the Node's podCIDRs replaced --node-pod-cidr")
-		}
-	})
-	t.Run("without --node-pod-cidr the Node's podCIDRs apply", func(t *testing.T) {
-		s, err := resolveSource(t.Context(), &Options{sourceMode: "auto"}, &fakeSourceNode{results: []error{nil}}, noLocalAddr, logrus.New())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if s.policy.Transparent(podClient, remotePod) {
-			t.Fatal("transparent before the pod CIDRs are known")
-		}
-		s.setNode(&v1.Node{Spec: v1.NodeSpec{PodCIDR: "10.244.1.0/24"}})
-		if !s.policy.Transparent(podClient, remotePod) {
-			t.Error("spec.podCIDR not taken")
-		}
-	})
-}
-
-// steppedSourceNode hands each Sync's result over a channel: a Sync that starts has seen the
-// previous one's result applied (run applies it before waiting for the next tick).
+// steppedSourceNode hands each Sync's result over a channel, so a test sees the state between
+// two Syncs: a Sync that starts has seen the previous one's result applied.
 type steppedSourceNode struct {
-	started chan struct{}
-	results chan error
+	installed bool
+	started   chan struct{}
+	results   chan error
 }
+
+func newSteppedSourceNode(installed bool) *steppedSourceNode {
+	return &steppedSourceNode{installed: installed, started: make(chan struct{}), results: make(chan error)}
+}
+
+func (f *steppedSourceNode) Installed(context.Context) bool { return f.installed }
 
 func (f *steppedSourceNode) Sync(ctx context.Context) (transparent.Support, error) {
 	select {
@@ -115,54 +42,149 @@ func (f *steppedSourceNode) Sync(ctx context.Context) (transparent.Support, erro
 	}
 	select {
 	case err := <-f.results:
-		return transparent.Support{}, err
+		return transparent.Support{NoBridges: true}, err
 	case <-ctx.Done():
 		return transparent.Support{}, ctx.Err()
 	}
 }
 
-// TestSourceRepair: the periodic Sync repairs the plumbing; while it fails the policy says no
-// (the replies would not come back), and it says yes again once repaired. A lasting failure is
-// logged once.
-func TestSourceRepair(t *testing.T) {
-	broken := errors.New("ip rule: operation not permitted")
-	o := &Options{sourceMode: "auto", nodePodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24")}, syncPeriod: time.Millisecond}
-	log, hook := logtest.NewNullLogger()
-	s, err := resolveSource(t.Context(), o, &fakeSourceNode{results: []error{nil}}, noLocalAddr, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	node := &steppedSourceNode{started: make(chan struct{}), results: make(chan error)}
-	s.node = node
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan struct{})
-	go func() { defer close(done); s.run(ctx, noLocalAddr) }()
-	defer func() { cancel(); <-done }()
-	seq := []struct {
-		err  error
-		want bool
-	}{{broken, false}, {broken, false}, {nil, true}}
-	<-node.started
-	for i, st := range seq {
-		node.results <- st.err
-		<-node.started
-		if got := s.policy.Transparent(podClient, remotePod); got != st.want {
-			t.Fatalf("step %d, after a Sync returning %v: transparent %v, want %v", i, st.err, got, st.want)
+var (
+	podClient   = netip.MustParseAddr("10.244.1.10")
+	remotePod   = netip.MustParseAddr("10.244.2.20")
+	noLocalAddr = func() []netip.Addr { return []netip.Addr{netip.MustParseAddr("10.244.1.1")} }
+	podCIDRs    = []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24")}
+)
+
+// sourceMetric is the mode and reason kube_portal_proxy_source_mode shows.
+func sourceMetric(t *testing.T, s *sourceSetup) string {
+	t.Helper()
+	ch := make(chan prometheus.Metric, 4)
+	s.collector().Collect(ch)
+	close(ch)
+	for m := range ch {
+		var pb dto.Metric
+		if err := m.Write(&pb); err != nil {
+			t.Fatal(err)
+		}
+		if len(pb.Label) == 2 {
+			return pb.Label[0].GetValue() + ": " + pb.Label[1].GetValue()
 		}
 	}
-	errorsLogged := 0
-	for _, e := range hook.AllEntries() {
-		if e.Level == logrus.ErrorLevel {
-			errorsLogged++
+	return ""
+}
+
+// TestResolveSource: resolving the mode runs nothing on the node (the start must not wait for
+// iptables); the policy is on at once only where a predecessor's plumbing is in place.
+func TestResolveSource(t *testing.T) {
+	t.Run("proxy installs nothing", func(t *testing.T) {
+		s := resolveSource(t.Context(), &Options{sourceMode: "proxy"}, newSteppedSourceNode(true), noLocalAddr, logrus.New())
+		if s.mode != service.SourceProxy || s.policy != nil || s.node != nil {
+			t.Fatalf("mode %q policy %v node %v, want proxy and nothing to run", s.mode, s.policy, s.node)
 		}
-	}
-	if errorsLogged != 1 {
-		t.Errorf("%d error lines for one lasting failure, want 1", errorsLogged)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.failures != 2 {
-		t.Errorf("failures = %d, want 2", s.failures)
+		if got := sourceMetric(t, s); got != "proxy: the node runs with --source-mode=proxy" {
+			t.Errorf("metric %q", got)
+		}
+	})
+	t.Run("a fresh node: ports ask for transparent, the policy waits for the first Sync", func(t *testing.T) {
+		s := resolveSource(t.Context(), &Options{sourceMode: "auto", nodePodCIDRs: podCIDRs}, newSteppedSourceNode(false), noLocalAddr, logrus.New())
+		if s.mode != service.SourceTransparent || s.policy.Transparent(podClient, remotePod) {
+			t.Fatalf("mode %q, transparent before any Sync: %v", s.mode, s.policy.Transparent(podClient, remotePod))
+		}
+		if got := sourceMetric(t, s); got != "proxy: not installed yet" {
+			t.Errorf("metric %q", got)
+		}
+	})
+	t.Run("a restart finds the plumbing: on at once", func(t *testing.T) {
+		s := resolveSource(t.Context(), &Options{sourceMode: "auto", nodePodCIDRs: podCIDRs}, newSteppedSourceNode(true), noLocalAddr, logrus.New())
+		if !s.policy.Transparent(podClient, remotePod) {
+			t.Fatal("not transparent with the predecessor's plumbing in place")
+		}
+		if got := sourceMetric(t, s); got != "transparent: " {
+			t.Errorf("metric %q", got)
+		}
+	})
+	t.Run("without --node-pod-cidr the Node's podCIDRs apply", func(t *testing.T) {
+		s := resolveSource(t.Context(), &Options{sourceMode: "auto"}, newSteppedSourceNode(true), noLocalAddr, logrus.New())
+		if s.policy.Transparent(podClient, remotePod) {
+			t.Fatal("transparent before the pod CIDRs are known")
+		}
+		s.setNode(&v1.Node{Spec: v1.NodeSpec{PodCIDR: "10.244.1.0/24"}})
+		if !s.policy.Transparent(podClient, remotePod) {
+			t.Error("spec.podCIDR not taken")
+		}
+		s.setNode(&v1.Node{Spec: v1.NodeSpec{PodCIDRs: []string{"10.244.9.0/24"}}})
+		if s.policy.Transparent(podClient, remotePod) {
+			t.Error("spec.podCIDRs not followed")
+		}
+	})
+	t.Run("--node-pod-cidr wins over the Node", func(t *testing.T) {
+		s := resolveSource(t.Context(), &Options{sourceMode: "auto", nodePodCIDRs: podCIDRs}, newSteppedSourceNode(true), noLocalAddr, logrus.New())
+		s.setNode(&v1.Node{Spec: v1.NodeSpec{PodCIDRs: []string{"10.244.9.0/24"}}})
+		if !s.policy.Transparent(podClient, remotePod) {
+			t.Error("the Node's podCIDRs replaced --node-pod-cidr")
+		}
+	})
+}
+
+// TestSourceRun: run installs at once and repairs every period; while a Sync fails the policy
+// says no (the replies would not come back) and the metric says why; a lasting failure is logged
+// once; --source-mode=transparent makes the failure an error, auto a warning.
+func TestSourceRun(t *testing.T) {
+	broken := errors.New("mangle KUBE-PORTALS-TRANSPARENT: no xt_socket")
+	for _, tc := range []struct {
+		mode      string
+		installed bool
+		level     logrus.Level // of the first failure's line
+	}{
+		{"auto", false, logrus.WarnLevel},
+		{"transparent", false, logrus.ErrorLevel},
+		{"auto", true, logrus.ErrorLevel}, // a repair that fails: an error whatever the mode
+	} {
+		t.Run(fmt.Sprintf("%s installed=%v", tc.mode, tc.installed), func(t *testing.T) {
+			o := &Options{sourceMode: tc.mode, nodePodCIDRs: podCIDRs, syncPeriod: time.Millisecond}
+			log, hook := logtest.NewNullLogger()
+			node := newSteppedSourceNode(tc.installed)
+			s := resolveSource(t.Context(), o, node, noLocalAddr, log)
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan struct{})
+			go func() { defer close(done); s.run(ctx, noLocalAddr) }()
+			defer func() { cancel(); <-done }()
+			<-node.started
+			for i, st := range []struct {
+				err    error
+				want   bool
+				metric string
+			}{
+				{broken, false, "proxy: the node cannot: " + broken.Error()},
+				{broken, false, "proxy: the node cannot: " + broken.Error()},
+				{nil, true, "transparent: "},
+				{broken, false, "proxy: the node cannot: " + broken.Error()},
+			} {
+				node.results <- st.err
+				<-node.started // the next Sync began: the result above is applied
+				if got := s.policy.Transparent(podClient, remotePod); got != st.want {
+					t.Fatalf("step %d, after a Sync returning %v: transparent %v, want %v", i, st.err, got, st.want)
+				}
+				if got := sourceMetric(t, s); got != st.metric {
+					t.Errorf("step %d: metric %q, want %q", i, got, st.metric)
+				}
+			}
+			var levels []logrus.Level
+			for _, e := range hook.AllEntries() {
+				if e.Level <= logrus.WarnLevel {
+					levels = append(levels, e.Level)
+				}
+			}
+			// The first failure (logged once for two Syncs), then the failure after a repair.
+			if want := []logrus.Level{tc.level, logrus.ErrorLevel}; fmt.Sprint(levels) != fmt.Sprint(want) {
+				t.Errorf("warning and error lines %v, want %v", levels, want)
+			}
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			if s.failures != 3 {
+				t.Errorf("failures = %d, want 3", s.failures)
+			}
+		})
 	}
 }
 

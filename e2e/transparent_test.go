@@ -146,11 +146,21 @@ func tpSourceMode(ns *netns.NS) (mode, reason string, err error) {
 }
 
 // tpExpectTransparent marks t failed (the traffic checks still run, to show what the endpoints see) unless the proxy in ns reports the transparent source mode.
+// The plumbing is installed right after the sockets serve, so the mode turns transparent within
+// the start (syncTimeout bounds it).
 func tpExpectTransparent(t *testing.T, node string, ns *netns.NS) {
 	t.Helper()
-	mode, reason, err := tpSourceMode(ns)
+	var mode, reason string
+	var err error
+	deadline := time.Now().Add(syncTimeout)
+	for {
+		if mode, reason, err = tpSourceMode(ns); (err == nil && mode == "transparent") || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond) // polling the proxy's metric, not synchronising
+	}
 	if err != nil || mode != "transparent" {
-		t.Errorf("kube_portal_proxy_source_mode on %s: mode %q (reason %q), %v; want transparent", node, mode, reason, err)
+		t.Errorf("kube_portal_proxy_source_mode on %s: mode %q (reason %q), %v; want transparent within %v", node, mode, reason, err, syncTimeout)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
@@ -87,4 +88,24 @@ func (n *Node) cleanupRouting(ctx context.Context, fam portal.Family) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// Installed reports, from netlink alone (no iptables or nft run), whether policy routing of every
+// family is in place: the ip rule and the local route. A restarted proxy finds its predecessor's
+// plumbing so and may dial transparently at once, before its first Sync has checked the rest.
+func (n *Node) Installed(ctx context.Context) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	want := n.wantRule()
+	for _, fam := range n.cfg.Families {
+		rules, err := n.cfg.Netlink.Rules(ctx, fam)
+		if err != nil || !slices.Contains(rules, want) {
+			return false
+		}
+		routes, err := n.cfg.Netlink.LocalRoutes(ctx, fam, n.cfg.Table)
+		if err != nil || !slices.Contains(routes, anyLocal(fam)) {
+			return false
+		}
+	}
+	return true
 }

@@ -172,3 +172,23 @@ func TestSyncNoBridgesWithPorts(t *testing.T) {
 		}
 	}
 }
+
+// TestInstalledSeesPolicyRouting: Installed says yes once a Sync put the rule and route of every
+// family in place, and no when one is missing (a node never set up, or one a user cleaned).
+func TestInstalledSeesPolicyRouting(t *testing.T) {
+	r, nl := newFakes()
+	n := New(Config{Runner: r, Netlink: nl, Families: []portal.Family{portal.IPv4, portal.IPv6}})
+	if n.Installed(t.Context()) {
+		t.Fatal("Installed on a bare node")
+	}
+	if _, err := n.Sync(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if !n.Installed(t.Context()) {
+		t.Fatal("not Installed after a Sync")
+	}
+	nl.routes[portal.IPv6] = nil
+	if n.Installed(t.Context()) {
+		t.Error("Installed without the IPv6 local route")
+	}
+}
