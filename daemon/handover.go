@@ -239,7 +239,10 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, affin
 			}
 			return
 		}
-		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store, Affinity: affinity})
+		// A SIGTERM before the successor is ready waits half the drain budget for it (the
+		// other half is left to finish the connections), serving meanwhile.
+		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store, Affinity: affinity,
+			StopWait: drainBudget(d.o.shutdownTimeout) / 2})
 		listenErr := srv.Listen()
 		if in != nil {
 			taken := in.Taken()

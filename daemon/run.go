@@ -32,6 +32,9 @@ type run struct {
 	settle  func() // after the first sync: the steady state's GC target
 
 	inh    *handover.Inherited // a predecessor's sockets; nil without a hand-over
+	// restorePriority ends a successor's start at lowered CPU priority (lowerPriority); nil
+	// without a hand-over.
+	restorePriority func()
 	node   string
 	client kubernetes.Interface // nil with --services-file
 
@@ -80,6 +83,10 @@ func (r *run) takeHandover(ctx context.Context) error {
 	r.inh = r.d.receiveHandover(ctx)
 	if r.inh != nil {
 		r.onExit(r.inh.Close) // what no one took; after Ready there is nothing left
+		// The predecessor serves every connection until this process is ready: the rest of
+		// the start must not take the CPU its data path needs.
+		r.restorePriority = lowerPriority(r.log)
+		r.onExit(r.restorePriority)
 	}
 	r.steps.done("hand-over")
 	return nil
@@ -219,6 +226,9 @@ func (r *run) tasks(ctx context.Context) ([]func(context.Context), error) {
 	if r.o.readyFile != "" {
 		tasks = append(tasks, readyFileTask(r.o.readyFile, serves, r.log))
 	}
+	if r.restorePriority != nil {
+		tasks = append(tasks, restoreWhenReady(serves, r.restorePriority))
+	}
 	return append([]func(context.Context){proxierTask}, tasks...), nil
 }
 
@@ -250,6 +260,18 @@ func (r *run) servingTasks() ([]func(context.Context), error) {
 		return nil, err
 	}
 	return append(tasks, servers...), nil
+}
+
+// restoreWhenReady gives a successor its CPU priority back once it serves (it told its
+// predecessor it is ready, or could not), or when the process stops.
+func restoreWhenReady(serves <-chan struct{}, restore func()) func(context.Context) {
+	return func(ctx context.Context) {
+		select {
+		case <-serves:
+		case <-ctx.Done():
+		}
+		restore()
+	}
 }
 
 // startSources runs, beside the reopen in proxier.Run and so off the path to serving, what waits
@@ -304,6 +326,20 @@ func (r *run) handOverTasks(ctx context.Context, stopServing func()) (proxierTas
 	})
 	decided := make(chan struct{})
 	proxierTask = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
+	if r.inh != nil {
+		// A successor reopens the inherited sockets (and accepts on them beside its
+		// predecessor) only once its endpoints are in: before, it could only hold a connection
+		// the predecessor would have answered at once (a second or more at 10,000 ports).
+		proxierTask = func(ctx context.Context) {
+			select {
+			case <-w.proxier.EndpointsReady():
+				r.steps.done("initial lists (a successor reopens only now)")
+			case <-ctx.Done():
+				return
+			}
+			w.proxier.Run(afterClosed(ctx, decided))
+		}
+	}
 	handoverTask = func(ctx context.Context) {
 		defer close(decided)
 		handover(ctx)
