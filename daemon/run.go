@@ -31,12 +31,12 @@ type run struct {
 	steps   *startupSteps
 	settle  func() // after the first sync: the steady state's GC target
 
-	inh    *handover.Inherited // a predecessor's sockets; nil without a hand-over
+	inh *handover.Inherited // a predecessor's sockets; nil without a hand-over
 	// restorePriority ends a successor's start at lowered CPU priority (lowerPriority); nil
 	// without a hand-over.
 	restorePriority func()
-	node   string
-	client kubernetes.Interface // nil with --services-file
+	node            string
+	client          kubernetes.Interface // nil with --services-file
 
 	notNode  []string // interfaces whose addresses are not node IPs (bind mode's portal link)
 	hostIPs  map[portal.Family]netip.Addr

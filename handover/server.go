@@ -268,7 +268,7 @@ func (s *Server) awaitReady(c *net.UnixConn, start time.Time, waiting *atomic.Bo
 	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
 	waiting.Store(true) // after the deadline above, which would undo a SIGTERM's shorter one
-	var ready reply // a message of its own: the adoption's fields must not count as ready
+	var ready reply     // a message of its own: the adoption's fields must not count as ready
 	if _, err := receive(c, &ready); err != nil || !ready.Ready {
 		s.pending(false)
 		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))
