@@ -15,7 +15,6 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
-	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -50,8 +49,11 @@ func startHog(d time.Duration) (stop func(), err error) {
 			_ = c.Wait()
 		}
 	}
+	// One process per loop, the loop itself bounded (a shell's SECONDS): killing it ends it,
+	// with no child left behind (a `timeout` killed with SIGKILL leaves its child running).
+	loop := fmt.Sprintf("end=$((SECONDS+%d)); while [ $SECONDS -lt $end ]; do :; done", int(d.Seconds())+1)
 	for range runtime.NumCPU() {
-		c := exec.Command("timeout", strconv.Itoa(int(d.Seconds())+1), "sh", "-c", "while :; do :; done")
+		c := exec.Command("bash", "-c", loop)
 		if err := c.Start(); err != nil {
 			stop()
 			return nil, fmt.Errorf("hog: %w", err)
