@@ -541,3 +541,47 @@ func TestPendingHandOver(t *testing.T) {
 		})
 	}
 }
+
+// TestPredecessorHoldsNoDuplicates: once the sockets are sent, the predecessor no longer holds
+// the duplicates it sent them as. It kept them until its successor was ready, doubling its
+// descriptors for the successor's whole start: at 10,000 service ports under a 20,000 limit its
+// accepts failed with EMFILE and clients waited seconds for a greeting. Address plan: 50
+// listeners on 127.0.0.1 at kernel-chosen ports; both sides in this process.
+func TestPredecessorHoldsNoDuplicates(t *testing.T) {
+	for range 50 {
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+	}
+	openFDs := func() int {
+		fds, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(fds)
+	}
+	path := filepath.Join(t.TempDir(), "handover.sock")
+	adopted := make(chan struct{})
+	var once sync.Once
+	s := NewServer(ServerConfig{Path: path, Logger: quietLog(), Pending: func(p bool) {
+		if p {
+			once.Do(func() { close(adopted) })
+		}
+	}})
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	before := openFDs()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx, func() {}) }()
+	defer func() { cancel(); <-done }()
+	in := receiveOK(t, path) // the successor, not ready yet
+	waitClosed(t, adopted, "the predecessor to read the adoption")
+	// The successor's received descriptors and its connection are in this process too.
+	if extra := openFDs() - before - in.Received(); extra > 4 {
+		t.Errorf("%d more descriptors than the successor received while it gets ready (%d received): the predecessor still holds duplicates", extra, in.Received())
+	}
+}

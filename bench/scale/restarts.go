@@ -68,6 +68,7 @@ type plannedResult struct {
 	attempts, failed int           // failed: no greeting within plannedDeadline
 	longestGap       time.Duration // between two answers
 	oldExit          time.Duration // from the successor's start until the old process exited
+	failures         []string      // the first few failures: when (from the successor's start) and why
 }
 
 // plannedRestart starts a successor beside old, SIGTERMs old plannedAfter later, and has a client
@@ -75,6 +76,7 @@ type plannedResult struct {
 // old process exited (at most 2 minutes). It returns the successor.
 func plannedRestart(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, old *exec.Cmd, start func() (*exec.Cmd, error)) (plannedResult, *exec.Cmd, error) {
 	var r plannedResult
+	var t0 time.Time // the successor's start; set before the client can fail after it
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -96,6 +98,9 @@ func plannedRestart(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, 
 			r.attempts++
 			if err != nil {
 				r.failed++
+				if len(r.failures) < 5 {
+					r.failures = append(r.failures, fmt.Sprintf("%v: %v", now.Sub(t0).Round(time.Millisecond), err))
+				}
 			} else {
 				r.longestGap = max(r.longestGap, now.Sub(last))
 				last = now
@@ -108,7 +113,9 @@ func plannedRestart(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, 
 		finish()
 		return r, nil, err
 	}
-	t0 := time.Now()
+	mu.Lock()
+	t0 = time.Now()
+	mu.Unlock()
 	next, err := start()
 	if err != nil {
 		finish()
@@ -216,6 +223,9 @@ func restartRuns(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, o r
 		}
 		fmt.Printf("planned run %d (load %s): %d of %d connections without a greeting within %v; longest gap between answers %v; old process exited %v after the successor's start\n",
 			i+1, loadavg(), p.failed, p.attempts, plannedDeadline, p.longestGap.Round(time.Millisecond), p.oldExit.Round(time.Millisecond))
+		for _, f := range p.failures {
+			fmt.Printf("  failed at %s\n", f)
+		}
 		if err := ready(startedAt); err != nil {
 			return cur, err
 		}
