@@ -147,11 +147,11 @@ func syncAfterFirst(px interface {
 // startupNice is how much a successor of a hand-over lowers its CPU priority (its nice value)
 // until it is ready. The predecessor serves every connection meanwhile, and on a small node the
 // successor's start (decoding the initial lists, 10,000 sockets, iptables-restore) took both CPUs
-// and made the predecessor answer late (1.8-2.1 s gaps at 10,000 ports on 2 cores). At +10 the
-// successor's weight is about a tenth of a normal task's: the predecessor's data path wins every
-// time it wakes, yet the start still goes on beside a node whose CPUs are all busy (+19, a
-// fiftieth, would make it take minutes there and risk the startup probe's limit).
-const startupNice = 10
+// while the predecessor answered. At +5 the successor's weight is a third of a normal task's: the
+// predecessor's data path wins when it wakes, and the start still ends in seconds beside a node
+// whose CPUs are all busy (at +10, a tenth, it took 22 s there at 10,000 ports, past the
+// predecessor's SIGTERM and its wait for the ready).
+const startupNice = 5
 
 // lowerPriority lowers every thread of this process (and so the threads and commands they start,
 // which inherit it) by startupNice, and returns what restores the nice value it had. Linux keeps
