@@ -8,7 +8,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"net"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -31,7 +34,8 @@ type run struct {
 	steps   *startupSteps
 	settle  func() // after the first sync: the steady state's GC target
 
-	inh *handover.Inherited // a predecessor's sockets; nil without a hand-over
+	inh  *handover.Inherited // a predecessor's sockets; nil without a hand-over
+	snap *readState          // the restart snapshot read at start; nil: none to use
 	// restorePriority ends a successor's start at lowered CPU priority (lowerPriority); nil
 	// without a hand-over.
 	restorePriority func()
@@ -167,8 +171,23 @@ func (r *run) wire(context.Context) error {
 // then probes NAT (a node that cannot NAT fails here); a restart's rules in force prove NAT works,
 // so its --random-fully probe waits until the sockets serve (startSources).
 func (r *run) reopen(ctx context.Context) error {
-	rulesInForce := seedReopen(ctx, r.pm, r.w.proxier, r.log)
-	r.steps.done("read the rules in force (or the bind state)")
+	r.snap = readSnapshot(r.o.restartSnapshot, r.node, r.inh != nil, r.d.deps.clock, r.log)
+	if r.snap != nil {
+		r.steps.done("read the restart snapshot")
+	}
+	var rulesInForce bool
+	if seeds, ok := r.snapshotSeeds(); ok {
+		// A previous process of this mode synced on this node and wrote the snapshot: the node
+		// can NAT, and the rules it left point at these ports (but for changes of its last
+		// second, which the first sync makes).
+		r.w.proxier.Reopen(seeds)
+		rulesInForce = true
+		r.log.WithField("servicePorts", len(seeds)).Info("Reopening the proxy ports of the restart snapshot (the portal rules in force are not read back first)")
+		r.steps.done("seeds from the restart snapshot")
+	} else {
+		rulesInForce = seedReopen(ctx, r.pm, r.w.proxier, r.log)
+		r.steps.done("read the rules in force (or the bind state)")
+	}
 	r.prober, _ = r.pm.(natProber)
 	if r.prober == nil {
 		return nil
@@ -184,11 +203,28 @@ func (r *run) reopen(ctx context.Context) error {
 	return nil
 }
 
+// snapshotSeeds are the restart snapshot's proxy ports as the reopen's seeds, when they can stand
+// for the rules in force (see snapshotSeeds in restart.go): iptables mode only.
+func (r *run) snapshotSeeds() ([]proxier.Seed, bool) {
+	if r.snap == nil {
+		return nil, false
+	}
+	if _, steered := r.pm.(steeredReader); !steered {
+		return nil, false
+	}
+	if _, bound := r.pm.(listenPlanner); bound {
+		return nil, false
+	}
+	fams := slices.Sorted(maps.Keys(r.hostIPs))
+	_, err := net.InterfaceByName(r.o.portalInterface)
+	return snapshotSeeds(r.snap.st, fams, proxyPortRange(r.o.portRange), err == nil)
+}
+
 // restore brings back the restart snapshot or the predecessor's affinity, and tells the proxier,
 // health check and portals what is known of the Node so far.
 func (r *run) restore(context.Context) error {
 	d, w := r.d, r.w
-	restoreSnapshot(r.o.restartSnapshot, r.node, r.inh != nil, w.proxier, w.snapshot, d.deps.clock, r.log)
+	applySnapshot(r.snap, w.proxier, w.snapshot, d.deps.clock, r.log)
 	inheritAffinity(r.inh, w.proxier, d.deps.clock, r.log)
 	r.steps.done("restart snapshot or the predecessor's affinity")
 	var setHostIPs func(map[portal.Family]netip.Addr) // nil: the mode has no rules to the node IPs
