@@ -7,6 +7,7 @@ package daemon
 // the first full sync.
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net"
@@ -166,7 +167,9 @@ func snapshotSeeds(st *snapshot.State, fams []portal.Family, inRange func(uint16
 			ExternalProxyPort: p.ExternalProxyPort, Families: fams})
 	}
 	// The order of the rules read back: by name.
-	slices.SortFunc(seeds, func(a, b proxier.Seed) int { return strings.Compare(a.Name.String(), b.Name.String()) })
+	slices.SortFunc(seeds, func(a, b proxier.Seed) int {
+		return cmp.Or(strings.Compare(a.Name.Namespace, b.Name.Namespace), strings.Compare(a.Name.Name, b.Name.Name), strings.Compare(a.Name.Port, b.Name.Port))
+	})
 	return seeds, true
 }
 
