@@ -173,6 +173,8 @@ func lowerPriority(log logrus.FieldLogger) (restore func()) {
 	low := min(orig+startupNice, 19)
 	if _, err := setThreadsNice(low); err != nil {
 		log.WithError(err).Warn("Cannot lower the start-up's CPU priority")
+	} else {
+		log.WithFields(logrus.Fields{"nice": low, "was": orig}).Info("Starting at a lower CPU priority beside the running proxy until ready")
 	}
 	var once sync.Once
 	return func() {
