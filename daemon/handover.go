@@ -239,7 +239,12 @@ func (d *Daemon) handoverTask(in *handover.Inherited, px *proxier.Proxier, affin
 			}
 			return
 		}
-		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store, Affinity: affinity})
+		// A SIGTERM before the successor is ready waits up to 3/4 of the drain budget for it,
+		// serving meanwhile. The drain's deadline counts from the SIGTERM either way, so the
+		// connections open then lose nothing; those accepted while waiting keep at least a
+		// quarter of it.
+		srv := handover.NewServer(handover.ServerConfig{Path: d.o.handoverSocket, Logger: d.log, Clock: d.deps.clock, Pending: gate.busy.Store, Affinity: affinity,
+			StopWait: drainBudget(d.o.shutdownTimeout) * 3 / 4})
 		listenErr := srv.Listen()
 		if in != nil {
 			taken := in.Taken()

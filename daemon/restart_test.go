@@ -3,17 +3,21 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
+	"github.com/kube-portal-proxy/kube-portal-proxy/proxier/snapshot"
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
@@ -92,5 +96,52 @@ func TestStateWriterWritesTheLatestState(t *testing.T) {
 	<-done
 	if len(saved) != 0 {
 		t.Errorf("the replaced state was written too: %+v", <-saved)
+	}
+}
+
+// TestSnapshotSeeds: after a crash in iptables mode the restart snapshot's proxy ports seed the
+// reopen, so the rules in force need not be read back before the first answer; only when they
+// can stand for those rules. Address plan: proxy ports from the kernel's default ephemeral range
+// (32768-60999); service ports 53 and 80 as a bind-mode snapshot names them.
+func TestSnapshotSeeds(t *testing.T) {
+	web := service.ServicePortName{Namespace: "ns", Name: "web", Port: "http"}
+	dns := service.ServicePortName{Namespace: "kube-system", Name: "dns", Port: "dns"}
+	iptablesSnap := &snapshot.State{Node: "node-1", Ports: []snapshot.Port{
+		{Name: web, Protocol: service.TCP, ProxyPort: 40001, ExternalProxyPort: 40002},
+		{Name: dns, Protocol: service.UDP, ProxyPort: 40003},
+	}}
+	bindSnap := &snapshot.State{Node: "node-1", Ports: []snapshot.Port{
+		{Name: web, Protocol: service.TCP, ProxyPort: 80},
+		{Name: dns, Protocol: service.UDP, ProxyPort: 53},
+	}}
+	inRange := proxyPortRange(proxier.PortRange{Base: 32768, Size: 60999 - 32768 + 1})
+	v4 := []portal.Family{portal.IPv4}
+	for _, tc := range []struct {
+		name     string
+		st       *snapshot.State
+		fams     []portal.Family
+		bindLink bool
+		want     []string // name/proto:port/external, in order; nil: read the rules
+	}{
+		{"an iptables-mode snapshot seeds the reopen, in name order", iptablesSnap, v4, false,
+			[]string{"kube-system/dns:dns/UDP:40003/0", "ns/web:http/TCP:40001/40002"}},
+		{"a bind-mode snapshot (service ports) does not", bindSnap, v4, false, nil},
+		{"a dual-stack node does not (the snapshot has no families)", iptablesSnap, []portal.Family{portal.IPv4, portal.IPv6}, false, nil},
+		{"a node with bind mode's portal link does not", iptablesSnap, v4, true, nil},
+		{"no snapshot", nil, v4, false, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			seeds, ok := snapshotSeeds(tc.st, tc.fams, inRange, tc.bindLink)
+			var got []string
+			for _, s := range seeds {
+				if len(s.Families) != 1 || s.Families[0] != portal.IPv4 {
+					t.Errorf("%s listens in %v, want IPv4", s.Name, s.Families)
+				}
+				got = append(got, fmt.Sprintf("%s/%s:%d/%d", s.Name, s.Protocol, s.ProxyPort, s.ExternalProxyPort))
+			}
+			if ok != (tc.want != nil) || !slices.Equal(got, tc.want) {
+				t.Errorf("seeds %v (ok %v), want %v", got, ok, tc.want)
+			}
+		})
 	}
 }

@@ -9,7 +9,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"net"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -33,9 +36,13 @@ type run struct {
 	steps   *startupSteps
 	settle  func() // after the first sync: the steady state's GC target
 
-	inh    *handover.Inherited // a predecessor's sockets; nil without a hand-over
-	node   string
-	client kubernetes.Interface // nil with --services-file
+	inh  *handover.Inherited // a predecessor's sockets; nil without a hand-over
+	snap *readState          // the restart snapshot read at start; nil: none to use
+	// restorePriority ends a successor's start at lowered CPU priority (lowerPriority); nil
+	// without a hand-over.
+	restorePriority func()
+	node            string
+	client          kubernetes.Interface // nil with --services-file
 
 	notNode  []string // interfaces whose addresses are not node IPs (bind mode's portal link)
 	hostIPs  map[portal.Family]netip.Addr
@@ -83,6 +90,10 @@ func (r *run) takeHandover(ctx context.Context) error {
 	r.inh = r.d.receiveHandover(ctx)
 	if r.inh != nil {
 		r.onExit(r.inh.Close) // what no one took; after Ready there is nothing left
+		// The predecessor serves every connection until this process is ready: the rest of
+		// the start must not take the CPU its data path needs.
+		r.restorePriority = lowerPriority(r.log)
+		r.onExit(r.restorePriority)
 	}
 	r.steps.done("hand-over")
 	return nil
@@ -178,8 +189,23 @@ func (r *run) wire(context.Context) error {
 // then probes NAT (a node that cannot NAT fails here); a restart's rules in force prove NAT works,
 // so its --random-fully probe waits until the sockets serve (startSources).
 func (r *run) reopen(ctx context.Context) error {
-	rulesInForce := seedReopen(ctx, r.pm, r.w.proxier, r.log)
-	r.steps.done("read the rules in force (or the bind state)")
+	r.snap = readSnapshot(r.o.restartSnapshot, r.node, r.inh != nil, r.d.deps.clock, r.log)
+	if r.snap != nil {
+		r.steps.done("read the restart snapshot")
+	}
+	var rulesInForce bool
+	if seeds, ok := r.snapshotSeeds(); ok {
+		// A previous process of this mode synced on this node and wrote the snapshot: the node
+		// can NAT, and the rules it left point at these ports (but for changes of its last
+		// second, which the first sync makes).
+		r.w.proxier.Reopen(seeds)
+		rulesInForce = true
+		r.log.WithField("servicePorts", len(seeds)).Info("Reopening the proxy ports of the restart snapshot (the portal rules in force are not read back first)")
+		r.steps.done("seeds from the restart snapshot")
+	} else {
+		rulesInForce = seedReopen(ctx, r.pm, r.w.proxier, r.log)
+		r.steps.done("read the rules in force (or the bind state)")
+	}
 	r.prober, _ = r.pm.(natProber)
 	if r.prober == nil {
 		return nil
@@ -195,11 +221,28 @@ func (r *run) reopen(ctx context.Context) error {
 	return nil
 }
 
+// snapshotSeeds are the restart snapshot's proxy ports as the reopen's seeds, when they can stand
+// for the rules in force (see snapshotSeeds in restart.go): iptables mode only.
+func (r *run) snapshotSeeds() ([]proxier.Seed, bool) {
+	if r.snap == nil {
+		return nil, false
+	}
+	if _, steered := r.pm.(steeredReader); !steered {
+		return nil, false
+	}
+	if _, bound := r.pm.(listenPlanner); bound {
+		return nil, false
+	}
+	fams := slices.Sorted(maps.Keys(r.hostIPs))
+	_, err := net.InterfaceByName(r.o.portalInterface)
+	return snapshotSeeds(r.snap.st, fams, proxyPortRange(r.o.portRange), err == nil)
+}
+
 // restore brings back the restart snapshot or the predecessor's affinity, and tells the proxier,
 // health check and portals what is known of the Node so far.
 func (r *run) restore(context.Context) error {
 	d, w := r.d, r.w
-	restoreSnapshot(r.o.restartSnapshot, r.node, r.inh != nil, w.proxier, w.snapshot, d.deps.clock, r.log)
+	applySnapshot(r.snap, w.proxier, w.snapshot, d.deps.clock, r.log)
 	inheritAffinity(r.inh, w.proxier, d.deps.clock, r.log)
 	r.steps.done("restart snapshot or the predecessor's affinity")
 	var setHostIPs func(map[portal.Family]netip.Addr) // nil: the mode has no rules to the node IPs
@@ -237,6 +280,9 @@ func (r *run) tasks(ctx context.Context) ([]func(context.Context), error) {
 	if r.o.readyFile != "" {
 		tasks = append(tasks, readyFileTask(r.o.readyFile, serves, r.log))
 	}
+	if r.restorePriority != nil {
+		tasks = append(tasks, restoreWhenReady(serves, r.restorePriority))
+	}
 	return append([]func(context.Context){proxierTask}, tasks...), nil
 }
 
@@ -271,6 +317,18 @@ func (r *run) servingTasks() ([]func(context.Context), error) {
 		return nil, err
 	}
 	return append(tasks, servers...), nil
+}
+
+// restoreWhenReady gives a successor its CPU priority back once it serves (it told its
+// predecessor it is ready, or could not), or when the process stops.
+func restoreWhenReady(serves <-chan struct{}, restore func()) func(context.Context) {
+	return func(ctx context.Context) {
+		select {
+		case <-serves:
+		case <-ctx.Done():
+		}
+		restore()
+	}
 }
 
 // startSources runs, beside the reopen in proxier.Run and so off the path to serving, what waits
@@ -325,6 +383,20 @@ func (r *run) handOverTasks(ctx context.Context, stopServing func()) (proxierTas
 	})
 	decided := make(chan struct{})
 	proxierTask = func(ctx context.Context) { w.proxier.Run(afterClosed(ctx, decided)) }
+	if r.inh != nil {
+		// A successor reopens the inherited sockets (and accepts on them beside its
+		// predecessor) only once its endpoints are in: before, it could only hold a connection
+		// the predecessor would have answered at once (a second or more at 10,000 ports).
+		proxierTask = func(ctx context.Context) {
+			select {
+			case <-w.proxier.EndpointsReady():
+				r.steps.done("initial lists (a successor reopens only now)")
+			case <-ctx.Done():
+				return
+			}
+			w.proxier.Run(afterClosed(ctx, decided))
+		}
+	}
 	handoverTask = func(ctx context.Context) {
 		defer close(decided)
 		handover(ctx)

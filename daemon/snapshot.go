@@ -76,8 +76,14 @@ type restorer interface {
 // sources start, and removes the temporary files of a write the previous process was killed in. A successor of a hand-over does not: its predecessor serves until it has synced.
 // A snapshot that is unreadable, of another version or node is logged once and ignored.
 func restoreSnapshot(path, node string, handedOver bool, px restorer, stats *snapshotStats, clk clock.PassiveClock, log logrus.FieldLogger) {
+	applySnapshot(readSnapshot(path, node, handedOver, clk, log), px, stats, clk, log)
+}
+
+// readSnapshot is the first half of restoreSnapshot: the state read, nil when there is none to
+// use.
+func readSnapshot(path, node string, handedOver bool, clk clock.PassiveClock, log logrus.FieldLogger) *readState {
 	if path == "" || handedOver {
-		return
+		return nil
 	}
 	start := clk.Now()
 	// No process writes now (the previous one is gone), so a temporary file is a killed write's.
@@ -87,17 +93,34 @@ func restoreSnapshot(path, node string, handedOver bool, px restorer, stats *sna
 	st, err := snapshot.Read(path, node)
 	if err != nil {
 		log.WithError(err).Warn("Ignoring the restart snapshot; reopened proxy ports hold connections until the initial lists are in")
-		return
+		return nil
 	}
 	if st == nil {
+		return nil
+	}
+	return &readState{st: st, at: start, took: clk.Since(start)}
+}
+
+// readState is a snapshot read at start, and when and how long that took.
+type readState struct {
+	st   *snapshot.State
+	at   time.Time
+	took time.Duration
+}
+
+// applySnapshot is the second half of restoreSnapshot: the proxier serves the reopened ports
+// from the state read (nil: nothing to do).
+func applySnapshot(rs *readState, px restorer, stats *snapshotStats, clk clock.PassiveClock, log logrus.FieldLogger) {
+	if rs == nil {
 		return
 	}
-	n := px.Restore(st)
-	age := start.Sub(st.Written)
+	start := clk.Now()
+	n := px.Restore(rs.st)
+	age := rs.at.Sub(rs.st.Written)
 	stats.restored.Store(int64(n))
 	stats.age.Store(int64(max(age, 0)))
-	log.WithFields(logrus.Fields{"restoredServicePorts": n, "snapshotServicePorts": len(st.Ports), "snapshotAge": age.Round(time.Millisecond).String(),
-		"duration": clk.Since(start).String()}).Info("Serving the reopened proxy ports from the restart snapshot until the initial Services and EndpointSlices are in")
+	log.WithFields(logrus.Fields{"restoredServicePorts": n, "snapshotServicePorts": len(rs.st.Ports), "snapshotAge": age.Round(time.Millisecond).String(),
+		"duration": (rs.took + clk.Since(start)).String()}).Info("Serving the reopened proxy ports from the restart snapshot until the initial Services and EndpointSlices are in")
 }
 
 // snapshotWriter writes the snapshot after the first sync, then whenever the proxier's state

@@ -5,6 +5,9 @@ package daemon
 
 import (
 	"net/netip"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/sirupsen/logrus"
@@ -12,6 +15,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
@@ -64,4 +68,54 @@ func TestNodeIPsFollowTheNode(t *testing.T) {
 		b := &nodeIPs{bind: netip.IPv4Unspecified(), log: logrus.NewEntry(log), sync: func() { t.Fatal("sync asked") }}
 		b.update(nodeWith("192.0.2.10"))
 	})
+}
+
+// threadNices reads every thread's nice value from /proc/self/task/*/stat (field 19), the way
+// ps and top see it.
+func threadNices(t *testing.T) map[int]int {
+	t.Helper()
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[int]int{}
+	for _, e := range tasks {
+		b, err := os.ReadFile("/proc/self/task/" + e.Name() + "/stat")
+		if err != nil {
+			continue // the thread ended
+		}
+		fields := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:]))
+		nice, err := strconv.Atoi(fields[16]) // field 19 counted from pid
+		if err != nil {
+			t.Fatal(err)
+		}
+		tid, _ := strconv.Atoi(e.Name())
+		out[tid] = nice
+	}
+	return out
+}
+
+// TestStartupPriority: a successor's start runs every thread at lowered priority (the running
+// predecessor's data path comes first), and ready gives each back the nice value it had. Needs
+// CAP_SYS_RESOURCE (or CAP_SYS_NICE) to come back; without, nothing is lowered.
+func TestStartupPriority(t *testing.T) {
+	orig := threadNices(t)[os.Getpid()]
+	log, _ := logtest.NewNullLogger()
+	restore := lowerPriority(log)
+	t.Cleanup(restore)
+	if err := allowNice(orig); err != nil && !hasCapSysNice() {
+		testenv.Unavailable(t, "cannot raise RLIMIT_NICE to come back (%v)", err)
+	}
+	want := min(orig+startupNice, 19)
+	for tid, nice := range threadNices(t) {
+		if nice != want {
+			t.Errorf("thread %d at nice %d during the start, want %d", tid, nice, want)
+		}
+	}
+	restore()
+	for tid, nice := range threadNices(t) {
+		if nice != orig {
+			t.Errorf("thread %d at nice %d once ready, want %d again", tid, nice, orig)
+		}
+	}
 }

@@ -213,7 +213,7 @@ func playSuccessor(t *testing.T, ln net.Listener, hi, adopted, ready []byte) (pe
 		}})
 	errc := make(chan error, 1)
 	go func() {
-		_, err := s.serve(old)
+		_, err := s.serve(old, new(atomic.Bool))
 		_ = old.Close() // as Run does: the successor sees the end
 		errc <- err
 	}()

@@ -21,6 +21,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/sirupsen/logrus"
+	logtest "github.com/sirupsen/logrus/hooks/test"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
@@ -385,6 +386,50 @@ func TestHandOverFallback(t *testing.T) {
 		}
 	})
 
+	// A successor on a busy node may still be starting (at lowered priority) when the
+	// predecessor's SIGTERM comes; had the predecessor stopped accepting then, connections would
+	// wait in the kernel's queue for the successor's start (seconds at 10,000 ports).
+	t.Run("a predecessor told to stop waits StopWait for the ready of a successor holding the sockets, serving", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "handover.sock")
+		adopted := make(chan struct{})
+		var once sync.Once
+		log, hook := logtest.NewNullLogger()
+		s := NewServer(ServerConfig{Path: path, Logger: log, StopWait: time.Minute, Pending: func(p bool) {
+			if p {
+				once.Do(func() { close(adopted) })
+			}
+		}})
+		if err := s.Listen(); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		stopped, handedOff := make(chan struct{}), make(chan struct{})
+		go func() { defer close(stopped); s.Run(ctx, func() { close(handedOff) }) }()
+		in := receiveOK(t, path)
+		waitClosed(t, adopted, "the predecessor to read the adoption")
+		cancel() // SIGTERM to the predecessor while the successor starts
+		// The predecessor keeps the hand-over open: a read on the successor's side sees no end
+		// (before: the connection closed at once, and the predecessor stopped accepting).
+		_ = in.conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+		var b [1]byte
+		if _, err := in.conn.Read(b[:]); !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("the predecessor ended the hand-over at its SIGTERM (read: %v); want it to wait for the ready", err)
+		}
+		select {
+		case <-handedOff:
+			t.Fatal("the predecessor stopped accepting before its successor was ready")
+		default:
+		}
+		if _, err := in.Ready(); err != nil {
+			t.Fatalf("Ready after the predecessor's SIGTERM: %v", err)
+		}
+		waitClosed(t, handedOff, "the hand-over once the successor is ready")
+		waitClosed(t, stopped, "the server to stop")
+		if !slices.ContainsFunc(hook.AllEntries(), func(e *logrus.Entry) bool { return strings.HasPrefix(e.Message, "Successor is ready") }) {
+			t.Error("the predecessor did not read its successor's ready")
+		}
+	})
+
 	t.Run("a predecessor told to stop before a successor adopted the sockets stops as without one", func(t *testing.T) {
 		path := filepath.Join(t.TempDir(), "handover.sock")
 		s := NewServer(ServerConfig{Path: path, Logger: quietLog()})
@@ -494,5 +539,49 @@ func TestPendingHandOver(t *testing.T) {
 				t.Errorf("Pending calls (-want +got):\n%s", diff)
 			}
 		})
+	}
+}
+
+// TestPredecessorHoldsNoDuplicates: once the sockets are sent, the predecessor no longer holds
+// the duplicates it sent them as. It kept them until its successor was ready, doubling its
+// descriptors for the successor's whole start: at 10,000 service ports under a 20,000 limit its
+// accepts failed with EMFILE and clients waited seconds for a greeting. Address plan: 50
+// listeners on 127.0.0.1 at kernel-chosen ports; both sides in this process.
+func TestPredecessorHoldsNoDuplicates(t *testing.T) {
+	for range 50 {
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+	}
+	openFDs := func() int {
+		fds, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(fds)
+	}
+	path := filepath.Join(t.TempDir(), "handover.sock")
+	adopted := make(chan struct{})
+	var once sync.Once
+	s := NewServer(ServerConfig{Path: path, Logger: quietLog(), Pending: func(p bool) {
+		if p {
+			once.Do(func() { close(adopted) })
+		}
+	}})
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	before := openFDs()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.Run(ctx, func() {}) }()
+	defer func() { cancel(); <-done }()
+	in := receiveOK(t, path) // the successor, not ready yet
+	waitClosed(t, adopted, "the predecessor to read the adoption")
+	// The successor's received descriptors and its connection are in this process too.
+	if extra := openFDs() - before - in.Received(); extra > 4 {
+		t.Errorf("%d more descriptors than the successor received while it gets ready (%d received): the predecessor still holds duplicates", extra, in.Received())
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -33,6 +34,12 @@ type ServerConfig struct {
 	Timeout time.Duration
 	// ReadyTimeout bounds the wait for ready; 0 means DefaultReadyTimeout.
 	ReadyTimeout time.Duration
+	// StopWait is how long Run, stopped (SIGTERM) while a successor that adopted the sockets
+	// is not ready yet, still waits for its ready before it calls handedOff; the process
+	// serves meanwhile. A successor that starts slowly (a busy node; it starts at lowered
+	// priority) would otherwise find the kernel's queues without a process that accepts. 0:
+	// no wait, handedOff at once.
+	StopWait time.Duration
 	// Collect lists the sockets to hand over; nil means Collect (every listening socket).
 	Collect func() ([]socket, error)
 	// Affinity, if set, lists the ClientIP affinity table, sent to a successor that asks for it
@@ -129,8 +136,15 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 			}
 			return
 		}
-		stopConn := context.AfterFunc(ctx, func() { _ = c.Close() }) // a SIGTERM does not wait for ready
-		adopted, err := s.serve(c)
+		var waiting atomic.Bool // a successor adopted the sockets: a SIGTERM waits StopWait for its ready
+		stopConn := context.AfterFunc(ctx, func() {
+			if s.cfg.StopWait > 0 && waiting.Load() {
+				_ = c.SetReadDeadline(time.Now().Add(s.cfg.StopWait))
+				return
+			}
+			_ = c.Close()
+		})
+		adopted, err := s.serve(c, &waiting)
 		stopConn()
 		_ = c.Close()
 		if err == nil {
@@ -154,7 +168,7 @@ func (s *Server) Run(ctx context.Context, handedOff func()) {
 
 // serve runs one hand-over on c; nil means the successor is ready. adopted reports that the
 // successor confirmed it holds the sockets, whatever came after.
-func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
+func (s *Server) serve(c *net.UnixConn, waiting *atomic.Bool) (adopted bool, err error) {
 	start := s.cfg.Clock.Now()
 	h, err := greet(c, s.cfg.Timeout)
 	if err != nil {
@@ -167,7 +181,9 @@ func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
 	}
 	defer func() {
 		for _, sk := range socks {
-			_ = closeFD(sk.fd)
+			if sk.fd >= 0 {
+				_ = closeFD(sk.fd)
+			}
 		}
 	}()
 	affinity, sentAffinity := s.affinityMessages(h)
@@ -180,7 +196,7 @@ func (s *Server) serve(c *net.UnixConn) (adopted bool, err error) {
 	}
 	s.cfg.Logger.WithFields(logrus.Fields{"sockets": len(socks), "adopted": *r.Adopted, "affinityEntries": sentAffinity,
 		"duration": s.cfg.Clock.Since(start).String()}).Info("Handed the listening sockets to a successor; serving until it is ready")
-	return true, s.awaitReady(c, start)
+	return true, s.awaitReady(c, start, waiting)
 }
 
 // greet checks that the successor runs as this process's user, and reads its hello, refusing
@@ -239,6 +255,14 @@ func sendSockets(c *net.UnixConn, socks []socket, affinity [][]byte) error {
 		if err := send(c, entries, fds); err != nil {
 			return fmt.Errorf("handover: send sockets: %w", err)
 		}
+		// The message in flight holds the sockets now. Keeping the duplicates until the
+		// successor is ready doubled this process's descriptors for the successor's whole
+		// start: at 10,000 service ports under a 20,000 limit, accept failed with EMFILE and
+		// connections waited in the queue for seconds.
+		for i := p[0]; i < p[1]; i++ {
+			_ = closeFD(socks[i].fd)
+			socks[i].fd = -1
+		}
 	}
 	for _, msg := range affinity {
 		if _, _, err := c.WriteMsgUnix(msg, nil, nil); err != nil {
@@ -250,10 +274,11 @@ func sendSockets(c *net.UnixConn, socks []socket, affinity [][]byte) error {
 
 // awaitReady waits, at most ReadyTimeout, for the successor that adopted the sockets to say it
 // is ready; Pending is true meanwhile, and again false if it never does.
-func (s *Server) awaitReady(c *net.UnixConn, start time.Time) error {
+func (s *Server) awaitReady(c *net.UnixConn, start time.Time, waiting *atomic.Bool) error {
 	s.pending(true)
 	deadline(c, time.Now(), s.cfg.ReadyTimeout)
-	var ready reply // a message of its own: the adoption's fields must not count as ready
+	waiting.Store(true) // after the deadline above, which would undo a SIGTERM's shorter one
+	var ready reply     // a message of its own: the adoption's fields must not count as ready
 	if _, err := receive(c, &ready); err != nil || !ready.Ready {
 		s.pending(false)
 		return fmt.Errorf("handover: successor did not become ready (gone, or not within %v): %v", s.cfg.ReadyTimeout, orNot(err, ready))

@@ -123,6 +123,11 @@ func (p *Proxier) FirstSync() <-chan struct{} { return p.firstSync }
 // its start-up by it.
 func (p *Proxier) Serving() <-chan struct{} { return p.serving }
 
+// EndpointsReady is closed once the initial Services and EndpointSlices are in (before Run, if
+// the sources run first): a successor of a hand-over starts Run only then, so its reopened
+// sockets never hold a connection its predecessor could have served at once.
+func (p *Proxier) EndpointsReady() <-chan struct{} { return p.endpointsReady }
+
 func (p *Proxier) markFirstSync() { p.firstSyncOnce.Do(func() { close(p.firstSync) }) }
 
 // ReopenCounts says how many service ports Run reopened, before the first sync, on the proxy

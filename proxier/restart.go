@@ -96,20 +96,14 @@ func (d *dataPaths) reopen() {
 	}
 	start := d.cfg.Clock.Now()
 	opened, rebound, inherited, busy := 0, 0, 0, 0
-	for _, s := range d.restart.seeds {
-		log := d.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
-		a, err := open(s, log)
-		if errors.Is(err, syscall.EADDRINUSE) {
-			busy++
-			a, err = d.reopenInUse(open, s, log, start)
-		}
+	done := func(s Seed, a *activePort, err error, log logrus.FieldLogger) {
 		if errors.Is(err, errOutsideRange) {
 			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
-			continue
+			return
 		}
 		if err != nil {
 			log.WithError(err).Warn("Cannot reopen " + what + "; the first sync opens them")
-			continue
+			return
 		}
 		for _, sock := range []*activePort{a, a.ext} {
 			if sock == nil {
@@ -128,6 +122,27 @@ func (d *dataPaths) reopen() {
 		d.mu.Unlock()
 		d.restart.seeded[s.Name] = true
 		opened++
+	}
+	seedLog := func(s Seed) logrus.FieldLogger {
+		return d.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
+	}
+	// A seed whose address is still in use is tried again once the others are open: waiting
+	// for it in turn (up to reopenInUseFor) held back every seed after it, at 10,000 ports up to
+	// a second more of refusals for most of them.
+	var inUse []Seed
+	for _, s := range d.restart.seeds {
+		a, err := open(s, seedLog(s))
+		if errors.Is(err, syscall.EADDRINUSE) {
+			busy++
+			inUse = append(inUse, s)
+			continue
+		}
+		done(s, a, err, seedLog(s))
+	}
+	for _, s := range inUse {
+		log := seedLog(s)
+		a, err := d.reopenInUse(open, s, log, start)
+		done(s, a, err, log)
 	}
 	d.restart.reopened.Store(int64(opened))
 	d.restart.rebound.Store(int64(rebound))

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -138,6 +139,40 @@ func TestReopenTakenPortLeftToTheFirstSync(t *testing.T) {
 	e.sync()
 	if s := e.open[webHTTP]; s == nil || s.addr.Port() == 34001 {
 		t.Errorf("after the first sync: %v, want a socket on a newly allocated port", s)
+	}
+}
+
+// TestReopenDoesNotWaitForAPortInUse: a seed whose port is still in use (the killed process's
+// socket not yet gone) is tried again after the others are open, not in turn: at 10,000 ports the
+// retries of one held every later port refused for up to a second after a SIGKILL.
+func TestReopenDoesNotWaitForAPortInUse(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	e.mu.Lock()
+	e.failListen[webHTTP] = fmt.Errorf("listen: %w", os.NewSyscallError("bind", syscall.EADDRINUSE))
+	e.mu.Unlock()
+	e.p.Reopen([]Seed{seed("ns", "web", "http", service.TCP, 34001), seed("ns", "xother", "http", service.TCP, 34002)})
+	done := make(chan struct{})
+	go func() { defer close(done); e.p.paths.reopen() }()
+	// The fake clock stands still: only the port in use waits for it.
+	testenv.WaitFor(t, "the free seed to open while the one in use waits", func() bool {
+		return slices.Contains(e.openNames(), "ns/xother:http")
+	})
+	e.mu.Lock()
+	delete(e.failListen, webHTTP) // the killed process's socket is gone
+	e.mu.Unlock()
+	testenv.WaitFor(t, "the seed in use to be tried again", func() bool {
+		select {
+		case <-done:
+			return true
+		default:
+		}
+		if e.clk.HasWaiters() {
+			e.clk.Step(20 * time.Millisecond)
+		}
+		return false
+	})
+	if got := e.openNames(); !slices.Equal(got, []string{"ns/web:http", "ns/xother:http"}) {
+		t.Errorf("open = %v, want both seeds", got)
 	}
 }
 

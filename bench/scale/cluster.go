@@ -14,6 +14,7 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -44,6 +45,9 @@ type clusterOptions struct {
 	churnRate                            int
 	churn                                time.Duration
 	logDir                               string // each target's log, per round
+	// restarts, when restarts.runs > 0, restarts each kube-portal-proxy target after its cold
+	// start (restarts.go), with --restart-snapshot-file (and --handover-socket with -planned).
+	restarts restartOptions
 	// startLimit bounds a cold start; a target not in force by then is recorded as such and
 	// skipped in later rounds (kube-proxy's iptables mode at 10,000 ports on iptables-nft).
 	startLimit time.Duration
@@ -156,7 +160,19 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 	if err := framework.WriteRelayedKubeconfig(cp.ProxyKubeconfig, kubeconfig, "https://"+rl.Addr()); err != nil {
 		return r, err
 	}
-	cmd, err := t.command(bed, kubeconfig, dir)
+	restarting := o.restarts.runs > 0 && !t.kubeProxy()
+	command := func() (*exec.Cmd, error) {
+		c, err := t.command(bed, kubeconfig, dir)
+		if err != nil || !restarting {
+			return c, err
+		}
+		c.Args = append(c.Args, "--restart-snapshot-file", filepath.Join(dir, "restart-snapshot"))
+		if o.restarts.planned {
+			c.Args = append(c.Args, "--handover-socket", filepath.Join(dir, "handover.sock"))
+		}
+		return c, nil
+	}
+	cmd, err := command()
 	if err != nil {
 		return r, err
 	}
@@ -228,6 +244,33 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		file := strings.TrimSuffix(profile.heap, ".pb.gz") + "-" + t.name + ".pb.gz"
 		if out, err := bed.Node.Exec(ctx, "curl", "-sf", "-o", file, "http://"+metricsAddr+"/debug/pprof/heap"); err != nil {
 			return r, fmt.Errorf("heap profile: %w: %s", err, out)
+		}
+	}
+	if restarting {
+		fmt.Printf("%s, round %d: restarts\n", t.name, round)
+		if err := waitSnapshotSince(ctx, filepath.Join(dir, "restart-snapshot"), start); err != nil {
+			return r, err
+		}
+		cmd, err = restartRuns(ctx, bed, vip, o.restarts, cmd, func() (*exec.Cmd, error) {
+			c, err := command()
+			if err != nil {
+				return nil, err
+			}
+			c.Stdout, c.Stderr = logFile, logFile
+			return c, c.Start()
+		}, func(at time.Time) error {
+			if err := testbed.Eventually(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
+				return t.rulesInForce(ctx, bed, o.services, o.services*o.endpoints)
+			}); err != nil {
+				return err
+			}
+			return waitSnapshotSince(ctx, filepath.Join(dir, "restart-snapshot"), at)
+		})
+		if err != nil {
+			return r, err
+		}
+		if pid, err = proxyPID(cmd.Process.Pid); err != nil {
+			return r, err
 		}
 	}
 	if o.churn <= 0 {

@@ -41,6 +41,9 @@ var (
 	snapshotFile    string
 )
 
+// restarts is -restart-runs, -planned and -hog (restarts.go).
+var restarts restartOptions
+
 func main() {
 	flag.StringVar(&logLevel, "log-level", logLevel, "file mode: the daemon's --log-level (its log goes to stderr)")
 	proxy := flag.String("proxy", "bin/kube-portal-proxy", "the binary")
@@ -50,6 +53,9 @@ func main() {
 	changes := flag.Int("changes", 5, "programming-latency samples")
 	restart := flag.Bool("restart", true, "also SIGKILL the proxy and restart it at once, measuring what a client sees")
 	flag.BoolVar(&restartSnapshot, "restart-snapshot", false, "file mode: run the proxy with --restart-snapshot-file (a file in a temporary directory) and, before the SIGKILL, wait until the snapshot holds the probed service (a binary without the flag does not start)")
+	flag.IntVar(&restarts.runs, "restart-runs", 0, "file mode and -cluster: instead of the single SIGKILL restart, this many in a row (and as many planned ones with -planned), each reported, the next once the restarted proxy serves everything and has written its snapshot")
+	flag.BoolVar(&restarts.planned, "planned", false, "with -restart-runs: also planned restarts (both processes with --handover-socket; successor started, SIGTERM to the old one 15 s later; a client connecting every 5 ms, failing a connection whose greeting takes over 1 s)")
+	flag.DurationVar(&restarts.hog, "hog", 0, "with -restart-runs: during each restart, one busy loop per CPU at normal priority, ending after this long at most (0: none)")
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.heap, "heapprofile", "", "-cluster or file mode with -baseline: write a heap profile of each daemon after its first cold start (/debug/pprof/heap) to this file, the target's name added")
@@ -78,7 +84,7 @@ func main() {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
 		if err == nil {
-			err = runCluster(ctx, targets, clusterOptions{services: *services, endpoints: *endpoints, workers: *workers,
+			err = runCluster(ctx, targets, clusterOptions{services: *services, endpoints: *endpoints, workers: *workers, restarts: restarts,
 				rounds: *rounds, churn: *churn, churnRate: max(*churnRate, 1), startLimit: *startLimit})
 		}
 		stop()
@@ -121,6 +127,14 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 		}
 		defer os.RemoveAll(snapDir)
 		snapshotFile = filepath.Join(snapDir, "restart-snapshot")
+	}
+	if restarts.planned {
+		sockDir, err := os.MkdirTemp("", "kpp-scale-handover-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(sockDir)
+		restarts.handoverSocket = filepath.Join(sockDir, "handover.sock")
 	}
 
 	start := time.Now()
@@ -211,6 +225,20 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 			return err
 		}
 	}
+	probe := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 250, 1}), 80)
+	if restarts.runs > 0 {
+		cmd, err = restartRuns(ctx, bed, probe, restarts, cmd, func() (*exec.Cmd, error) { return startProxy(proxy, bed, dir) },
+			func(t time.Time) error {
+				if err := waitRules(ctx, bed, nServices); err != nil {
+					return err
+				}
+				if snapshotFile == "" {
+					return nil
+				}
+				return waitSnapshotSince(ctx, snapshotFile, t)
+			})
+		return err
+	}
 	// A client connects in a loop through the first change's cluster IP (a real pod behind it)
 	// while the proxy is SIGKILLed and started again at once.
 	w, err := restartWindow(ctx, bed, func() (*exec.Cmd, error) {
@@ -242,6 +270,9 @@ func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exe
 		"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0")
 	if snapshotFile != "" {
 		cmd.Args = append(cmd.Args, "--restart-snapshot-file", snapshotFile)
+	}
+	if restarts.handoverSocket != "" {
+		cmd.Args = append(cmd.Args, "--handover-socket", restarts.handoverSocket)
 	}
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if len(env) > 0 {
