@@ -19,7 +19,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/sirupsen/logrus"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -206,15 +205,16 @@ func (d *Daemon) kernelPorts(hooks proxierHooks) proxier.KernelPorts {
 	return kp
 }
 
-// registry holds every metric: the sync's, the process's, the traffic's, the restarts', the
-// snapshot's, the engine's, the portal mode's and the flow stream's.
+// registry holds every metric but the traffic series (metrics.Handler adds those): the sync's,
+// the process's, the restarts', the snapshot's, the engine's, the portal mode's and the flow
+// stream's.
 func (d *Daemon) registry(w *wiring, syncMetrics *metrics.Metrics, pm portalMode, src *sourceSetup) (*prometheus.Registry, error) {
 	reg := prometheus.NewRegistry()
 	if err := syncMetrics.Register(reg); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	cs := []prometheus.Collector{collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		metrics.NewTrafficCollector(w.proxier), w.restart.collector(), w.snapshot.collector(), engineCollector(d.engine), src.collector()}
+		w.restart.collector(), w.snapshot.collector(), engineCollector(d.engine), src.collector()}
 	if mc, ok := pm.(metricsCollector); ok {
 		cs = append(cs, mc.Collector())
 	}
@@ -246,8 +246,9 @@ func (d *Daemon) handlers(w *wiring, reg *prometheus.Registry, pm portalMode, cl
 	w.gate.busy.Store(inh != nil)
 	healthz := w.gate.wrap(engineHealthz(d.engine, w.health.Healthz()))
 	w.healthz = healthMux(healthz, w.health.Livez())
-	w.metrics = metricsMux(reg, healthz, w.proxier, pm.Describe, o.profiling, flows)
-	w.metricsOnly = metricsOnlyMux(reg)
+	scrape := metrics.Handler(reg, w.proxier)
+	w.metrics = metricsMux(scrape, healthz, w.proxier, pm.Describe, o.profiling, flows)
+	w.metricsOnly = metricsOnlyMux(scrape)
 }
 
 // newSource is where the proxier's Services and EndpointSlices come from: --services-file (reload
@@ -273,9 +274,9 @@ func healthMux(healthz, livez http.Handler) http.Handler {
 // metricsMux serves --metrics-bind-address: metrics, the debug pages and, with --profiling,
 // pprof (off by default as in kube-proxy: a profile costs CPU, and /debug/pprof/cmdline and the
 // heap show the command line and memory to whoever reaches the address).
-func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxier, rules func() string, profiling bool, flows http.Handler) http.Handler {
+func metricsMux(scrape, health http.Handler, px *proxier.Proxier, rules func() string, profiling bool, flows http.Handler) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.Handle("/metrics", scrape)
 	mux.HandleFunc("/proxyMode", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, "userspace") })
 	mux.Handle("/healthz", health)
 	if profiling {
@@ -299,9 +300,9 @@ func metricsMux(reg *prometheus.Registry, health http.Handler, px *proxier.Proxi
 // metricsOnlyMux serves --metrics-only-bind-address: /metrics and nothing else, so the address
 // can face Prometheus across the network without the debug pages (client addresses, live
 // connections, the rules) or pprof.
-func metricsOnlyMux(reg *prometheus.Registry) http.Handler {
+func metricsOnlyMux(scrape http.Handler) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.Handle("/metrics", scrape)
 	return mux
 }
 

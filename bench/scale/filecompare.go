@@ -34,6 +34,8 @@ type fileRun struct {
 	rssKiB, peakKiB        int64
 	heapLive, stacks       float64 // bytes: heap after a forced GC, goroutine stacks
 	goroutines             float64
+	scrape                 time.Duration // one /metrics scrape (gzip, as Prometheus asks)
+	scrapeAlloc            float64       // bytes it allocated
 	churnRSSKiB, churnPeak int64
 	churnCPU               time.Duration
 	churnHeapLive          float64
@@ -94,6 +96,9 @@ func compareFile(ctx context.Context, bins []string, nServices, nEndpoints, roun
 			return fmt.Sprintf("%.1f / %.1f MiB", float64(r.rssKiB)/1024, float64(r.peakKiB)/1024)
 		}},
 		{"live heap after the cold start (forced GC)", func(r fileRun) string { return fmt.Sprintf("%.1f MB", r.heapLive/1e6) }},
+		{"a /metrics scrape: time / allocated", func(r fileRun) string {
+			return fmt.Sprintf("%.0f ms / %.1f MB", float64(r.scrape)/1e6, r.scrapeAlloc/1e6)
+		}},
 		{"goroutines / stacks", func(r fileRun) string { return fmt.Sprintf("%.0f / %.1f MB", r.goroutines, r.stacks/1e6) }},
 		{"churn: changes, CPU", func(r fileRun) string {
 			return fmt.Sprintf("%d, %.2f s", r.churnChanges, r.churnCPU.Seconds())
@@ -159,6 +164,9 @@ func fileRound(ctx context.Context, bed *testbed.Bed, bin, dir string, nServices
 		return r, err
 	}
 	r.heapLive, r.stacks, r.goroutines = m["go_memstats_heap_alloc_bytes"], m["go_memstats_stack_inuse_bytes"], m["go_goroutines"]
+	if r.scrape, r.scrapeAlloc, err = scrapeCost(ctx, bed); err != nil {
+		return r, err
+	}
 	if churn <= 0 {
 		return r, nil
 	}
@@ -221,4 +229,42 @@ func scrapeGoMetrics(ctx context.Context, bed *testbed.Bed) (map[string]float64,
 		return nil, fmt.Errorf("runtime statistics: got %v", m)
 	}
 	return m, nil
+}
+
+// scrapeCost times a /metrics scrape (curl's own figure, without its start) and what the proxy
+// allocated for one: go_memstats_alloc_bytes_total of the next scrape less this one's (a pprof
+// read of the runtime's statistics would add its own garbage, several times a lean scrape's).
+func scrapeCost(ctx context.Context, bed *testbed.Bed) (time.Duration, float64, error) {
+	scrape := func() (secs, alloc float64, err error) {
+		out, err := bed.Node.Exec(ctx, "curl", "-sf", "--compressed", "-w", "\n# scrape time %{time_total}\n", "http://"+metricsAddr+"/metrics")
+		if err != nil {
+			return 0, 0, fmt.Errorf("scrape /metrics: %w", err)
+		}
+		found := 0
+		for _, l := range strings.Split(string(out), "\n") {
+			if v, ok := strings.CutPrefix(l, "go_memstats_alloc_bytes_total "); ok {
+				alloc, err = strconv.ParseFloat(strings.TrimSpace(v), 64)
+				found++
+			} else if v, ok := strings.CutPrefix(l, "# scrape time "); ok {
+				secs, err = strconv.ParseFloat(strings.TrimSpace(v), 64)
+				found++
+			}
+			if err != nil {
+				return 0, 0, fmt.Errorf("scrape /metrics: %q: %w", l, err)
+			}
+		}
+		if found != 2 {
+			return 0, 0, fmt.Errorf("scrape /metrics: no go_memstats_alloc_bytes_total or time")
+		}
+		return secs, alloc, nil
+	}
+	secs, first, err := scrape()
+	if err != nil {
+		return 0, 0, err
+	}
+	_, next, err := scrape()
+	if err != nil {
+		return 0, 0, err
+	}
+	return time.Duration(secs * float64(time.Second)), next - first, nil
 }

@@ -32,6 +32,14 @@ import (
 // manifestJSON converts one YAML document to JSON and returns its top-level apiVersion and kind
 // ("" when absent or not strings). js is nil for an empty document.
 func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
+	if js, apiVersion, kind, ok := fastManifestJSON(body); ok {
+		return js, apiVersion, kind, nil
+	}
+	return parsedManifestJSON(body)
+}
+
+// parsedManifestJSON is manifestJSON through the YAML parser.
+func parsedManifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
 	if !startsAsMapping(body) {
 		// A sequence would decode into the MapSlice (a slice) without a type error, a list of
 		// {key: ..., value: ...} mappings even as an object; tags, anchors and directives are

@@ -1,0 +1,208 @@
+package metrics
+
+import (
+	"bufio"
+	"compress/gzip"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/common/expfmt"
+)
+
+// Handler serves /metrics: reg's series, then the traffic series of src. In the text format (what
+// Prometheus asks for unless told to scrape protobuf) the traffic series are written straight to
+// the response from the ports' counters: through a registry, every series became a const metric,
+// a label-pair slice and a protobuf message first, about 39 MB of garbage per scrape at 10,000
+// TCP ports. Any other format goes through promhttp with the traffic collector beside reg.
+// reg must not hold a traffic collector of its own.
+func Handler(reg prometheus.Gatherer, src TrafficSource) http.Handler {
+	traffic := prometheus.NewRegistry()
+	traffic.MustRegister(NewTrafficCollector(src))
+	return &handler{reg: reg, src: src, other: promhttp.HandlerFor(prometheus.Gatherers{reg, traffic}, promhttp.HandlerOpts{})}
+}
+
+type handler struct {
+	reg   prometheus.Gatherer
+	src   TrafficSource
+	other http.Handler
+
+	// mu guards ports, the snapshot reused by every scrape (one at a time: a scrape reads each
+	// port once, then writes each family over all of them).
+	mu    sync.Mutex
+	ports []PortTraffic
+}
+
+var (
+	bufPool  = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, 32<<10) }}
+	gzipPool = sync.Pool{New: func() any { return gzip.NewWriter(nil) }}
+)
+
+func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	format := expfmt.Negotiate(r.Header)
+	if format.FormatType() != expfmt.TypeTextPlain {
+		h.other.ServeHTTP(w, r)
+		return
+	}
+	mfs, err := h.reg.Gather()
+	if err != nil {
+		// As promhttp's default (HTTPErrorOnError): nothing rather than part of the series.
+		http.Error(w, "An error has occurred while serving metrics:\n\n"+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", string(format))
+	var out io.Writer = w
+	if acceptsGzip(r.Header.Get("Accept-Encoding")) {
+		w.Header().Set("Content-Encoding", "gzip")
+		w.Header().Del("Content-Length")
+		gz := gzipPool.Get().(*gzip.Writer)
+		gz.Reset(w)
+		defer func() {
+			gz.Close()
+			gz.Reset(nil)
+			gzipPool.Put(gz)
+		}()
+		out = gz
+	}
+	bw := bufPool.Get().(*bufio.Writer)
+	bw.Reset(out)
+	defer func() {
+		bw.Reset(nil)
+		bufPool.Put(bw)
+	}()
+	enc := expfmt.NewEncoder(bw, format)
+	for _, mf := range mfs {
+		if err := enc.Encode(mf); err != nil {
+			return // the client went away
+		}
+	}
+	h.writeTraffic(bw)
+	bw.Flush()
+}
+
+// acceptsGzip reports whether an Accept-Encoding header lists gzip (without q=0).
+func acceptsGzip(header string) bool {
+	for part := range strings.SplitSeq(header, ",") {
+		enc, params, _ := strings.Cut(strings.TrimSpace(part), ";")
+		if strings.TrimSpace(enc) == "gzip" {
+			return strings.ReplaceAll(params, " ", "") != "q=0"
+		}
+	}
+	return false
+}
+
+// writeTraffic writes the traffic series as text, family by family, as a registry would (the same
+// names, help, types and label order; ports in the source's order).
+func (h *handler) writeTraffic(bw *bufio.Writer) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.ports = h.ports[:0]
+	for t := range h.src.Traffic() {
+		h.ports = append(h.ports, t)
+	}
+	// Shrink a snapshot left from many more ports than there are now.
+	defer func() {
+		if cap(h.ports) > 2*len(h.ports)+64 {
+			h.ports = slices.Clip(h.ports[:0:len(h.ports)])
+		}
+	}()
+	// One closure for the whole scrape: a closure per port and family would escape to the heap
+	// (samples is called through a func value), 200,000 of them at 10,000 ports.
+	var (
+		line   []byte
+		f      *family
+		t      *PortTraffic
+		header bool
+	)
+	add := func(v float64, l1, l2 string) {
+		line = line[:0]
+		if !header {
+			header = true
+			line = appendHeader(line, f)
+		}
+		line = append(line, metricPrefix...)
+		line = append(line, f.name...)
+		line = append(line, '{')
+		if len(f.labels) > 0 {
+			line = append(appendLabel(line, f.labels[0], l1), ',')
+		}
+		if len(f.labels) > 1 {
+			line = append(appendLabel(line, f.labels[1], l2), ',')
+		}
+		line = append(line, `service_port="`...)
+		line = appendEscaped(line, t.Name.Namespace)
+		line = append(line, '/')
+		line = appendEscaped(line, t.Name.Name)
+		if t.Name.Port != "" {
+			line = append(line, ':')
+			line = appendEscaped(line, t.Name.Port)
+		}
+		line = append(line, `"} `...)
+		line = appendFloat(line, v)
+		line = append(line, '\n')
+		bw.Write(line)
+	}
+	for i := range families {
+		f, header = &families[i], false
+		for j := range h.ports {
+			t = &h.ports[j]
+			f.samples(t, add)
+		}
+	}
+}
+
+func appendHeader(b []byte, f *family) []byte {
+	b = append(b, "# HELP "+metricPrefix...)
+	b = append(b, f.name...)
+	b = append(b, ' ')
+	for _, c := range []byte(f.help) {
+		switch c {
+		case '\\':
+			b = append(b, `\\`...)
+		case '\n':
+			b = append(b, `\n`...)
+		default:
+			b = append(b, c)
+		}
+	}
+	b = append(b, "\n# TYPE "+metricPrefix...)
+	b = append(b, f.name...)
+	if f.gauge {
+		return append(b, " gauge\n"...)
+	}
+	return append(b, " counter\n"...)
+}
+
+func appendLabel(b []byte, name, value string) []byte {
+	b = append(b, name...)
+	b = append(b, `="`...)
+	b = appendEscaped(b, value)
+	return append(b, '"')
+}
+
+// appendEscaped escapes a label value as the text format wants: backslash, quote and newline.
+func appendEscaped(b []byte, s string) []byte {
+	for i := range len(s) {
+		switch c := s[i]; c {
+		case '\\':
+			b = append(b, `\\`...)
+		case '"':
+			b = append(b, `\"`...)
+		case '\n':
+			b = append(b, `\n`...)
+		default:
+			b = append(b, c)
+		}
+	}
+	return b
+}
+
+// appendFloat formats a sample value as expfmt does.
+func appendFloat(b []byte, v float64) []byte {
+	return strconv.AppendFloat(b, v, 'g', -1, 64)
+}
