@@ -353,9 +353,13 @@ const (
 	mObsEvents  = "obs events/s" // over all observers, over both loads and the time between
 	mObsLost    = "obs lost"     // events the server did not send them (rate cap, slow)
 	mLoadErrors = "load errors"
+	// mTransparent is the share of the endpoint dials made from the client's address (the
+	// transparent source mode's kube_portal_proxy_transparent_dials_total over the dial attempts):
+	// shown only where the proxy runs the mode, so a run says that it measured what it meant to.
+	mTransparent = "transparent share"
 )
 
-var metrics = []string{mReq, mCPUReq, mConn, mCPUConn, mObsEvents, mObsLost, mLoadErrors}
+var metrics = []string{mReq, mCPUReq, mConn, mCPUConn, mObsEvents, mObsLost, mLoadErrors, mTransparent}
 
 func runBench(ctx context.Context, cfg config) error {
 	if os.Geteuid() != 0 {
@@ -516,7 +520,48 @@ func measureTarget(ctx context.Context, cfg config, t target) (_ sample, err err
 	if !proxy.alive() {
 		return fail(errors.New("the proxy exited during the loads"))
 	}
+	if share, ok := transparentShare(tb.Node); ok {
+		s[mTransparent] = share
+	}
 	return s, nil
+}
+
+// transparentShare reads, from the proxy's /metrics in node, the dials made from the clients'
+// addresses over all dial attempts; false when the proxy has no transparent port.
+func transparentShare(node *netns.NS) (float64, bool) {
+	// The socket is made on the namespace's thread (an http.Client would dial on another).
+	var c net.Conn
+	if err := node.Do(func() (err error) {
+		c, err = net.DialTimeout("tcp", metricsAddr, 5*time.Second)
+		return err
+	}); err != nil {
+		return 0, false
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, "GET /metrics HTTP/1.0\r\nHost: metrics\r\n\r\n"); err != nil {
+		return 0, false
+	}
+	body, err := io.ReadAll(c)
+	if err != nil {
+		return 0, false
+	}
+	var transparent, attempts float64
+	found := false
+	for _, line := range strings.Split(string(body), "\n") {
+		v, err := strconv.ParseFloat(line[strings.LastIndex(line, " ")+1:], 64)
+		switch {
+		case err != nil:
+		case strings.HasPrefix(line, "kube_portal_proxy_transparent_dials_total{") && strings.Contains(line, `result="transparent"`):
+			transparent, found = transparent+v, true
+		case strings.HasPrefix(line, "kube_portal_proxy_tcp_dial_attempts_total{"):
+			attempts += v
+		}
+	}
+	if !found || attempts == 0 {
+		return 0, false
+	}
+	return transparent / attempts, true
 }
 
 // startProxy runs t's binary in the node namespace on a services file holding the echo Service.
