@@ -11,6 +11,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -118,29 +121,60 @@ func (n *clusterNode) deleteObjects(t *testing.T) {
 }
 
 // deleteTestObjects removes the Services and EndpointSlices of namespace, the Nodes named and the
-// namespace itself.
+// namespace itself. Each call is retried while the API server is away (the soak restarts it, and a
+// test's cleanup may run during a restart another test caused), up to cleanupAPITimeout; an object
+// already gone is fine.
 func deleteTestObjects(t *testing.T, admin kubernetes.Interface, namespace string, nodes ...string) {
 	ctx := context.Background()
-	svcs, err := admin.CoreV1().Services(namespace).List(ctx, metav1.ListOptions{})
-	if err != nil {
+	var svcs *corev1.ServiceList
+	if err := retryAPI(func() (err error) {
+		svcs, err = admin.CoreV1().Services(namespace).List(ctx, metav1.ListOptions{})
+		return err
+	}); err != nil {
 		t.Errorf("cleanup: list services in %s: %v", namespace, err)
 	} else {
 		for _, s := range svcs.Items {
-			if err := admin.CoreV1().Services(namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
+			if err := retryAPI(func() error { return admin.CoreV1().Services(namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}) }); err != nil {
 				t.Errorf("cleanup: delete service %s/%s: %v", namespace, s.Name, err)
 			}
 		}
 	}
-	if err := admin.DiscoveryV1().EndpointSlices(namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+	if err := retryAPI(func() error {
+		return admin.DiscoveryV1().EndpointSlices(namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
+	}); err != nil {
 		t.Errorf("cleanup: delete endpointslices in %s: %v", namespace, err)
 	}
 	for _, node := range nodes {
-		if err := admin.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}); err != nil {
+		if err := retryAPI(func() error { return admin.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) }); err != nil {
 			t.Errorf("cleanup: delete node %s: %v", node, err)
 		}
 	}
-	if err := admin.CoreV1().Namespaces().Delete(ctx, namespace, metav1.DeleteOptions{}); err != nil {
+	if err := retryAPI(func() error { return admin.CoreV1().Namespaces().Delete(ctx, namespace, metav1.DeleteOptions{}) }); err != nil {
 		t.Errorf("cleanup: delete namespace %s: %v", namespace, err)
+	}
+}
+
+// cleanupAPITimeout bounds how long a cleanup call waits for the API server to come back: the
+// soak's API server and etcd restarts take a few seconds (its bound for them is 35 s).
+const cleanupAPITimeout = 35 * time.Second
+
+// retryAPI calls f until it succeeds, the object is gone (NotFound), it fails with an answer of
+// the API server that a retry would get again, or cleanupAPITimeout passes. A broken connection,
+// a 503 or a timeout while the API server restarts is retried.
+func retryAPI(f func() error) error {
+	deadline := time.Now().Add(cleanupAPITimeout)
+	for {
+		err := f()
+		switch {
+		case err == nil || apierrors.IsNotFound(err):
+			return nil
+		case time.Now().After(deadline):
+			return err
+		case apierrors.ReasonForError(err) != metav1.StatusReasonUnknown && !apierrors.IsServiceUnavailable(err) &&
+			!apierrors.IsTimeout(err) && !apierrors.IsServerTimeout(err) && !apierrors.IsInternalError(err):
+			return err // an answer: retrying would get the same
+		}
+		time.Sleep(200 * time.Millisecond) // waiting for the API server to come back: a retry pace, not synchronisation
 	}
 }
 
