@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/clock"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
 	"github.com/kube-portal-proxy/kube-portal-proxy/healthcheck"
 	"github.com/kube-portal-proxy/kube-portal-proxy/loadbalancer"
@@ -168,7 +169,7 @@ func (d *Daemon) healthChecks(events *serviceEvents, inh *handover.Inherited) (*
 // portal mode gives (hooks) and the sockets of the chosen engine.
 func (d *Daemon) newProxier(hooks proxierHooks, w *wiring, syncMetrics *metrics.Metrics, events *serviceEvents, inh *handover.Inherited, settle func(), src *sourceSetup) *proxier.Proxier {
 	o, log := d.o, d.log
-	var transparentPolicy proxier.SourcePolicy // nil interface, not a nil *Policy
+	var transparentPolicy flow.SourcePolicy // nil interface, not a nil *Policy
 	if src.policy != nil {
 		transparentPolicy = src.policy
 	}

@@ -69,6 +69,14 @@ type Info struct {
 	Err         error     // TCP: the error that ended it, naming the direction; nil for a clean end
 }
 
+// SourcePolicy says, per dial or UDP session, whether the endpoint leg takes the client's address
+// and port (true: the transparent source mode) or the proxy's own (false). The data path asks it
+// on the dialing goroutine, ring thread or UDP loop, once per dial attempt or session, so it must
+// be quick and must not block (portal/transparent.Policy).
+type SourcePolicy interface {
+	Transparent(client, endpoint netip.Addr) bool
+}
+
 // Stats are the counters of one proxy socket since it was built. Fields that one protocol never
 // counts stay 0 for it.
 type Stats struct {

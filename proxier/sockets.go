@@ -27,13 +27,7 @@ type SocketConfig struct {
 	Node  string
 	// Transparent, if set, says per connection or session whether a port whose SourceMode is
 	// transparent dials from the client's address (portal/transparent.Policy).
-	Transparent SourcePolicy
-}
-
-// SourcePolicy decides per connection whether the dial to the endpoint leaves from the client's
-// address (tcp.SourcePolicy, udp.SourcePolicy).
-type SourcePolicy interface {
-	Transparent(client, endpoint netip.Addr) bool
+	Transparent flow.SourcePolicy
 }
 
 // RealSockets returns the SocketFactory that opens real TCP and UDP proxy sockets.

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/flow"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/procstat"
 )
 
@@ -299,7 +300,7 @@ func BenchmarkConnRateTransparent(b *testing.B) {
 	for _, e := range benchEngines(b) {
 		for _, tc := range []struct {
 			name   string
-			source SourcePolicy
+			source flow.SourcePolicy
 		}{{"nil", nil}, {"transparent", alwaysTransparent{}}} {
 			p := benchProxy(b, ep, Config{Engine: e, Source: tc.source})
 			b.Run(e.Name()+"/"+tc.name, func(b *testing.B) {
@@ -321,9 +322,9 @@ func BenchmarkConnRateTransparent(b *testing.B) {
 						c.Close()
 					}
 				})
-				st := p.TransparentStats()
-				b.ReportMetric(float64(st.Fallbacks), "fallbacks")
-				b.ReportMetric(float64(st.Dials), "transparent-dials")
+				st := p.Stats()
+				b.ReportMetric(float64(st.TransparentFallbacks), "fallbacks")
+				b.ReportMetric(float64(st.TransparentDials), "transparent-dials")
 			})
 		}
 	}

@@ -71,10 +71,10 @@ type Config struct {
 	// Source, if set, is asked for each dial whether the endpoint leg takes the client's address
 	// and port instead of the proxy's (transparent.go; the node must steer the endpoint's replies
 	// back to the proxy). A dial that cannot take the client's address falls back to the proxy's
-	// (TransparentStats). Ignored while ProxyProtocol is on: the header carries the client's
+	// (Stats: TransparentDials, TransparentFallbacks). Ignored while ProxyProtocol is on: the header carries the client's
 	// address, and an endpoint that expects it must get the connection from the proxy. Nil
 	// dials from the proxy's address and costs nothing.
-	Source SourcePolicy
+	Source flow.SourcePolicy
 	// HoldTimeout, if positive, holds a connection whose first pick finds no endpoint for up to
 	// this long instead of resetting it: it is dialed once WakeHeld signals endpoints and a pick
 	// succeeds, and reset with the reason flow.HoldTimeout when the time is up.
@@ -138,7 +138,7 @@ type Proxy struct {
 	// time its loop read once per round (loop.now) instead of reading the clock per send.
 	realClock bool
 	// source is cfg.Source, nil while cfg.ProxyProtocol is on (the PROXY header wins: see New).
-	source SourcePolicy
+	source flow.SourcePolicy
 
 	// lnMu guards ln, which SetRefusing closes and reopens under a running accept loop, and
 	// lnChanged, closed (and replaced) whenever ln changes so a loop waiting for a listener wakes.

@@ -22,29 +22,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
 
-// SourcePolicy says, per dial, whether the endpoint leg takes the client's address and port
-// (true) or the proxy's own (false). It is asked on the dialing goroutine or ring thread, once
-// per dial attempt, and must be quick and must not block.
-type SourcePolicy interface {
-	Transparent(client, endpoint netip.Addr) bool
-}
-
-// TransparentStats counts the dials of Config.Source.
-type TransparentStats struct {
-	// Dials: endpoint connections established from the client's address and port.
-	Dials uint64
-	// Fallbacks: dials the policy wanted transparent that went from the proxy's own address
-	// instead, because the client's address could not be taken (no CAP_NET_ADMIN for
-	// IP_TRANSPARENT: EPERM; the client's port bound by another socket: EADDRINUSE; the same
-	// connection to the endpoint already exists: EADDRNOTAVAIL).
-	Fallbacks uint64
-}
-
-// TransparentStats returns the counters of Config.Source. It takes no lock.
-func (p *Proxy) TransparentStats() TransparentStats {
-	return TransparentStats{Dials: p.stats.transparentDials.Load(), Fallbacks: p.stats.transparentFallbacks.Load()}
-}
-
 // errSourceTaken marks a dial that could not take the client's address (see dialSource's
 // fallback): a local matter, nothing said about the endpoint.
 var errSourceTaken = errors.New("transparent source not available")

@@ -28,7 +28,7 @@ import (
 // process TestTransparentSource runs in the node namespace.
 const transparentLabEnv = "KPP_TCP_TRANSPARENT_LAB"
 
-// alwaysTransparent is a SourcePolicy that says transparent for every dial.
+// alwaysTransparent is a flow.SourcePolicy that says transparent for every dial.
 type alwaysTransparent struct{}
 
 func (alwaysTransparent) Transparent(client, endpoint netip.Addr) bool { return true }
@@ -170,8 +170,8 @@ func TestTransparentSourceInNode(t *testing.T) {
 		if info := ended.next(t); info.Client != from || info.Endpoint != ep {
 			t.Errorf("OnEnd client %s endpoint %s, want %s, %s", info.Client, info.Endpoint, from, ep)
 		}
-		if got, want := p.TransparentStats(), (TransparentStats{Dials: 1}); got != want {
-			t.Errorf("TransparentStats %+v, want %+v", got, want)
+		if got, want := transparentCounts(p.Stats()), [2]uint64{1, 0}; got != want {
+			t.Errorf("transparent dials, fallbacks %v, want %+v", got, want)
 		}
 	})
 	t.Run("nil_source_the_endpoint_sees_the_node", func(t *testing.T) {
@@ -183,8 +183,8 @@ func TestTransparentSourceInNode(t *testing.T) {
 		if src := rec.source(); src != seen {
 			t.Errorf("the Dial event's Source %s, want %s", src, seen)
 		}
-		if got := p.TransparentStats(); got != (TransparentStats{}) {
-			t.Errorf("TransparentStats %+v, want none", got)
+		if got := transparentCounts(p.Stats()); got != [2]uint64{} {
+			t.Errorf("transparent dials, fallbacks %v, want none", got)
 		}
 	})
 	t.Run("client_port_taken_falls_back_to_the_node", func(t *testing.T) {
@@ -200,8 +200,8 @@ func TestTransparentSourceInNode(t *testing.T) {
 		if seen.Addr() != nodePodSide {
 			t.Errorf("the endpoint saw %s, want the node's address 10.244.1.1", seen)
 		}
-		if got, want := p.TransparentStats(), (TransparentStats{Fallbacks: 1}); got != want {
-			t.Errorf("TransparentStats %+v, want %+v", got, want)
+		if got, want := transparentCounts(p.Stats()), [2]uint64{0, 1}; got != want {
+			t.Errorf("transparent dials, fallbacks %v, want %+v", got, want)
 		}
 	})
 	t.Run("proxy_protocol_wins", func(t *testing.T) {
@@ -212,8 +212,8 @@ func TestTransparentSourceInNode(t *testing.T) {
 		if seen.Addr() != nodePodSide {
 			t.Errorf("the endpoint saw %s, want the node's address %s", seen, nodePodSide)
 		}
-		if got := p.TransparentStats(); got != (TransparentStats{}) {
-			t.Errorf("TransparentStats %+v, want none", got)
+		if got := transparentCounts(p.Stats()); got != [2]uint64{} {
+			t.Errorf("transparent dials, fallbacks %v, want none", got)
 		}
 	})
 }
@@ -257,4 +257,9 @@ func (r *dialRecorder) source() netip.AddrPort {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.src
+}
+
+// transparentCounts is a socket's transparent dials and fallbacks.
+func transparentCounts(st flow.Stats) [2]uint64 {
+	return [2]uint64{st.TransparentDials, st.TransparentFallbacks}
 }

@@ -99,8 +99,8 @@ type Config struct {
 	// Source, if set, is asked when a session opens whether its socket takes the client's
 	// address and port instead of the proxy's (transparent.go; the node must steer the
 	// endpoint's replies back to the proxy). A socket that cannot take the client's address
-	// falls back to the proxy's (TransparentStats). Nil costs nothing.
-	Source SourcePolicy
+	// falls back to the proxy's (Stats: TransparentDials, TransparentFallbacks). Nil costs nothing.
+	Source flow.SourcePolicy
 }
 
 func (c Config) withDefaults() Config {

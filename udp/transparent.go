@@ -18,29 +18,6 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/sockopt"
 )
 
-// SourcePolicy says, per session, whether its socket takes the client's address and port (true)
-// or the proxy's own (false). It is asked on the proxy loop when a session opens, and must be
-// quick and must not block.
-type SourcePolicy interface {
-	Transparent(client, endpoint netip.Addr) bool
-}
-
-// TransparentStats counts the sessions of Config.Source.
-type TransparentStats struct {
-	// Dials: sessions whose socket took the client's address and port.
-	Dials uint64
-	// Fallbacks: sessions the policy wanted transparent whose socket took the proxy's own
-	// address instead, because the client's could not be taken (no CAP_NET_ADMIN for
-	// IP_TRANSPARENT: EPERM; the client's port bound by a socket without SO_REUSEADDR:
-	// EADDRINUSE).
-	Fallbacks uint64
-}
-
-// TransparentStats returns the counters of Config.Source. It takes no lock.
-func (p *Proxy) TransparentStats() TransparentStats {
-	return TransparentStats{Dials: p.stats.transparentDials.Load(), Fallbacks: p.stats.transparentFallbacks.Load()}
-}
-
 // errSourceTaken marks a socket that could not take the client's address.
 var errSourceTaken = errors.New("transparent source not available")
 

@@ -19,7 +19,7 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 )
 
-// alwaysTransparent is a SourcePolicy that says transparent for every session.
+// alwaysTransparent is a flow.SourcePolicy that says transparent for every session.
 type alwaysTransparent struct{}
 
 func (alwaysTransparent) Transparent(client, endpoint netip.Addr) bool { return true }
@@ -132,8 +132,8 @@ func TestTransparentSource(t *testing.T) {
 		if src := rec.source(); src != from {
 			t.Errorf("the Start event's Source %s, want %s", src, from)
 		}
-		if got, want := p.TransparentStats(), (TransparentStats{Dials: 1}); got != want {
-			t.Errorf("TransparentStats %+v, want %+v", got, want)
+		if got, want := transparentCounts(p.Stats()), [2]uint64{1, 0}; got != want {
+			t.Errorf("transparent dials, fallbacks %v, want %+v", got, want)
 		}
 	})
 	t.Run("nil_source_the_endpoint_sees_the_node", func(t *testing.T) {
@@ -142,8 +142,8 @@ func TestTransparentSource(t *testing.T) {
 		if seen.Addr() != nodePodSide {
 			t.Errorf("the endpoint saw %s, want the node's address %s", seen, nodePodSide)
 		}
-		if got := p.TransparentStats(); got != (TransparentStats{}) {
-			t.Errorf("TransparentStats %+v, want none", got)
+		if got := transparentCounts(p.Stats()); got != [2]uint64{} {
+			t.Errorf("transparent dials, fallbacks %v, want none", got)
 		}
 	})
 	t.Run("client_port_taken_falls_back_to_the_node", func(t *testing.T) {
@@ -166,8 +166,8 @@ func TestTransparentSource(t *testing.T) {
 		if seen.Addr() != nodePodSide {
 			t.Errorf("the endpoint saw %s, want the node's address %s", seen, nodePodSide)
 		}
-		if got, want := p.TransparentStats(), (TransparentStats{Fallbacks: 1}); got != want {
-			t.Errorf("TransparentStats %+v, want %+v", got, want)
+		if got, want := transparentCounts(p.Stats()), [2]uint64{0, 1}; got != want {
+			t.Errorf("transparent dials, fallbacks %v, want %+v", got, want)
 		}
 	})
 }
@@ -233,4 +233,9 @@ func (r *startRecorder) source() netip.AddrPort {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.src
+}
+
+// transparentCounts is a socket's transparent dials and fallbacks.
+func transparentCounts(st flow.Stats) [2]uint64 {
+	return [2]uint64{st.TransparentDials, st.TransparentFallbacks}
 }
