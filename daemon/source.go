@@ -25,6 +25,9 @@ import (
 type sourceNode interface {
 	// Installed says, cheaply (netlink only), whether a predecessor left the plumbing in place.
 	Installed(ctx context.Context) bool
+	// BridgesChanged says, cheaply (one link dump), whether a bridge gained or lost its ports
+	// since the last Sync.
+	BridgesChanged(ctx context.Context) bool
 	Sync(ctx context.Context) (transparent.Support, error)
 }
 
@@ -102,13 +105,23 @@ func resolveSource(ctx context.Context, o *Options, node sourceNode, localAddrs 
 func (s *sourceSetup) run(ctx context.Context, localAddrs func() []netip.Addr) {
 	t := time.NewTicker(s.period)
 	defer t.Stop()
+	// A CNI creates its bridge when the first pod starts: until a Sync gives it the fdb entry,
+	// a reply bridged between two of its pods would reach the client pod, which resets it. So
+	// the bridges are looked at every bridgeCheck (one link dump) and a change Syncs at once.
+	check := time.NewTicker(bridgeCheck)
+	defer check.Stop()
 	for first := true; ; first = false {
-		if !first {
+		for !first {
 			select {
 			case <-ctx.Done():
 				return
 			case <-t.C:
+			case <-check.C:
+				if !s.node.BridgesChanged(ctx) {
+					continue
+				}
 			}
+			break
 		}
 		sup, err := s.node.Sync(ctx)
 		if ctx.Err() != nil {
@@ -145,6 +158,9 @@ func (s *sourceSetup) run(ctx context.Context, localAddrs func() []netip.Addr) {
 		s.mu.Unlock()
 	}
 }
+
+// bridgeCheck is how often run looks for a bridge that gained its first port.
+const bridgeCheck = time.Second
 
 // podCIDRsText is the pod CIDRs for the log: the flag's, or where they come from.
 func (s *sourceSetup) podCIDRsText() string {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 // two Syncs: a Sync that starts has seen the previous one's result applied.
 type steppedSourceNode struct {
 	installed bool
+	changed   atomic.Bool // BridgesChanged's answer
 	started   chan struct{}
 	results   chan error
 }
@@ -33,6 +35,30 @@ func newSteppedSourceNode(installed bool) *steppedSourceNode {
 }
 
 func (f *steppedSourceNode) Installed(context.Context) bool { return f.installed }
+
+func (f *steppedSourceNode) BridgesChanged(context.Context) bool { return f.changed.Load() }
+
+// TestSourceSyncsWhenABridgeAppears: a bridge that gains its first port (cni0 with the first
+// pod) is synced within bridgeCheck, not at the next sync period (here an hour).
+func TestSourceSyncsWhenABridgeAppears(t *testing.T) {
+	o := &Options{sourceMode: "auto", nodePodCIDRs: podCIDRs, syncPeriod: time.Hour}
+	node := newSteppedSourceNode(false)
+	s := resolveSource(t.Context(), o, node, noLocalAddr, logrus.New())
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); s.run(ctx, noLocalAddr) }()
+	defer func() { cancel(); <-done }()
+	<-node.started
+	node.results <- nil // the first Sync, at once
+	node.changed.Store(true)
+	select {
+	case <-node.started:
+		node.changed.Store(false)
+		node.results <- nil
+	case <-time.After(10 * bridgeCheck):
+		t.Fatalf("no Sync within %v of a bridge change (sync period %v)", 10*bridgeCheck, o.syncPeriod)
+	}
+}
 
 func (f *steppedSourceNode) Sync(ctx context.Context) (transparent.Support, error) {
 	select {

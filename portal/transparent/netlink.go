@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -31,6 +32,9 @@ type Netlink interface {
 	// Bridges lists the node's bridges, each saying whether it has a permanent local fdb entry
 	// for mac.
 	Bridges(ctx context.Context, mac net.HardwareAddr) ([]Bridge, error)
+	// BridgesWithPorts lists the indexes of the node's bridges that have a port (one link
+	// dump: cheap enough to ask every second).
+	BridgesWithPorts(ctx context.Context) ([]int, error)
 	AddFDB(ctx context.Context, bridge int, mac net.HardwareAddr) error
 	DeleteFDB(ctx context.Context, bridge int, mac net.HardwareAddr) error
 	// Sysctl reads /proc/sys/<name> of the network namespace; a missing file wraps os.ErrNotExist.
@@ -235,6 +239,33 @@ func (k *KernelNetlink) Bridges(ctx context.Context, mac net.HardwareAddr) ([]Br
 		}
 		return nil
 	})
+	return out, err
+}
+
+// BridgesWithPorts implements Netlink.
+func (k *KernelNetlink) BridgesWithPorts(ctx context.Context) ([]int, error) {
+	var out []int
+	err := k.run(ctx, func(h *netlink.Handle) error {
+		links, err := h.LinkList()
+		if err != nil {
+			return err
+		}
+		bridges := map[int]bool{}
+		for _, l := range links {
+			if l.Type() == "bridge" {
+				bridges[l.Attrs().Index] = true
+			}
+		}
+		seen := map[int]bool{}
+		for _, l := range links {
+			if m := l.Attrs().MasterIndex; bridges[m] && !seen[m] {
+				seen[m] = true
+				out = append(out, m)
+			}
+		}
+		return nil
+	})
+	slices.Sort(out)
 	return out, err
 }
 

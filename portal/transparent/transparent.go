@@ -116,6 +116,8 @@ type Node struct {
 	mangle map[portal.Family]mangleState
 	// nft is `nft list table` after our last write.
 	nft string
+	// bridgesWithPorts are the bridges with a port the last Sync saw (BridgesChanged).
+	bridgesWithPorts []int
 }
 
 // New returns the plumbing for cfg. It touches nothing.
@@ -159,6 +161,7 @@ func (n *Node) Sync(ctx context.Context) (Support, error) {
 	if brs, err := n.cfg.Netlink.Bridges(ctx, n.cfg.BridgeMAC); err == nil {
 		sup.NoBridges = !slices.ContainsFunc(brs, func(b Bridge) bool { return b.Ports > 0 })
 	}
+	n.bridgesWithPorts, _ = n.cfg.Netlink.BridgesWithPorts(ctx)
 	if err := n.syncBridge(ctx); err != nil {
 		n.cfg.Logger.WithError(err).Debug("Transparent bridge part not installed")
 		reasons = append(reasons, reasonFor(err, "no nft bridge family"))
@@ -175,6 +178,17 @@ func (n *Node) Sync(ctx context.Context) (Support, error) {
 	}
 	sup.Reason = joinReasons(reasons)
 	return sup, nil
+}
+
+// BridgesChanged reports whether the node's bridges with a port differ from what the last Sync
+// saw: a CNI creates its bridge (cni0) when the first pod starts, and until a Sync gives it the
+// fdb entry, replies bridged between two of its pods would reach the client pod instead of the
+// proxy. One link dump: the caller asks every second and Syncs at once on a change.
+func (n *Node) BridgesChanged(ctx context.Context) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	now, err := n.cfg.Netlink.BridgesWithPorts(ctx)
+	return err == nil && !slices.Equal(now, n.bridgesWithPorts)
 }
 
 // Cleanup removes everything of ours, both families, whatever the configuration installed: the

@@ -95,6 +95,12 @@ func (f *fakeNetlink) Bridges(context.Context, net.HardwareAddr) ([]Bridge, erro
 	}
 	return []Bridge{{Name: "cni0", Index: 3, HasMAC: f.fdb, Ports: ports}}, nil
 }
+func (f *fakeNetlink) BridgesWithPorts(context.Context) ([]int, error) {
+	if f.ports < 0 {
+		return nil, nil
+	}
+	return []int{3}, nil
+}
 func (f *fakeNetlink) AddFDB(context.Context, int, net.HardwareAddr) error { f.fdb = true; return nil }
 func (f *fakeNetlink) DeleteFDB(context.Context, int, net.HardwareAddr) error {
 	f.fdb = false
@@ -190,5 +196,29 @@ func TestInstalledSeesPolicyRouting(t *testing.T) {
 	nl.routes[portal.IPv6] = nil
 	if n.Installed(t.Context()) {
 		t.Error("Installed without the IPv6 local route")
+	}
+}
+
+// TestBridgesChanged: a bridge that gains its first port after a Sync (cni0 with the first pod)
+// is a change until the next Sync has seen it.
+func TestBridgesChanged(t *testing.T) {
+	r, nl := newFakes()
+	nl.ports = -1 // no bridge with a port yet
+	n := New(Config{Runner: r, Netlink: nl, Families: []portal.Family{portal.IPv4}})
+	if _, err := n.Sync(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if n.BridgesChanged(t.Context()) {
+		t.Fatal("changed right after a Sync")
+	}
+	nl.ports = 1
+	if !n.BridgesChanged(t.Context()) {
+		t.Fatal("a bridge that gained a port is not a change")
+	}
+	if _, err := n.Sync(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if n.BridgesChanged(t.Context()) {
+		t.Error("still a change after the Sync that saw it")
 	}
 }
