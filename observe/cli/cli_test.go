@@ -292,6 +292,29 @@ func TestAllNodesMergedByTime(t *testing.T) {
 	})
 }
 
+// TestAllNodesReadsEachAddressOnce: two Node objects with one InternalIP (a stale Node, a test
+// lab's copies) are one proxy: it is read once, so its flows do not come twice.
+func TestAllNodesReadsEachAddressOnce(t *testing.T) {
+	a := newFakeProxy(t, webFlow("node-a", 0), refusedFlow("node-a", 5))
+	b := newFakeProxy(t, webFlow("node-b", 2), refusedFlow("node-b", 10))
+	port := serveNodes(t, a, b)
+	env := Env{NewClientset: fakeClientset(node("node-a", 0), node("node-b", 1), node("stale-b", 1))}
+	r := observeCmd(context.Background(), env, "--all-nodes", "--kubeconfig", writeKubeconfig(t, "tok"), "--port", strconv.Itoa(port), "--last", "2")
+	if r.code != 0 {
+		t.Fatalf("exit %d, stderr %q", r.code, r.stderr)
+	}
+	var got []string
+	for _, l := range lines(r.stdout)[1:] {
+		got = append(got, l[:20])
+	}
+	if diff := cmp.Diff([]string{"12:00:01.239  node-a", "12:00:01.244  node-b"}, got); diff != "" {
+		t.Errorf("--last 2 with a second Node on node-b's address (-want +got):\n%s", diff)
+	}
+	if n := len(b.requests()); n != 1 {
+		t.Errorf("node-b's proxy read %d times, want once", n)
+	}
+}
+
 // TestAllNodesOneFails: a node whose proxy fails is reported and the others go on; exit 1 only
 // when every node fails.
 func TestAllNodesOneFails(t *testing.T) {

@@ -95,11 +95,18 @@ func (o *Options) targets(ctx context.Context, env *Env) ([]target, error) {
 	}
 	sort.Slice(nodes, func(i, j int) bool { return nodes[i].Name < nodes[j].Name })
 	var ts []target
+	seen := map[string]bool{} // address -> read already
 	for _, n := range nodes {
 		ip := nodeAddress(&n)
 		if ip == "" {
 			return nil, fmt.Errorf("node %s: no address in its status", n.Name)
 		}
+		// Two Nodes with one address (a stale Node object, a test lab's copies) are one proxy:
+		// read it once, or its flows would come twice (each names its own node).
+		if seen[ip] {
+			continue
+		}
+		seen[ip] = true
 		hp := net.JoinHostPort(ip, strconv.Itoa(o.Port))
 		ts = append(ts, target{node: n.Name, url: flowsURL(o.Scheme, hp, o.Query), client: client})
 	}
