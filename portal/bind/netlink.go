@@ -9,18 +9,15 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/nlhandle"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 )
 
 const (
-	// nlTimeout bounds each netlink request; the kernel answers at once, this only bounds a
-	// broken socket.
-	nlTimeout = 10 * time.Second
 	// dumpRetries bounds how often an address dump that a concurrent change interrupted is
 	// repeated.
 	dumpRetries = 5
@@ -39,56 +36,17 @@ type Netlink struct {
 	// is that of the calling thread's namespace). Nil runs it on the calling goroutine.
 	Do func(func() error) error
 
-	mu sync.Mutex
-	h  *netlink.Handle
+	handle nlhandle.Keeper // the one handle, and the lock of every operation
 	// dumped is how many addresses the last dump listed, to size the next one's slice.
 	dumped int
 }
 
 // Close closes the handle, if one is open. The next operation opens a new one.
-func (n *Netlink) Close() error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.h != nil {
-		n.h.Close()
-		n.h = nil
-	}
-	return nil
-}
+func (n *Netlink) Close() error { return n.handle.Close() }
 
-// run runs fn with the shared handle, opening it first if needed. A handle whose socket failed
-// (not an answer from the kernel) is dropped, so the next operation starts clean.
+// run runs fn with the shared handle (nlhandle.Keeper).
 func (n *Netlink) run(ctx context.Context, fn func(h *netlink.Handle) error) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.runPlain(func() error {
-		if n.h == nil {
-			h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
-			if err != nil {
-				return fmt.Errorf("netlink handle: %w", err)
-			}
-			if err := h.SetSocketTimeout(nlTimeout); err != nil {
-				h.Close()
-				return fmt.Errorf("netlink handle: %w", err)
-			}
-			n.h = h
-		}
-		err := fn(n.h)
-		if socketFailed(err) {
-			n.h.Close()
-			n.h = nil
-		}
-		return err
-	})
-}
-
-// socketFailed tells whether err is a failure of the socket itself rather than the kernel's
-// answer to a request: a timeout or a closed socket.
-func socketFailed(err error) bool {
-	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EBADF) || errors.Is(err, unix.ENOTSOCK)
+	return n.handle.Run(ctx, n.Do, fn)
 }
 
 func (n *Netlink) runPlain(fn func() error) error {

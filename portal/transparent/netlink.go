@@ -3,19 +3,17 @@ package transparent
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
-	"sync"
-	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/nlhandle"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
 
@@ -51,10 +49,6 @@ type Bridge struct {
 	Ports int
 }
 
-// nlTimeout bounds each netlink request; the kernel answers at once, it only bounds a broken
-// socket.
-const nlTimeout = 10 * time.Second
-
 // KernelNetlink implements Netlink with github.com/vishvananda/netlink, keeping one handle open
 // between calls. The zero value is ready; Close releases the handle.
 type KernelNetlink struct {
@@ -62,52 +56,16 @@ type KernelNetlink struct {
 	// (tests pass netns.NS.Do: the handle is opened there, and /proc/sys/net is that namespace's).
 	Do func(func() error) error
 
-	mu sync.Mutex
-	h  *netlink.Handle
+	handle nlhandle.Keeper
 }
 
 var _ Netlink = (*KernelNetlink)(nil)
 
 // Close closes the handle, if one is open.
-func (k *KernelNetlink) Close() error {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if k.h != nil {
-		k.h.Close()
-		k.h = nil
-	}
-	return nil
-}
+func (k *KernelNetlink) Close() error { return k.handle.Close() }
 
 func (k *KernelNetlink) run(ctx context.Context, fn func(h *netlink.Handle) error) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	do := k.Do
-	if do == nil {
-		do = func(f func() error) error { return f() }
-	}
-	return do(func() error {
-		if k.h == nil {
-			h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
-			if err != nil {
-				return fmt.Errorf("netlink handle: %w", err)
-			}
-			if err := h.SetSocketTimeout(nlTimeout); err != nil {
-				h.Close()
-				return fmt.Errorf("netlink handle: %w", err)
-			}
-			k.h = h
-		}
-		err := fn(k.h)
-		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EBADF) {
-			k.h.Close()
-			k.h = nil
-		}
-		return err
-	})
+	return k.handle.Run(ctx, k.Do, fn)
 }
 
 func nlFamily(fam portal.Family) int {
