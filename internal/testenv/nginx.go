@@ -1,7 +1,6 @@
 package testenv
 
 import (
-	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -92,31 +91,13 @@ http {
 }
 `
 
-// runNginx starts the command args, nginx in the foreground with its files in dir and its output
-// in dir/stderr, until the test's cleanup kills it (logging its error log if the test failed).
-// The channel returned receives its exit.
+// runNginx starts the command args, nginx in the foreground with its files in dir, as
+// runPeerProcess does, and on a failed test also logs nginx's error log. The channel returned
+// receives its exit.
 func runNginx(t testing.TB, dir string, args []string) chan error {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, args[0], args[1:]...)
-	out, err := os.Create(filepath.Join(dir, "stderr"))
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	cmd.Stdout, cmd.Stderr = out, out
-	cmd.WaitDelay = 5 * time.Second
-	if err := cmd.Start(); err != nil {
-		cancel()
-		out.Close()
-		t.Fatalf("start nginx: %v", err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cancel() // SIGKILL: nothing of nginx's state matters after the test
-		<-exited
-		out.Close()
+	exited := runPeerProcess(t, "nginx", dir, args)
+	t.Cleanup(func() { // runs before runPeerProcess's: nginx may still be writing, which is fine
 		if t.Failed() {
 			log, _ := os.ReadFile(filepath.Join(dir, "error.log"))
 			t.Logf("nginx error log:\n%s", log)
