@@ -81,14 +81,8 @@ func transparentLab(t *testing.T) *testbed.Bed {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, args := range [][]string{
-		{"iptables", "-w", "-t", "mangle", "-A", "PREROUTING", "-m", "socket", "--transparent", "-j", "MARK", "--set-xmark", "0x100000/0x100000"},
-		{"ip", "rule", "add", "fwmark", "0x100000/0x100000", "lookup", "27504"},
-		{"ip", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "27504"},
-	} {
-		if out, err := bed.Node.Exec(t.Context(), args...); err != nil {
-			testenv.Unavailable(t, "reply steering in the node namespace: %v %s", err, out)
-		}
+	if err := bed.SteerTransparentReplies(t.Context()); err != nil {
+		testenv.Unavailable(t, "%v", err)
 	}
 	return bed
 }

@@ -351,3 +351,21 @@ func Start(ctx context.Context, pods int, tcpPort, udpPort uint16) (bed *Bed, cl
 	stopPods = stop
 	return bed, close, nil
 }
+
+// SteerTransparentReplies installs, in the node namespace, what brings an endpoint's replies to a
+// socket the node bound to a client's address (IP_TRANSPARENT), as the transparent source mode's
+// plumbing does (portal/transparent, which the data-path tests do not depend on): a mangle mark
+// on packets of a transparent socket, an ip rule for the mark and a local default route in its
+// table.
+func (b *Bed) SteerTransparentReplies(ctx context.Context) error {
+	for _, args := range [][]string{
+		{"iptables", "-w", "-t", "mangle", "-A", "PREROUTING", "-m", "socket", "--transparent", "-j", "MARK", "--set-xmark", "0x100000/0x100000"},
+		{"ip", "rule", "add", "fwmark", "0x100000/0x100000", "lookup", "27504"},
+		{"ip", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "27504"},
+	} {
+		if out, err := b.Node.Exec(ctx, args...); err != nil {
+			return fmt.Errorf("reply steering in %s: %v: %w: %s", b.Node.Name, args, err, out)
+		}
+	}
+	return nil
+}
