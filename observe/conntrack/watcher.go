@@ -51,8 +51,16 @@ type Options struct {
 	// ReadBuffer is the socket's receive buffer in bytes, capped by net.core.rmem_max. Default
 	// 4 MiB: events come in bursts (a connection storm), and a buffer that fills loses them.
 	ReadBuffer int
-	// Now is the clock for events the kernel does not stamp. Nil: time.Now.
+	// Now is the clock for events the kernel does not stamp and for the probes. Nil: time.Now.
 	Now func() time.Time
+	// ProbeInterval is how long after its NEW a started entry is first asked for, and how
+	// often an established TCP entry is asked again (probe.go: so that an entry's End comes
+	// when it expires, not up to a minute later at conntrack's next garbage collection).
+	// Default 5 s; negative turns probing off.
+	ProbeInterval time.Duration
+	// MaxProbeRate bounds the probes (one netlink GET each) per second; with more entries
+	// than it covers at ProbeInterval, established entries are asked less often. Default 500.
+	MaxProbeRate int
 }
 
 // Stats are a Watcher's counters since Run began.
@@ -67,6 +75,8 @@ type Stats struct {
 	Evicted uint64
 	// Undecodable counts messages that did not decode as conntrack events (skipped).
 	Undecodable uint64
+	// Probes counts the GETs of started entries (probe.go).
+	Probes uint64
 }
 
 // Watcher turns conntrack events of kernel-path ports into flow events.
@@ -76,7 +86,7 @@ type Watcher struct {
 	ready chan struct{}
 	once  sync.Once
 
-	events, started, ended, overruns, evicted, undecodable atomic.Uint64
+	events, started, ended, overruns, evicted, undecodable, probes atomic.Uint64
 }
 
 // overrunQuiet is how long without an overrun ends a burst: an overrun after it is logged.
@@ -96,6 +106,12 @@ func NewWatcher(ports PortLookup, opts Options) *Watcher {
 	if opts.Logger == nil {
 		opts.Logger = logrus.StandardLogger()
 	}
+	if opts.ProbeInterval == 0 {
+		opts.ProbeInterval = 5 * time.Second
+	}
+	if opts.MaxProbeRate <= 0 {
+		opts.MaxProbeRate = 500
+	}
 	return &Watcher{ports: ports, opts: opts, ready: make(chan struct{})}
 }
 
@@ -105,7 +121,8 @@ func (w *Watcher) Ready() <-chan struct{} { return w.ready }
 // Stats returns the counters.
 func (w *Watcher) Stats() Stats {
 	return Stats{Events: w.events.Load(), Started: w.started.Load(), Ended: w.ended.Load(),
-		Overruns: w.overruns.Load(), Evicted: w.evicted.Load(), Undecodable: w.undecodable.Load()}
+		Overruns: w.overruns.Load(), Evicted: w.evicted.Load(), Undecodable: w.undecodable.Load(),
+		Probes: w.probes.Load()}
 }
 
 // Run subscribes to the conntrack NEW and DESTROY events (call it once) and reports those of matching ports
@@ -117,9 +134,12 @@ func (w *Watcher) Stats() Stats {
 // at the first error, ENOBUFS included: a watcher that goes deaf after one burst is worse than
 // one that loses the burst.
 func (w *Watcher) Run(ctx context.Context) error {
-	c, err := w.open()
+	c, getter, err := w.open()
 	if err != nil {
 		return err
+	}
+	if getter != nil {
+		defer getter.Close()
 	}
 	// Closing the socket is what wakes a Receive blocked on a quiet table. Run waits for the
 	// close it started at ctx's end, so no goroutine of its outlives it.
@@ -135,30 +155,43 @@ func (w *Watcher) Run(ctx context.Context) error {
 			<-closed
 		}
 	}()
-	r := reader{w: w, pending: newPending(w.opts.MaxPending)}
+	r := newReader(w, getter)
 	w.once.Do(func() { close(w.ready) })
+	var deadline time.Time // the socket's read deadline now
 	for {
+		// A read waits no longer than the next probe is due.
+		if wake, _ := r.wake(); !wake.Equal(deadline) {
+			if err := c.SetReadDeadline(wake); err != nil {
+				return fmt.Errorf("conntrack watcher: set the read deadline: %w", err)
+			}
+			deadline = wake
+		}
 		msgs, err := c.Receive()
 		if ctx.Err() != nil {
 			return nil
 		}
-		if err != nil {
-			if errors.Is(err, unix.ENOBUFS) {
-				r.overrun()
-				continue
+		switch {
+		case err == nil:
+			for _, m := range msgs {
+				r.message(m)
 			}
+		case errors.Is(err, os.ErrDeadlineExceeded):
+		case errors.Is(err, unix.ENOBUFS):
+			r.overrun()
+		default:
 			return fmt.Errorf("conntrack watcher: read events: %w", err)
 		}
-		for _, m := range msgs {
-			r.message(m)
-		}
+		r.probe()
 	}
 }
 
-// open opens the socket, in the namespace Do runs in, subscribed to NEW and DESTROY, and says
+// open opens the socket, in the namespace Do runs in, subscribed to NEW and DESTROY, and the
+// probes' socket (nil when probing is off or the socket cannot be had: said once), and says
 // once if the kernel counts no bytes or stamps no times.
-func (w *Watcher) open() (*netfilter.Conn, error) {
+func (w *Watcher) open() (*netfilter.Conn, *ct.Conn, error) {
 	var c *netfilter.Conn
+	var getter *ct.Conn
+	var getErr error
 	var sysctls []string
 	do := w.opts.Do
 	if do == nil {
@@ -174,10 +207,16 @@ func (w *Watcher) open() (*netfilter.Conn, error) {
 			return err
 		}
 		sysctls = offSysctls()
+		if w.opts.ProbeInterval > 0 {
+			getter, getErr = ct.Dial(nil)
+		}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("conntrack watcher: subscribe to conntrack NEW and DESTROY events: %w", err)
+		return nil, nil, fmt.Errorf("conntrack watcher: subscribe to conntrack NEW and DESTROY events: %w", err)
+	}
+	if getErr != nil {
+		w.opts.Logger.WithError(getErr).Warn(noProbes)
 	}
 	if err := c.SetReadBuffer(w.opts.ReadBuffer); err != nil {
 		w.opts.Logger.WithError(err).Warn("conntrack watcher: could not set the socket's receive buffer; a burst of events may overrun it")
@@ -186,8 +225,11 @@ func (w *Watcher) open() (*netfilter.Conn, error) {
 		w.opts.Logger.WithField("sysctls", strings.Join(sysctls, ",")).Warn(
 			"conntrack watcher: kernel-path flows will lack byte and packet counts (nf_conntrack_acct=0) or kernel start times (nf_conntrack_timestamp=0; durations then count from the NEW event seen); set the sysctls to 1 in the node's network namespace to have them")
 	}
-	return c, nil
+	return c, getter, nil
 }
+
+// noProbes is said once when entries cannot be looked up.
+const noProbes = "conntrack watcher: cannot look conntrack entries up; a kernel-path flow's end comes when the kernel's garbage collector removes its expired entry, up to a minute late"
 
 // offSysctls lists the conntrack accounting sysctls that are off in the calling thread's network
 // namespace (/proc/sys/net follows the opener's namespace). One that cannot be read (no
@@ -208,6 +250,12 @@ type reader struct {
 	w       *Watcher
 	pending *pending
 	ownID   uint64
+
+	// get asks the kernel for one entry; nil: probing is off (probe.go).
+	get    entryGetter
+	probes *probeSchedule
+	tokens float64   // GETs allowed now, refilled at MaxProbeRate up to one second's worth
+	filled time.Time // when tokens was last refilled
 
 	lastOverrun   time.Time
 	overrunsTotal uint64 // at the last overrun log line
@@ -260,8 +308,12 @@ func (r *reader) start(f *ct.Flow) {
 		start = r.w.opts.Now()
 	}
 	id := r.id(f.ID)
-	r.pending.add(key{id: f.ID, proto: proto, client: client, local: local}, started{id: id, start: start, rec: rec})
+	k := key{id: f.ID, proto: proto, client: client, local: local}
+	r.pending.add(k, started{id: id, start: start, rec: rec})
 	r.w.evicted.Store(r.pending.evicted)
+	if r.get != nil {
+		r.probes.set(k, r.w.opts.Now().Add(r.w.opts.ProbeInterval))
+	}
 	e := flow.Event{Phase: flow.PhaseStart, ID: id, Time: start, Local: local,
 		Info: flow.Info{Client: client, Endpoint: endpoint, Start: start}}
 	r.w.started.Add(1)
@@ -275,7 +327,11 @@ func (r *reader) end(f *ct.Flow) {
 	if !ok {
 		return
 	}
-	s, seen := r.pending.take(key{id: f.ID, proto: proto, client: client, local: local})
+	k := key{id: f.ID, proto: proto, client: client, local: local}
+	s, seen := r.pending.take(k)
+	if r.get != nil {
+		r.probes.drop(k)
+	}
 	if !seen {
 		if s.rec = r.w.ports.Lookup(proto, local); s.rec == nil {
 			return
@@ -310,6 +366,75 @@ func (r *reader) end(f *ct.Flow) {
 	e.End, e.Err = endReason(proto, f)
 	r.w.ended.Add(1)
 	s.rec.Record(&e)
+}
+
+func newReader(w *Watcher, get entryGetter) *reader {
+	r := &reader{w: w, pending: newPending(w.opts.MaxPending)}
+	if get != nil && w.opts.ProbeInterval > 0 {
+		r.get, r.probes = get, newProbeSchedule()
+		r.tokens, r.filled = float64(w.opts.MaxProbeRate), w.opts.Now()
+	}
+	return r
+}
+
+// wake is when the next probe may go (the zero time, ok false, when none is scheduled): when it
+// is due, or later if the rate's budget is spent.
+func (r *reader) wake() (time.Time, bool) {
+	if r.get == nil {
+		return time.Time{}, false
+	}
+	due, ok := r.probes.next()
+	if !ok {
+		return time.Time{}, false
+	}
+	if r.tokens < 1 {
+		refill := r.filled.Add(time.Duration((1 - r.tokens) / float64(r.w.opts.MaxProbeRate) * float64(time.Second)))
+		if refill.After(due) {
+			due = refill
+		}
+	}
+	return due, true
+}
+
+// probe asks the kernel for the started entries whose probe is due, as many as the rate allows,
+// and schedules each found live entry's next one (probe.go). A GET of an expired entry removes
+// it: its DESTROY comes next on the event socket. An error other than "no such entry" turns
+// probing off, said once.
+func (r *reader) probe() {
+	if r.get == nil {
+		return
+	}
+	now := r.w.opts.Now()
+	rate := float64(r.w.opts.MaxProbeRate)
+	r.tokens = min(rate, r.tokens+now.Sub(r.filled).Seconds()*rate)
+	r.filled = now
+	// Established entries are asked again every ProbeInterval, or less often when more are
+	// started than the rate covers in that time.
+	recheck := max(r.w.opts.ProbeInterval, time.Duration(float64(r.probes.len())/rate*float64(time.Second)))
+	for r.tokens >= 1 {
+		k, ok := r.probes.pop(now)
+		if !ok {
+			return
+		}
+		if _, live := r.pending.m[k]; !live { // evicted: its End comes without a Start's Recorder
+			continue
+		}
+		r.tokens--
+		r.w.probes.Add(1)
+		f, err := r.get.Get(lookupFlow(k))
+		switch {
+		case errNoEntry(err):
+			// Gone: removed by this GET if it had expired, or earlier; its DESTROY is on its way.
+		case err != nil:
+			r.w.opts.Logger.WithError(err).Warn(noProbes)
+			r.get, r.probes = nil, nil
+			return
+		case k.id != 0 && f.ID != k.id:
+			// Another entry on the same tuple: the one started is gone.
+		default:
+			r.probes.set(k, afterProbe(&f, now, recheck))
+		}
+	}
 }
 
 // id is the flow ID of an entry (IDBit).

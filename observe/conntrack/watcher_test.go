@@ -62,9 +62,9 @@ type clock struct{ t time.Time }
 
 func (c *clock) now() time.Time { return c.t }
 
-func newReader(p PortLookup, c *clock, maxPending int) *reader {
+func testReader(p PortLookup, c *clock, maxPending int) *reader {
 	w := NewWatcher(p, Options{Now: c.now, MaxPending: maxPending})
-	return &reader{w: w, pending: newPending(w.opts.MaxPending)}
+	return newReader(w, nil)
 }
 
 var (
@@ -78,7 +78,7 @@ var (
 func TestStartAndEndOfAMatchingFlow(t *testing.T) {
 	rec := &events{}
 	c := &clock{t: time.Unix(1000, 0)}
-	r := newReader(ports{{flow.TCP, svcTCP}: rec}, c, 0)
+	r := testReader(ports{{flow.TCP, svcTCP}: rec}, c, 0)
 	t0, t1 := time.Unix(900, 0), time.Unix(905, 500)
 
 	f := entry(7, unix.IPPROTO_TCP, client.String(), svcTCP.String(), epTCP.String())
@@ -108,7 +108,7 @@ func TestStartAndEndOfAMatchingFlow(t *testing.T) {
 func TestDurationFromTheNewSeenWithoutKernelTimestamps(t *testing.T) {
 	rec := &events{}
 	c := &clock{t: time.Unix(1000, 0)}
-	r := newReader(ports{{flow.UDP, netip.MustParseAddrPort("10.96.0.10:53")}: rec}, c, 0)
+	r := testReader(ports{{flow.UDP, netip.MustParseAddrPort("10.96.0.10:53")}: rec}, c, 0)
 	f := entry(9, unix.IPPROTO_UDP, client.String(), "10.96.0.10:53", "10.244.1.10:5353")
 	r.start(f)
 	c.t = c.t.Add(3 * time.Second)
@@ -131,7 +131,7 @@ func TestDurationFromTheNewSeenWithoutKernelTimestamps(t *testing.T) {
 // other protocols, report nothing.
 func TestNonMatchingFlowsAreNotReported(t *testing.T) {
 	rec := &events{}
-	r := newReader(ports{{flow.TCP, svcTCP}: rec}, &clock{t: time.Unix(1, 0)}, 0)
+	r := testReader(ports{{flow.TCP, svcTCP}: rec}, &clock{t: time.Unix(1, 0)}, 0)
 	for _, f := range []*ct.Flow{
 		entry(1, unix.IPPROTO_TCP, client.String(), "10.96.0.11:80", epTCP.String()),
 		entry(2, unix.IPPROTO_UDP, client.String(), svcTCP.String(), epTCP.String()), // the port is TCP
@@ -153,7 +153,7 @@ func TestNonMatchingFlowsAreNotReported(t *testing.T) {
 func TestEndGoesWhereTheStartWent(t *testing.T) {
 	rec := &events{}
 	p := ports{{flow.TCP, svcTCP}: rec}
-	r := newReader(p, &clock{t: time.Unix(1, 0)}, 0)
+	r := testReader(p, &clock{t: time.Unix(1, 0)}, 0)
 	f := entry(1, unix.IPPROTO_TCP, client.String(), svcTCP.String(), epTCP.String())
 	r.start(f)
 	delete(p, portKey{flow.TCP, svcTCP})
@@ -174,7 +174,7 @@ func TestEndGoesWhereTheStartWent(t *testing.T) {
 // TestPendingIsBoundedAndDropsTheOldest: at MaxPending remembered flows the oldest is forgotten
 // and counted; flows that ended do not count against the bound.
 func TestPendingIsBoundedAndDropsTheOldest(t *testing.T) {
-	r := newReader(ports{{flow.TCP, svcTCP}: &events{}}, &clock{t: time.Unix(1, 0)}, 100)
+	r := testReader(ports{{flow.TCP, svcTCP}: &events{}}, &clock{t: time.Unix(1, 0)}, 100)
 	flows := make([]*ct.Flow, 250)
 	for i := range flows {
 		flows[i] = entry(uint32(i+1), unix.IPPROTO_TCP, client.String(), svcTCP.String(), epTCP.String())
@@ -240,7 +240,7 @@ func TestEndReasons(t *testing.T) {
 // one gets a number of the watcher's, the same in its Start and End.
 func TestIDsAreTheKernelPathsOwn(t *testing.T) {
 	rec := &events{}
-	r := newReader(ports{{flow.TCP, svcTCP}: rec}, &clock{t: time.Unix(1, 0)}, 0)
+	r := testReader(ports{{flow.TCP, svcTCP}: rec}, &clock{t: time.Unix(1, 0)}, 0)
 	f := entry(0, unix.IPPROTO_TCP, client.String(), svcTCP.String(), epTCP.String())
 	r.start(f)
 	r.end(f)
