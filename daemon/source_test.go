@@ -156,7 +156,7 @@ func TestResolveSource(t *testing.T) {
 // says no (the replies would not come back) and the metric says why; a lasting failure is logged
 // once; --source-mode=transparent makes the failure an error, auto a warning.
 func TestSourceRun(t *testing.T) {
-	broken := errors.New("mangle KUBE-PORTALS-TRANSPARENT: no xt_socket")
+	broken := errors.New("reply mark (nft table inet kube-portal-proxy): no nft socket expression")
 	for _, tc := range []struct {
 		mode      string
 		installed bool

@@ -162,7 +162,8 @@ var ownedChains = []string{"KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-
 	// The kernel data path's (portal/kernel): top-level chains and the per-port prefixes.
 	"KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ",
 	"KUBE-FORWARD", "KUBE-PROXY-FIREWALL", "KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-",
-	// The transparent source mode's mark (portal/transparent).
+	// An earlier build's iptables mark of the transparent source mode (portal/transparent.LegacyChain;
+	// the mode marks with an nft table now, transparentPlumbing checks it).
 	"KUBE-PORTALS-TRANSPARENT"}
 
 // ruleSet is the output of iptables-save (or ip6tables-save) -c: the "-A" rule lines, each with

@@ -217,11 +217,14 @@ func TestCleanupLeavesNothing(t *testing.T) {
 		t.Fatalf("stop the proxy: %v", err)
 	}
 	_, saved := saveRules(t, n.bed.Node, "iptables-save")
-	if left := ownedLines(saved); len(left) == 0 || !strings.Contains(saved, "KUBE-SEP-") || !strings.Contains(saved, "KUBE-PORTALS-TRANSPARENT") {
-		t.Fatalf("no proxy chain (or no kernel-path or transparent chain) in the node namespace after a clean stop; want the rules kept:\n%s", saved)
+	if left := ownedLines(saved); len(left) == 0 || !strings.Contains(saved, "KUBE-SEP-") {
+		t.Fatalf("no proxy chain (or no kernel-path chain) in the node namespace after a clean stop; want the rules kept:\n%s", saved)
 	}
-	if left := transparentPlumbing(t, n.bed.Node); len(left) != 5 {
-		t.Fatalf("the transparent source mode's plumbing after a clean stop: %q, want its rule, route and nft table in both families", left)
+	if strings.Contains(saved, "KUBE-PORTALS-TRANSPARENT") {
+		t.Errorf("the transparent source mode used iptables (an nft table marks the replies now):\n%s", saved)
+	}
+	if left := transparentPlumbing(t, n.bed.Node); len(left) != 6 {
+		t.Fatalf("the transparent source mode's plumbing after a clean stop: %q, want its rule and route in both families and its two nft tables (inet, bridge)", left)
 	}
 
 	for i := 1; i <= 2; i++ {
@@ -244,8 +247,9 @@ func TestCleanupLeavesNothing(t *testing.T) {
 	}
 }
 
-// transparentPlumbing lists what of the transparent source mode's policy routing and nft table is
-// in ns: each ip rule to its table and each route in it (both families), and the nft table.
+// transparentPlumbing lists what of the transparent source mode's policy routing and nft tables is
+// in ns: each ip rule to its table and each route in it (both families), and the nft tables (the
+// inet one that marks the replies, the bridge one).
 func transparentPlumbing(t *testing.T, ns *netns.NS) []string {
 	t.Helper()
 	var out []string
@@ -256,7 +260,8 @@ func transparentPlumbing(t *testing.T, ns *netns.NS) []string {
 			t.Fatalf("%v in %s: %v", cmd, ns.Name, err)
 		}
 		for _, line := range strings.Split(string(b), "\n") {
-			if strings.Contains(line, "27504") || strings.Contains(line, "bridge kube-portal-proxy") {
+			if strings.Contains(line, "27504") || strings.Contains(line, "bridge kube-portal-proxy") ||
+				strings.Contains(line, "inet kube-portal-proxy") {
 				out = append(out, strings.Join(cmd, " ")+": "+strings.TrimSpace(line))
 			}
 		}

@@ -18,7 +18,6 @@ import (
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/netns"
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
-	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 )
 
@@ -44,7 +43,7 @@ type lab struct {
 
 func needTools(t testing.TB) {
 	t.Helper()
-	for _, bin := range []string{"iptables", "ip6tables", "nft", "ip"} {
+	for _, bin := range []string{"nft", "ip", "bridge"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			testenv.Unavailable(t, "%s not installed", bin)
 		}
@@ -234,9 +233,7 @@ func TestTransparentRepliesReachTheSocket(t *testing.T) {
 		})
 	}
 	t.Run("same_bridge_fails_without_the_bridge_part", func(t *testing.T) {
-		if err := node.cleanupBridge(t.Context()); err != nil {
-			t.Fatal(err)
-		}
+		l.node.MustExec(t, "nft", "delete", "table", "bridge", NFTTable)
 		for _, from := range []netip.Addr{cliV4, cliV6} {
 			to := beV4
 			if from.Is6() {
@@ -261,7 +258,6 @@ func snapshot(t *testing.T, ns *netns.NS) string {
 	t.Helper()
 	var b strings.Builder
 	for _, argv := range [][]string{
-		{"iptables-save", "-t", "mangle"}, {"ip6tables-save", "-t", "mangle"},
 		{"ip", "-4", "rule"}, {"ip", "-6", "rule"}, {"ip", "-4", "route", "show", "table", "all"},
 		{"ip", "-6", "route", "show", "table", "all"}, {"nft", "-s", "list", "ruleset"}, {"bridge", "fdb", "show"},
 	} {
@@ -282,9 +278,15 @@ func snapshot(t *testing.T, ns *netns.NS) string {
 	return b.String()
 }
 
-// TestCleanupLeavesNothing: the namespace after Sync and Cleanup is as it was before.
+// TestCleanupLeavesNothing: the namespace after Sync and Cleanup is as it was before, an earlier
+// build's iptables mangle chain (and its jumps) removed too.
 func TestCleanupLeavesNothing(t *testing.T) {
 	l := newLab(t)
+	for _, bin := range []string{"iptables", "ip6tables"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			testenv.Unavailable(t, "%s not installed", bin)
+		}
+	}
 	// Make mangle PREROUTING exist in both families before the first snapshot: iptables-nft
 	// creates a built-in chain on first use and leaves it (empty) behind, as on a node where
 	// anything used mangle (kubelet's KUBE-KUBELET-CANARY); a built-in chain is not ours to remove.
@@ -293,10 +295,16 @@ func TestCleanupLeavesNothing(t *testing.T) {
 		l.node.MustExec(t, bin, "-t", "mangle", "-D", "PREROUTING", "-j", "RETURN")
 	}
 	before := snapshot(t, l.node)
+	// What the earlier build installed.
+	for _, bin := range []string{"iptables", "ip6tables"} {
+		l.node.MustExec(t, bin, "-t", "mangle", "-N", LegacyChain)
+		l.node.MustExec(t, bin, "-t", "mangle", "-A", LegacyChain, "-m", "conntrack", "--ctdir", "REPLY", "-j", "MARK", "--set-xmark", "0x100000/0x100000")
+		l.node.MustExec(t, bin, "-t", "mangle", "-I", "PREROUTING", "1", "-j", LegacyChain)
+	}
 	node, _ := l.newNode(t)
 	mustSync(t, node)
 	during := snapshot(t, l.node)
-	for _, want := range []string{Chain, "lookup 27504", "table 27504", "table bridge " + NFTTable, DefaultBridgeMAC.String()} {
+	for _, want := range []string{"table inet " + NFTTable, "socket transparent 1", "lookup 27504", "table 27504", "table bridge " + NFTTable, DefaultBridgeMAC.String()} {
 		if !strings.Contains(during, want) {
 			t.Errorf("after Sync, no %q in\n%s", want, during)
 		}
@@ -323,15 +331,17 @@ func TestSyncRepairs(t *testing.T) {
 		name string
 		argv [][]string
 	}{
-		{"jump_v4", [][]string{{"iptables", "-t", "mangle", "-D", "PREROUTING", "-j", Chain}}},
-		{"chain_v6", [][]string{{"ip6tables", "-t", "mangle", "-D", "PREROUTING", "-j", Chain}, {"ip6tables", "-t", "mangle", "-F", Chain}, {"ip6tables", "-t", "mangle", "-X", Chain}}},
-		{"rule_in_chain_v4", [][]string{{"iptables", "-t", "mangle", "-F", Chain}}},
+		{"nft_inet_table", [][]string{{"nft", "delete", "table", "inet", NFTTable}}},
+		{"nft_mark_rule", [][]string{{"nft", "flush", "chain", "inet", NFTTable, NFTMarkChain}}},
+		{"nft_mark_rule_changed", [][]string{{"nft", "flush", "chain", "inet", NFTTable, NFTMarkChain},
+			{"nft", "add", "rule", "inet", NFTTable, NFTMarkChain, "meta", "mark", "set", "meta", "mark", "|", "0x00100000"}}},
 		{"ip_rule_v4", [][]string{{"ip", "-4", "rule", "del", "pref", "27504"}}},
 		{"ip_rule_v6", [][]string{{"ip", "-6", "rule", "del", "pref", "27504"}}},
 		{"route_v4", [][]string{{"ip", "-4", "route", "flush", "table", "27504"}}},
 		{"route_v6", [][]string{{"ip", "-6", "route", "flush", "table", "27504"}}},
-		{"nft_table", [][]string{{"nft", "delete", "table", "bridge", NFTTable}}},
-		{"nft_rule", [][]string{{"nft", "flush", "chain", "bridge", NFTTable, NFTChain}}},
+		{"nft_bridge_table", [][]string{{"nft", "delete", "table", "bridge", NFTTable}}},
+		{"nft_bridge_rule", [][]string{{"nft", "flush", "chain", "bridge", NFTTable, NFTChain}}},
+		{"both_nft_tables", [][]string{{"nft", "delete", "table", "inet", NFTTable}, {"nft", "delete", "table", "bridge", NFTTable}}},
 		{"fdb_entry", [][]string{{"bridge", "fdb", "del", DefaultBridgeMAC.String(), "dev", "br0", "self"}}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -374,11 +384,6 @@ func BenchmarkSyncUnchanged(b *testing.B) {
 type countingRunner struct {
 	Runner
 	writes int
-}
-
-func (c *countingRunner) Restore(ctx context.Context, fam portal.Family, data []byte) error {
-	c.writes++
-	return c.Runner.Restore(ctx, fam, data)
 }
 
 func (c *countingRunner) NFT(ctx context.Context, stdin []byte, args ...string) ([]byte, error) {

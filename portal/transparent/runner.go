@@ -10,24 +10,19 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/iptables"
 )
 
-// Runner is the seam over the binaries: iptables-save/-restore (the part of iptables.Runner this
-// package needs) and nft.
+// Runner is the seam over the nft binary. A Runner that also has iptables' Save and Restore
+// (ExecRunner does) lets Cleanup remove an earlier build's iptables chain.
 type Runner interface {
-	// Save returns `iptables-save -t table` (ip6tables-save for IPv6).
-	Save(ctx context.Context, fam portal.Family, table string) ([]byte, error)
-	// Restore feeds data to `iptables-restore --noflush`: one transaction.
-	Restore(ctx context.Context, fam portal.Family, data []byte) error
 	// NFT runs `nft args...` with stdin (when not nil) and returns its stdout. A missing binary is
 	// an error wrapping iptables.ErrUnavailable; a failed run an *iptables.ExitError.
 	NFT(ctx context.Context, stdin []byte, args ...string) ([]byte, error)
 }
 
-// ExecRunner runs the node's binaries: iptables through iptables.ExecRunner (its Prefix and
-// Variant apply to nft too, Variant aside).
+// ExecRunner runs nft, and iptables (through iptables.ExecRunner, for Cleanup only); its Prefix
+// applies to nft too.
 type ExecRunner struct {
 	iptables.ExecRunner
 }

@@ -1,8 +1,9 @@
 // Package transparent installs the node plumbing of the transparent source mode: the proxy dials an
 // endpoint from a socket with IP_TRANSPARENT bound to the client's address, and the rules here steer
-// the endpoint's replies back into that socket (an iptables socket match that marks them, policy
+// the endpoint's replies back into that socket (an nft socket expression that marks them, policy
 // routing that delivers marked packets locally, and, for replies bridged between two pods of this
 // node, an nft bridge rule that hands marked frames up to the node instead of bridging them).
+// It uses nft only, no iptables: Cleanup still removes the iptables chain of an earlier build.
 package transparent
 
 import (
@@ -25,11 +26,11 @@ const (
 	DefaultMark       uint32 = 0x00100000
 	DefaultTable             = 27504
 	DefaultPreference        = 27504
-	// Chain is the mangle chain, in both families, jumped to from mangle PREROUTING.
-	Chain = "KUBE-PORTALS-TRANSPARENT"
-	// NFTTable is the nft bridge-family table; NFTChain its one chain.
-	NFTTable = "kube-portal-proxy"
-	NFTChain = "transparent-replies"
+	// NFTTable names both nft tables: the inet one, whose chain NFTMarkChain marks the replies,
+	// and the bridge one, whose chain NFTChain hands marked bridged frames up to the node.
+	NFTTable     = "kube-portal-proxy"
+	NFTMarkChain = "transparent-mark"
+	NFTChain     = "transparent-replies"
 )
 
 // DefaultBridgeMAC is the address marked bridged frames are rewritten to. Every bridge of the node
@@ -42,7 +43,7 @@ var DefaultBridgeMAC = net.HardwareAddr{0x02, 0x6b, 0x70, 0x70, 0x00, 0x01}
 
 // Config is what the node plumbing needs. Zero fields take the defaults.
 type Config struct {
-	// Mark is the packet mark bit (used as both value and mask) that the socket match sets.
+	// Mark is the packet mark bit (used as both value and mask) that the reply mark sets.
 	Mark uint32
 	// Table is the routing table that holds the local default routes; Preference the priority of
 	// the ip rule that sends marked packets to it.
@@ -53,7 +54,7 @@ type Config struct {
 	// Families are the IP families to install; empty means both.
 	Families []portal.Family
 	Logger   logrus.FieldLogger
-	// Runner runs iptables-save/-restore and nft; Netlink does the rest.
+	// Runner runs nft; Netlink does the rest.
 	Runner  Runner
 	Netlink Netlink
 }
@@ -82,20 +83,20 @@ func (c Config) withDefaults() Config {
 
 // Support is what the last Sync found the node can do.
 type Support struct {
-	// Socket: the socket match marks replies; PolicyRouting: marked packets are delivered locally.
+	// Socket: the nft inet table marks replies; PolicyRouting: marked packets are delivered locally.
 	// Both hold for every family of Families, or Sync failed.
 	Socket, PolicyRouting bool
 	Families              []portal.Family
 	// Bridge says that replies bridged between two pods of this node are caught too, for every
 	// family of BridgeFamilies: the nft bridge table is in place and br_netfilter hands bridged
-	// packets of that family to ip(6)tables (bridge-nf-call-iptables / -ip6tables is 1).
+	// packets of that family to the inet hooks (bridge-nf-call-iptables / -ip6tables is 1).
 	Bridge         bool
 	BridgeFamilies []portal.Family
 	// NoBridges: the node has no bridge with a port, so no reply is bridged between two of its
 	// pods (a routed CNI, a veth per pod): the bridge part is not needed, whatever Bridge says.
 	NoBridges bool
-	// Reason says why something is not supported, for the log line and a metric label: "no
-	// xt_socket", "no policy routing", "no CAP_NET_ADMIN", "no nft", "no nft bridge family",
+	// Reason says why something is not supported, for the log line and a metric label: "no nft
+	// socket expression", "no policy routing", "no CAP_NET_ADMIN", "no nft", "no nft bridge family",
 	// "br_netfilter off", "br_netfilter not loaded", joined by ", " when several; "" when all is.
 	Reason string
 }
@@ -108,26 +109,25 @@ type Node struct {
 	cfg Config
 
 	mu sync.Mutex
-	// probed is set by the first Sync that installed the socket match and policy routing; until
+	// probed is set by the first Sync that installed the reply mark and policy routing; until
 	// then a failure removes everything, so an unsupported node is left as it was.
 	probed bool
-	// mangle is, per family, our part of mangle as iptables-save showed it after our last write
-	// (iptables versions spell rules differently, so what was read back is what is compared).
-	mangle map[portal.Family]mangleState
-	// nft is `nft list table` after our last write.
-	nft string
+	// nftInetRead and nftBridgeRead are `nft list table` of each table after our last write.
+	nftInetRead, nftBridgeRead string
+	// bridgeErr is why the bridge table could not be written, kept until Cleanup.
+	bridgeErr error
 	// bridgesWithPorts are the bridges with a port the last Sync saw (BridgesChanged).
 	bridgesWithPorts []int
 }
 
 // New returns the plumbing for cfg. It touches nothing.
 func New(cfg Config) *Node {
-	return &Node{cfg: cfg.withDefaults(), mangle: map[portal.Family]mangleState{}}
+	return &Node{cfg: cfg.withDefaults()}
 }
 
 // Sync installs what is missing and repairs what others changed; with nothing changed it only
-// reads (one iptables-save per family, one nft list, a few netlink dumps). The socket match and
-// policy routing are required: if either cannot be installed Sync returns an error naming it, and
+// reads (two nft lists, a few netlink dumps). The reply mark (the nft inet table) and policy
+// routing are required: if either cannot be installed Sync returns an error naming it, and
 // on the first Sync (the probe) it also removes whatever it installed. The bridge part is
 // optional: its failure shows in Support only.
 func (n *Node) Sync(ctx context.Context) (Support, error) {
@@ -135,11 +135,10 @@ func (n *Node) Sync(ctx context.Context) (Support, error) {
 	defer n.mu.Unlock()
 	var reasons []string
 	var joined []error
-	for _, fam := range n.cfg.Families {
-		if err := n.syncMangle(ctx, fam); err != nil {
-			joined = append(joined, fmt.Errorf("transparent %s: socket match (mangle %s): %w", fam, Chain, err))
-			reasons = append(reasons, reasonFor(err, "no xt_socket"))
-		}
+	bridgeErr, err := n.syncNFT(ctx)
+	if err != nil {
+		joined = append(joined, fmt.Errorf("transparent: reply mark (nft table inet %s): %w", NFTTable, err))
+		reasons = append(reasons, reasonFor(err, "no nft socket expression"))
 	}
 	for _, fam := range n.cfg.Families {
 		if err := n.syncRouting(ctx, fam); err != nil {
@@ -162,9 +161,12 @@ func (n *Node) Sync(ctx context.Context) (Support, error) {
 		sup.NoBridges = !slices.ContainsFunc(brs, func(b Bridge) bool { return b.Ports > 0 })
 	}
 	n.bridgesWithPorts, _ = n.cfg.Netlink.BridgesWithPorts(ctx)
-	if err := n.syncBridge(ctx); err != nil {
+	if bridgeErr != nil {
+		n.cfg.Logger.WithError(bridgeErr).Debug("Transparent bridge part not installed")
+		reasons = append(reasons, reasonFor(bridgeErr, "no nft bridge family"))
+	} else if err := n.syncFDB(ctx); err != nil {
 		n.cfg.Logger.WithError(err).Debug("Transparent bridge part not installed")
-		reasons = append(reasons, reasonFor(err, "no nft bridge family"))
+		reasons = append(reasons, reasonFor(err, "no bridge fdb entry"))
 	} else {
 		for _, fam := range n.cfg.Families {
 			on, why := n.brNetfilter(ctx, fam)
@@ -192,8 +194,8 @@ func (n *Node) BridgesChanged(ctx context.Context) bool {
 }
 
 // Cleanup removes everything of ours, both families, whatever the configuration installed: the
-// nft table, the bridges' fdb entries, the mangle chain and every jump to it, the fwmark rules to
-// the table and its local routes. Nothing to remove is not an error; a missing binary skips its
+// two nft tables, the bridges' fdb entries, the fwmark rules to the table and its local routes,
+// and an earlier build's iptables mangle chain LegacyChain with every jump to it. Nothing to remove is not an error; a missing binary skips its
 // part. It carries on after a failure and returns them all.
 func (n *Node) Cleanup(ctx context.Context) error {
 	n.mu.Lock()
@@ -203,20 +205,22 @@ func (n *Node) Cleanup(ctx context.Context) error {
 
 func (n *Node) cleanupLocked(ctx context.Context) error {
 	var errs []error
-	if err := n.cleanupBridge(ctx); err != nil {
+	if err := n.cleanupNFT(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	if err := n.cleanupFDB(ctx); err != nil {
 		errs = append(errs, err)
 	}
 	for _, fam := range portal.Families {
-		if err := n.cleanupMangle(ctx, fam); err != nil {
-			errs = append(errs, fmt.Errorf("transparent %s: remove mangle %s: %w", fam, Chain, err))
+		if err := n.cleanupLegacy(ctx, fam); err != nil {
+			errs = append(errs, fmt.Errorf("transparent %s: remove mangle %s: %w", fam, LegacyChain, err))
 		}
 		if err := n.cleanupRouting(ctx, fam); err != nil {
 			errs = append(errs, fmt.Errorf("transparent %s: remove policy routing: %w", fam, err))
 		}
 	}
 	n.probed = false
-	n.mangle = map[portal.Family]mangleState{}
-	n.nft = ""
+	n.nftInetRead, n.nftBridgeRead, n.bridgeErr = "", "", nil
 	return errors.Join(errs...)
 }
 
