@@ -294,6 +294,10 @@ func (s *Service) Name() service.ServicePortName { return s.name }
 // Endpoints returns the current endpoints in round-robin order.
 func (s *Service) Endpoints() []netip.AddrPort { return slices.Clone(s.eps.Load().list) }
 
+// NumEndpoints is len(Endpoints()) without the copy (the /metrics scrape reads it for every
+// service port).
+func (s *Service) NumEndpoints() int { return len(s.eps.Load().list) }
+
 // HasEndpoints reports whether a pick can succeed.
 func (s *Service) HasEndpoints() bool { return len(s.eps.Load().list) > 0 }
 

@@ -127,6 +127,9 @@ type fakeEnv struct {
 	listens     []netip.AddrPort
 	// built lists every socket built, in order.
 	built []*fakeSocket
+	// wrap, if set, is what the factory returns for each socket built (a socket with counters,
+	// for the scrape's tests and benchmarks); set it before the first sync.
+	wrap func(*fakeSocket) ProxySocket
 }
 
 func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
@@ -145,7 +148,11 @@ func newFakeEnv(t testing.TB, mutate func(*Config)) *fakeEnv {
 			s := &fakeSocket{env: e, port: port, closed: make(chan struct{}), allow: allow}
 			e.mu.Lock()
 			e.built = append(e.built, s)
+			wrap := e.wrap
 			e.mu.Unlock()
+			if wrap != nil {
+				return wrap(s)
+			}
 			return s
 		},
 	})

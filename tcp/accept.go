@@ -87,7 +87,7 @@ func (p *Proxy) acceptLoop() error {
 func (p *Proxy) deny(fd int, peer netip.AddrPort) {
 	// Counted and reported before the reset: a client (or a test) that has seen its reset must
 	// find it in the metrics and the access log already.
-	p.stats.sourceDenied.Add(1)
+	p.count().sourceDenied.Add(1)
 	p.logger().WithField("client", peer.String()).Debug("client outside the allowed source ranges, reset")
 	if p.cfg.OnEnd != nil || p.cfg.Flows != nil {
 		now := p.cfg.Clock.Now()

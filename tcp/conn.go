@@ -96,8 +96,8 @@ func (p *Proxy) initConn(c *conn, peer netip.AddrPort, t transport) {
 	now := p.cfg.Clock.Now().UnixNano()
 	c.p, c.clientAddr, c.start, c.live, c.t = p, peer, now, 1, t
 	c.last.Store(now)
-	p.stats.total.Add(1)
-	p.stats.active.Add(1)
+	p.count().total.Add(1)
+	p.count().active.Add(1)
 	p.track(c)
 }
 
@@ -149,9 +149,9 @@ func (c *conn) attempt(ep netip.AddrPort, i int) {
 	c.endpoint = ep
 	c.attempts++
 	c.mu.Unlock()
-	c.p.stats.dialAttempts.Add(1)
+	c.p.count().dialAttempts.Add(1)
 	if i > 0 {
-		c.p.stats.dialRetries.Add(1)
+		c.p.count().dialRetries.Add(1)
 	}
 	if c.fl != nil {
 		c.attempted(i)
@@ -159,14 +159,14 @@ func (c *conn) attempt(ep netip.AddrPort, i int) {
 }
 
 func (c *conn) noEndpoints(err error) error {
-	c.p.stats.noEndpoints.Add(1)
+	c.p.count().noEndpoints.Add(1)
 	return fmt.Errorf("pick endpoint: %w", err)
 }
 
 // dialFailed counts and logs a failed attempt and returns its error, naming the endpoint; nil if
 // the connection or the proxy is closing, and the ladder should stop (err then says so).
 func (c *conn) dialFailed(ep netip.AddrPort, i int, timeout time.Duration, err error) error {
-	c.p.stats.dialFailures.Add(1)
+	c.p.count().dialFailures.Add(1)
 	if c.p.ctx.Err() != nil || c.isClosed() {
 		return nil
 	}
@@ -276,8 +276,8 @@ func (c *conn) finish() {
 	c.mu.Lock()
 	end, counted, ep := c.end, c.counted, c.endpoint
 	c.mu.Unlock()
-	c.p.stats.ended[end].Add(1)
-	c.p.stats.active.Add(-1)
+	c.p.count().ended[end].Add(1)
+	c.p.count().active.Add(-1)
 	if o, ok := c.p.picker.(Observer); ok && counted {
 		o.FlowDone(ep, end == flow.EndpointReset && c.bytesDown.Load() == 0)
 	}
@@ -315,10 +315,10 @@ func (c *conn) drain() bool {
 func (c *conn) count(up bool, n, now int64) {
 	if up {
 		c.bytesUp.Add(n)
-		c.p.stats.bytesIn.Add(n)
+		c.p.count().bytesIn.Add(n)
 	} else {
 		c.bytesDown.Add(n)
-		c.p.stats.bytesOut.Add(n)
+		c.p.count().bytesOut.Add(n)
 	}
 	c.last.Store(now)
 }
@@ -397,7 +397,7 @@ func (c *conn) info() flow.Info {
 // dialedTransparently records a dial from the client's address that connected: counted, and
 // shown in the flow's Info (the access log says what the endpoint saw).
 func (c *conn) dialedTransparently() {
-	c.p.stats.transparentDials.Add(1)
+	c.p.count().transparentDials.Add(1)
 	c.mu.Lock()
 	c.transparentLeg = true
 	c.mu.Unlock()

@@ -34,9 +34,9 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 	if timeout <= 0 {
 		return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(pickErr)
 	}
-	if p.stats.held.Add(1) > int64(p.cfg.HoldLimit) {
-		p.stats.held.Add(-1)
-		p.stats.holds[flow.HoldFull].Add(1)
+	if p.count().held.Add(1) > int64(p.cfg.HoldLimit) {
+		p.count().held.Add(-1)
+		p.count().holds[flow.HoldFull].Add(1)
 		return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(fmt.Errorf("%d connections held already: %w", p.cfg.HoldLimit, pickErr))
 	}
 	c.holding.Store(true)
@@ -47,7 +47,7 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 	defer func() {
 		c.holding.Store(false)
 		c.last.Store(p.cfg.Clock.Now().UnixNano()) // the idle timeout counts from the end of the hold
-		p.stats.held.Add(-1)
+		p.count().held.Add(-1)
 	}()
 	t := p.cfg.Clock.NewTimer(timeout)
 	defer t.Stop()
@@ -57,29 +57,29 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 		wake := p.holdWake()
 		ep, err := c.next(false)
 		if err == nil {
-			p.stats.holds[flow.HoldServed].Add(1)
+			p.count().holds[flow.HoldServed].Add(1)
 			return ep, flow.Unknown, nil
 		}
 		select {
 		case <-wake:
 			continue
 		case <-t.C():
-			p.stats.holds[flow.HoldExpired].Add(1)
+			p.count().holds[flow.HoldExpired].Add(1)
 			return netip.AddrPort{}, flow.HoldTimeout, fmt.Errorf("no endpoint within the hold timeout %s: %w", timeout, err)
 		case reason := <-gone:
-			p.stats.holds[flow.HoldClientGone].Add(1)
+			p.count().holds[flow.HoldClientGone].Add(1)
 			return netip.AddrPort{}, reason, fmt.Errorf("held: the client gave up (%s) before an endpoint appeared: %w", reason, err)
 		case <-p.ctx.Done():
-			p.stats.holds[flow.HoldAborted].Add(1)
+			p.count().holds[flow.HoldAborted].Add(1)
 			return netip.AddrPort{}, flow.Shutdown, fmt.Errorf("held: %w", errClosed)
 		case <-p.closed:
 			// The socket closed (its service port is gone or changed): one last pick, then the
 			// client is reset and reconnects to whatever serves the port now.
 			if ep, err = c.next(false); err == nil {
-				p.stats.holds[flow.HoldServed].Add(1)
+				p.count().holds[flow.HoldServed].Add(1)
 				return ep, flow.Unknown, nil
 			}
-			p.stats.holds[flow.HoldAborted].Add(1)
+			p.count().holds[flow.HoldAborted].Add(1)
 			return netip.AddrPort{}, flow.NoEndpoints, c.noEndpoints(fmt.Errorf("held, proxy socket closed: %w", err))
 		}
 	}

@@ -173,7 +173,9 @@ type Proxy struct {
 	holdMu sync.Mutex
 	wake   chan struct{}
 
-	stats counters
+	// stats are the counters, allocated at the first count (count): most of 10,000 service
+	// ports may never see a connection, and their counters are 280 bytes each.
+	stats atomic.Pointer[counters]
 }
 
 // New returns a proxy for one service port. It opens nothing; see Listen and Run.
@@ -488,7 +490,22 @@ func (p *Proxy) sweepIdle() {
 var errClosed = errors.New("proxy closed")
 
 // Stats returns the counters. It takes no lock.
-func (p *Proxy) Stats() flow.Stats { return p.stats.snapshot() }
+func (p *Proxy) Stats() flow.Stats {
+	c := p.stats.Load()
+	if c == nil {
+		return flow.Stats{}
+	}
+	return c.snapshot()
+}
+
+// count returns the counters to add to, allocating them the first time.
+func (p *Proxy) count() *counters {
+	if c := p.stats.Load(); c != nil {
+		return c
+	}
+	p.stats.CompareAndSwap(nil, new(counters))
+	return p.stats.Load()
+}
 
 // counters is the live, lock-free form of flow.Stats.
 type counters struct {

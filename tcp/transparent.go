@@ -59,7 +59,7 @@ func (c *conn) transparentSource() netip.AddrPort {
 // its port too fast, or a node without the capability, would log a line per connection.
 func (c *conn) sourceFailed(src, ep netip.AddrPort, err error) {
 	c.noTransparent = true
-	c.p.stats.transparentFallbacks.Add(1)
+	c.p.count().transparentFallbacks.Add(1)
 	if l := c.p.cfg.Logger; isDebug(l) {
 		c.logger().WithFields(logrus.Fields{"endpoint": ep, "source": src}).WithError(err).
 			Debug("transparent dial: the client's address is not available, dialing from the proxy's")

@@ -36,7 +36,9 @@ type PortTraffic struct {
 	TransparentDials, TransparentFallbacks uint64
 }
 
-// TrafficSource lists the open service ports at a scrape: the proxier implements it.
+// TrafficSource lists the open service ports at a scrape: the proxier implements it. Traffic may
+// hold the source's lock while it yields (the proxier's sync waits for it), so a consumer copies
+// what it yields and writes afterwards: it neither blocks nor calls back into the source in yield.
 type TrafficSource interface {
 	Traffic() iter.Seq[PortTraffic]
 }
@@ -235,7 +237,13 @@ func (c *trafficCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *trafficCollector) Collect(ch chan<- prometheus.Metric) {
+	// Read every port first: a send on ch waits for the registry, which must not hold up the
+	// source's lock (see TrafficSource).
+	var ports []PortTraffic
 	for t := range c.src.Traffic() {
+		ports = append(ports, t)
+	}
+	for _, t := range ports {
 		name := t.Name.String()
 		for i, f := range families {
 			f.samples(&t, func(v float64, l1, l2 string) {
