@@ -71,9 +71,9 @@ func TestScrapeSeriesOfOpenPorts(t *testing.T) {
 	e.synced()
 	e.sync()
 	got := trafficSeries(t, metrics.Handler(prometheus.NewRegistry(), e.p))
-	// drain_closed_total counts the external socket's twice: 20×(1+4)+2×15 over both sockets,
-	// then 20×4+15 of the external one again (as it always has).
-	want := `kube_portal_proxy_drain_closed_total{protocol="tcp",service_port="ns/web:http"} 225
+	// drain_closed_total is the sum over both sockets, 20×(1+4)+2×15, once (the external
+	// socket's was counted twice before: 225).
+	want := `kube_portal_proxy_drain_closed_total{protocol="tcp",service_port="ns/web:http"} 130
 kube_portal_proxy_endpoints{service_port="ns/db"} 1
 kube_portal_proxy_endpoints{service_port="ns/web:http"} 2
 kube_portal_proxy_no_endpoint_rejects_total{protocol="tcp",service_port="ns/db"} 9

@@ -171,10 +171,8 @@ func (p *Proxier) portTraffic(a *activePort) metrics.PortTraffic {
 	}
 	// As observedSocket's multiSocket would, without building one: with an external-traffic
 	// socket the port is observed, and its counters are the sum of both sockets'.
-	var ext flow.Stats
-	extObserved := false
 	if a.ext != nil {
-		ext, extObserved = socketStats(a.ext.sock)
+		ext, extObserved := socketStats(a.ext.sock)
 		st, ok := socketStats(a.sock)
 		if ok {
 			t.Stats = st
@@ -186,21 +184,11 @@ func (p *Proxier) portTraffic(a *activePort) metrics.PortTraffic {
 	} else {
 		t.Stats, t.Observed = socketStats(a.sock)
 	}
-	// The drained and transparent counts add the external socket's once more, on top of the sum
-	// above: they did so before this walk replaced the snapshot, and the scrape's values are
-	// kept as they were (counted twice, it looks like a bug of its own).
 	if t.Drain = a.port.DrainTimeout > 0; t.Drain && t.Observed {
 		t.Drained = t.Stats.Ended[flow.DrainTimeout]
-		if extObserved {
-			t.Drained += ext.Ended[flow.DrainTimeout]
-		}
 	}
 	if t.Transparent = a.port.SourceMode == service.SourceTransparent; t.Transparent && t.Observed {
 		t.TransparentDials, t.TransparentFallbacks = t.Stats.TransparentDials, t.Stats.TransparentFallbacks
-		if extObserved {
-			t.TransparentDials += ext.TransparentDials
-			t.TransparentFallbacks += ext.TransparentFallbacks
-		}
 	}
 	return t
 }
