@@ -497,6 +497,7 @@ func TestDaemonLogsAFailingSyncOnce(t *testing.T) {
 	}
 	h.start(t)
 	for attempt := 1; attempt <= 3; attempt++ {
+		t.Logf("attempt %d", attempt)
 		h.portals.waitSync(t)
 		if attempt == 3 {
 			broken.Store(false)
@@ -534,7 +535,9 @@ func (r *recordingPortals) waitSync(t *testing.T) {
 	select {
 	case <-r.changed:
 	case <-time.After(waitFor):
-		t.Fatal("no portal sync")
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		t.Fatalf("no portal sync within %v (%d syncs before)", waitFor, r.syncs)
 	}
 }
 
