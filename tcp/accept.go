@@ -45,15 +45,13 @@ func (p *Proxy) acceptLoop() error {
 			case <-changed:
 				ln, changed = p.listener()
 				continue
-			case <-p.closed:
+			case <-p.closed.wait():
 				return nil
 			}
 		}
 		if err := ln.raw.Read(accept); err != nil {
-			select {
-			case <-p.closed: // Close closed the listener: this is the error it caused
+			if p.closed.fired() { // Close closed the listener: this is the error it caused
 				return nil
-			default:
 			}
 			if next, ch := p.listener(); next != ln { // SetRefusing closed it
 				ln, changed = next, ch
@@ -107,7 +105,7 @@ func (p *Proxy) deny(fd int, peer netip.AddrPort) {
 func (p *Proxy) listener() (*sock, <-chan struct{}) {
 	p.lnMu.Lock()
 	defer p.lnMu.Unlock()
-	return p.ln, p.lnChanged
+	return p.ln, p.lnChanged.wait()
 }
 
 // SetRefusing closes the listening socket (on) or opens it again on the same address (off), while
@@ -119,10 +117,8 @@ func (p *Proxy) listener() (*sock, <-chan struct{}) {
 func (p *Proxy) SetRefusing(on bool) error {
 	p.lnMu.Lock()
 	defer p.lnMu.Unlock()
-	select {
-	case <-p.closed:
+	if p.closed.fired() {
 		return nil
-	default:
 	}
 	if on == (p.ln == nil) {
 		return nil
@@ -137,8 +133,7 @@ func (p *Proxy) SetRefusing(on bool) error {
 		}
 		p.ln = ln
 	}
-	close(p.lnChanged)
-	p.lnChanged = make(chan struct{})
+	p.lnChanged.renew()
 	p.engine().listenerChanged(p)
 	if old != nil {
 		p.engine().stopAccepting(p, old)
@@ -162,7 +157,7 @@ func (p *Proxy) sleep(d time.Duration) bool {
 	select {
 	case <-t.C():
 		return true
-	case <-p.closed:
+	case <-p.closed.wait():
 		return false
 	}
 }

@@ -167,7 +167,7 @@ func (c *conn) noEndpoints(err error) error {
 // the connection or the proxy is closing, and the ladder should stop (err then says so).
 func (c *conn) dialFailed(ep netip.AddrPort, i int, timeout time.Duration, err error) error {
 	c.p.count().dialFailures.Add(1)
-	if c.p.ctx.Err() != nil || c.isClosed() {
+	if c.p.shut.fired() || c.isClosed() {
 		return nil
 	}
 	err = fmt.Errorf("dial endpoint %s (attempt %d, timeout %s): %w", ep, i+1, timeout, err)

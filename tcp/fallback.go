@@ -160,8 +160,7 @@ func (e *uringEngine) toEpoll(p *Proxy) {
 			// once instead of queueing them (SetRefusing(false) may open it again).
 			p.logger().WithError(err).Error("Cannot move the proxy socket to the epoll engine: refusing its clients")
 			_ = p.ln.close()
-			close(p.lnChanged)
-			p.lnChanged = make(chan struct{})
+			p.lnChanged.renew()
 		}
 		p.ln = ln
 	}
@@ -169,10 +168,8 @@ func (e *uringEngine) toEpoll(p *Proxy) {
 		return
 	}
 	p.uring.armsItself = false
-	select {
-	case <-p.closed:
+	if p.closed.fired() {
 		return
-	default:
 	}
 	p.wg.Add(1)
 	go func() { // ends at Close, like Run's

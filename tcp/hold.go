@@ -69,10 +69,10 @@ func (c *conn) hold(pickErr error) (netip.AddrPort, flow.EndReason, error) {
 		case reason := <-gone:
 			p.count().holds[flow.HoldClientGone].Add(1)
 			return netip.AddrPort{}, reason, fmt.Errorf("held: the client gave up (%s) before an endpoint appeared: %w", reason, err)
-		case <-p.ctx.Done():
+		case <-p.shut.wait():
 			p.count().holds[flow.HoldAborted].Add(1)
 			return netip.AddrPort{}, flow.Shutdown, fmt.Errorf("held: %w", errClosed)
-		case <-p.closed:
+		case <-p.closed.wait():
 			// The socket closed (its service port is gone or changed): one last pick, then the
 			// client is reset and reconnects to whatever serves the port now.
 			if ep, err = c.next(false); err == nil {

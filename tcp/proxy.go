@@ -144,7 +144,7 @@ type Proxy struct {
 	// lnChanged, closed (and replaced) whenever ln changes so a loop waiting for a listener wakes.
 	lnMu      sync.Mutex
 	ln        *sock // listening; nil while refusing
-	lnChanged chan struct{}
+	lnChanged signal
 	addr      netip.AddrPort
 	adopted   bool // Listen took a handed-over socket (Config.Adopt)
 	// uring is the io_uring engine's accepting for this proxy (uring.go), under lnMu.
@@ -154,15 +154,15 @@ type Proxy struct {
 	pkMu      sync.Mutex
 	pkStopped bool
 
-	// ctx is cancelled by Shutdown; it aborts dials in flight.
-	ctx    context.Context
-	cancel context.CancelFunc
+	// shut is fired by Shutdown; it aborts dials in flight and held connections.
+	shut signal
 
 	closeOnce sync.Once
-	closed    chan struct{} // closed by Close: no more accepts
-	bgOnce    sync.Once     // starts the background goroutines (watcher, idle sweeper)
+	shutOnce  sync.Once
+	closed    signal    // fired by Close: no more accepts
+	bgOnce    sync.Once // starts the background goroutines (watcher, idle sweeper)
 	bgStop    sync.Once
-	bgDone    chan struct{} // closed to stop the idle sweeper
+	bgDone    signal // fired to stop the idle sweeper
 	wg        sync.WaitGroup
 
 	mu     sync.Mutex
@@ -182,7 +182,6 @@ type Proxy struct {
 func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 	cfg = cfg.withDefaults()
 	_, realClock := cfg.Clock.(clock.RealClock)
-	ctx, cancel := context.WithCancel(context.Background())
 	explain, _ := picker.(flow.Explainer)
 	capturer, _ := cfg.Flows.(flow.Capturer)
 	observed, _ := cfg.Flows.(flow.Observed)
@@ -203,11 +202,6 @@ func New(name service.ServicePortName, picker Picker, cfg Config) *Proxy {
 		name:      name,
 		picker:    picker,
 		cfg:       cfg,
-		ctx:       ctx,
-		cancel:    cancel,
-		closed:    make(chan struct{}),
-		bgDone:    make(chan struct{}),
-		lnChanged: make(chan struct{}),
 	}
 }
 
@@ -277,7 +271,7 @@ func (p *Proxy) Start() (bool, error) {
 func (p *Proxy) Close() error {
 	var err error
 	p.closeOnce.Do(func() {
-		close(p.closed)
+		p.closed.fire()
 		p.lnMu.Lock()
 		ln := p.ln
 		p.ln = nil
@@ -308,12 +302,12 @@ func (p *Proxy) Release() { _ = p.Close() }
 // Drained is closed once the proxy is closed (Close) and its last connection has ended, or at
 // Shutdown. A process that handed its sockets to a successor closes every proxy, then waits for
 // this before it exits, so the connections it accepted finish instead of being reset.
-func (p *Proxy) Drained() <-chan struct{} { return p.bgDone }
+func (p *Proxy) Drained() <-chan struct{} { return p.bgDone.wait() }
 
 // Shutdown closes the listener and resets every connection, then waits for all goroutines.
 func (p *Proxy) Shutdown() {
 	p.Close()
-	p.cancel()
+	p.shutOnce.Do(p.shut.fire)
 	p.stopBackground()
 	for _, c := range p.snapshot() {
 		c.terminate(flow.Shutdown, true)
@@ -354,7 +348,7 @@ func (p *Proxy) DrainEndpoint(ep netip.AddrPort, grace time.Duration) int {
 		defer t.Stop()
 		select {
 		case <-t.C():
-		case <-p.ctx.Done(): // Shutdown resets them all anyway
+		case <-p.shut.wait(): // Shutdown resets them all anyway
 			return
 		}
 		for _, c := range drained {
@@ -405,10 +399,8 @@ func (p *Proxy) untrack(c *conn) {
 	if !idle {
 		return
 	}
-	select {
-	case <-p.closed:
+	if p.closed.fired() {
 		p.stopBackground()
-	default:
 	}
 }
 
@@ -428,7 +420,7 @@ func (p *Proxy) startBackground() {
 
 func (p *Proxy) stopBackground() {
 	p.bgStop.Do(func() {
-		close(p.bgDone)
+		p.bgDone.fire()
 		p.pkMu.Lock()
 		p.pkStopped = true
 		pk := p.parker.Load()
@@ -474,7 +466,7 @@ func (p *Proxy) sweepIdle() {
 	defer t.Stop()
 	for {
 		select {
-		case <-p.bgDone:
+		case <-p.bgDone.wait():
 			return
 		case <-t.C():
 			now := p.cfg.Clock.Now().UnixNano()

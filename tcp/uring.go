@@ -218,11 +218,11 @@ func (e *uringEngine) acceptLoop(p *Proxy) error {
 		for {
 			p.lnMu.Lock()
 			e.arm(p)
-			changed := p.lnChanged
+			changed := p.lnChanged.wait()
 			p.lnMu.Unlock()
 			select {
 			case <-changed:
-			case <-p.closed:
+			case <-p.closed.wait():
 				return nil
 			case <-fellBack:
 				break accepting
@@ -261,9 +261,7 @@ func (e *uringEngine) start(p *Proxy) (bool, error) {
 	p.lnMu.Lock()
 	defer p.lnMu.Unlock()
 	p.uring.armsItself = true
-	select {
-	case <-p.closed:
-	default:
+	if !p.closed.fired() {
 		e.arm(p)
 	}
 	return true, nil
@@ -297,10 +295,10 @@ func (e *uringEngine) arm(p *Proxy) {
 	_ = ln.raw.Control(func(f uintptr) { fd = int(f) })
 	accs := make([]*uaccept, len(e.loops))
 	for i, l := range e.loops {
-		a := &uaccept{p: p, fd: int32(fd), done: make(chan struct{})}
+		a := &uaccept{p: p, fd: int32(fd)}
 		accs[i] = a
 		if !l.post(func() { l.armAccept(a) }) {
-			close(a.done)
+			a.done.fire()
 		}
 	}
 	p.uring.accepts, p.uring.ln = accs, ln
@@ -329,7 +327,7 @@ func (e *uringEngine) disarm(p *Proxy, ln *sock) {
 		}
 	}
 	for _, a := range accs {
-		<-a.done
+		<-a.done.wait()
 	}
 }
 
@@ -445,10 +443,10 @@ type uaccept struct {
 	cancelled bool
 	backoff   time.Duration
 	doneOnce  sync.Once
-	done      chan struct{} // closed once cancelled and nothing is armed
+	done      signal // fired once cancelled and nothing is armed
 }
 
-func (a *uaccept) finish() { a.doneOnce.Do(func() { close(a.done) }) }
+func (a *uaccept) finish() { a.doneOnce.Do(func() { a.done.fire() }) }
 
 // loop is one ring and what it serves. Everything but the inbox is the loop thread's own.
 type loop struct {
