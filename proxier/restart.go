@@ -129,15 +129,26 @@ func (d *dataPaths) reopen() {
 	// A seed whose address is still in use is tried again once the others are open: waiting
 	// for it in turn (up to reopenInUseFor) held back every seed after it, at 10,000 ports up to
 	// a second more of refusals for most of them.
-	var inUse []Seed
-	for _, s := range d.restart.seeds {
+	// The sockets open on several threads (restartparallel.go); what they opened is recorded
+	// here, in the seeds' order, once all are open.
+	type result struct {
+		a   *activePort
+		err error
+	}
+	results := make([]result, len(d.restart.seeds))
+	forEachInNetns(len(d.restart.seeds), reopenWorkers(), func(i int) {
+		s := d.restart.seeds[i]
 		a, err := open(s, seedLog(s))
-		if errors.Is(err, syscall.EADDRINUSE) {
+		results[i] = result{a, err}
+	})
+	var inUse []Seed
+	for i, s := range d.restart.seeds {
+		if errors.Is(results[i].err, syscall.EADDRINUSE) {
 			busy++
 			inUse = append(inUse, s)
 			continue
 		}
-		done(s, a, err, seedLog(s))
+		done(s, results[i].a, results[i].err, seedLog(s))
 	}
 	for _, s := range inUse {
 		log := seedLog(s)
