@@ -40,6 +40,8 @@ func BenchmarkReopen10000(b *testing.B) {
 			}
 			defer e.Close()
 			node := netns.NewTestLab(b).MustAdd(b, "node")
+			var total time.Duration
+			runs := 0
 			for b.Loop() {
 				px := New(Config{PortRange: PortRange{Base: 40000, Size: n}}, Deps{Balancer: loadbalancer.New(nil), Portals: &recordingPortals{},
 					Sockets: RealSockets(SocketConfig{TCP: tcp.Config{Engine: e}})})
@@ -52,7 +54,8 @@ func BenchmarkReopen10000(b *testing.B) {
 				done := make(chan error, 1)
 				go func() { done <- node.Do(func() error { px.Run(ctx); return nil }) }()
 				<-px.Serving()
-				b.ReportMetric(float64(time.Since(start).Milliseconds()), "ms/reopen")
+				total += time.Since(start)
+				runs++
 				if r, _, _ := px.ReopenCounts(); r != n {
 					b.Fatalf("reopened %d of %d", r, n)
 				}
@@ -61,6 +64,7 @@ func BenchmarkReopen10000(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
+			b.ReportMetric(float64(total.Milliseconds())/float64(runs), "ms/reopen")
 		})
 	}
 }
