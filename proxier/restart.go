@@ -139,6 +139,7 @@ func (d *dataPaths) reopen() {
 		a, err := open(s)
 		results[i] = result{a, err}
 	})
+	firstPass := d.cfg.Clock.Since(start) // every seed tried once: all but those in use serve
 	var inUse []Seed
 	for i, s := range d.restart.seeds {
 		if errors.Is(results[i].err, syscall.EADDRINUSE) {
@@ -156,7 +157,7 @@ func (d *dataPaths) reopen() {
 	d.restart.rebound.Store(int64(rebound))
 	d.restart.reallocated.Store(int64(len(d.restart.seeds) - opened))
 	d.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(d.restart.seeds),
-		"stillInUse": busy, "duration": d.cfg.Clock.Since(start).String()}).
+		"stillInUse": busy, "firstPass": firstPass.String(), "duration": d.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
 	d.restart.seeds = nil
 	d.eps.restore.mu.Lock()
