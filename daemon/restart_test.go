@@ -4,16 +4,27 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/sirupsen/logrus"
 	logtest "github.com/sirupsen/logrus/hooks/test"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/handover"
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal/bind"
 	"github.com/kube-portal-proxy/kube-portal-proxy/proxier"
@@ -144,4 +155,61 @@ func TestSnapshotSeeds(t *testing.T) {
 			}
 		})
 	}
+}
+
+// steeredTestMode is the harness's portal mode with rules of a previous process in force:
+// Steered returns seeds.
+type steeredTestMode struct {
+	*testMode
+	seeds []proxier.Seed
+}
+
+func (m *steeredTestMode) Steered(context.Context) ([]proxier.Seed, error) { return m.seeds, nil }
+
+// TestSourcesStartOnceTheReopenServes: after a crash the sources (whose initial lists take
+// seconds of CPU at 10,000 Services) start only once the reopened proxy sockets serve, so that
+// the reopen has the CPUs to itself. The test holds the seed's proxy port (127.0.0.1, from
+// --proxy-port-range) so that the reopen waits on the fake clock, and watches the Services list.
+func TestSourcesStartOnceTheReopenServes(t *testing.T) {
+	hold, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hold.Close()
+	port := netip.MustParseAddrPort(hold.Addr().String()).Port()
+
+	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}, Status: v1.NodeStatus{Addresses: []v1.NodeAddress{
+		{Type: v1.NodeInternalIP, Address: "192.0.2.10"}}}})
+	var listed atomic.Bool
+	client.PrependReactor("list", "services", func(k8stesting.Action) (bool, k8sruntime.Object, error) {
+		listed.Store(true)
+		return false, nil, nil
+	})
+	h := newHarness(t, "--hostname-override=node-1", fmt.Sprintf("--proxy-port-range=%d", port),
+		"--healthz-bind-address=", "--metrics-bind-address=")
+	h.d.deps.client = func(*Options, string) (kubernetes.Interface, error) { return client, nil }
+	portals := h.d.deps.portals
+	h.d.deps.portals = func(ctx context.Context, o *Options, hostIPs map[portal.Family]netip.Addr, ev *serviceEvents, inh *handover.Inherited, log logrus.FieldLogger) (portalMode, error) {
+		pm, err := portals(ctx, o, hostIPs, ev, inh, log)
+		if err != nil {
+			return nil, err
+		}
+		return &steeredTestMode{testMode: pm.(*testMode), seeds: []proxier.Seed{{Name: service.ServicePortName{Namespace: "default", Name: "echo", Port: "tcp"},
+			Protocol: service.TCP, ProxyPort: port, Families: []portal.Family{portal.IPv4}}}}, nil
+	}
+	h.start(t)
+
+	// The reopen retries the port in use on the fake clock; the sources must not list meanwhile
+	// (they did at once, beside the reopen, before the fix).
+	testenv.WaitFor(t, "the reopen to retry the port in use", h.clk.HasWaiters)
+	deadline := time.Now().Add(300 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if listed.Load() {
+			t.Fatal("the Services were listed while the reopen had not served yet")
+		}
+		runtime.Gosched()
+	}
+	hold.Close()
+	h.clk.Step(50 * time.Millisecond)
+	testenv.WaitFor(t, "the Services to be listed once the reopen serves", listed.Load)
 }

@@ -331,12 +331,16 @@ func restoreWhenReady(serves <-chan struct{}, restore func()) func(context.Conte
 	}
 }
 
-// startSources runs, beside the reopen in proxier.Run and so off the path to serving, what waits
+// startSources runs, once the reopen in proxier.Run serves (sourcesAfterServing), what waits
 // for the node: the --random-fully probe of a restart, the Node object, then the sources until
 // ctx is done. The Node comes before the sources so that the first sync has its addresses and
 // zone (an unreachable API server costs the first sync the read's timeout, as it did when the
 // read came first, but not the reopened sockets).
 func (r *run) startSources(ctx context.Context) {
+	if !sourcesAfterServing(ctx, r.inh != nil, r.w.proxier.Serving()) {
+		return
+	}
+	r.steps.done("waited for the reopen before the sources")
 	if r.probeLater {
 		_ = r.prober.ProbeNAT(ctx, true) // NAT proven: no error to report
 		r.steps.done("iptables probe (--random-fully)")

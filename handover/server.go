@@ -248,9 +248,12 @@ func sendSockets(c *net.UnixConn, socks []socket, affinity [][]byte) error {
 	for _, p := range parts {
 		entries := make([]Entry, 0, p[1]-p[0])
 		fds := make([]int, 0, p[1]-p[0])
-		for _, sk := range socks[p[0]:p[1]] {
-			entries = append(entries, sk.Entry)
-			fds = append(fds, sk.fd)
+		for i := p[0]; i < p[1]; i++ {
+			if err := socks[i].take(); err != nil {
+				return err // the successor's read fails; this process serves on
+			}
+			entries = append(entries, socks[i].Entry)
+			fds = append(fds, socks[i].fd)
 		}
 		if err := send(c, entries, fds); err != nil {
 			return fmt.Errorf("handover: send sockets: %w", err)

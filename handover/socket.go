@@ -77,19 +77,27 @@ func newEntry(proto string, family Family, ap netip.AddrPort) Entry {
 	return Entry{Name: proto + "/" + ap.String(), Protocol: proto, Family: family, Address: ap.Addr().String(), Port: ap.Port()}
 }
 
-// socket is a descriptor together with what it is.
+// socket is a descriptor together with what it is: fd, when not -1, is a duplicate the sender
+// owns and closes once sent; otherwise it is duplicated from src, this process's own
+// descriptor of the socket (inode ino), only as its chunk is sent (take).
 type socket struct {
 	Entry
-	fd int
+	fd  int
+	src int
+	ino uint64
 }
 
 // Collect lists every listening socket of this process: TCP sockets in the listening state and
 // bound, unconnected UDP sockets (the proxy sockets, the held node ports, the health check node
-// ports, the health and metrics listeners). Each comes as a duplicate the caller must close, so
-// a descriptor that another goroutine closes meanwhile cannot be mistaken for another: what the
-// manifest says is what the duplicate is. A socket with several descriptors is listed once.
-// Connected sockets (proxied connections, UDP sessions'
-// upstream sockets) and other kinds (netlink, Unix) are left out.
+// ports, the health and metrics listeners). A socket with several descriptors is listed once.
+// Connected sockets (proxied connections, UDP sessions' upstream sockets) and other kinds
+// (netlink, Unix) are left out.
+//
+// Each is looked at through a duplicate, closed at once: the sockets are duplicated again one
+// chunk at a time as they are sent (take), so the process never holds a duplicate of each. It
+// did: at 10,000 service ports under a 20,000 open-file limit the duplicates of the last sockets
+// failed with EMFILE and those sockets were silently left out (the successor found their ports
+// in use and moved them), and the proxy's accepts failed with EMFILE until the sockets were sent.
 func Collect() ([]socket, error) {
 	dir, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
@@ -109,12 +117,31 @@ func Collect() ([]socket, error) {
 		var st unix.Stat_t
 		if e, ok := classify(dup); ok && unix.Fstat(dup, &st) == nil && !seen[st.Ino] {
 			seen[st.Ino] = true
-			out = append(out, socket{Entry: e, fd: dup})
-			continue
+			out = append(out, socket{Entry: e, fd: -1, src: n, ino: st.Ino})
 		}
 		unix.Close(dup)
 	}
 	return out, nil
+}
+
+// take makes sure sk holds a duplicate to send: a descriptor another goroutine closed since
+// Collect (its number maybe reused by another file) is an error, not a wrong socket sent under
+// the entry's name.
+func (sk *socket) take() error {
+	if sk.fd >= 0 {
+		return nil
+	}
+	dup, err := unix.FcntlInt(uintptr(sk.src), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("handover: duplicate %s (descriptor %d): %w", sk.Name, sk.src, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(dup, &st); err != nil || st.Ino != sk.ino {
+		unix.Close(dup)
+		return fmt.Errorf("handover: %s (descriptor %d) was closed during the hand-over", sk.Name, sk.src)
+	}
+	sk.fd = dup
+	return nil
 }
 
 // classify says what fd is, and whether it is a socket to hand over.

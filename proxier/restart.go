@@ -96,13 +96,13 @@ func (d *dataPaths) reopen() {
 	}
 	start := d.cfg.Clock.Now()
 	opened, rebound, inherited, busy := 0, 0, 0, 0
-	done := func(s Seed, a *activePort, err error, log logrus.FieldLogger) {
+	done := func(s Seed, a *activePort, err error) {
 		if errors.Is(err, errOutsideRange) {
-			log.WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
+			d.seedLog(s).WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
 			return
 		}
 		if err != nil {
-			log.WithError(err).Warn("Cannot reopen " + what + "; the first sync opens them")
+			d.seedLog(s).WithError(err).Warn("Cannot reopen " + what + "; the first sync opens them")
 			return
 		}
 		for _, sock := range []*activePort{a, a.ext} {
@@ -123,34 +123,52 @@ func (d *dataPaths) reopen() {
 		d.restart.seeded[s.Name] = true
 		opened++
 	}
-	seedLog := func(s Seed) logrus.FieldLogger {
-		return d.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
-	}
 	// A seed whose address is still in use is tried again once the others are open: waiting
 	// for it in turn (up to reopenInUseFor) held back every seed after it, at 10,000 ports up to
 	// a second more of refusals for most of them.
+	// The sockets open on several threads (restartparallel.go); what they opened is recorded
+	// here, in the seeds' order, once all are open.
+	type result struct {
+		a   *activePort
+		err error
+	}
+	results := make([]result, len(d.restart.seeds))
+	forEachInNetns(len(d.restart.seeds), reopenWorkers(), func(i int) {
+		s := d.restart.seeds[i]
+		d.eps.applyRestored(s.Name) // the restart snapshot's endpoints, before the socket accepts
+		a, err := open(s)
+		results[i] = result{a, err}
+	})
+	firstPass := d.cfg.Clock.Since(start) // every seed tried once: all but those in use serve
 	var inUse []Seed
-	for _, s := range d.restart.seeds {
-		a, err := open(s, seedLog(s))
-		if errors.Is(err, syscall.EADDRINUSE) {
+	for i, s := range d.restart.seeds {
+		if errors.Is(results[i].err, syscall.EADDRINUSE) {
 			busy++
 			inUse = append(inUse, s)
 			continue
 		}
-		done(s, a, err, seedLog(s))
+		done(s, results[i].a, results[i].err)
 	}
 	for _, s := range inUse {
-		log := seedLog(s)
-		a, err := d.reopenInUse(open, s, log, start)
-		done(s, a, err, log)
+		a, err := d.reopenInUse(open, s, start)
+		done(s, a, err)
 	}
 	d.restart.reopened.Store(int64(opened))
 	d.restart.rebound.Store(int64(rebound))
 	d.restart.reallocated.Store(int64(len(d.restart.seeds) - opened))
 	d.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(d.restart.seeds),
-		"stillInUse": busy, "duration": d.cfg.Clock.Since(start).String()}).
+		"stillInUse": busy, "firstPass": firstPass.String(), "duration": d.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
 	d.restart.seeds = nil
+	d.eps.restore.mu.Lock()
+	d.eps.restore.pending = nil // only seeds' ports were taken: none is left
+	d.eps.restore.mu.Unlock()
+}
+
+// seedLog is the logger of what the reopen says about one seed: built only to log (at 10,000
+// seeds, two loggers each cost more than the reopen's own bookkeeping).
+func (d *dataPaths) seedLog(s Seed) logrus.FieldLogger {
+	return d.log.WithFields(logrus.Fields{"service": s.Name.String(), "protocol": string(s.Protocol)})
 }
 
 // reopenInUseFor bounds how long reopen tries again a seed whose address is still in use. Just
@@ -161,7 +179,7 @@ const reopenInUseFor = time.Second
 
 // reopenInUse opens a seed whose address was in use again, every 20 ms until reopenInUseFor
 // after the reopen started. It returns the last error when the address stays taken.
-func (d *dataPaths) reopenInUse(open func(Seed, logrus.FieldLogger) (*activePort, error), s Seed, log logrus.FieldLogger, start time.Time) (*activePort, error) {
+func (d *dataPaths) reopenInUse(open func(Seed) (*activePort, error), s Seed, start time.Time) (*activePort, error) {
 	for {
 		t := d.cfg.Clock.NewTimer(20 * time.Millisecond)
 		select {
@@ -170,7 +188,7 @@ func (d *dataPaths) reopenInUse(open func(Seed, logrus.FieldLogger) (*activePort
 			t.Stop()
 			return nil, d.runCtx.Err()
 		}
-		a, err := open(s, log)
+		a, err := open(s)
 		if !errors.Is(err, syscall.EADDRINUSE) || d.cfg.Clock.Since(start) > reopenInUseFor {
 			return a, err
 		}
@@ -183,7 +201,7 @@ var errOutsideRange = errors.New("proxy port outside --proxy-port-range")
 // reopenSteered opens, in iptables mode, one seed's proxy port (and its external-traffic one) that
 // the portal rules point at. An external port that cannot be reopened is reported and left to the
 // first sync; the seed's cluster socket serves meanwhile.
-func (d *dataPaths) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, error) {
+func (d *dataPaths) reopenSteered(s Seed) (*activePort, error) {
 	if !d.ports.take(s.ProxyPort) {
 		return nil, errOutsideRange
 	}
@@ -201,7 +219,7 @@ func (d *dataPaths) reopenSteered(s Seed, log logrus.FieldLogger) (*activePort, 
 			a.ext = d.serve(port, ext, s.ExternalProxyPort)
 		} else {
 			d.ports.release(s.ExternalProxyPort)
-			log.WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")
+			d.seedLog(s).WithField("proxyPort", s.ExternalProxyPort).WithError(err).Warn("Cannot reopen the external-traffic proxy port the portal rules point at")
 		}
 	}
 	return a, nil

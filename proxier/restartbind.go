@@ -10,14 +10,12 @@ import (
 	"net/netip"
 	"slices"
 
-	"github.com/sirupsen/logrus"
-
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
 // reopenSeedBound opens, in bind mode, one seed's sockets on the addresses it listened on: the
 // cluster (or only) one, then the external one.
-func (d *dataPaths) reopenSeedBound(s Seed, log logrus.FieldLogger) (*activePort, error) {
+func (d *dataPaths) reopenSeedBound(s Seed) (*activePort, error) {
 	port := s.boundPort()
 	port.SourceMode = d.cfg.defaultSourceMode() // the port's own, if it differs, comes with the first sync
 	filter := newSourceFilter(s.SourceRanges)

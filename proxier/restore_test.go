@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -224,5 +225,42 @@ func TestReopenRetriesAnAddressStillInUse(t *testing.T) {
 	<-done
 	if s := e.open[webHTTP]; s == nil || s.addr.Port() != 34001 {
 		t.Errorf("web after the retry: %v; want its socket on 34001", s)
+	}
+}
+
+// TestRestoredBeforeItsSocketOpens: a reopened socket accepts from the moment it listens, so its
+// balancer entry has the snapshot's endpoints before it is built (the reopen fills each entry
+// just before its seed's socket, on the reopen's threads); a connection in between would have
+// been held until the initial lists. Each socket records what its entry held when it was built.
+func TestRestoredBeforeItsSocketOpens(t *testing.T) {
+	e := newFakeEnv(t, nil)
+	var mu sync.Mutex
+	atBuild := map[service.ServicePortName][]string{}
+	build := e.p.deps.Sockets
+	e.p.deps.Sockets = func(port *service.Port, picker Picker, allow func(netip.Addr) bool) ProxySocket {
+		mu.Lock()
+		atBuild[port.Name] = e.balancer(port.Name.String())
+		mu.Unlock()
+		return build(port, picker, allow)
+	}
+	var seeds []Seed
+	var ports []snapshot.Port
+	want := map[service.ServicePortName][]string{}
+	for i := range 64 {
+		s := seed("ns", fmt.Sprintf("s%02d", i), "http", service.TCP, uint16(34001+i))
+		ep := fmt.Sprintf("10.244.1.%d:8080", i+1)
+		seeds = append(seeds, s)
+		ports = append(ports, snapPort(s.Name, service.TCP, s.ProxyPort, ep))
+		want[s.Name] = []string{ep}
+	}
+	e.p.Reopen(seeds)
+	if n := e.p.Restore(&snapshot.State{Ports: ports}); n != len(seeds) {
+		t.Fatalf("Restore = %d, want %d", n, len(seeds))
+	}
+	e.p.paths.reopen()
+	mu.Lock()
+	defer mu.Unlock()
+	if diff := cmp.Diff(want, atBuild); diff != "" {
+		t.Errorf("endpoints of each entry as its socket was built (-want +got):\n%s", diff)
 	}
 }
