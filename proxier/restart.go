@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -96,6 +97,7 @@ func (d *dataPaths) reopen() {
 	}
 	start := d.cfg.Clock.Now()
 	opened, rebound, inherited, busy := 0, 0, 0, 0
+	var reboundNames []string // the first few service ports bound anew, for the log
 	done := func(s Seed, a *activePort, err error) {
 		if errors.Is(err, errOutsideRange) {
 			d.seedLog(s).WithField("proxyPort", s.ProxyPort).Info("Not reopening a proxy port outside --proxy-port-range; the first sync allocates another")
@@ -114,6 +116,9 @@ func (d *dataPaths) reopen() {
 					inherited++
 				} else {
 					rebound++
+					if len(reboundNames) < 10 {
+						reboundNames = append(reboundNames, s.Name.String())
+					}
 				}
 			}
 		}
@@ -159,6 +164,12 @@ func (d *dataPaths) reopen() {
 	d.log.WithFields(logrus.Fields{"reopened": opened, "inheritedSockets": inherited, "reboundSockets": rebound, "seeds": len(d.restart.seeds),
 		"stillInUse": busy, "firstPass": firstPass.String(), "duration": d.cfg.Clock.Since(start).String()}).
 		Info("Reopened " + what)
+	if inherited > 0 && rebound > 0 {
+		// A hand-over that left sockets out: a port the predecessor opened after it listed its
+		// sockets, or one it could not send.
+		d.log.WithFields(logrus.Fields{"count": rebound, "servicePorts": strings.Join(reboundNames, ",")}).
+			Info("Bound proxy sockets anew that the running proxy did not hand over")
+	}
 	d.restart.seeds = nil
 	d.eps.restore.mu.Lock()
 	d.eps.restore.pending = nil // only seeds' ports were taken: none is left
