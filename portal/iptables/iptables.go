@@ -299,7 +299,7 @@ func (p *Portals) restoreTables(ctx context.Context, fam portal.Family, live map
 			continue
 		}
 		pl := restorePlan(table, live[table], want[table], rb.repair[table])
-		if err := p.restoreAll(ctx, fam, table, pl.apply); err != nil {
+		if err := p.restoreAll(ctx, fam, pl.apply); err != nil {
 			live[table] = nil
 			errs = append(errs, err)
 			continue
@@ -311,7 +311,7 @@ func (p *Portals) restoreTables(ctx context.Context, fam portal.Family, live map
 		if !ok {
 			continue
 		}
-		if err := p.restoreAll(ctx, fam, table, pl.cleanup); err != nil {
+		if err := p.restoreAll(ctx, fam, pl.cleanup); err != nil {
 			live[table] = nil
 			errs = append(errs, err)
 			continue
@@ -337,17 +337,14 @@ func (p *Portals) readBack(ctx context.Context, fam portal.Family, table string)
 	return st, nil
 }
 
-// restoreAll runs the non-nil inputs in order and stops at the first failure.
-func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, table string, inputs ...[]byte) error {
-	for _, data := range inputs {
-		if data == nil {
-			continue
-		}
-		if err := p.restore(ctx, fam, table, data); err != nil {
-			return err
-		}
+// restoreAll runs in when it has lines. Its text exists only for the restore: written just
+// before, garbage after, so a sync holds one table's input at a time.
+func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, in input) error {
+	data := in.bytes()
+	if data == nil {
+		return nil
 	}
-	return nil
+	return p.restore(ctx, fam, in.table, data)
 }
 
 func (p *Portals) restore(ctx context.Context, fam portal.Family, table string, data []byte) error {
