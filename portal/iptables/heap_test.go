@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -71,14 +72,18 @@ func (h *heapPeak) end() uint64 {
 }
 
 // peakRunner is nullRunner that notes the live heap at each read-back and restore, where the
-// rules, the plan and the restore input are alive.
+// rules, the plan and the restore input are alive, and the largest restore input.
 type peakRunner struct {
 	nullRunner
-	peak *heapPeak
+	peak     *heapPeak
+	maxInput *int
 }
 
 func (r peakRunner) Restore(ctx context.Context, fam portal.Family, data []byte) error {
 	r.peak.note()
+	if r.maxInput != nil {
+		*r.maxInput = max(*r.maxInput, len(data))
+	}
 	runtime.KeepAlive(data) // iptables-restore reads it until it exits
 	return nil
 }
@@ -120,4 +125,32 @@ func BenchmarkFirstSyncHeap(b *testing.B) {
 	b.ReportMetric(peak/n, "MB-live-peak")
 	b.ReportMetric(after/n, "MB-live-after")
 	b.ReportMetric((peak-after)/n, "MB-temp")
+}
+
+// TestFirstSyncHoldsLittleBeyondItsInput: the first sync of 10,000 service ports holds, at its
+// peak, little more than what stays after it (the rules in force, the specs) and the restore
+// input iptables-restore reads. It held a string per input line, a growing buffer's outgrown
+// halves, the filter table's input while nat's was built and a copy of the specs (11.8 MB
+// beyond, against a 2.9 MB largest input).
+func TestFirstSyncHoldsLittleBeyondItsInput(t *testing.T) {
+	cfg := v4Config()
+	cfg.ProtectProxyPorts, cfg.KernelPath, cfg.NoRandomFully = true, true, true
+	specs := manySpecs(10000, 20000)
+	slices.SortFunc(specs, portal.CompareSpecs) // as the proxier passes them
+	maxInput := 0
+	p := New(cfg, nullRunner{})
+	h := startHeapPeak()
+	p.runner = peakRunner{peak: h, maxInput: &maxInput}
+	err := p.Sync(t.Context(), specs)
+	peak := h.end()
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := liveHeap()
+	runtime.KeepAlive(p)
+	const slack = 1 << 20
+	if extra := int64(peak) - int64(after); extra > int64(maxInput)+slack {
+		t.Errorf("the first sync's peak live heap is %.1f MB above what stays after it, want at most the largest restore input (%.1f MB) + %.1f MB",
+			float64(extra)/1e6, float64(maxInput)/1e6, float64(slack)/1e6)
+	}
 }
