@@ -347,19 +347,23 @@ func (p *Portals) readBack(ctx context.Context, fam portal.Family, table string)
 	return st, nil
 }
 
-// restoreAll runs in when it has lines. Its text exists only for the restore: written just
-// before, garbage after, so a sync holds one table's input at a time.
+// restoreAll runs in when it has lines. Its text exists only for the restore: streamed to the
+// command when the runner can read it so, else written just before the restore and garbage after,
+// so a sync never holds more than one table's input.
 func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, in input) error {
-	data := in.bytes()
-	if data == nil {
+	if in.size() == 0 {
 		return nil
 	}
-	return p.restore(ctx, fam, in.table, data)
+	if sr, ok := p.runner.(streamRestorer); ok {
+		return p.restore(ctx, fam, in.table, func() error { return sr.RestoreFrom(ctx, fam, in.reader()) })
+	}
+	return p.restore(ctx, fam, in.table, func() error { return p.runner.Restore(ctx, fam, in.bytes()) })
 }
 
-func (p *Portals) restore(ctx context.Context, fam portal.Family, table string, data []byte) error {
+// restore runs one restore (run), counting it and naming a failure.
+func (p *Portals) restore(ctx context.Context, fam portal.Family, table string, run func() error) error {
 	p.count(func(s *Stats) { s.Restores++ })
-	err := p.runner.Restore(ctx, fam, data)
+	err := run()
 	if err == nil {
 		return nil
 	}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"io"
 	"slices"
 	"strings"
 
@@ -164,16 +165,6 @@ func (ls lines) size() int {
 	return n
 }
 
-func (ls lines) appendTo(buf []byte) []byte {
-	if ls.rules == nil {
-		return append(append(buf, ls.prefix...), '\n')
-	}
-	for _, r := range ls.rules {
-		buf = append(append(append(buf, ls.prefix...), r...), '\n')
-	}
-	return buf
-}
-
 // appendRules adds the lines "op chain rule" for rules (none when there are none).
 func appendRules(ls []lines, op, chain string, rules []string) []lines {
 	if len(rules) == 0 {
@@ -194,10 +185,10 @@ type input struct {
 	parts [][]lines
 }
 
-// bytes writes the transaction, or returns nil when it has no lines. The text is sized first and
-// written into one buffer of that size: a growing buffer left the halves it outgrew for the
-// collector (at 10,000 service ports, megabytes on top of the input itself).
-func (in input) bytes() []byte {
+const commitLine = "COMMIT\n"
+
+// size is the length of the transaction's text, 0 when it has no lines.
+func (in input) size() int {
 	n := 0
 	for _, part := range in.parts {
 		for _, ls := range part {
@@ -205,17 +196,89 @@ func (in input) bytes() []byte {
 		}
 	}
 	if n == 0 {
+		return 0
+	}
+	return 1 + len(in.table) + 1 + n + len(commitLine)
+}
+
+// bytes is the transaction's text, or nil when it has no lines, in one buffer of its size: a
+// growing buffer left the halves it outgrew for the collector.
+func (in input) bytes() []byte {
+	n := in.size()
+	if n == 0 {
 		return nil
 	}
-	const commit = "COMMIT\n"
-	buf := make([]byte, 0, 1+len(in.table)+1+n+len(commit))
-	buf = append(append(append(buf, '*'), in.table...), '\n')
-	for _, part := range in.parts {
-		for _, ls := range part {
-			buf = ls.appendTo(buf)
+	r := newInputReader(in)
+	buf := make([]byte, 0, n)
+	for {
+		buf = append(buf, r.buf...)
+		if r.done {
+			return buf
+		}
+		r.fill()
+	}
+}
+
+// reader writes the transaction's text as it is read, a chunk at a time.
+func (in input) reader() io.Reader { return newInputReader(in) }
+
+func newInputReader(in input) *inputReader {
+	return &inputReader{in: in, buf: append(make([]byte, 0, readChunk), "*"+in.table+"\n"...)}
+}
+
+// readChunk is how much text an inputReader writes ahead of its reader.
+const readChunk = 32 << 10
+
+// inputReader is the text of an input, written a chunk at a time; part, set and rule say where
+// the next line is.
+type inputReader struct {
+	in              input
+	part, set, rule int
+	buf             []byte // written, not yet read
+	off             int    // of buf, read already
+	done            bool   // COMMIT is in buf
+}
+
+func (r *inputReader) Read(p []byte) (int, error) {
+	for r.off == len(r.buf) {
+		if r.done {
+			return 0, io.EOF
+		}
+		r.fill()
+	}
+	n := copy(p, r.buf[r.off:])
+	r.off += n
+	return n, nil
+}
+
+// fill writes the next lines, about readChunk of them, into buf (read to its end).
+func (r *inputReader) fill() {
+	buf := r.buf[:0]
+	r.off = 0
+	defer func() { r.buf = buf }()
+	for r.part < len(r.in.parts) {
+		if len(buf) >= readChunk {
+			return
+		}
+		sets := r.in.parts[r.part]
+		if r.set == len(sets) {
+			r.part, r.set = r.part+1, 0
+			continue
+		}
+		ls := sets[r.set]
+		switch {
+		case ls.rules == nil:
+			buf = append(append(buf, ls.prefix...), '\n')
+			r.set++
+		case r.rule == len(ls.rules):
+			r.set, r.rule = r.set+1, 0
+		default:
+			buf = append(append(append(buf, ls.prefix...), ls.rules[r.rule]...), '\n')
+			r.rule++
 		}
 	}
-	return append(buf, commit...)
+	buf = append(buf, commitLine...)
+	r.done = true
 }
 
 // multisetDiff returns the rules of have that want lacks and the rules of want that have lacks,
