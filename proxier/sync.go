@@ -52,8 +52,8 @@ func (p *Proxier) sync(ctx context.Context) error {
 	p.paths.synced(specs, changed || !p.firstSynced)
 	if !p.firstSynced {
 		// The first sync after a start built every socket and rule at once: its garbage (the
-		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
-		// the process's heap. Hand it back now rather than over the next minutes.
+		// decoded objects, each socket's setup, the rule text of the rules built) left the heap
+		// near its peak. Hand it back now rather than over the next minutes.
 		p.firstSynced = true
 		if p.cfg.AfterFirstSync != nil {
 			p.cfg.AfterFirstSync()
