@@ -234,9 +234,9 @@ const readChunk = 32 << 10
 type inputReader struct {
 	in              input
 	part, set, rule int
-	buf             []byte // written, not yet read
-	off             int    // of buf, read already
-	done            bool   // COMMIT is in buf
+	buf             []byte // written; buf[off:] is not read yet
+	off             int
+	done            bool // COMMIT is in buf
 }
 
 func (r *inputReader) Read(p []byte) (int, error) {
@@ -251,7 +251,7 @@ func (r *inputReader) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// fill writes the next lines, about readChunk of them, into buf (read to its end).
+// fill writes the next lines, about readChunk bytes of them, into buf (read to its end).
 func (r *inputReader) fill() {
 	buf := r.buf[:0]
 	r.off = 0
