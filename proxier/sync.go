@@ -29,6 +29,9 @@ func (p *Proxier) sync(ctx context.Context) error {
 	p.mu.Unlock()
 
 	specs := p.paths.reconcile(changes)
+	// changes are not read after this: a first sync's (10,000 ports, 1.2 MB) is garbage before
+	// the portal sync builds its rules.
+	changed := len(changes) > 0
 	err := p.deps.Portals.Sync(ctx, specs)
 	end := p.cfg.Clock.Now()
 	m := p.deps.Metrics
@@ -46,11 +49,11 @@ func (p *Proxier) sync(ctx context.Context) error {
 		return fmt.Errorf("sync portals of %d service ports (changed since the last good sync: %s): %w",
 			len(specs), p.paths.unsyncedNames(5), err)
 	}
-	p.paths.synced(specs, len(changes) > 0 || !p.firstSynced)
+	p.paths.synced(specs, changed || !p.firstSynced)
 	if !p.firstSynced {
 		// The first sync after a start built every socket and rule at once: its garbage (the
-		// decoded objects, tens of thousands of rule strings, the restore inputs) is the peak of
-		// the process's heap. Hand it back now rather than over the next minutes.
+		// decoded objects, each socket's setup, the rule text of the rules built) left the heap
+		// near its peak. Hand it back now rather than over the next minutes.
 		p.firstSynced = true
 		if p.cfg.AfterFirstSync != nil {
 			p.cfg.AfterFirstSync()

@@ -139,17 +139,27 @@ func (p *Portals) Sync(ctx context.Context, specs []portal.Spec) error {
 	}
 	p.natRepaired = false
 	if err == nil {
-		p.applied = sorted
+		// Copied only now, when the rules and restore inputs of this sync are garbage: a copy
+		// of 10,000 specs is 2 MB, which the first sync's peak need not hold.
+		p.applied = cloneSpecs(sorted)
 	}
 	return err
 }
 
-// sortedSpecs is a sorted deep copy of specs: the caller may reuse its slices.
+// sortedSpecs is specs in portal.CompareSpecs order: specs itself when sorted already (the proxier
+// passes them sorted), else a sorted shallow copy. It is read during the Sync only.
 func sortedSpecs(specs []portal.Spec) []portal.Spec {
-	sorted := slices.Clone(specs)
-	if !slices.IsSortedFunc(sorted, portal.CompareSpecs) { // the proxier passes them sorted
-		slices.SortFunc(sorted, portal.CompareSpecs)
+	if slices.IsSortedFunc(specs, portal.CompareSpecs) {
+		return specs
 	}
+	sorted := slices.Clone(specs)
+	slices.SortFunc(sorted, portal.CompareSpecs)
+	return sorted
+}
+
+// cloneSpecs is a deep copy of specs, kept after the Sync: the caller may reuse its slices.
+func cloneSpecs(specs []portal.Spec) []portal.Spec {
+	sorted := slices.Clone(specs)
 	for i := range sorted {
 		s := &sorted[i]
 		s.ClusterIPs, s.ExternalIPs, s.LoadBalancerIPs = slices.Clone(s.ClusterIPs), slices.Clone(s.ExternalIPs), slices.Clone(s.LoadBalancerIPs)
@@ -299,7 +309,7 @@ func (p *Portals) restoreTables(ctx context.Context, fam portal.Family, live map
 			continue
 		}
 		pl := restorePlan(table, live[table], want[table], rb.repair[table])
-		if err := p.restoreAll(ctx, fam, table, pl.apply); err != nil {
+		if err := p.restoreAll(ctx, fam, pl.apply); err != nil {
 			live[table] = nil
 			errs = append(errs, err)
 			continue
@@ -311,7 +321,7 @@ func (p *Portals) restoreTables(ctx context.Context, fam portal.Family, live map
 		if !ok {
 			continue
 		}
-		if err := p.restoreAll(ctx, fam, table, pl.cleanup); err != nil {
+		if err := p.restoreAll(ctx, fam, pl.cleanup); err != nil {
 			live[table] = nil
 			errs = append(errs, err)
 			continue
@@ -337,22 +347,23 @@ func (p *Portals) readBack(ctx context.Context, fam portal.Family, table string)
 	return st, nil
 }
 
-// restoreAll runs the non-nil inputs in order and stops at the first failure.
-func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, table string, inputs ...[]byte) error {
-	for _, data := range inputs {
-		if data == nil {
-			continue
-		}
-		if err := p.restore(ctx, fam, table, data); err != nil {
-			return err
-		}
+// restoreAll runs in when it has lines. Its text exists only for the restore: streamed to the
+// command when the runner can read it so, else written just before the restore and garbage after,
+// so a sync never holds more than one table's input.
+func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, in input) error {
+	if in.size() == 0 {
+		return nil
 	}
-	return nil
+	if sr, ok := p.runner.(streamRestorer); ok {
+		return p.restore(ctx, fam, in.table, func() error { return sr.RestoreFrom(ctx, fam, in.reader()) })
+	}
+	return p.restore(ctx, fam, in.table, func() error { return p.runner.Restore(ctx, fam, in.bytes()) })
 }
 
-func (p *Portals) restore(ctx context.Context, fam portal.Family, table string, data []byte) error {
+// restore runs one restore (run), counting it and naming a failure.
+func (p *Portals) restore(ctx context.Context, fam portal.Family, table string, run func() error) error {
 	p.count(func(s *Stats) { s.Restores++ })
-	err := p.runner.Restore(ctx, fam, data)
+	err := run()
 	if err == nil {
 		return nil
 	}

@@ -180,6 +180,7 @@ type ruleBuilder struct {
 	rejectExt bool
 	split     bool     // the spec's external traffic has its own proxy port
 	pods      []string // "-s" values of PodCIDRs of this family
+	scratch   []byte   // reused to write a rule's text before it becomes a string
 }
 
 // buildRules is the pure function from specs to the wanted rules of one family. Specs come sorted
@@ -357,12 +358,12 @@ func (b *ruleBuilder) add(s *portal.Spec) {
 		}
 		// Legacy: accept new connections to the proxy port (the node port after translation).
 		for _, pp := range s.ProxyPorts() {
-			b.rule(tableFilter, ChainNodePortNonLocal, b.common("", pp), "-m state --state NEW -j ACCEPT")
+			b.commonRule(tableFilter, ChainNodePortNonLocal, "", pp, "-m state --state NEW -j ACCEPT")
 		}
 	}
 	if b.protect {
 		for _, pp := range s.ProxyPorts() {
-			b.rule(tableFilter, ChainGuard, "! -i lo "+b.common("", pp),
+			b.commonRule(tableFilter, ChainGuard, "! -i lo ", pp,
 				"-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -j DROP")
 		}
 	}
@@ -502,14 +503,29 @@ func hostPrefix(ip netip.Addr) string {
 }
 
 // common is legacy iptablesCommonPortalArgs in the order iptables-save prints it: the address and
-// protocol first, then the comment and port match modules in the order they were given.
+// protocol first, then the comment and port match modules in the order they were given. It is
+// written in the builder's scratch buffer, so the string is the one allocation.
 func (b *ruleBuilder) common(dst string, dport uint16) string {
-	buf := make([]byte, 0, len("-d  ")+len(dst)+len(b.match)+5)
+	b.scratch = b.appendCommon(b.scratch[:0], dst, dport)
+	return string(b.scratch)
+}
+
+func (b *ruleBuilder) appendCommon(buf []byte, dst string, dport uint16) []byte {
 	if dst != "" {
 		buf = append(append(append(buf, "-d "...), dst...), ' ')
 	}
 	buf = append(buf, b.match...)
-	return string(strconv.AppendUint(buf, uint64(dport), 10))
+	return strconv.AppendUint(buf, uint64(dport), 10)
+}
+
+// commonRule adds the rule before+common("", dport)+" "+target, written whole in the scratch
+// buffer: the guard and node-port accept rules, one per proxy port, are a third of a sync's
+// rules, and building their parts as strings first doubled what they allocated.
+func (b *ruleBuilder) commonRule(table, chain, before string, dport uint16, target string) {
+	buf := b.appendCommon(append(b.scratch[:0], before...), "", dport)
+	b.scratch = append(append(buf, ' '), target...)
+	t := b.out[table]
+	t.chains[chain] = append(t.chains[chain], string(b.scratch))
 }
 
 // specMatch is the part of common that depends on the spec alone, up to the port number.
