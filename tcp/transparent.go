@@ -16,6 +16,8 @@ import (
 	"os"
 	"unsafe"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/loglevel"
+
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 
@@ -60,21 +62,10 @@ func (c *conn) transparentSource() netip.AddrPort {
 func (c *conn) sourceFailed(src, ep netip.AddrPort, err error) {
 	c.noTransparent = true
 	c.p.count().transparentFallbacks.Add(1)
-	if l := c.p.cfg.Logger; isDebug(l) {
+	if l := c.p.cfg.Logger; loglevel.Debug(l) {
 		c.logger().WithFields(logrus.Fields{"endpoint": ep, "source": src}).WithError(err).
 			Debug("transparent dial: the client's address is not available, dialing from the proxy's")
 	}
-}
-
-// isDebug says whether l logs debug lines (a logrus Logger or Entry; other loggers: yes).
-func isDebug(l logrus.FieldLogger) bool {
-	switch l := l.(type) {
-	case *logrus.Logger:
-		return l.IsLevelEnabled(logrus.DebugLevel)
-	case *logrus.Entry:
-		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
-	}
-	return true
 }
 
 // bindSource prepares fd, a new TCP socket of src's family, to connect from src, an address of

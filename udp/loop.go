@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/loglevel"
+
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 
@@ -367,15 +369,7 @@ func temporary(err error) bool {
 	return errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR)
 }
 
-func (p *shard) debug() bool {
-	switch l := p.log.(type) {
-	case *logrus.Entry:
-		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
-	case *logrus.Logger:
-		return l.IsLevelEnabled(logrus.DebugLevel)
-	}
-	return true
-}
+func (p *shard) debug() bool { return loglevel.Debug(p.log) }
 
 // warn logs at most once a second: a flood of bad datagrams must not become a flood of log lines.
 // The counters in Stats are exact.
