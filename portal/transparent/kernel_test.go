@@ -304,7 +304,7 @@ func TestCleanupLeavesNothing(t *testing.T) {
 	node, _ := l.newNode(t)
 	mustSync(t, node)
 	during := snapshot(t, l.node)
-	for _, want := range []string{"table inet " + NFTTable, "socket transparent 1", "lookup 27504", "table 27504", "table bridge " + NFTTable, DefaultBridgeMAC.String()} {
+	for _, want := range []string{"table inet " + NFTTable, "socket transparent 1", "ct mark set", "lookup 27504", "table 27504", "table bridge " + NFTTable, DefaultBridgeMAC.String()} {
 		if !strings.Contains(during, want) {
 			t.Errorf("after Sync, no %q in\n%s", want, during)
 		}

@@ -30,6 +30,8 @@ const (
 	// and the bridge one, whose chain NFTChain hands marked bridged frames up to the node.
 	NFTTable     = "kube-portal-proxy"
 	NFTMarkChain = "transparent-mark"
+	// NFTConnChain marks the conntrack entry of each of the proxy's transparent connections.
+	NFTConnChain = "transparent-conn"
 	NFTChain     = "transparent-replies"
 )
 

@@ -223,8 +223,10 @@ func TestSyncOneFamily(t *testing.T) {
 		want string
 	}{
 		{[]portal.Family{portal.IPv4}, "meta nfproto ipv4 ct direction reply"},
+		{[]portal.Family{portal.IPv4}, "meta nfproto ipv4 ct state new socket transparent 1"},
 		{[]portal.Family{portal.IPv6}, "meta nfproto ipv6 ct direction reply"},
-		{nil, "\t\tct direction reply socket transparent 1 meta mark set meta mark | 0x00100000\n"},
+		{nil, "\t\tct state new socket transparent 1 ct mark set ct mark | 0x00100000\n"},
+		{nil, "\t\tct direction reply ct mark & 0x00100000 == 0x00100000 meta mark set meta mark | 0x00100000\n"},
 	} {
 		r, nl := newFakes()
 		if _, err := New(Config{Runner: r, Netlink: nl, Families: tc.fams}).Sync(t.Context()); err != nil {
