@@ -4,83 +4,23 @@ import (
 	"context"
 	"io"
 	"runtime"
-	"runtime/debug"
-	"runtime/metrics"
 	"slices"
-	"sync"
-	"sync/atomic"
 	"testing"
+
+	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testenv"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
 )
-
-// liveHeap is the heap still reachable after a full collection.
-func liveHeap() uint64 {
-	runtime.GC()
-	var ms runtime.MemStats
-	runtime.ReadMemStats(&ms)
-	return ms.HeapAlloc
-}
-
-// heapPeak records the most live heap seen: at every collection while it runs (the runtime's
-// own count of what the collection marked, read when the collection's finalizers run) and at
-// every note. With a low GOGC the collections are frequent, so the peak of a sync is caught
-// wherever in the sync it is, not only where a note is taken.
-type heapPeak struct {
-	mu   sync.Mutex
-	peak uint64
-	stop atomic.Bool
-	gogc int
-}
-
-// sentinel is the object whose finalizer runs once per collection; a pointer field keeps it out
-// of the tiny allocator, whose blocks are freed (and finalized) only when all their objects are.
-type sentinel struct{ _ *byte }
-
-func startHeapPeak() *heapPeak {
-	h := &heapPeak{gogc: debug.SetGCPercent(2)}
-	h.arm()
-	return h
-}
-
-func (h *heapPeak) arm() {
-	runtime.SetFinalizer(&sentinel{}, func(*sentinel) {
-		s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
-		metrics.Read(s)
-		h.record(s[0].Value.Uint64())
-		if !h.stop.Load() {
-			h.arm()
-		}
-	})
-}
-
-func (h *heapPeak) record(v uint64) {
-	h.mu.Lock()
-	h.peak = max(h.peak, v)
-	h.mu.Unlock()
-}
-
-// note records the live heap now.
-func (h *heapPeak) note() { h.record(liveHeap()) }
-
-// end stops the sampling, restores GOGC and returns the peak.
-func (h *heapPeak) end() uint64 {
-	h.stop.Store(true)
-	debug.SetGCPercent(h.gogc)
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.peak
-}
 
 // peakRunner is nullRunner that notes the live heap at each read-back and restore, where the
 // rules, the plan and the restore input are alive.
 type peakRunner struct {
 	nullRunner
-	peak *heapPeak
+	peak *testenv.HeapPeak
 }
 
 func (r peakRunner) Restore(ctx context.Context, fam portal.Family, data []byte) error {
-	r.peak.note()
+	r.peak.Note()
 	runtime.KeepAlive(data) // iptables-restore reads it until it exits
 	return nil
 }
@@ -90,7 +30,7 @@ func (r peakRunner) Restore(ctx context.Context, fam portal.Family, data []byte)
 func (r peakRunner) RestoreFrom(ctx context.Context, fam portal.Family, input io.Reader) error {
 	first := make([]byte, 32<<10)
 	_, err := io.ReadFull(input, first)
-	r.peak.note()
+	r.peak.Note()
 	if err == io.ErrUnexpectedEOF || err == io.EOF {
 		return nil
 	}
@@ -102,7 +42,7 @@ func (r peakRunner) RestoreFrom(ctx context.Context, fam portal.Family, input io
 }
 
 func (r peakRunner) Save(ctx context.Context, fam portal.Family, table string) ([]byte, error) {
-	r.peak.note()
+	r.peak.Note()
 	return r.nullRunner.Save(ctx, fam, table)
 }
 
@@ -117,18 +57,18 @@ func BenchmarkFirstSyncHeap(b *testing.B) {
 	var before, peak, after float64
 	for b.Loop() {
 		b.StopTimer()
-		h := &heapPeak{}
+		h := &testenv.HeapPeak{}
 		p := New(cfg, peakRunner{peak: h})
-		b0 := liveHeap()
-		h = startHeapPeak()
+		b0 := testenv.LiveHeap()
+		h = testenv.StartHeapPeak()
 		p.runner = peakRunner{peak: h}
 		b.StartTimer()
 		if err := p.Sync(b.Context(), specs); err != nil {
 			b.Fatal(err)
 		}
 		b.StopTimer()
-		pk := h.end()
-		a := liveHeap()
+		pk := h.End()
+		a := testenv.LiveHeap()
 		runtime.KeepAlive(p)
 		before, peak, after = before+float64(b0), peak+float64(pk), after+float64(a)
 		b.StartTimer()
@@ -152,14 +92,14 @@ func TestFirstSyncHoldsLittleBeyondWhatStays(t *testing.T) {
 	specs := manySpecs(10000, 20000)
 	slices.SortFunc(specs, portal.CompareSpecs) // as the proxier passes them
 	p := New(cfg, nullRunner{})
-	h := startHeapPeak()
+	h := testenv.StartHeapPeak()
 	p.runner = peakRunner{peak: h}
 	err := p.Sync(t.Context(), specs)
-	peak := h.end()
+	peak := h.End()
 	if err != nil {
 		t.Fatal(err)
 	}
-	after := liveHeap()
+	after := testenv.LiveHeap()
 	runtime.KeepAlive(p)
 	const limit = 3 << 20
 	if extra := int64(peak) - int64(after); extra > limit {
