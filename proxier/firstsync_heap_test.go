@@ -26,17 +26,7 @@ func (r emptyTables) Restore(_ context.Context, _ portal.Family, data []byte) er
 // RestoreFrom reads the input as iptables-restore does (ExecRunner streams it), noting the heap
 // once the command has its first chunk.
 func (r emptyTables) RestoreFrom(_ context.Context, _ portal.Family, input io.Reader) error {
-	first := make([]byte, 32<<10)
-	_, err := io.ReadFull(input, first)
-	r.peak.Note()
-	if err == io.ErrUnexpectedEOF || err == io.EOF {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	_, err = io.Copy(io.Discard, input)
-	return err
+	return r.peak.ReadNoting(input)
 }
 
 func (r emptyTables) Save(_ context.Context, _ portal.Family, table string) ([]byte, error) {

@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"io"
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
@@ -65,4 +66,20 @@ func (h *HeapPeak) End() uint64 {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.peak
+}
+
+// ReadNoting reads input as a command reading a stream does (iptables-restore reading its input
+// from a pipe), noting the live heap once the first chunk is in, while what writes the stream
+// is alive, then reads the rest.
+func (h *HeapPeak) ReadNoting(input io.Reader) error {
+	_, err := io.ReadFull(input, make([]byte, 32<<10))
+	h.Note()
+	if err == io.ErrUnexpectedEOF || err == io.EOF {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(io.Discard, input)
+	return err
 }

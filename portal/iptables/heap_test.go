@@ -28,17 +28,7 @@ func (r peakRunner) Restore(ctx context.Context, fam portal.Family, data []byte)
 // RestoreFrom reads the input as iptables-restore does, noting the heap once the command has
 // its first chunk.
 func (r peakRunner) RestoreFrom(ctx context.Context, fam portal.Family, input io.Reader) error {
-	first := make([]byte, 32<<10)
-	_, err := io.ReadFull(input, first)
-	r.peak.Note()
-	if err == io.ErrUnexpectedEOF || err == io.EOF {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	_, err = io.Copy(io.Discard, input)
-	return err
+	return r.peak.ReadNoting(input)
 }
 
 func (r peakRunner) Save(ctx context.Context, fam portal.Family, table string) ([]byte, error) {
