@@ -351,7 +351,7 @@ func (p *Portals) readBack(ctx context.Context, fam portal.Family, table string)
 // command when the runner can read it so, else written just before the restore and garbage after,
 // so a sync never holds more than one table's input.
 func (p *Portals) restoreAll(ctx context.Context, fam portal.Family, in input) error {
-	if in.size() == 0 {
+	if in.empty() { // not size: that walks every rule of a 10,000-port table
 		return nil
 	}
 	if sr, ok := p.runner.(streamRestorer); ok {

@@ -187,6 +187,16 @@ type input struct {
 
 const commitLine = "COMMIT\n"
 
+// empty reports whether the transaction has no lines (a lines value always holds at least one).
+func (in input) empty() bool {
+	for _, part := range in.parts {
+		if len(part) > 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // size is the length of the transaction's text, 0 when it has no lines.
 func (in input) size() int {
 	n := 0
