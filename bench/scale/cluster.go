@@ -93,7 +93,7 @@ func runCluster(ctx context.Context, targets []target, o clusterOptions) (err er
 	fmt.Printf("creating %d Services + %d EndpointSlices with %d workers: %v (%.0f objects/s)\n", o.services, o.services, o.workers,
 		created.Round(time.Millisecond), float64(2*o.services)/created.Seconds())
 	for _, t := range targets {
-		fmt.Printf("target %s: %s %s\n", t.name, t.bin, t.mode)
+		fmt.Printf("target %s: %s %s (minimum sync period %v)\n", t.name, t.bin, t.mode, t.minSync)
 	}
 	if o.logDir, err = os.MkdirTemp("", "kpp-scale-logs-"); err != nil {
 		return err

@@ -65,6 +65,7 @@ func main() {
 	baseline := flag.String("baseline", "", "other binaries (space-separated) run in the same run, in turn with -proxy, for a side-by-side figure; in file mode (each may be KEY=VALUE,...@binary: its environment, e.g. GOMEMLIMIT=100MiB@bin/kube-portal-proxy): cold starts and a churn of rewritten files (-rounds, -churn, -churn-rate, -heapprofile) instead of the single run")
 	kubeProxy := flag.String("kube-proxy", "", "-cluster: a kube-proxy binary (hack/kubeproxy-build.sh) run in the same run in each of -kube-proxy-modes")
 	kubeProxyModes := flag.String("kube-proxy-modes", "iptables,nftables", "-cluster: kube-proxy's modes to run (comma-separated)")
+	minSync := flag.Duration("min-sync-period", 100*time.Millisecond, "-cluster: the minimum sync period of every target (the daemon's --iptables-min-sync-period, kube-proxy's iptables/nftables minSyncPeriod; kube-proxy's own default is 1s)")
 	rounds := flag.Int("rounds", 1, "-cluster: rounds (cold start, then churn) per target")
 	churn := flag.Duration("churn", 30*time.Second, "-cluster: length of the churn period after each cold start (0: none)")
 	churnRate := flag.Int("churn-rate", 50, "-cluster: EndpointSlice changes per second during the churn")
@@ -82,7 +83,7 @@ func main() {
 	}
 	if *cluster {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes)
+		targets, err := parseTargets(*proxy, *baseline, *kubeProxy, *kubeProxyModes, *minSync)
 		if err == nil {
 			err = runCluster(ctx, targets, clusterOptions{services: *services, endpoints: *endpoints, workers: *workers, restarts: restarts,
 				rounds: *rounds, churn: *churn, churnRate: max(*churnRate, 1), startLimit: *startLimit})

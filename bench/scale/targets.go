@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/kube-portal-proxy/kube-portal-proxy/internal/testbed"
 )
@@ -28,6 +29,10 @@ type target struct {
 	bin  string
 	// mode is kube-proxy's --proxy-mode ("iptables", "nftables"); empty for kube-portal-proxy.
 	mode string
+	// minSync is the minimum sync period every target gets (-min-sync-period): the daemon's
+	// --iptables-min-sync-period, kube-proxy's iptables.minSyncPeriod or nftables.minSyncPeriod.
+	// The same for all, so that neither batches changes longer than the other.
+	minSync time.Duration
 }
 
 func (t target) kubeProxy() bool { return t.mode != "" }
@@ -41,12 +46,13 @@ func (t target) command(bed *testbed.Bed, kubeconfig, dir string) (*exec.Cmd, er
 		}
 		return exec.Command("ip", "netns", "exec", bed.Node.Name, t.bin, "--config", profiling, "--kubeconfig", kubeconfig, "--hostname-override", nodeName,
 			"--healthz-bind-address", "", "--metrics-bind-address", metricsAddr, "--log-level", "info",
-			"--iptables-min-sync-period", "100ms",
+			"--iptables-min-sync-period", t.minSync.String(),
 			"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0"), nil
 	}
-	// kube-proxy as an operator runs it: its defaults (a 1 s minimum sync period, 30 s full
-	// resync) but for the conntrack sysctls, which it may not set in a namespace here (and the
-	// daemon is told the same).
+	// kube-proxy as an operator runs it: its defaults (30 s full resync) but for the minimum
+	// sync period, the same as the daemon's (-min-sync-period; kube-proxy's default is 1 s), and
+	// the conntrack sysctls, which it may not set in a namespace here (and the daemon is told the
+	// same).
 	cfg := fmt.Sprintf(`apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: %s
@@ -60,7 +66,9 @@ conntrack:
   min: 0
   tcpEstablishedTimeout: 0s
   tcpCloseWaitTimeout: 0s
-`, t.mode, nodeName, kubeconfig, metricsAddr)
+%s:
+  minSyncPeriod: %s
+`, t.mode, nodeName, kubeconfig, metricsAddr, t.mode, t.minSync)
 	path := filepath.Join(dir, "kube-proxy-config.yaml")
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		return nil, err
@@ -129,7 +137,7 @@ func countRules(out string, n, e int, svcPrefix, svcMark, dnat string) error {
 }
 
 // parseTargets builds the list: the daemon binaries, then kube-proxy in each mode.
-func parseTargets(proxy, baseline, kubeProxy, modes string) ([]target, error) {
+func parseTargets(proxy, baseline, kubeProxy, modes string, minSync time.Duration) ([]target, error) {
 	var out []target
 	for i, p := range append([]string{proxy}, strings.Fields(baseline)...) {
 		abs, err := filepath.Abs(p)
@@ -143,7 +151,7 @@ func parseTargets(proxy, baseline, kubeProxy, modes string) ([]target, error) {
 				name = "kpp-baseline"
 			}
 		}
-		out = append(out, target{name: name, bin: abs})
+		out = append(out, target{name: name, bin: abs, minSync: minSync})
 	}
 	if kubeProxy == "" {
 		return out, nil
@@ -155,7 +163,7 @@ func parseTargets(proxy, baseline, kubeProxy, modes string) ([]target, error) {
 	for _, m := range strings.Split(modes, ",") {
 		switch m = strings.TrimSpace(m); m {
 		case "iptables", "nftables":
-			out = append(out, target{name: "kube-proxy-" + m, bin: abs, mode: m})
+			out = append(out, target{name: "kube-proxy-" + m, bin: abs, mode: m, minSync: minSync})
 		case "":
 		default:
 			return nil, fmt.Errorf("-kube-proxy-modes: %q is not iptables or nftables", m)
