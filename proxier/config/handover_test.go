@@ -166,3 +166,67 @@ func FuzzHandedOverAsDecoded(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, data []byte) { checkHandedOver(t, string(data)) })
 }
+
+// deletesHandler keeps the objects of deletion events.
+type deletesHandler struct {
+	tallyHandler
+	deleted []apiruntime.Object
+}
+
+func (d *deletesHandler) OnServiceDelete(s *v1.Service) { d.deleted = append(d.deleted, s) }
+func (d *deletesHandler) OnEndpointSliceDelete(s *discovery.EndpointSlice) {
+	d.deleted = append(d.deleted, s)
+}
+
+// TestDeletionNamesTheObject: an object gone from the file is deleted by its namespace and name
+// (and an EndpointSlice with its Service), though the source keeps them only as one key, even
+// where a slash in a name or namespace makes the key ambiguous.
+func TestDeletionNamesTheObject(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "f.yaml")
+	write := func(body string) {
+		if err := os.WriteFile(file, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(`apiVersion: v1
+kind: Service
+metadata: {name: c, namespace: a/b}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: b/c, namespace: x}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: s/1, namespace: a/b, labels: {kubernetes.io/service-name: c}}
+addressType: IPv4
+`)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	h := &deletesHandler{}
+	var loadErr error
+	src := NewFileSource(file, h, clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)), time.Second, log)
+	src.OnLoad = func(err error) { loadErr = err }
+	src.load(true)
+	if loadErr != nil {
+		t.Fatal(loadErr)
+	}
+	write("")
+	src.load(true)
+	if loadErr != nil {
+		t.Fatal(loadErr)
+	}
+	got := map[string]bool{}
+	for _, o := range h.deleted {
+		switch o := o.(type) {
+		case *v1.Service:
+			got["svc ns="+o.Namespace+" name="+o.Name] = true
+		case *discovery.EndpointSlice:
+			got["slice ns="+o.Namespace+" name="+o.Name+" owner="+o.Labels[discovery.LabelServiceName]] = true
+		}
+	}
+	want := map[string]bool{"svc ns=a/b name=c": true, "svc ns=x name=b/c": true, "slice ns=a/b name=s/1 owner=c": true}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("deletions (-want +got):\n%s", diff)
+	}
+}
