@@ -49,9 +49,9 @@ type FileSource struct {
 	// and enough to name it in a deletion. The decoded objects are not kept: at 10,000 services
 	// they held tens of megabytes that no later load needs.
 	entries map[string]objEntry
-	stamp  string
-	parsed map[string]*parsedFile
-	synced bool
+	stamp   string
+	parsed  map[string]*parsedFile
+	synced  bool
 	// OnLoad, if set, is called after every load attempt with its error (nil when applied).
 	OnLoad func(error)
 }
@@ -268,8 +268,8 @@ func listManifests(path string) ([]string, map[string]string, string, error) {
 // while apply hands them over; their encodings are a sixth of that, and each is decoded again
 // (generated code, no reflection) only when its turn to be handed over comes.
 type manifestSet struct {
-	services map[string][]byte // namespace/name -> the Service's protobuf
-	slices   map[string][]byte // namespace/name -> the EndpointSlice's protobuf
+	services map[string][]byte   // namespace/name -> the Service's protobuf
+	slices   map[string][]byte   // namespace/name -> the EndpointSlice's protobuf
 	entries  map[string]objEntry // "s/ns/name" or "e/ns/name"; the hash is FNV-1a of the manifest's JSON
 }
 
