@@ -47,9 +47,14 @@ const pageLen = 128
 type portPages struct {
 	pages [][]PortTraffic
 	n     int
+	// labels holds each port's service_port value, escaped, one after another; ends[i] is where
+	// port i's ends. Every family writes it again: escaped once a scrape instead of once a
+	// series (100,000 at 10,000 ports), it is a copy.
+	labels []byte
+	ends   []int32
 }
 
-func (p *portPages) reset() { p.n = 0 }
+func (p *portPages) reset() { p.n, p.labels, p.ends = 0, p.labels[:0], p.ends[:0] }
 
 func (p *portPages) add(t PortTraffic) {
 	i := p.n / pageLen
@@ -58,10 +63,27 @@ func (p *portPages) add(t PortTraffic) {
 	}
 	p.pages[i][p.n%pageLen] = t
 	p.n++
+	p.labels = appendEscaped(p.labels, t.Name.Namespace)
+	p.labels = append(p.labels, '/')
+	p.labels = appendEscaped(p.labels, t.Name.Name)
+	if t.Name.Port != "" {
+		p.labels = append(p.labels, ':')
+		p.labels = appendEscaped(p.labels, t.Name.Port)
+	}
+	p.ends = append(p.ends, int32(len(p.labels)))
 }
 
 // at is the i-th port added since reset.
 func (p *portPages) at(i int) *PortTraffic { return &p.pages[i/pageLen][i%pageLen] }
+
+// label is the i-th port's service_port value, escaped.
+func (p *portPages) label(i int) []byte {
+	start := int32(0)
+	if i > 0 {
+		start = p.ends[i-1]
+	}
+	return p.labels[start:p.ends[i]]
+}
 
 // trim lets the pages beyond what the last scrape used go, when they are many (the ports were
 // many more before): a few spare pages are kept for growth.
@@ -70,6 +92,7 @@ func (p *portPages) trim() {
 	if len(p.pages) > 2*used+4 {
 		clear(p.pages[used:])
 		p.pages = slices.Clip(p.pages[:used])
+		p.labels, p.ends = slices.Clone(p.labels), slices.Clone(p.ends)
 	}
 }
 
@@ -154,6 +177,7 @@ func (h *handler) writeTraffic(bw *bufio.Writer) {
 		line   []byte
 		f      *family
 		t      *PortTraffic
+		label  []byte
 		header bool
 	)
 	add := func(v float64, l1, l2 string) {
@@ -172,13 +196,7 @@ func (h *handler) writeTraffic(bw *bufio.Writer) {
 			line = append(appendLabel(line, f.labels[1], l2), ',')
 		}
 		line = append(line, `service_port="`...)
-		line = appendEscaped(line, t.Name.Namespace)
-		line = append(line, '/')
-		line = appendEscaped(line, t.Name.Name)
-		if t.Name.Port != "" {
-			line = append(line, ':')
-			line = appendEscaped(line, t.Name.Port)
-		}
+		line = append(line, label...)
 		line = append(line, `"} `...)
 		line = appendFloat(line, v)
 		line = append(line, '\n')
@@ -187,7 +205,7 @@ func (h *handler) writeTraffic(bw *bufio.Writer) {
 	for i := range families {
 		f, header = &families[i], false
 		for j := range h.ports.n {
-			t = h.ports.at(j)
+			t, label = h.ports.at(j), h.ports.label(j)
 			f.samples(t, add)
 		}
 	}
