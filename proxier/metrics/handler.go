@@ -36,6 +36,16 @@ type handler struct {
 	// port once, then writes each family over all of them).
 	mu    sync.Mutex
 	ports portPages
+
+	// own is the writers of one scrape at a time, kept from scrape to scrape; a scrape that
+	// finds them in use takes others from the pools. A pooled gzip writer (over 1 MB) was gone
+	// by the next scrape: a pool lets go of what two garbage collections find unused, and
+	// Prometheus scrapes every 15-60 s.
+	own struct {
+		sync.Mutex
+		gz *gzip.Writer
+		bw *bufio.Writer
+	}
 }
 
 // pageLen is how many ports a page of the snapshot holds (about 58 KiB).
@@ -121,25 +131,17 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.Header().Set("Content-Type", string(format))
+	gz, bw, own := h.writers()
+	defer h.putWriters(gz, bw, own)
 	var out io.Writer = w
 	if acceptsGzip(r.Header.Get("Accept-Encoding")) {
 		w.Header().Set("Content-Encoding", "gzip")
 		w.Header().Del("Content-Length")
-		gz := gzipPool.Get().(*gzip.Writer)
 		gz.Reset(w)
-		defer func() {
-			gz.Close()
-			gz.Reset(nil)
-			gzipPool.Put(gz)
-		}()
+		defer gz.Close() // before putWriters (deferred earlier, run later)
 		out = gz
 	}
-	bw := bufPool.Get().(*bufio.Writer)
 	bw.Reset(out)
-	defer func() {
-		bw.Reset(nil)
-		bufPool.Put(bw)
-	}()
 	enc := expfmt.NewEncoder(bw, format)
 	for _, mf := range mfs {
 		if err := enc.Encode(mf); err != nil {
@@ -148,6 +150,30 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	h.writeTraffic(bw)
 	bw.Flush()
+}
+
+// writers returns the handler's own writers (own true; putWriters unlocks them), or pooled ones
+// while another scrape has them.
+func (h *handler) writers() (gz *gzip.Writer, bw *bufio.Writer, own bool) {
+	if !h.own.TryLock() {
+		return gzipPool.Get().(*gzip.Writer), bufPool.Get().(*bufio.Writer), false
+	}
+	if h.own.gz == nil {
+		h.own.gz, h.own.bw = gzipPool.New().(*gzip.Writer), bufPool.New().(*bufio.Writer)
+	}
+	return h.own.gz, h.own.bw, true
+}
+
+// putWriters lets go of the response in the writers and gives them back.
+func (h *handler) putWriters(gz *gzip.Writer, bw *bufio.Writer, own bool) {
+	gz.Reset(nil)
+	bw.Reset(nil)
+	if own {
+		h.own.Unlock()
+		return
+	}
+	gzipPool.Put(gz)
+	bufPool.Put(bw)
 }
 
 // acceptsGzip reports whether an Accept-Encoding header lists gzip (without q=0).
