@@ -146,24 +146,11 @@ func (f *FileSource) apply(objs *manifestSet) {
 		}
 	}
 	// Each object is decoded from its protobuf only now, handed over and let go of, so what the
-	// handler builds from them and the objects are not all live at once.
-	for key, pb := range objs.services {
-		delete(objs.services, key)
-		old, had := f.entries["s/"+key]
-		if had && old.hash == objs.entries["s/"+key].hash {
-			continue
-		}
-		svc := &v1.Service{TypeMeta: serviceType} // not part of the encoding
-		if err := svc.Unmarshal(pb); err != nil { // what prepare encoded: not expected
-			f.log.WithError(err).WithField("service", key).Error("Skipped a service of the services file: its encoding does not decode")
-			continue
-		}
-		if had {
-			f.h.OnServiceUpdate(old.serviceStub("s/"+key), svc)
-		} else {
-			f.h.OnServiceAdd(svc)
-		}
-	}
+	// handler builds from them and the objects are not all live at once. The slices go first: the
+	// proxier selects a Service's endpoints again at each of its objects, and a Service handed
+	// over before its slices had them selected (with none) and handed to the balancer once more;
+	// a slice before its Service is only stored. (10,000 Services and their slices into the
+	// proxier: 460,000 allocations and 76.4 MB, from 510,000 and 79.6 MB.)
 	for key, pb := range objs.slices {
 		delete(objs.slices, key)
 		old, had := f.entries["e/"+key]
@@ -179,6 +166,23 @@ func (f *FileSource) apply(objs *manifestSet) {
 			f.h.OnEndpointSliceUpdate(old.sliceStub("e/"+key), sl)
 		} else {
 			f.h.OnEndpointSliceAdd(sl)
+		}
+	}
+	for key, pb := range objs.services {
+		delete(objs.services, key)
+		old, had := f.entries["s/"+key]
+		if had && old.hash == objs.entries["s/"+key].hash {
+			continue
+		}
+		svc := &v1.Service{TypeMeta: serviceType} // not part of the encoding
+		if err := svc.Unmarshal(pb); err != nil { // what prepare encoded: not expected
+			f.log.WithError(err).WithField("service", key).Error("Skipped a service of the services file: its encoding does not decode")
+			continue
+		}
+		if had {
+			f.h.OnServiceUpdate(old.serviceStub("s/"+key), svc)
+		} else {
+			f.h.OnServiceAdd(svc)
 		}
 	}
 	f.entries = objs.entries

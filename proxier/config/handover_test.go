@@ -4,6 +4,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -228,5 +229,33 @@ addressType: IPv4
 	want := map[string]bool{"svc ns=a/b name=c": true, "svc ns=x name=b/c": true, "slice ns=a/b name=s/1 owner=c": true}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("deletions (-want +got):\n%s", diff)
+	}
+}
+
+// orderHandler records the kind of each add, in order.
+type orderHandler struct {
+	tallyHandler
+	kinds []string
+}
+
+func (o *orderHandler) OnServiceAdd(*v1.Service) { o.kinds = append(o.kinds, "service") }
+func (o *orderHandler) OnEndpointSliceAdd(*discovery.EndpointSlice) {
+	o.kinds = append(o.kinds, "slice")
+}
+
+// TestLoadHandsOverSlicesFirst: a load hands over the EndpointSlices before the Services, so the
+// proxier selects each Service's endpoints once, with its slices there.
+func TestLoadHandsOverSlicesFirst(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "f.yaml")
+	if err := os.WriteFile(file, []byte(bulkManifest(20, 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	h := &orderHandler{}
+	NewFileSource(file, h, clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0)), time.Second, log).load(true)
+	want := append(slices.Repeat([]string{"slice"}, 20), slices.Repeat([]string{"service"}, 20)...)
+	if !slices.Equal(h.kinds, want) {
+		t.Errorf("hand-over order %q; want the 20 slices, then the 20 services", h.kinds)
 	}
 }
