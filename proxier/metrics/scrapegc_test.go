@@ -18,7 +18,7 @@ import (
 // TestGzipScrapeAfterCollectionsAllocatesLittle: a gzip scrape of 10,000 ports that follows two
 // garbage collections (Prometheus scrapes every 15-60 s; the process collects more often than
 // that) allocates little. A gzip writer taken from a sync.Pool had been dropped by then, and each
-// scrape made a new one: over 1 MB.
+// scrape made a new one: 0.85 MB at gzip's default level, 1.24 MB at its best speed.
 func TestGzipScrapeAfterCollectionsAllocatesLittle(t *testing.T) {
 	h := Handler(prometheus.NewRegistry(), manyPorts(10000))
 	req := httptest.NewRequest(http.MethodGet, "/metrics", nil)
