@@ -30,9 +30,10 @@ import (
 )
 
 // manifestJSON converts one YAML document to JSON and returns its top-level apiVersion and kind
-// ("" when absent or not strings). js is nil for an empty document.
-func manifestJSON(body []byte) (js []byte, apiVersion, kind string, err error) {
-	if js, apiVersion, kind, ok := fastManifestJSON(body); ok {
+// ("" when absent or not strings). js is nil for an empty document. The common shape is
+// converted by p, into its buffer: js is good until p's next use.
+func manifestJSON(p *fastParser, body []byte) (js []byte, apiVersion, kind string, err error) {
+	if js, apiVersion, kind, ok := p.convert(body); ok {
 		return js, apiVersion, kind, nil
 	}
 	return parsedManifestJSON(body)

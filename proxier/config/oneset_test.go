@@ -24,13 +24,13 @@ func TestOneFileSetIsTheFilesCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(set.services) != 1 || len(set.slices) != 1 || len(set.hashes) != 2 || len(set.infos) != 2 {
-		t.Fatalf("set of %s: %d services, %d slices, %d hashes, %d infos; want 1, 1, 2, 2",
-			p, len(set.services), len(set.slices), len(set.hashes), len(set.infos))
+	if len(set.services) != 1 || len(set.slices) != 1 || len(set.entries) != 2 {
+		t.Fatalf("set of %s: %d services, %d slices, %d entries; want 1, 1, 2",
+			p, len(set.services), len(set.slices), len(set.entries))
 	}
 	same := func(a, b any) bool { return reflect.ValueOf(a).UnsafePointer() == reflect.ValueOf(b).UnsafePointer() }
-	if !same(set.hashes, cache[p].hashes) || !same(set.infos, cache[p].infos) {
-		t.Error("the set of one file holds a copy of the file's maps")
+	if !same(set.entries, cache[p].entries) {
+		t.Error("the set of one file holds a copy of the file's map")
 	}
 
 	// The file unchanged: nothing decoded again, the same maps.
@@ -38,8 +38,8 @@ func TestOneFileSetIsTheFilesCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(set.services) != 0 || len(set.slices) != 0 || len(set.hashes) != 2 || !same(set.infos, cache[p].infos) {
-		t.Errorf("unchanged file: %d services and %d slices decoded again, %d hashes; want 0, 0, 2 and the cache's maps",
-			len(set.services), len(set.slices), len(set.hashes))
+	if len(set.services) != 0 || len(set.slices) != 0 || len(set.entries) != 2 || !same(set.entries, cache[p].entries) {
+		t.Errorf("unchanged file: %d services and %d slices decoded again, %d entries; want 0, 0, 2 and the cache's map",
+			len(set.services), len(set.slices), len(set.entries))
 	}
 }
