@@ -472,6 +472,7 @@ type loop struct {
 	reap       func(*iouring.CQE) // l.complete, bound once: no allocation per round
 	conns      []*uconn
 	free       []uint32
+	bufsOut    int // ring buffers the kernel filled and the loop has not given back: tests read it
 	accepts    []*uaccept
 	freeAcc    []uint32
 }
@@ -544,12 +545,13 @@ func (l *loop) run(ready chan<- error) (broken error) {
 	return nil
 }
 
-// yieldEvery is how often a busy loop yields its P (runtime.Gosched). A loop's goroutine never
-// parks: it waits in io_uring_enter, so the scheduler never runs it afresh, and sysmon takes it
-// for a goroutine running for ever: every 10 ms it preempts it (a signal, the wait interrupted,
-// the P handed away and back) and goes back to polling every 20 µs instead of backing off to
-// 10 ms. That polling was 5.7% of the proxy's CPU in a pinned keep-alive profile (perf, sysmon's
-// thread), 1.0% with the yield, which itself cost 1.1% (a hand-over of the P each time).
+// yieldEvery is how often a loop yields its P (runtime.Gosched) while it is busy. A loop's
+// goroutine never parks: it waits in io_uring_enter, so the scheduler never runs it afresh, and
+// sysmon takes it for one running for ever: every 10 ms it preempts it (a signal, the wait
+// interrupted, the P handed away and back) and then polls every 20 µs again instead of backing
+// off to 10 ms. That polling alone was 5% of the proxy's CPU in a pinned keep-alive profile
+// (perf: runtime.sysmon's thread). A yield well inside sysmon's 10 ms shows it a goroutine
+// that was scheduled anew, at the price of one hand-over of the P per yield.
 const yieldEvery = int64(5 * time.Millisecond)
 
 // enter is the ring's io_uring_enter, or the failure a test injects.
@@ -670,16 +672,22 @@ func (l *loop) complete(c *iouring.CQE) {
 		return
 	}
 	u.inflight--
-	switch tag {
-	case tagRecvUp, tagRecvDown:
-		u.d[tag-tagRecvUp].linkedSendDone()
-	case tagSendUp, tagSendDown:
+	if c.Flags&iouring.CqeFBuffer != 0 {
+		l.bufsOut++
+	}
+	if tag == tagSendUp || tag == tagSendDown {
 		if d := &u.d[tag-tagSendUp]; d.linked {
-			// A linked send reports only a failure; its recv is then cancelled.
-			d.linked, d.sendFailed = false, true
-			d.count(-int64(d.n - max(int(c.Res), 0)))
-			if !u.closing {
-				u.c.legFailed(d.i == 0, true, sendError(c.Res))
+			// The send of sendThenRecv: its recv is in the kernel already.
+			d.linked = false
+			if c.Res == int32(d.n) {
+				l.releaseBuf(uint16(d.buf))
+				d.buf = -1
+				d.count(int64(d.n))
+			} else {
+				// A failed send's linked recv is cancelled; closeNow releases the buffer.
+				if !u.closing {
+					u.c.legFailed(d.i == 0, true, sendError(c.Res))
+				}
 			}
 			tag = -1 // handled
 		}
@@ -835,4 +843,7 @@ func (l *loop) closeFd(u *uconn, fd int32) bool {
 
 // --- buffers
 
-func (l *loop) releaseBuf(id uint16) { l.bufs.Release(id) }
+func (l *loop) releaseBuf(id uint16) {
+	l.bufs.Release(id)
+	l.bufsOut--
+}
