@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"runtime"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -256,4 +257,37 @@ func rawListener(t *testing.T, typ, backlog int) (int, netip.AddrPort) {
 	}
 	sa, _ := unix.Getsockname(fd)
 	return fd, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sa.(*unix.SockaddrInet4).Port))
+}
+
+// TestIOUringIdleConnectionsHoldNoRingBuffer: a keep-alive connection waiting for its next
+// request holds none of its loop's ring buffers. Each direction once held the buffer it had sent
+// until its next recv completed, so 64 idle keep-alive connections held all 128 buffers of a
+// loop, and every further recv found the ring empty and fell back to a poll and a read of its own.
+func TestIOUringIdleConnectionsHoldNoRingBuffer(t *testing.T) {
+	requireIOURing(t)
+	e := &uringEngine{threads: 1, ringBufs: 16}
+	t.Cleanup(func() { e.Close() })
+	ep := serve(t, "127.0.0.3", echo)
+	p := startProxy(t, &fakePicker{eps: []netip.AddrPort{ep}}, Config{Engine: e})
+	for i := range 4 {
+		roundTrip(t, dial(t, p), "hello "+strconv.Itoa(i))
+	}
+	e.mu.Lock()
+	l := e.loops[0]
+	e.mu.Unlock()
+	held := func() int {
+		ch := make(chan int, 1)
+		if !l.post(func() { ch <- l.bufsOut }) {
+			t.Fatal("the loop stopped")
+		}
+		return <-ch
+	}
+	// The client has the answer once the send is done; the loop hears of it in its next round.
+	n := held()
+	for deadline := time.Now().Add(2 * time.Second); n > 0 && time.Now().Before(deadline); n = held() {
+		runtime.Gosched()
+	}
+	if n > 0 {
+		t.Errorf("4 idle keep-alive connections hold %d ring buffers; want none", n)
+	}
 }
