@@ -37,6 +37,22 @@ const (
 	plannedAfter    = 15 * time.Second
 )
 
+// warmFor is how long the client uses the probed service before the first restart.
+const warmFor = 7 * time.Second
+
+// useFor has the client connect to addr every 50 ms for d.
+func useFor(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, d time.Duration) error {
+	for t0 := time.Now(); time.Since(t0) < d; {
+		if _, err := testbed.Who(bed.Client, addr, 2*time.Second); err != nil {
+			return err
+		}
+		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // startHog starts one busy loop per CPU, each ending by itself after d; stop ends them at once.
 func startHog(d time.Duration) (stop func(), err error) {
 	if d <= 0 {
@@ -181,6 +197,12 @@ func restartRuns(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, o r
 		return f()
 	}
 	fmt.Printf("restarts: load average %s; hog: %v\n", loadavg(), o.hog)
+	// A node's clients were using the service before the crash: the client uses it for a few
+	// seconds first, long enough for a proxy that records activity in its restart snapshot
+	// (every 5 s) to have it there, as on a node in use. Every build gets the same.
+	if err := useFor(ctx, bed, addr, warmFor); err != nil {
+		return cur, fmt.Errorf("before the restarts: %w", err)
+	}
 	for i := range o.runs {
 		var w window
 		var startedAt time.Time
