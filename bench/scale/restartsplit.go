@@ -300,7 +300,7 @@ func recordLines(ctx context.Context, ns *netns.NS, file string, args ...string)
 		f.Close()
 		return nil, err
 	}
-	cmd.Stderr = f
+	// Its stderr (conntrack's closing count) would interleave with the stamped lines.
 	if err := cmd.Start(); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s in %s: %w", args[0], ns.Name, err)
