@@ -103,7 +103,7 @@ func (s split) String() string {
 		s.reaped.Sub(s.killed).Round(time.Millisecond), s.started.Sub(s.reaped).Round(time.Millisecond),
 		func() string {
 			if serving.IsZero() {
-				return "not seen"
+				return "not seen (file mode logs it with -log-level info)"
 			}
 			return serving.Sub(s.started).Round(time.Millisecond).String()
 		}(), since(serving))
