@@ -308,7 +308,7 @@ func (r *run) servingTasks() ([]func(context.Context), error) {
 		tasks = append(tasks, func(ctx context.Context) { r.source.run(ctx, interfaceAddrs) })
 	}
 	if o.restartSnapshot != "" {
-		sw := &snapshotWriter{path: o.restartSnapshot, node: r.node, src: w.proxier, clock: r.d.deps.clock, period: snapshotPeriod, stats: w.snapshot, log: r.log}
+		sw := &snapshotWriter{path: o.restartSnapshot, node: r.node, src: w.proxier, clock: r.d.deps.clock, period: snapshotPeriod, activityPeriod: snapshotActivityPeriod, stats: w.snapshot, log: r.log}
 		tasks = append(tasks, sw.Run)
 	}
 	servers, err := r.d.listenHTTP([]httpServer{{o.healthzBindAddress, w.healthz, true}, {o.metricsBindAddress, w.metrics, false},

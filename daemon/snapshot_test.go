@@ -32,7 +32,12 @@ type fakeSnapshots struct {
 	asked atomic.Bool // FirstSync was called: the writer is waiting on it
 	gen   atomic.Uint64
 	taken atomic.Int64
+	// active: ports became active that the last snapshot taken misses (NoteActivity's answer,
+	// once).
+	active atomic.Bool
 }
+
+func (f *fakeSnapshots) NoteActivity(time.Time) bool { return f.active.Swap(false) }
 
 func (f *fakeSnapshots) FirstSync() <-chan struct{} { f.asked.Store(true); return f.first }
 func (f *fakeSnapshots) SnapshotGeneration() uint64 { return f.gen.Load() }
@@ -102,6 +107,47 @@ func TestSnapshotWriter(t *testing.T) {
 	})
 }
 
+// TestSnapshotWriterRewritesForActivity: on a cluster where nothing changes the snapshot is still
+// rewritten when ports became active that it misses, at most once per activity period, so a
+// restart reopens the ports in use first.
+func TestSnapshotWriterRewritesForActivity(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "restart-snapshot")
+	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
+	src := &fakeSnapshots{first: make(chan struct{})}
+	close(src.first)
+	stats := newSnapshotStats()
+	w := &snapshotWriter{path: path, node: "node-a", src: src, clock: clk, period: time.Second, activityPeriod: 5 * time.Second, stats: stats, log: logrus.New()}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { w.Run(ctx) })
+	defer func() { cancel(); wg.Wait() }()
+	testenv.WaitFor(t, "the first write", func() bool { return stats.writes.Load() == 1 })
+	step := func() {
+		testenv.WaitFor(t, "the writer to wait", clk.HasWaiters)
+		clk.Step(time.Second)
+	}
+	// Activity within the activity period of the first write waits for its end.
+	src.active.Store(true)
+	for range 3 {
+		step()
+	}
+	testenv.WaitFor(t, "the writer to wait", clk.HasWaiters)
+	if n := stats.writes.Load(); n != 1 {
+		t.Fatalf("%d writes 3 s after the first; want 1 (activity waits for the period)", n)
+	}
+	step()
+	step()
+	testenv.WaitFor(t, "the write for activity", func() bool { return stats.writes.Load() == 2 })
+	// No more activity: no more writes.
+	for range 10 {
+		step()
+	}
+	testenv.WaitFor(t, "the writer to wait", clk.HasWaiters)
+	if n := stats.writes.Load(); n != 2 {
+		t.Errorf("%d writes without changes or activity; want 2", n)
+	}
+}
+
 func TestSnapshotWriterFailureLoggedOnce(t *testing.T) {
 	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
 	src := &fakeSnapshots{first: make(chan struct{})}
@@ -149,6 +195,9 @@ func TestRestoreSnapshot(t *testing.T) {
 		{"not_after_a_hand_over", good, "node-a", true, false, 0},
 		{"another_node_ignored", good, "node-b", false, false, 1},
 		{"corrupt_ignored", corrupt, "node-a", false, false, 1},
+		// Written by a build of format version 1 (before the ports' last activity): the start
+		// goes on without it.
+		{"older_version_ignored", filepath.Join("..", "proxier", "snapshot", "testdata", "version1.snap"), "node-a", false, false, 1},
 		{"none", filepath.Join(t.TempDir(), "none"), "node-a", false, false, 0},
 		{"off", "", "node-a", false, false, 0},
 	} {

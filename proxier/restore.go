@@ -36,11 +36,14 @@ type restoreState struct {
 	// pending are the snapshot's ports Restore accepted, applied by the reopen each just before
 	// its socket opens (applyRestored).
 	pending map[service.ServicePortName]*snapshot.Port
+	// activity is when each port last carried traffic (restoreactivity.go).
+	activity activity
 }
 
 // Restore gives the balancer entries of the sockets Run reopens (Reopen) the endpoints and
 // balancer settings of a snapshot, until the initial Services and EndpointSlices are in. Only
-// service ports that are reopened, with the same protocol, are restored. Call it after Reopen and
+// service ports that are reopened, with the same protocol, are restored. It orders the reopen by
+// the snapshot's activity: the ports used most recently first. Call it after Reopen and
 // before Run and the sources start. It returns how many service ports it restored.
 //
 // The entries are filled by Run's reopen, each just before its socket opens and on the reopen's
@@ -63,14 +66,22 @@ func (p *Proxier) Restore(st *snapshot.State) int {
 		p.eps.restore.pending = make(map[service.ServicePortName]*snapshot.Port)
 	}
 	n := 0
+	stamps := map[service.ServicePortName]int64{}
 	for i := range st.Ports {
 		sp := &st.Ports[i]
+		if !sp.LastActive.IsZero() {
+			stamps[sp.Name] = sp.LastActive.Unix()
+			p.eps.restore.activity.restored(sp.Name, sp.LastActive)
+		}
 		if proto, ok := seeded[sp.Name]; !ok || proto != sp.Protocol {
 			continue
 		}
 		p.eps.restore.pending[sp.Name] = sp
 		n++
 	}
+	// Whatever the seeds came from (the snapshot, the rules in force, the bind state), the
+	// reopen opens the ports the node's clients used last first.
+	byActivity(p.paths.restart.seeds, func(name service.ServicePortName) int64 { return stamps[name] })
 	return n
 }
 
@@ -212,7 +223,8 @@ func (p *Proxier) SnapshotPorts() iter.Seq[*snapshot.Port] {
 			}
 			sp = snapshot.Port{Name: port.Name, Protocol: port.Protocol, ProxyPort: proxyPort, ExternalProxyPort: extPort,
 				Affinity: port.Affinity, Balancing: port.Balancing, Split: sel.split,
-				Internal: snapshotEndpoints(sp.Internal[:0], sel.Internal), External: sp.External[:0]}
+				Internal: snapshotEndpoints(sp.Internal[:0], sel.Internal), External: sp.External[:0],
+				LastActive: p.eps.restore.activity.lastActive(port.Name)}
 			if sel.split {
 				sp.External = snapshotEndpoints(sp.External, sel.External)
 			}

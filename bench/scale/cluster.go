@@ -251,13 +251,14 @@ func runTarget(ctx context.Context, cp *framework.ControlPlane, ch *churner, t t
 		if err := waitSnapshotSince(ctx, filepath.Join(dir, "restart-snapshot"), start); err != nil {
 			return r, err
 		}
-		cmd, err = restartRuns(ctx, bed, vip, o.restarts, cmd, func() (*exec.Cmd, error) {
+		cmd, err = restartRuns(ctx, bed, vip, o.restarts, cmd, func() (*exec.Cmd, *logWatch, error) {
 			c, err := command()
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
-			c.Stdout, c.Stderr = logFile, logFile
-			return c, c.Start()
+			serving := newLogWatch(logFile, servingMessage)
+			c.Stdout, c.Stderr = logFile, serving
+			return c, serving, c.Start()
 		}, func(at time.Time) error {
 			if err := testbed.Eventually(ctx, 2*time.Minute, 250*time.Millisecond, func() error {
 				return t.rulesInForce(ctx, bed, o.services, o.services*o.endpoints)

@@ -134,7 +134,7 @@ func fileRound(ctx context.Context, bed *testbed.Bed, bin, dir string, nServices
 		env, bin = strings.Split(e, ","), b
 	}
 	start := time.Now()
-	cmd, err := startProxy(bin, bed, dir, env...)
+	cmd, _, err := startProxy(bin, bed, dir, env...)
 	if err != nil {
 		return r, err
 	}

@@ -55,6 +55,7 @@ func main() {
 	flag.BoolVar(&restartSnapshot, "restart-snapshot", false, "file mode: run the proxy with --restart-snapshot-file (a file in a temporary directory) and, before the SIGKILL, wait until the snapshot holds the probed service (a binary without the flag does not start)")
 	flag.IntVar(&restarts.runs, "restart-runs", 0, "file mode and -cluster: instead of the single SIGKILL restart, this many in a row (and as many planned ones with -planned), each reported, the next once the restarted proxy serves everything and has written its snapshot")
 	flag.BoolVar(&restarts.planned, "planned", false, "with -restart-runs: also planned restarts (both processes with --handover-socket; successor started, SIGTERM to the old one 15 s later; a client connecting every 5 ms, failing a connection whose greeting takes over 1 s)")
+	flag.StringVar(&pcapDir, "pcap", "", "with -restart-runs: capture each SIGKILL run's packets (tcpdump, ports 80 and 8080) in the client's and the node's namespaces into this directory")
 	flag.DurationVar(&restarts.hog, "hog", 0, "with -restart-runs: during each restart, one busy loop per CPU at normal priority, ending after this long at most (0: none)")
 	flag.StringVar(&profile.cpu, "cpuprofile", "", "write a CPU profile of the proxy's cold start (from /debug/pprof) to this file")
 	flag.StringVar(&profile.trace, "trace", "", "write an execution trace of the proxy's cold start (from /debug/pprof) to this file")
@@ -139,7 +140,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 
 	start := time.Now()
-	cmd, err := startProxy(proxy, bed, dir)
+	cmd, _, err := startProxy(proxy, bed, dir)
 	if err != nil {
 		return err
 	}
@@ -228,7 +229,7 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	probe := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 250, 1}), 80)
 	if restarts.runs > 0 {
-		cmd, err = restartRuns(ctx, bed, probe, restarts, cmd, func() (*exec.Cmd, error) { return startProxy(proxy, bed, dir) },
+		cmd, err = restartRuns(ctx, bed, probe, restarts, cmd, func() (*exec.Cmd, *logWatch, error) { return startProxy(proxy, bed, dir) },
 			func(t time.Time) error {
 				if err := waitRules(ctx, bed, nServices); err != nil {
 					return err
@@ -242,28 +243,30 @@ func run(proxy string, nServices, nEndpoints int, idle time.Duration, nChanges i
 	}
 	// A client connects in a loop through the first change's cluster IP (a real pod behind it)
 	// while the proxy is SIGKILLed and started again at once.
-	w, err := restartWindow(ctx, bed, func() (*exec.Cmd, error) {
+	w, err := restartWindow(ctx, bed, func(s *split) error {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
-		cmd, err = startProxy(proxy, bed, dir)
-		return cmd, err
+		s.reaped = time.Now()
+		cmd, s.serving, err = startProxy(proxy, bed, dir)
+		s.started = time.Now()
+		return err
 	}, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 96, 250, 1}), 80))
 	if err != nil {
 		return err
 	}
 	fmt.Printf("SIGKILL and immediate restart: %d of %d connections failed, failures spanning %v; first success %v after the kill; slowest successful connection %v\n",
 		w.failed, w.attempts, w.window.Round(time.Millisecond), w.recovered.Round(time.Millisecond), w.slowest.Round(time.Millisecond))
-	fmt.Printf("SIGKILL and immediate restart as a client sees it (one connection every %v): last answer before the kill -> first answer after it: %v\n",
-		probeEvery, w.gap.Round(time.Millisecond))
+	fmt.Printf("SIGKILL and immediate restart as a client sees it (one connection every %v): last answer before the kill -> first answer after it: %v\n%s",
+		probeEvery, w.gap.Round(time.Millisecond), w.split)
 	return nil
 }
 
 // startProxy starts the proxy binary in the node namespace on the services directory, with env
 // (KEY=VALUE) added to the environment.
-func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exec.Cmd, error) {
+func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exec.Cmd, *logWatch, error) {
 	profiling, err := profilingConfig()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	cmd := exec.Command("ip", "netns", "exec", bed.Node.Name, proxy, "--services-file", dir, "--config", profiling,
 		"--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249", "--log-level", logLevel,
@@ -275,11 +278,12 @@ func startProxy(proxy string, bed *testbed.Bed, dir string, env ...string) (*exe
 	if restarts.handoverSocket != "" {
 		cmd.Args = append(cmd.Args, "--handover-socket", restarts.handoverSocket)
 	}
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	serving := newLogWatch(os.Stderr, servingMessage)
+	cmd.Stdout, cmd.Stderr = os.Stderr, serving
 	if len(env) > 0 {
 		cmd.Env = append(os.Environ(), env...)
 	}
-	return cmd, cmd.Start()
+	return cmd, serving, cmd.Start()
 }
 
 type window struct {
@@ -288,6 +292,8 @@ type window struct {
 	// gap is what a user measures: from the last answer before the kill to the first answer
 	// after it (the greeting of the pod, read through the service).
 	gap time.Duration
+	// split is where the time after the kill went.
+	split split
 }
 
 // probeEvery is the restart probe's pace: a client connecting in a loop, one attempt every 10 ms.
@@ -297,9 +303,10 @@ const probeEvery = 10 * time.Millisecond
 // after it, each attempt bounded by 10 s (so a connection the new process holds until its
 // endpoints are in counts as slow, not failed), and reports the span of failed attempts, the
 // slowest successful one, how long after the kill the first attempt succeeded, and the gap between
-// the last answer before the kill and the first after it. It stops 1 s after traffic is back, at
-// most 2 minutes after the kill.
-func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.Cmd, error), addr netip.AddrPort) (window, error) {
+// the last answer before the kill and the first after it. It stops 1 s after traffic is back, and
+// not before the restarted proxy has settled (split.settled, set by restart, yields; its slow
+// attempts until then are in split.slow too), at most 2 minutes after the kill.
+func restartWindow(ctx context.Context, bed *testbed.Bed, restart func(*split) error, addr netip.AddrPort) (window, error) {
 	var w window
 	tick := time.NewTicker(probeEvery)
 	defer tick.Stop()
@@ -316,20 +323,32 @@ func restartWindow(ctx context.Context, bed *testbed.Bed, restart func() (*exec.
 		lastAnswer = time.Now()
 	}
 	killed := time.Now()
-	if _, err := restart(); err != nil {
+	w.split.killed = killed
+	if err := restart(&w.split); err != nil {
 		return w, err
 	}
 	var firstFail, lastFail time.Time
 	var back time.Time
-	for time.Since(killed) < 2*time.Minute && (back.IsZero() || time.Since(back) < time.Second) {
+	settled := w.split.settled == nil
+	for time.Since(killed) < 2*time.Minute && (back.IsZero() || time.Since(back) < time.Second || !settled) {
 		select {
 		case <-ctx.Done():
 			return w, ctx.Err()
+		case err := <-w.split.settled:
+			if err != nil {
+				return w, fmt.Errorf("the restarted proxy: %w", err)
+			}
+			settled, w.split.settled = true, nil
+			w.split.settledAt = time.Now()
+			continue
 		case <-tick.C:
 		}
 		t0 := time.Now()
 		_, err := testbed.Who(bed.Client, addr, 10*time.Second)
 		w.attempts++
+		if took := time.Since(t0); err != nil || took > slowAttempt {
+			w.split.slow = append(w.split.slow, attempt{start: t0, took: took, err: err})
+		}
 		if err != nil {
 			w.failed++
 			if firstFail.IsZero() {

@@ -37,6 +37,22 @@ const (
 	plannedAfter    = 15 * time.Second
 )
 
+// warmFor is how long the client uses the probed service before the first restart.
+const warmFor = 7 * time.Second
+
+// useFor has the client connect to addr every 50 ms for d.
+func useFor(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, d time.Duration) error {
+	for t0 := time.Now(); time.Since(t0) < d; {
+		if _, err := testbed.Who(bed.Client, addr, 2*time.Second); err != nil {
+			return err
+		}
+		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // startHog starts one busy loop per CPU, each ending by itself after d; stop ends them at once.
 func startHog(d time.Duration) (stop func(), err error) {
 	if d <= 0 {
@@ -74,7 +90,7 @@ type plannedResult struct {
 // plannedRestart starts a successor beside old, SIGTERMs old plannedAfter later, and has a client
 // connect to addr every plannedEvery from 0.5 s before the successor's start until 1 s after the
 // old process exited (at most 2 minutes). It returns the successor.
-func plannedRestart(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, old *exec.Cmd, start func() (*exec.Cmd, error)) (plannedResult, *exec.Cmd, error) {
+func plannedRestart(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, old *exec.Cmd, start func() (*exec.Cmd, *logWatch, error)) (plannedResult, *exec.Cmd, error) {
 	var r plannedResult
 	var t0 time.Time // the successor's start; set before the client can fail after it
 	stop := make(chan struct{})
@@ -116,7 +132,7 @@ func plannedRestart(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, 
 	mu.Lock()
 	t0 = time.Now()
 	mu.Unlock()
-	next, err := start()
+	next, _, err := start()
 	if err != nil {
 		finish()
 		return r, nil, err
@@ -168,10 +184,10 @@ func waitSnapshotSince(ctx context.Context, path string, t time.Time) error {
 
 // restartRuns runs o.runs SIGKILL restarts, then o.runs planned ones (-planned), each with the
 // hog on, printing each result; cur is the running proxy, start starts another with the same
-// flags, ready waits until a process started at t serves everything (and has written its
+// flags (and watches its log for the serving line), ready waits until a process started at t serves everything (and has written its
 // snapshot). It returns the proxy running at the end.
 func restartRuns(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, o restartOptions, cur *exec.Cmd,
-	start func() (*exec.Cmd, error), ready func(t time.Time) error) (*exec.Cmd, error) {
+	start func() (*exec.Cmd, *logWatch, error), ready func(t time.Time) error) (*exec.Cmd, error) {
 	hogged := func(f func() error) error {
 		stopHog, err := startHog(o.hog)
 		if err != nil {
@@ -181,27 +197,48 @@ func restartRuns(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, o r
 		return f()
 	}
 	fmt.Printf("restarts: load average %s; hog: %v\n", loadavg(), o.hog)
+	// A node's clients were using the service before the crash: the client uses it for a few
+	// seconds first, long enough for a proxy that records activity in its restart snapshot
+	// (every 5 s) to have it there, as on a node in use. Every build gets the same.
+	if err := useFor(ctx, bed, addr, warmFor); err != nil {
+		return cur, fmt.Errorf("before the restarts: %w", err)
+	}
 	for i := range o.runs {
 		var w window
 		var startedAt time.Time
-		err := hogged(func() (err error) {
-			w, err = restartWindow(ctx, bed, func() (*exec.Cmd, error) {
+		ev, err := startEvidence(ctx, bed, i+1)
+		if err != nil {
+			return cur, err
+		}
+		err = hogged(func() (err error) {
+			w, err = restartWindow(ctx, bed, func(s *split) error {
 				_ = cur.Process.Kill()
 				_ = cur.Wait()
-				startedAt = time.Now()
-				cur, err = start()
-				return cur, err
+				s.reaped = time.Now()
+				startedAt = s.reaped
+				var next *exec.Cmd
+				next, s.serving, err = start()
+				s.started = time.Now()
+				if next != nil {
+					cur = next
+				}
+				if err != nil {
+					return err
+				}
+				// The client goes on connecting through the restarted process's first sync.
+				settled := make(chan error, 1)
+				s.settled = settled
+				go func() { settled <- ready(startedAt) }()
+				return nil
 			}, addr)
 			return err
 		})
+		err = errors.Join(err, ev.finish(bed))
 		if err != nil {
 			return cur, fmt.Errorf("SIGKILL run %d: %w", i+1, err)
 		}
-		fmt.Printf("SIGKILL run %d (load %s): kill -> first answer %v; last answer before -> first after %v; %d of %d failed\n",
-			i+1, loadavg(), w.recovered.Round(time.Millisecond), w.gap.Round(time.Millisecond), w.failed, w.attempts)
-		if err := ready(startedAt); err != nil {
-			return cur, err
-		}
+		fmt.Printf("SIGKILL run %d (load %s): kill -> first answer %v; last answer before -> first after %v; %d of %d failed\n%s",
+			i+1, loadavg(), w.recovered.Round(time.Millisecond), w.gap.Round(time.Millisecond), w.failed, w.attempts, w.split)
 	}
 	if !o.planned {
 		return cur, nil
@@ -212,7 +249,7 @@ func restartRuns(ctx context.Context, bed *testbed.Bed, addr netip.AddrPort, o r
 		err := hogged(func() error {
 			var next *exec.Cmd
 			var err error
-			p, next, err = plannedRestart(ctx, bed, addr, cur, func() (*exec.Cmd, error) { startedAt = time.Now(); return start() })
+			p, next, err = plannedRestart(ctx, bed, addr, cur, func() (*exec.Cmd, *logWatch, error) { startedAt = time.Now(); return start() })
 			if next != nil {
 				cur = next
 			}

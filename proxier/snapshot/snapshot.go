@@ -24,8 +24,9 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// Version is the version of the file's format. A file of another version is ignored.
-const Version = 1
+// Version is the version of the file's format. A file of another version is ignored. Version 2
+// added each port's last activity (Port.LastActive).
+const Version = 2
 
 // magic starts every snapshot file.
 const magic = "KPPSNAP\n"
@@ -60,6 +61,10 @@ type Port struct {
 	// Split); External, when Split, those of its external traffic (a Local traffic policy).
 	Internal, External []Endpoint
 	Split              bool
+	// LastActive is when the port last carried traffic (a connection accepted, a UDP session
+	// created, or one still open), to the second; zero: none seen. A restart reopens the ports
+	// used most recently first: those are the ones whose clients are refused meanwhile.
+	LastActive time.Time
 }
 
 // Endpoint is one endpoint a class of traffic used, with its conditions.
@@ -151,10 +156,11 @@ func Read(path, node string) (*State, error) {
 // 0 byte (an empty namespace: no port has one). Each port: strings namespace, name, port name; a
 // protocol byte; uvarint proxy port and external proxy port; a flags byte (client-IP affinity,
 // split); uvarint affinity timeout; string algorithm; uvarint consecutive failures, ejection
-// time, max ejection percent, slow start; then the internal and the external endpoint lists:
-// uvarint count, then each endpoint: a byte 4 or 16, the address, big-endian uint16 port, a
-// conditions byte. Strings are a uvarint length and the bytes; durations are nanoseconds. The
-// end marker rather than a count up front lets the writer stream ports it has not counted.
+// time, max ejection percent, slow start; uvarint unix seconds of the last activity (0: none;
+// since version 2); then the internal and the external endpoint lists: uvarint count, then each
+// endpoint: a byte 4 or 16, the address, big-endian uint16 port, a conditions byte. Strings are a
+// uvarint length and the bytes; durations are nanoseconds. The end marker rather than a count up
+// front lets the writer stream ports it has not counted.
 
 var crcTable = crc32.MakeTable(crc32.Castagnoli)
 
@@ -209,6 +215,11 @@ func appendPort(b []byte, p *Port) []byte {
 	b = binary.AppendUvarint(b, uint64(max(o.EjectionTime, 0)))
 	b = binary.AppendUvarint(b, uint64(max(o.MaxEjectionPercent, 0)))
 	b = binary.AppendUvarint(b, uint64(max(p.Balancing.SlowStart, 0)))
+	var active int64
+	if !p.LastActive.IsZero() {
+		active = max(p.LastActive.Unix(), 0)
+	}
+	b = binary.AppendUvarint(b, uint64(active))
 	b = appendEndpoints(b, p.Internal)
 	return appendEndpoints(b, p.External)
 }
@@ -425,6 +436,9 @@ func (d *decoder) port() Port {
 	p.Balancing.Outlier.EjectionTime = time.Duration(d.bounded("ejection time", maxDuration))
 	p.Balancing.Outlier.MaxEjectionPercent = int(d.bounded("max ejection percent", 100))
 	p.Balancing.SlowStart = time.Duration(d.bounded("slow start", maxDuration))
+	if active := d.bounded("last activity", 1<<40); active != 0 {
+		p.LastActive = time.Unix(int64(active), 0)
+	}
 	p.Internal = d.endpoints()
 	p.External = d.endpoints()
 	if d.err == nil && (p.Name.Namespace == "" || p.Name.Name == "") {

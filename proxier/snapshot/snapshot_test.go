@@ -34,7 +34,8 @@ func testState() *State {
 					{Addr: netip.MustParseAddrPort("10.244.1.2:8080"), Ready: true, Serving: true},
 					{Addr: netip.MustParseAddrPort("[fd00:244::3]:8080"), Serving: true, Terminating: true},
 				},
-				External: []Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.2:8080"), Ready: true, Serving: true}},
+				External:   []Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.2:8080"), Ready: true, Serving: true}},
+				LastActive: time.Unix(1699999990, 0),
 			},
 			{Name: service.ServicePortName{Namespace: "kube-system", Name: "dns"}, Protocol: service.UDP, ProxyPort: 33003,
 				Internal: []Endpoint{{Addr: netip.MustParseAddrPort("10.244.2.9:53"), Ready: true, Serving: true}}},
@@ -54,6 +55,16 @@ func TestRoundTrip(t *testing.T) {
 	}
 }
 
+// version1 is a file of format version 1 as a build before the last activity wrote it (from
+// testdata/version1.snap), with a valid checksum.
+func version1() []byte {
+	b, err := os.ReadFile(filepath.Join("testdata", "version1.snap"))
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
 func TestDecodeRejects(t *testing.T) {
 	good := Encode(testState())
 	flip := func(i int) []byte {
@@ -61,10 +72,10 @@ func TestDecodeRejects(t *testing.T) {
 		b[i] ^= 0x40
 		return b
 	}
-	// Version 2 of the same content, with a checksum that matches.
-	encodedV2 := append([]byte(magic), 2)
-	encodedV2 = append(encodedV2, good[len(magic)+1:len(good)-4]...)
-	encodedV2 = binary.BigEndian.AppendUint32(encodedV2, crc32.Checksum(encodedV2, crcTable))
+	// Version 3 of the same content, with a checksum that matches.
+	encodedV3 := append([]byte(magic), 3)
+	encodedV3 = append(encodedV3, good[len(magic)+1:len(good)-4]...)
+	encodedV3 = binary.BigEndian.AppendUint32(encodedV3, crc32.Checksum(encodedV3, crcTable))
 	for _, tc := range []struct {
 		name string
 		data []byte
@@ -76,7 +87,8 @@ func TestDecodeRejects(t *testing.T) {
 		{"one byte short", good[:len(good)-1], ErrCorrupt},
 		{"a bit flipped in the body", flip(len(good) / 2), ErrCorrupt},
 		{"a bit flipped in the checksum", flip(len(good) - 1), ErrCorrupt},
-		{"another version", encodedV2, ErrVersion},
+		{"another version", encodedV3, ErrVersion},
+		{"version 1 (no last activity)", version1(), ErrVersion},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			st, err := Decode(tc.data)
