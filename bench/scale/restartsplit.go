@@ -201,10 +201,11 @@ func (c tcpCounters) delta(before tcpCounters) string {
 var pcapDir string
 
 // capture runs tcpdump in ns (port 80 and 8080: the client's connections to the service and the
-// proxy's to the pods) into file until stop.
+// proxy's to the pods; ICMP and ARP: a SYN forwarded untranslated ends in a failed neighbour
+// lookup and a host-unreachable) into file until stop.
 func capture(ctx context.Context, ns *netns.NS, file string) (stop func() error, err error) {
 	cmd := exec.CommandContext(ctx, "ip", "netns", "exec", ns.Name, "tcpdump", "-i", "any", "-n", "-U", "-s", "128",
-		"-w", file, "tcp port 80 or tcp port 8080")
+		"-w", file, "tcp port 80 or tcp port 8080 or icmp or arp")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		return nil, err
@@ -268,13 +269,14 @@ func startEvidence(ctx context.Context, bed *testbed.Bed, i int) (*restartEviden
 		}
 		e.stops = append(e.stops, stop)
 	}
-	// The node's conntrack entries as they are made (a new entry's reply tuple tells whether the
-	// portal rule translated it) and every change to its ruleset, each line stamped when read.
+	// The node's TCP conntrack entries as they are made, all of them (a new entry's reply tuple
+	// tells whether the portal rule translated it; an entry made by another flow can take a
+	// client's SYN as its reply), and every change to its ruleset, each line stamped when read.
 	for _, rec := range []struct {
 		name string
 		args []string
 	}{
-		{"conntrack", []string{"conntrack", "-E", "-e", "NEW,DESTROY", "-p", "tcp", "--orig-src", testbed.ClientIP.String()}},
+		{"conntrack", []string{"conntrack", "-E", "-e", "NEW,DESTROY", "-p", "tcp"}},
 		{"nft-monitor", []string{"nft", "monitor"}},
 	} {
 		stop, err := recordLines(ctx, bed.Node, filepath.Join(pcapDir, fmt.Sprintf("run%d-%s.txt", i, rec.name)), rec.args...)
