@@ -46,8 +46,8 @@ type dataPaths struct {
 	// kernel paths left), ended after the next portal sync that works (retirePaths).
 	retiring []portPath
 	// steered: what each UDP port's rules steered at the last sync that worked, and steerGen
-	// that sync's number (clearUntranslatedUDP).
-	steered  map[service.ServicePortName]*steeredUDP
+	// that sync's number (clearUntranslated).
+	steered  map[service.ServicePortName]*steered
 	steerGen uint64
 	// failed: ports whose socket failed to open, retried at every sync; extFailed: ports whose
 	// external-traffic socket failed to open (logged once).

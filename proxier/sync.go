@@ -102,7 +102,7 @@ func (d *dataPaths) reconcile(changes map[service.NamespacedName]*serviceChange)
 // entries) and saves the bind-mode listen state when sockets changed (or changed is true).
 func (d *dataPaths) synced(specs []portal.Spec, changed bool) {
 	d.retirePaths(specs)
-	d.clearUntranslatedUDP(specs)
+	d.clearUntranslated(specs)
 	if changed || len(d.unsynced) > 0 || d.listenChanged {
 		d.saveListenState()
 	}

@@ -11,12 +11,20 @@ package proxier
 // REJECT does not create such entries (it drops the datagram before conntrack confirms it),
 // so it is the window before a port's first rules that does.
 //
+// TCP has the same window. A client's SYN to a cluster IP before its first rules is routed on
+// untranslated (on a node with a route for the service range) and its entry waits in SYN_SENT
+// for 120 s; a later connection from the same source port (a client's ephemeral ports come round
+// in a few minutes at 100 connections a second) is taken for that flow, is neither translated
+// nor answered, and fails with "no route to host" when the node's neighbour lookup of the
+// cluster IP gives up. bench/scale's restarts found it: a cold start's probes before the first
+// sync left such entries, and clients failed minutes later.
+//
 // kube-proxy deletes a UDP service's entries when its endpoints go from none to some. Here the
-// proxier deletes, after a sync that made a UDP port steer a class of its traffic (cluster or
-// external) that it did not steer before, the untranslated entries to that port's destinations:
-// only the ones that cannot be right (a translated entry belongs to a live flow through the
-// proxy socket or, on the kernel path, to an endpoint), all ports of one sync in one walk of
-// the table per family.
+// proxier deletes, after a sync that made a TCP or UDP port steer a class of its traffic
+// (cluster or external) that it did not steer before, the untranslated entries to that port's
+// destinations: only the ones that cannot be right (a translated entry belongs to a live flow
+// through the proxy socket or, on the kernel path, to an endpoint), all ports of one sync in
+// one walk of the table per family.
 
 import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/portal"
@@ -24,8 +32,8 @@ import (
 	"github.com/kube-portal-proxy/kube-portal-proxy/service"
 )
 
-// steerBits says which classes of a UDP port's traffic its applied rules steer to a socket or
-// an endpoint.
+// steerBits says which classes of a port's traffic its applied rules steer to a socket or an
+// endpoint.
 type steerBits uint8
 
 const (
@@ -33,9 +41,9 @@ const (
 	steersExternal
 )
 
-// steeredUDP is what a UDP port's rules steered as of the last sync that worked; gen is the
-// sync that last saw the port, so ports gone since can be dropped.
-type steeredUDP struct {
+// steered is what a port's rules steered as of the last sync that worked; gen is the sync that
+// last saw the port, so ports gone since can be dropped.
+type steered struct {
 	bits steerBits
 	gen  uint64
 }
@@ -58,16 +66,16 @@ func steersOf(s *portal.Spec) steerBits {
 	return b
 }
 
-// clearUntranslatedUDP is called after a sync that worked, with its specs: it deletes the
-// untranslated conntrack entries of the UDP ports that steer a class of traffic they did not
-// steer at the last sync (new ports included), in one ClearUntranslated. Per sync it costs a map
-// lookup per UDP port, and a walk of the conntrack table only when some port began to steer.
-func (d *dataPaths) clearUntranslatedUDP(specs []portal.Spec) {
+// clearUntranslated is called after a sync that worked, with its specs: it deletes the
+// untranslated conntrack entries of the TCP and UDP ports that steer a class of traffic they did
+// not steer at the last sync (new ports included), in one ClearUntranslated. Per sync it costs a
+// map lookup per port, and a walk of the conntrack table only when some port began to steer.
+func (d *dataPaths) clearUntranslated(specs []portal.Spec) {
 	if d.deps.Conntrack == nil {
 		return // bind mode: no NAT, every entry is untranslated and right
 	}
 	if d.steered == nil {
-		d.steered = make(map[service.ServicePortName]*steeredUDP)
+		d.steered = make(map[service.ServicePortName]*steered)
 	}
 	d.steerGen++
 	gen := d.steerGen
@@ -75,14 +83,14 @@ func (d *dataPaths) clearUntranslatedUDP(specs []portal.Spec) {
 	seen := 0
 	for i := range specs {
 		s := &specs[i]
-		if s.Protocol != service.UDP {
-			continue
+		if s.Protocol != service.UDP && s.Protocol != service.TCP {
+			continue // SCTP: no portal
 		}
 		seen++
 		bits := steersOf(s)
 		st := d.steered[s.Name] // one map lookup per port
 		if st == nil {
-			st = &steeredUDP{}
+			st = &steered{}
 			d.steered[s.Name] = st
 		}
 		if bits&^st.bits != 0 {
@@ -101,6 +109,6 @@ func (d *dataPaths) clearUntranslatedUDP(specs []portal.Spec) {
 		return
 	}
 	if err := d.deps.Conntrack.ClearUntranslated(d.runCtx, flows); err != nil {
-		d.log.WithField("count", len(flows)).WithError(err).Warn("Clearing the untranslated UDP conntrack entries of service ports that began to steer traffic")
+		d.log.WithField("count", len(flows)).WithError(err).Warn("Clearing the untranslated conntrack entries of service ports that began to steer traffic")
 	}
 }

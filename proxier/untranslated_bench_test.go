@@ -9,7 +9,7 @@ import (
 )
 
 // BenchmarkSync10000UDPPorts measures the sync of 10,000 UDP node-port service ports (fake sockets,
-// portals and conntrack), where clearUntranslatedUDP does its per-port bookkeeping: a sync with
+// portals and conntrack), where clearUntranslated does its per-port bookkeeping: a sync with
 // nothing changed, and one where ns/u42 loses and regains its only endpoint in turn (every other
 // sync begins to steer it again and clears its untranslated entries).
 //
@@ -57,7 +57,7 @@ func BenchmarkSync10000UDPPorts(b *testing.B) {
 	})
 }
 
-// BenchmarkClearUntranslatedUDPBookkeeping isolates what clearUntranslatedUDP adds to a sync of
+// BenchmarkClearUntranslatedUDPBookkeeping isolates what clearUntranslated adds to a sync of
 // 10,000 UDP ports when none begins to steer (the common sync): a map lookup and store per port.
 //
 //	go test -run XXX -bench BenchmarkClearUntranslatedUDPBookkeeping ./proxier/
@@ -71,6 +71,6 @@ func BenchmarkClearUntranslatedUDPBookkeeping(b *testing.B) {
 	specs := e.p.paths.specs()
 	b.ReportAllocs()
 	for b.Loop() {
-		e.p.paths.clearUntranslatedUDP(specs)
+		e.p.paths.clearUntranslated(specs)
 	}
 }

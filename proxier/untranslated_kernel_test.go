@@ -10,6 +10,8 @@ package proxier
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"strings"
@@ -183,4 +185,94 @@ func (pr *udpProber) waitAnswered(d time.Duration) bool {
 func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// TestKernelClusterIPTCPClientFromBeforeTheRules: a client's SYN to a cluster IP that comes
+// before the port's first rules is routed on untranslated (the node has a route for the service
+// range, here on-link towards the client, whose neighbour lookup of the cluster IP fails) and its
+// conntrack entry waits in SYN_SENT for 120 s. The service then gets its rules; a new connection
+// from the same source port must connect, not join the old flow's untranslated entry (bench/scale
+// saw "no route to host" minutes after a cold start whose probes came before the first sync).
+//
+// Address plan as above; the client dials cluster IP 10.96.0.80:80 from 10.100.0.2:40080; the
+// endpoint is a TCP listener on 127.0.0.1 in the test process's namespace, where the proxy's
+// dials run.
+func TestKernelClusterIPTCPClientFromBeforeTheRules(t *testing.T) {
+	client, node := netns.NewTestPair(t)
+	client.MustExec(t, "ip", "route", "add", "10.96.0.0/16", "via", "10.100.0.1")
+	node.MustExec(t, "ip", "route", "add", "10.96.0.0/16", "dev", "n0")
+	node.MustExec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_, _ = c.Write([]byte("hi\n"))
+			c.Close()
+		}
+	}()
+	ep := netip.MustParseAddrPort(ln.Addr().String())
+
+	cfg := iptables.Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")}, ProtectProxyPorts: true}
+	rules := iptables.New(cfg, &iptables.ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do})
+	p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: rules,
+		Conntrack: &conntrack.Netlink{Do: node.Do}, Sockets: RealSockets(SocketConfig{})})
+	ctx, cancel := context.WithCancel(t.Context())
+	p.paths.runCtx = ctx
+	t.Cleanup(func() { cancel(); p.shutdown(); _ = rules.Cleanup(context.Background()) })
+	sync := func() {
+		t.Helper()
+		if err := node.Do(func() error { return p.sync(ctx) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.OnServicesSynced()
+	p.OnEndpointSlicesSynced()
+	sync()
+
+	from := &net.TCPAddr{IP: net.IPv4(10, 100, 0, 2), Port: 40080}
+	dial := func(timeout time.Duration) error {
+		return client.Do(func() error {
+			d := net.Dialer{LocalAddr: from, Timeout: timeout}
+			c, err := d.Dial("tcp4", "10.96.0.80:80")
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			_ = c.SetReadDeadline(time.Now().Add(timeout))
+			buf := make([]byte, 3)
+			if _, err := io.ReadFull(c, buf); err != nil {
+				return fmt.Errorf("read greeting: %w", err)
+			}
+			return nil
+		})
+	}
+	// Before the rules: the SYN is routed on, and the dial fails (its timeout, or the neighbour
+	// lookup's host unreachable).
+	if err := dial(500 * time.Millisecond); err == nil {
+		t.Fatal("a dial to the cluster IP connected before the service had rules")
+	}
+	untranslated := func() string {
+		out := node.MustExec(t, "sh", "-c", "conntrack -L -p tcp --sport 40080 2>/dev/null")
+		if strings.Contains(out, "src=10.96.0.80 dst=10.100.0.2 sport=80 dport=40080") {
+			return strings.TrimSpace(out)
+		}
+		return ""
+	}
+	testenv.WaitFor(t, "the untranslated entry of the early SYN", func() bool { return untranslated() != "" })
+
+	web := makeService("default", "web", "10.96.0.80", nil, tcpPort("http", 80))
+	p.OnServiceAdd(web)
+	p.OnEndpointSliceAdd(makeSlice("default", "web", "web-a", discovery.AddressTypeIPv4,
+		[]discovery.EndpointPort{slicePortOf("http", v1.ProtocolTCP, int32(ep.Port()))}, sliceEP{addr: ep.Addr().String()}))
+	sync()
+	if err := dial(2 * time.Second); err != nil {
+		t.Fatalf("a new connection from the same source port after the service's sync: %v; its entry: %q", err, untranslated())
+	}
 }

@@ -13,7 +13,7 @@ import (
 // TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer: the untranslated conntrack entries of a
 // UDP port (made while no rule steered its traffic) are cleared after the sync that made it steer
 // a class of traffic it did not steer before, and at no other sync.
-func TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer(t *testing.T) {
+func TestSyncClearsUntranslatedWhenAPortBeginsToSteer(t *testing.T) {
 	e := newFakeEnv(t, nil)
 	e.synced()
 	dns := makeService("kube-system", "dns", "10.96.0.53", func(s *v1.Service) {
@@ -24,23 +24,24 @@ func TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer(t *testing.T) {
 		return udpSlice("kube-system", "dns", "dns-a", 5353, addrs...)
 	}
 	const cleared = "10.96.0.53:53 nodeport 30053"
+	const web = "10.96.0.10:80" // a TCP port clears too: an early SYN pins its source port as a datagram does
 	steps := []struct {
 		name string
 		do   func()
 		want string // the ClearUntranslated calls so far, one a line
 	}{
 		{"new_port_without_endpoints_refuses_clears_nothing", func() { e.p.OnServiceAdd(dns) }, ""},
-		{"a_TCP_port_never_clears", func() {
+		{"a_TCP_port_with_endpoints_clears", func() {
 			e.p.OnServiceAdd(webService(nil))
 			e.p.OnEndpointSliceAdd(webSlice("web-a", 8080, "10.244.1.9"))
-		}, ""},
-		{"endpoints_appear_clears", func() { e.p.OnEndpointSliceAdd(slice("10.244.1.5")) }, cleared},
-		{"more_endpoints_clear_nothing", func() { e.p.OnEndpointSliceUpdate(slice("10.244.1.5"), slice("10.244.1.5", "10.244.1.6")) }, cleared},
-		{"a_sync_with_no_change_clears_nothing", func() {}, cleared},
-		{"endpoints_gone_refuses_clears_nothing", func() { e.p.OnEndpointSliceUpdate(slice("10.244.1.5", "10.244.1.6"), slice()) }, cleared},
-		{"endpoints_back_clears_again", func() { e.p.OnEndpointSliceUpdate(slice(), slice("10.244.1.6")) }, cleared + "\n" + cleared},
-		{"port_removed", func() { e.p.OnServiceDelete(dns) }, cleared + "\n" + cleared},
-		{"port_back_with_its_endpoints_clears", func() { e.p.OnServiceAdd(dns) }, cleared + "\n" + cleared + "\n" + cleared},
+		}, web},
+		{"endpoints_appear_clears", func() { e.p.OnEndpointSliceAdd(slice("10.244.1.5")) }, web + "\n" + cleared},
+		{"more_endpoints_clear_nothing", func() { e.p.OnEndpointSliceUpdate(slice("10.244.1.5"), slice("10.244.1.5", "10.244.1.6")) }, web + "\n" + cleared},
+		{"a_sync_with_no_change_clears_nothing", func() {}, web + "\n" + cleared},
+		{"endpoints_gone_refuses_clears_nothing", func() { e.p.OnEndpointSliceUpdate(slice("10.244.1.5", "10.244.1.6"), slice()) }, web + "\n" + cleared},
+		{"endpoints_back_clears_again", func() { e.p.OnEndpointSliceUpdate(slice(), slice("10.244.1.6")) }, web + "\n" + cleared + "\n" + cleared},
+		{"port_removed", func() { e.p.OnServiceDelete(dns) }, web + "\n" + cleared + "\n" + cleared},
+		{"port_back_with_its_endpoints_clears", func() { e.p.OnServiceAdd(dns) }, web + "\n" + cleared + "\n" + cleared + "\n" + cleared},
 	}
 	for _, s := range steps {
 		s.do()
@@ -49,8 +50,8 @@ func TestSyncClearsUntranslatedUDPWhenAPortBeginsToSteer(t *testing.T) {
 			t.Fatalf("%s: ClearUntranslated calls (-want +got):\n-%q\n+%q", s.name, s.want, got)
 		}
 	}
-	if _, tcp := e.p.paths.steered[webHTTP]; tcp || len(e.p.paths.steered) != 1 {
-		t.Errorf("tracked UDP ports = %v, want only kube-system/dns:dns", e.p.paths.steered)
+	if _, tcp := e.p.paths.steered[webHTTP]; !tcp || len(e.p.paths.steered) != 2 {
+		t.Errorf("tracked ports = %v, want kube-system/dns:dns and %v", e.p.paths.steered, webHTTP)
 	}
 }
 

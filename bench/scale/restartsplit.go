@@ -278,6 +278,10 @@ func startEvidence(ctx context.Context, bed *testbed.Bed, i int) (*restartEviden
 	}{
 		{"conntrack", []string{"conntrack", "-E", "-e", "NEW,DESTROY", "-p", "tcp"}},
 		{"nft-monitor", []string{"nft", "monitor"}},
+		// The entries of the services' port every half second but the closed ones: a client's
+		// SYN on a port whose old entry is still open is INVALID to conntrack, so it is
+		// neither translated nor recorded as a new entry.
+		{"conntrack-open", []string{"sh", "-c", "while :; do conntrack -L -p tcp --dport 80 2>/dev/null | grep -v -e TIME_WAIT -e ' CLOSE '; echo ---; sleep 0.5; done"}},
 	} {
 		stop, err := recordLines(ctx, bed.Node, filepath.Join(pcapDir, fmt.Sprintf("run%d-%s.txt", i, rec.name)), rec.args...)
 		if err != nil {
