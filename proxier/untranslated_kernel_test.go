@@ -70,17 +70,7 @@ func TestKernelNodePortUDPClientFromBeforeTheRules(t *testing.T) {
 				t.Cleanup(func() { _ = node.Do(func() error { return held.Cleanup(context.Background()) }) })
 				portals = held
 			}
-			p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: portals,
-				Conntrack: &conntrack.Netlink{Do: node.Do}, Sockets: RealSockets(SocketConfig{})})
-			ctx, cancel := context.WithCancel(t.Context())
-			p.paths.runCtx = ctx
-			t.Cleanup(func() { cancel(); p.shutdown(); _ = rules.Cleanup(context.Background()) })
-			sync := func() {
-				t.Helper()
-				if err := node.Do(func() error { return p.sync(ctx) }); err != nil {
-					t.Fatal(err)
-				}
-			}
+			p, sync := kernelProxier(t, node, rules, portals)
 			dns := makeService("kube-system", "dns", "10.96.0.53", func(s *v1.Service) {
 				s.Spec.Type = v1.ServiceTypeNodePort
 				s.Spec.Ports[0].NodePort = 30053
@@ -116,6 +106,22 @@ func TestKernelNodePortUDPClientFromBeforeTheRules(t *testing.T) {
 			}
 			t.Logf("answered %v after the endpoint's sync", time.Since(start).Round(time.Millisecond))
 		})
+	}
+}
+
+// kernelProxier is a proxier on real sockets, iptables (rules, behind portals) and conntrack in
+// node, and its sync, run in node; its rules are removed at the end of the test.
+func kernelProxier(t *testing.T, node *netns.NS, rules *iptables.Portals, portals portal.Portals) (*Proxier, func()) {
+	p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: portals,
+		Conntrack: &conntrack.Netlink{Do: node.Do}, Sockets: RealSockets(SocketConfig{})})
+	ctx, cancel := context.WithCancel(t.Context())
+	p.paths.runCtx = ctx
+	t.Cleanup(func() { cancel(); p.shutdown(); _ = rules.Cleanup(context.Background()) })
+	return p, func() {
+		t.Helper()
+		if err := node.Do(func() error { return p.sync(ctx) }); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
@@ -221,17 +227,7 @@ func TestKernelClusterIPTCPClientFromBeforeTheRules(t *testing.T) {
 
 	cfg := iptables.Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")}, ProtectProxyPorts: true}
 	rules := iptables.New(cfg, &iptables.ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do})
-	p := New(Config{MinSyncPeriod: time.Second, SyncPeriod: time.Minute}, Deps{Balancer: loadbalancer.New(clock.RealClock{}), Portals: rules,
-		Conntrack: &conntrack.Netlink{Do: node.Do}, Sockets: RealSockets(SocketConfig{})})
-	ctx, cancel := context.WithCancel(t.Context())
-	p.paths.runCtx = ctx
-	t.Cleanup(func() { cancel(); p.shutdown(); _ = rules.Cleanup(context.Background()) })
-	sync := func() {
-		t.Helper()
-		if err := node.Do(func() error { return p.sync(ctx) }); err != nil {
-			t.Fatal(err)
-		}
-	}
+	p, sync := kernelProxier(t, node, rules, rules)
 	p.OnServicesSynced()
 	p.OnEndpointSlicesSynced()
 	sync()
