@@ -212,18 +212,8 @@ func TestKernelClusterIPTCPClientFromBeforeTheRules(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_, _ = c.Write([]byte("hi\n"))
-			c.Close()
-		}
-	}()
-	ep := netip.MustParseAddrPort(ln.Addr().String())
+	testenv.ServeTCP(t, ln, func(c net.Conn) { _, _ = c.Write([]byte("hi\n")) })
+	ep := ln.Addr().(*net.TCPAddr).AddrPort()
 
 	cfg := iptables.Config{HostIPs: map[portal.Family]netip.Addr{portal.IPv4: netip.MustParseAddr("10.100.0.1")}, ProtectProxyPorts: true}
 	rules := iptables.New(cfg, &iptables.ExecRunner{Prefix: node.CommandPrefix(), Do: node.Do})
